@@ -1,0 +1,88 @@
+"""The tree forward pass, shared by the decoder (which runs it) and the profiler (which times it).
+
+One decoding step feeds n new tokens after a KV cache of C tokens. Tree token i sees the whole
+cache and its own ancestors within the tree (and itself); this is expressed as a 4D additive
+mask [B, 1, n, C + n] plus explicit position ids, which stock transformers accepts without any
+change to model code.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def ancestor_matrix(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """[n, n] bool, True where column j is row i itself or one of its ancestors.
+
+    parents[i] is the index of token i's parent within the tree, -1 for a token hanging
+    directly off the cache; tokens are in topological order (parent index < own index).
+    Built once per tree shape, so the loop over nodes is off the hot path.
+    """
+    parents = [int(p) for p in (parents.tolist() if isinstance(parents, torch.Tensor) else parents)]
+    n = len(parents)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"parents[{i}] = {p}: tree tokens must follow their parent")
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each tree token below the cache: a token with parent -1 has depth 0."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def tree_attention_mask(
+    ancestors: torch.Tensor, prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Additive 4D mask [1, 1, n, prefix_len + n]: 0 where visible, the dtype's minimum elsewhere."""
+    n = ancestors.shape[0]
+    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors.cpu()], dim=1)
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor):
+    """Run the prompt [B, T] through the model; returns (logits [B, T, V], cache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return out.logits, out.past_key_values
+
+
+@torch.inference_mode()
+def tree_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+    """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V].
+
+    The cache grows by n entries; the caller keeps the accepted ones (decoder) or crops back
+    to the prefix (profiler) with `crop_cache`.
+    """
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits
+
+
+def cache_length(cache) -> int:
+    return cache.get_seq_length()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop cache entries past `length` in every layer."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)  # a negative count removes that many tokens in every transformers version

@@ -1,0 +1,57 @@
+"""`planner` command line: a thin layer over the library API.
+
+Each subcommand lives in the package that owns the work and exposes
+`add_arguments(parser)` and `run(args) -> int`. Those modules must import only light
+dependencies at top level (no torch, optuna, matplotlib): `planner plan` has to start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from planner.errors import UserError
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "plan": ("planner.cmd_plan", "plan trees (medusa, sequoia, ppd) from acceptance statistics"),
+    "profile": ("profiler.cli", "measure forward latency versus input length on this machine"),
+    "accept": ("decoder.cli_accept", "measure a guesser's acceptance statistics on validation prompts"),
+    "decode": ("decoder.cli_decode", "decode prompts with a planned tree"),
+    "train-prompts": ("decoder.cli_train", "train PPD prompt tokens by distillation from the base model"),
+    "autotune": ("planner.cmd_autotune", "the main job: profile, measure, plan, verify by decoding, report"),
+    "tune": ("planner.cmd_tune", "Optuna search over planner and decoder knobs"),
+    "report": ("planner.cmd_report", "plots and tables from profiles, acceptance, trees and runs"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue  # subcommand not built yet in this checkout
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as e:
+        print(f"planner {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"planner {args.command}: interrupted", file=sys.stderr)
+        return 130

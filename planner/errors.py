@@ -1,0 +1,10 @@
+"""User-facing errors: one line, non-zero exit, no traceback (see planner.cli.main)."""
+
+
+class UserError(Exception):
+    """Bad input from the user: a file, a field or an option. Printed as one line by the CLI."""
+
+
+def where(path, field: str | None = None) -> str:
+    """'FILE' or 'FILE: field' prefix for error messages."""
+    return f"{path}: {field}" if field else f"{path}"

@@ -1,0 +1,82 @@
+"""Latency profiles as the planner reads them: L(n), forward latency at n new tokens.
+
+The profiler writes a richer file (see profiler/ and the README); the planner needs only
+  {"input_lengths": [...], "latency_s": [...]}
+and, when present, the fitted model {"fit": {"kind": "piecewise_linear",
+"input_lengths": [...], "latency_s": [...]}} which it prefers over the raw medians.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from planner.errors import UserError
+from planner.jsonio import read_json
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    input_lengths: np.ndarray  # [M] int, strictly increasing
+    latency_s: np.ndarray  # [M] float, seconds per forward pass
+    source: dict = field(default_factory=dict)
+
+    @property
+    def max_input_length(self) -> int:
+        return int(self.input_lengths[-1])
+
+    def latency(self, n) -> np.ndarray | float:
+        """Piecewise-linear interpolation; refuses lengths outside the measured range."""
+        n_arr = np.asarray(n, dtype=np.float64)
+        lo, hi = self.input_lengths[0], self.input_lengths[-1]
+        if np.any(n_arr < lo) or np.any(n_arr > hi):
+            bad = n_arr[(n_arr < lo) | (n_arr > hi)].ravel()[0]
+            raise UserError(
+                f"{self.source.get('file', 'profile')}: input length {int(bad)} outside the profiled range {lo}..{hi}"
+            )
+        out = np.interp(n_arr, self.input_lengths, self.latency_s)
+        return float(out) if np.ndim(out) == 0 else out
+
+
+def _numbers(obj, label: str, field_name: str, integer: bool = False) -> np.ndarray:
+    if not isinstance(obj, list) or not obj:
+        raise UserError(f"{label}: field '{field_name}' must be a non-empty list of numbers")
+    for i, x in enumerate(obj):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise UserError(f"{label}: field '{field_name}[{i}]' must be a number, got {x!r}")
+        if integer and (x != int(x) or x < 1):
+            raise UserError(f"{label}: field '{field_name}[{i}]' must be a positive integer, got {x!r}")
+        if not integer and x <= 0:
+            raise UserError(f"{label}: field '{field_name}[{i}]' must be positive, got {x!r}")
+    return np.asarray(obj, dtype=np.int64 if integer else np.float64)
+
+
+def profile_from_json(data, label: str = "profile", source: dict | None = None) -> LatencyProfile:
+    if not isinstance(data, dict):
+        raise UserError(f"{label}: expected a JSON object with 'input_lengths' and 'latency_s'")
+    body = data.get("fit") if isinstance(data.get("fit"), dict) else data
+    prefix = "fit." if body is not data else ""
+    for key in ("input_lengths", "latency_s"):
+        if key not in body:
+            raise UserError(f"{label}: missing field '{prefix}{key}'")
+    n = _numbers(body["input_lengths"], label, prefix + "input_lengths", integer=True)
+    lat = _numbers(body["latency_s"], label, prefix + "latency_s")
+    if len(n) != len(lat):
+        raise UserError(f"{label}: '{prefix}input_lengths' and '{prefix}latency_s' differ in length")
+    if np.any(np.diff(n) <= 0):
+        raise UserError(f"{label}: field '{prefix}input_lengths' must be strictly increasing")
+    src = dict(source or {})
+    src.setdefault("file", label)
+    for k in ("device", "model", "dtype", "context_length", "batch_size"):
+        if k in data:
+            src[k] = data[k]
+    return LatencyProfile(n, lat, src)
+
+
+def load_profile(path: str) -> LatencyProfile:
+    data = read_json(path)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return profile_from_json(data, label=str(path), source={"file": str(path), "sha256": digest})

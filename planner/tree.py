@@ -1,0 +1,238 @@
+"""Tree files: the planner's output and the decoder's input.
+
+A tree file holds one tree per decoder state (medusa/sequoia: a single state 0; ppd: states
+0..P, the number of prompt tokens on the last accepted node). Nodes are rank paths, 0-based, the
+root implicit (Medusa-choices convention), listed parents first. The JSON Schema is
+trees/schema.json; `load_tree` validates structure and meaning and raises UserError with a
+one-line message.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.errors import UserError
+from planner.jsonio import atomic_write_json, read_json
+
+FORMAT = "tree-planner/tree"
+VERSION = 1
+METHODS = ("medusa", "sequoia", "ppd")
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
+
+Path_ = tuple[int, ...]
+
+
+@dataclass
+class TreeState:
+    state: int
+    nodes: list[Path_]  # candidate rank paths, parents before children
+    expected_tokens: float  # tau_s = 1 + sum of path probabilities
+    input_length: int  # tokens in the forward pass: root + candidates + prompt tokens
+    prompt_tokens: list[int] | None = None  # ppd: [k_root, k_node1, ...] aligned with root + nodes
+    stationary_probability: float | None = None  # ppd: pi_s
+    transitions: list[float] | None = None  # ppd: M[s][k] for k = 0..P
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.nodes), default=0)
+
+    def parents(self) -> list[int]:
+        """Parent index of each node within the tree input (0 = root, node i is i+1); root's is -1."""
+        index = {(): 0}
+        out = [-1]
+        for i, p in enumerate(self.nodes):
+            out.append(index[p[:-1]])
+            index[p] = i + 1
+        return out
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "state": self.state,
+            "nodes": [list(p) for p in self.nodes],
+            "input_length": self.input_length,
+            "expected_tokens": self.expected_tokens,
+        }
+        if self.prompt_tokens is not None:
+            d["prompt_tokens"] = list(self.prompt_tokens)
+        if self.stationary_probability is not None:
+            d["stationary_probability"] = self.stationary_probability
+        if self.transitions is not None:
+            d["transitions"] = list(self.transitions)
+        return d
+
+
+@dataclass
+class Tree:
+    method: str
+    states: list[TreeState]
+    expected_tokens_per_step: float  # amortised tau under the model
+    prompt_tokens_max: int | None = None  # ppd: P
+    predicted_speedup: float | None = None
+    size_curve: list[dict] | None = None  # with a profile: one row per size tried
+    settings: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
+
+    def state(self, s: int) -> TreeState:
+        for st in self.states:
+            if st.state == s:
+                return st
+        raise KeyError(s)
+
+    @property
+    def max_input_length(self) -> int:
+        return max(st.input_length for st in self.states)
+
+    @property
+    def depth(self) -> int:
+        return max(st.depth for st in self.states)
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "method": self.method,
+            "expected_tokens_per_step": self.expected_tokens_per_step,
+        }
+        if self.prompt_tokens_max is not None:
+            d["prompt_tokens_max"] = self.prompt_tokens_max
+        if self.predicted_speedup is not None:
+            d["predicted_speedup"] = self.predicted_speedup
+        d["states"] = [s.to_json() for s in self.states]
+        if self.size_curve is not None:
+            d["size_curve"] = self.size_curve
+        d["settings"] = self.settings
+        d["provenance"] = self.provenance
+        return d
+
+
+def save_tree(tree: Tree, path) -> Path:
+    validate_tree(tree, label=str(path))
+    return atomic_write_json(path, tree.to_json())
+
+
+def load_tree(path) -> Tree:
+    return tree_from_json(read_json(path), label=str(path))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def tree_from_json(data, label: str = "tree") -> Tree:
+    if not isinstance(data, dict):
+        raise UserError(f"{label}: expected a JSON object (a tree file)")
+    if data.get("format", FORMAT) != FORMAT:
+        raise UserError(f"{label}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}")
+    if data.get("version", VERSION) != VERSION:
+        raise UserError(f"{label}: field 'version' is {data.get('version')!r}, expected {VERSION}")
+    for key in ("method", "expected_tokens_per_step", "states"):
+        if key not in data:
+            raise UserError(f"{label}: missing field '{key}'")
+    if data["method"] not in METHODS:
+        raise UserError(f"{label}: field 'method' is {data['method']!r}, expected one of {', '.join(METHODS)}")
+    if not _is_num(data["expected_tokens_per_step"]):
+        raise UserError(f"{label}: field 'expected_tokens_per_step' must be a number")
+    if not isinstance(data["states"], list) or not data["states"]:
+        raise UserError(f"{label}: field 'states' must be a non-empty list")
+    states = []
+    for i, s in enumerate(data["states"]):
+        f = f"states[{i}]"
+        if not isinstance(s, dict):
+            raise UserError(f"{label}: field '{f}' must be an object")
+        for key in ("state", "nodes", "input_length", "expected_tokens"):
+            if key not in s:
+                raise UserError(f"{label}: missing field '{f}.{key}'")
+        if not _is_int(s["state"]) or s["state"] < 0:
+            raise UserError(f"{label}: field '{f}.state' must be a non-negative integer")
+        if not _is_int(s["input_length"]) or s["input_length"] < 1:
+            raise UserError(f"{label}: field '{f}.input_length' must be a positive integer")
+        if not _is_num(s["expected_tokens"]):
+            raise UserError(f"{label}: field '{f}.expected_tokens' must be a number")
+        if not isinstance(s["nodes"], list):
+            raise UserError(f"{label}: field '{f}.nodes' must be a list of rank paths")
+        nodes = []
+        for j, p in enumerate(s["nodes"]):
+            if not isinstance(p, list) or not p or not all(_is_int(r) and r >= 0 for r in p):
+                raise UserError(f"{label}: field '{f}.nodes[{j}]' must be a non-empty list of ranks >= 0")
+            nodes.append(tuple(p))
+        pt = s.get("prompt_tokens")
+        if pt is not None and (not isinstance(pt, list) or not all(_is_int(k) and k >= 0 for k in pt)):
+            raise UserError(f"{label}: field '{f}.prompt_tokens' must be a list of integers >= 0")
+        pi = s.get("stationary_probability")
+        if pi is not None and not (_is_num(pi) and 0 <= pi <= 1 + 1e-9):
+            raise UserError(f"{label}: field '{f}.stationary_probability' must be a number in [0, 1]")
+        tr = s.get("transitions")
+        if tr is not None and (not isinstance(tr, list) or not all(_is_num(x) for x in tr)):
+            raise UserError(f"{label}: field '{f}.transitions' must be a list of numbers")
+        states.append(TreeState(s["state"], nodes, float(s["expected_tokens"]), s["input_length"], pt, pi, tr))
+    pmax = data.get("prompt_tokens_max")
+    if pmax is not None and (not _is_int(pmax) or pmax < 1):
+        raise UserError(f"{label}: field 'prompt_tokens_max' must be a positive integer")
+    sp = data.get("predicted_speedup")
+    if sp is not None and not _is_num(sp):
+        raise UserError(f"{label}: field 'predicted_speedup' must be a number")
+    tree = Tree(
+        method=data["method"],
+        states=states,
+        expected_tokens_per_step=float(data["expected_tokens_per_step"]),
+        prompt_tokens_max=pmax,
+        predicted_speedup=sp,
+        size_curve=data.get("size_curve"),
+        settings=data.get("settings", {}) or {},
+        provenance=data.get("provenance", {}) or {},
+    )
+    validate_tree(tree, label)
+    return tree
+
+
+def validate_tree(tree: Tree, label: str = "tree") -> None:
+    """Meaning checks shared by writing and loading: legal trees, consistent sizes."""
+    seen_states = set()
+    for i, st in enumerate(tree.states):
+        f = f"states[{i}]"
+        if st.state in seen_states:
+            raise UserError(f"{label}: field '{f}.state' repeats state {st.state}")
+        seen_states.add(st.state)
+        present = {()}
+        for j, p in enumerate(st.nodes):
+            if p in present:
+                raise UserError(f"{label}: field '{f}.nodes[{j}]' repeats the path {list(p)}")
+            if p[:-1] not in present:
+                raise UserError(f"{label}: field '{f}.nodes[{j}]' = {list(p)} comes before its parent {list(p[:-1])}")
+            if tree.method == "sequoia" and p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in present:
+                raise UserError(f"{label}: field '{f}.nodes[{j}]' = {list(p)}: sequoia needs contiguous sibling ranks")
+            present.add(p)
+        n_prompt = 0
+        if tree.method == "ppd":
+            if st.prompt_tokens is None:
+                raise UserError(f"{label}: missing field '{f}.prompt_tokens' (required for ppd)")
+            if len(st.prompt_tokens) != len(st.nodes) + 1:
+                raise UserError(
+                    f"{label}: field '{f}.prompt_tokens' has {len(st.prompt_tokens)} entries, expected {len(st.nodes) + 1} (root + nodes)"
+                )
+            if tree.prompt_tokens_max is None:
+                raise UserError(f"{label}: missing field 'prompt_tokens_max' (required for ppd)")
+            if max(st.prompt_tokens) > tree.prompt_tokens_max:
+                raise UserError(f"{label}: field '{f}.prompt_tokens' exceeds prompt_tokens_max = {tree.prompt_tokens_max}")
+            if st.depth > st.state:
+                raise UserError(f"{label}: field '{f}.nodes' reaches depth {st.depth}, state {st.state} allows {st.state}")
+            n_prompt = sum(st.prompt_tokens)
+        elif st.prompt_tokens is not None and any(st.prompt_tokens):
+            raise UserError(f"{label}: field '{f}.prompt_tokens' is only meaningful for ppd trees")
+        expected_n = 1 + len(st.nodes) + n_prompt
+        if st.input_length != expected_n:
+            raise UserError(f"{label}: field '{f}.input_length' is {st.input_length}, the tree has {expected_n} tokens")
+        if st.expected_tokens < 1 - 1e-9 or st.expected_tokens > 1 + len(st.nodes) + 1e-9:
+            raise UserError(f"{label}: field '{f}.expected_tokens' = {st.expected_tokens} is impossible for {len(st.nodes)} candidates")
+    if tree.method != "ppd" and len(tree.states) != 1:
+        raise UserError(f"{label}: field 'states': {tree.method} trees have a single state, found {len(tree.states)}")
+    if tree.method == "ppd":
+        want = set(range(tree.prompt_tokens_max + 1))
+        if seen_states != want:
+            raise UserError(f"{label}: field 'states': ppd needs states 0..{tree.prompt_tokens_max}, found {sorted(seen_states)}")
