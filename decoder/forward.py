@@ -61,14 +61,17 @@ def prefill(model, input_ids: torch.Tensor):
 
 
 @torch.inference_mode()
-def tree_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
+                 inputs_embeds: torch.Tensor | None = None):
     """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V].
 
-    The cache grows by n entries; the caller keeps the accepted ones (decoder) or crops back
-    to the prefix (profiler) with `crop_cache`.
+    Pass `inputs_embeds` [B, n, hidden] (and input_ids=None) when some inputs are not vocabulary
+    tokens (PPD prompt tokens). The cache grows by n entries; the caller keeps the accepted ones
+    (decoder) or crops back to the prefix (profiler) with `crop_cache`.
     """
     out = model(
         input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
         position_ids=position_ids,
         attention_mask=attention_mask,
         past_key_values=cache,
