@@ -1,0 +1,381 @@
+"""PPD prompt-token training: the base model is frozen, only the P x E prompt embeddings learn.
+
+One step, for a batch of token windows x [B, T]:
+  1. prefix pass (no grad) over x: teacher logits [B, T, V] and a KV cache of T tokens;
+  2. m random insertion points i per window (PPD's random insertion). After each one a block of
+     P*E prompt tokens is appended, slot (j, e) at position i + j + 1. One more forward pass over
+     all B x m blocks at once, on top of the cache, with a block-diagonal 4D mask: a block sees
+     x[0..i] and, inside itself, `prompt_block_mask` (the decoder's ensemble mask);
+  3. student distribution for distance d = j + 1: softmax of the E copies' averaged logits; its
+     target is the teacher's next-token distribution at position i + d (which predicts
+     x[i + d + 1]), exactly what the decoder asks of the prompt token at distance d;
+  4. loss = sum_d w_d KL(teacher_d || student_d), w_d = decay^(d-1) (Medusa-style decay that
+     PPD follows; decay 0.8 by default), averaged over insertion points.
+
+Evaluation uses the same pass without gradients and scores the ranked guesses of each distance
+against the teacher's argmax at i + d: accuracy[d][r] is the planner's acceptance matrix.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from decoder.prompt_tokens import PromptTokens, prompt_block_mask
+from planner.errors import UserError
+from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO / ".." / "shared" / "data"
+WEB_FILE = "openwebtext_eval.jsonl"
+ANSWERS_FILE = "vicuna7b_mt_bench_answers.jsonl"
+QUESTIONS_FILE = "mt_bench_questions.jsonl"
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+# ---------------------------------------------------------------- data and splits (shared with scripts/train_builtin.py)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{path}: file not found (pass --data)") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, expected a .jsonl file") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def held_out_question(question_id: int) -> bool:
+    """MT-bench questions kept out of all training, base model and prompt tokens (two per category)."""
+    return question_id % 5 == 0
+
+
+def chat_text(question_turns: list[str], answer_turns: list[str]) -> str:
+    """The built-in model's prompt format; every turn ends with </s>."""
+    return "".join(f"USER: {q.strip()} ASSISTANT: {a.strip()}</s>" for q, a in zip(question_turns, answer_turns))
+
+
+def load_corpus(data_dir: Path) -> dict:
+    """The shared data dir split: {'web_train', 'web_val', 'chat_train', 'chat_val': list[str], 'sha256': {...}}.
+
+    Web documents with index % 20 == 0 are validation; chat = MT-bench question + Vicuna answer
+    in `chat_text` format, held out by `held_out_question`.
+    """
+    import hashlib
+
+    data_dir = Path(data_dir)
+    web = [r["text"] for r in read_jsonl(data_dir / WEB_FILE)]
+    questions = {r["question_id"]: r["turns"] for r in read_jsonl(data_dir / QUESTIONS_FILE)}
+    answers = {r["question_id"]: r["turns"] for r in read_jsonl(data_dir / ANSWERS_FILE)}
+    chat_train, chat_val = [], []
+    for qid in sorted(answers):
+        if qid not in questions:
+            continue
+        text = chat_text(questions[qid], answers[qid])
+        (chat_val if held_out_question(qid) else chat_train).append(text)
+    sha = {
+        name: hashlib.sha256((data_dir / name).read_bytes()).hexdigest()
+        for name in (WEB_FILE, ANSWERS_FILE, QUESTIONS_FILE)
+    }
+    return {
+        "web_train": [t for i, t in enumerate(web) if i % 20 != 0],
+        "web_val": [t for i, t in enumerate(web) if i % 20 == 0],
+        "chat_train": chat_train,
+        "chat_val": chat_val,
+        "sha256": sha,
+    }
+
+
+def read_texts(path: Path) -> list[str]:
+    """Texts of a user data file: .jsonl rows with 'text', or 'turns' (+ MT-bench style), or plain text."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        try:
+            return [path.read_text()]
+        except FileNotFoundError:
+            raise UserError(f"{path}: file not found") from None
+    texts = []
+    for n, row in enumerate(read_jsonl(path), 1):
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list):
+            texts.append("\n".join(str(t) for t in row["turns"]))
+        else:
+            raise UserError(f"{path}: row {n}: expected a field 'text' (string) or 'turns' (list of strings)")
+    return texts
+
+
+def token_windows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
+    """Concatenate the tokenised texts (each starts with the tokenizer's BOS when it adds one) and
+    cut the stream into non-overlapping windows [N, seq_len]; the tail shorter than a window is dropped."""
+    ids: list[int] = []
+    for enc in tokenizer(texts)["input_ids"]:
+        ids.extend(enc)
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+# ---------------------------------------------------------------- the forward pass with inserted prompt tokens
+
+
+def sample_insertions(batch: int, seq_len: int, num_prompt_tokens: int, m: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, m] sorted distinct insertion points i in [0, T - 1 - P] (targets at i + P must exist)."""
+    hi = seq_len - num_prompt_tokens  # number of legal points
+    if hi < 1:
+        raise UserError(f"sequence length {seq_len} too short for {num_prompt_tokens} prompt tokens")
+    m = min(m, hi)
+    pts = torch.stack([torch.randperm(hi, generator=generator)[:m] for _ in range(batch)])
+    return pts.sort(dim=1).values
+
+
+def insertion_mask(inserts: torch.Tensor, seq_len: int, num_prompt_tokens: int, ensemble: int, dtype) -> torch.Tensor:
+    """Additive mask [B, 1, m*P*E, T + m*P*E] for the prompt blocks appended after a cache of T tokens.
+
+    Block k (after position inserts[b, k]) sees x[0 .. inserts[b, k]] and its own block through
+    `prompt_block_mask`; blocks never see each other.
+    """
+    B, m = inserts.shape
+    S = num_prompt_tokens * ensemble
+    prefix = torch.arange(seq_len, device=inserts.device)[None, None, :] <= inserts[:, :, None]  # [B, m, T]
+    prefix = prefix[:, :, None, :].expand(B, m, S, seq_len).reshape(B, m * S, seq_len)
+    block = prompt_block_mask(num_prompt_tokens, ensemble).to(inserts.device)  # [S, S]
+    own = torch.block_diag(*([block] * m))  # [m*S, m*S]
+    visible = torch.cat([prefix, own[None].expand(B, -1, -1)], dim=2)  # [B, m*S, T + m*S]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=inserts.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def prompt_forward(model, embeddings: torch.Tensor, ensemble: int, x: torch.Tensor, inserts: torch.Tensor):
+    """embeddings [P*E, hidden] (prompt_tokens.embeddings layout), x [B, T], inserts [B, m]
+    -> (student logits [B, m, P, V] averaged over the E copies, teacher logits [B, T, V]).
+
+    Gradients flow only into `embeddings`: the prefix pass runs without them, and its cache is a
+    constant for the prompt pass.
+    """
+    from transformers import DynamicCache
+
+    B, T = x.shape
+    m = inserts.shape[1]
+    E = ensemble
+    P = embeddings.shape[0] // E
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        teacher = model(input_ids=x, past_key_values=cache, use_cache=True).logits  # [B, T, V]
+    H = embeddings.shape[1]
+    inputs = embeddings[None, None].expand(B, m, P * E, H).reshape(B, m * P * E, H)
+    offsets = torch.arange(P * E, device=x.device) // E + 1  # slot (j, e) sits at i + j + 1
+    positions = (inserts[:, :, None] + offsets).reshape(B, m * P * E)
+    mask = insertion_mask(inserts, T, P, E, inputs.dtype)
+    out = model(inputs_embeds=inputs, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+    student = out.logits.view(B, m, P, E, -1).mean(dim=3)  # [B, m, P, V]
+    return student, teacher
+
+
+def teacher_targets(teacher: torch.Tensor, inserts: torch.Tensor, num_prompt_tokens: int) -> torch.Tensor:
+    """Teacher logits [B, m, P, V] at positions i + d, d = 1..P."""
+    B, m = inserts.shape
+    pos = (inserts[:, :, None] + torch.arange(1, num_prompt_tokens + 1, device=inserts.device)).reshape(B, -1)
+    return teacher.gather(1, pos[:, :, None].expand(-1, -1, teacher.shape[-1])).view(B, m, num_prompt_tokens, -1)
+
+
+def distance_weights(num_prompt_tokens: int, decay: float) -> torch.Tensor:
+    return decay ** torch.arange(num_prompt_tokens, dtype=torch.float32)  # w_d = decay^(d-1)
+
+
+def distill_loss(student: torch.Tensor, target: torch.Tensor, weights: torch.Tensor):
+    """student, target [B, m, P, V] logits -> (sum_d w_d mean KL_d, KL per distance [P])."""
+    log_q = F.log_softmax(student.float(), dim=-1)
+    log_p = F.log_softmax(target.float(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, m, P]
+    per_distance = kl.mean(dim=(0, 1))  # [P]
+    return (weights.to(per_distance.device) * per_distance).sum(), per_distance.detach()
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: int = 10, stride: int = 4,
+             batch_size: int = 8, device=None) -> dict:
+    """Per-distance, per-rank accuracy against the base model's greedy token at i + d, insertion
+    points every `stride` positions of each held-out window. Returns {'accuracy': [P][ranks],
+    'top1': [P], 'top5': [P], 'kl': [P], 'count': n}."""
+    P = prompt_tokens.num_prompt_tokens
+    device = device or windows.device
+    T = windows.shape[1]
+    pts = torch.arange(0, T - P, stride)
+    hits = torch.zeros(P, ranks, dtype=torch.float64)
+    kl_sum = torch.zeros(P, dtype=torch.float64)
+    count = 0
+    ranks = min(ranks, model.config.vocab_size)
+    for b in range(0, windows.shape[0], batch_size):
+        x = windows[b : b + batch_size].to(device)
+        inserts = pts[None].expand(x.shape[0], -1).to(device)
+        emb = prompt_tokens.embeddings.to(device=device, dtype=next(model.parameters()).dtype)
+        student, teacher = prompt_forward(model, emb, prompt_tokens.ensemble, x, inserts)
+        target = teacher_targets(teacher, inserts, P)  # [B, m, P, V]
+        greedy = target.argmax(-1)  # [B, m, P]
+        guesses = student.topk(ranks, dim=-1).indices  # [B, m, P, R]
+        hits[:, :ranks] += (guesses == greedy[..., None]).double().sum(dim=(0, 1)).cpu()
+        _, kl = distill_loss(student, target, torch.ones(P))
+        kl_sum += kl.double().cpu() * greedy.shape[0] * greedy.shape[1]
+        count += greedy.shape[0] * greedy.shape[1]
+    acc = hits / max(count, 1)
+    return {
+        "accuracy": [[round(v, 5) for v in row] for row in acc.tolist()],
+        "top1": [round(v, 4) for v in acc[:, 0].tolist()],
+        "top5": [round(v, 4) for v in acc[:, :5].sum(1).tolist()],
+        "kl": [round(v, 4) for v in (kl_sum / max(count, 1)).tolist()],
+        "count": count,
+    }
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    num_prompt_tokens: int = 3
+    ensemble: int = 1
+    steps: int = 300
+    batch_size: int = 8
+    inserts: int = 32  # insertion points per window per step
+    lr: float = 1e-2  # PPD: cosine schedule from 0.01, no warmup
+    decay: float = 0.8
+    seed: int = 0
+    ckpt_every: int = 50
+    eval_ranks: int = 10
+    eval_stride: int = 4
+
+
+@dataclass
+class TrainResult:
+    prompt_tokens: PromptTokens
+    step: int
+    losses: list[float]
+    wall_s: float
+    trained_parameters: int
+    evaluation: dict = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def init_prompt_tokens(model, P: int, E: int, seed: int) -> PromptTokens:
+    """Initialised from ordinary token embeddings (PPD): copies of random vocabulary rows, in fp32."""
+    pt = PromptTokens.random(model, P, E, seed=seed)
+    return pt.float()
+
+
+def _freeze(model) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+
+
+def _save_checkpoint(path: Path, pt: PromptTokens, opt, gen: torch.Generator, step: int, losses, wall: float, cfg: TrainConfig):
+    buf = io.BytesIO()
+    torch.save({"embeddings": pt.embeddings.detach().cpu(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                "step": step, "losses": losses, "wall_s": wall, "config": asdict(cfg)}, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: TrainConfig | None = None,
+                        resume: bool = False, device=None, progress: bool = True, meta: dict | None = None) -> TrainResult:
+    """Train P x E prompt tokens for `model` on train_windows [N, T]; checkpoints to out_dir/checkpoint.pt
+    every config.ckpt_every steps (and on Ctrl-C), resumes from it with resume=True, and saves the
+    final PromptTokens (decoder/prompt_tokens.py format) into out_dir."""
+    from tqdm import tqdm
+
+    cfg = config or TrainConfig()
+    out_dir = Path(out_dir)
+    device = torch.device(device or next(model.parameters()).device)
+    _freeze(model)
+    P, E = cfg.num_prompt_tokens, cfg.ensemble
+    if train_windows.ndim != 2 or train_windows.shape[0] == 0:
+        raise UserError("prompt-token training: no training windows (data shorter than one window?)")
+    T = train_windows.shape[1]
+
+    pt = init_prompt_tokens(model, P, E, cfg.seed).to(device)
+    model_dtype = next(model.parameters()).dtype
+    opt = torch.optim.Adam([pt.embeddings], lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    step, losses, wall_before = 0, [], 0.0
+    ckpt = out_dir / CHECKPOINT_NAME
+    if resume and ckpt.exists():
+        st = torch.load(ckpt, weights_only=False, map_location="cpu")
+        got = (st["config"]["num_prompt_tokens"], st["config"]["ensemble"])
+        if got != (P, E):
+            raise UserError(f"{ckpt}: checkpoint has P={got[0]}, E={got[1]}, asked P={P}, E={E}")
+        with torch.no_grad():
+            pt.embeddings.copy_(st["embeddings"].to(device))
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step, losses, wall_before = st["step"], st["losses"], st["wall_s"]
+    trained = sum(p.numel() for p in pt.parameters() if p.requires_grad)
+    assert trained == P * E * pt.hidden_size
+    assert not any(p.requires_grad for p in model.parameters())
+    weights = distance_weights(P, cfg.decay).to(device)
+
+    t0 = time.time()
+    interrupted = False
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train prompts P={P} E={E}", disable=not progress, dynamic_ncols=True)
+    try:
+        while step < cfg.steps:
+            rows = torch.randint(0, train_windows.shape[0], (cfg.batch_size,), generator=gen)
+            x = train_windows[rows].to(device)  # [B, T]
+            inserts = sample_insertions(x.shape[0], T, P, cfg.inserts, gen).to(device)  # [B, m]
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+            # fp32 master embeddings, cast to the model's dtype for the pass
+            student, teacher = prompt_forward(model, pt.embeddings.to(model_dtype), E, x, inserts)
+            loss, per_d = distill_loss(student, teacher_targets(teacher, inserts, P), weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            losses.append(round(loss.item(), 5))
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", kl=",".join(f"{v:.2f}" for v in per_d.tolist()))
+            if step % cfg.ckpt_every == 0 and step < cfg.steps:
+                _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall_before + time.time() - t0, cfg)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    wall = wall_before + time.time() - t0
+    if interrupted:
+        # Ctrl-C: keep the work done; a second Ctrl-C while writing would leave the old checkpoint intact.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall, cfg)
+        finally:
+            signal.signal(signal.SIGINT, old)
+    pt.meta.update(meta or {})
+    pt.meta["training"] = {
+        "steps": step, "wall_s": round(wall, 1), "trained_parameters": trained, "config": asdict(cfg),
+        "final_loss_mean_last20": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
+    }
+    if not interrupted:
+        pt.save(out_dir)
+    return TrainResult(pt, step, losses, wall, trained, interrupted=interrupted)
+
+
+def write_acceptance(path, evaluation: dict, label: str) -> None:
+    """The planner's acceptance format (planner/accept.py) plus provenance fields."""
+    atomic_write_json(path, {"accuracy": evaluation["accuracy"], "kind": "ppd-prompt-tokens", "source": label,
+                             "top1": evaluation["top1"], "top5": evaluation["top5"], "count": evaluation["count"]})
