@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 
+@torch.inference_mode()
 def compact_cache(cache, prefix_len: int, accepted: torch.Tensor) -> None:
     """accepted [a+1] long: step-input indices to keep, in order; the cache ends at prefix_len + a + 1."""
     keep = accepted.numel()
