@@ -1,0 +1,133 @@
+"""`planner profile`: measure forward latency versus input length and write a profile JSON.
+
+Light imports only at top level: torch and transformers load inside run().
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from planner.errors import UserError
+from profiler.lengths import DEFAULT_LENGTHS_SPEC, parse_lengths
+
+
+def parse_batch_sizes(values: list[str]) -> list[int]:
+    """'--batch-size 1 4' or '--batch-size 1,4': positive integers, order kept, duplicates dropped."""
+    out: list[int] = []
+    for v in values:
+        for part in str(v).split(","):
+            try:
+                b = int(part)
+            except ValueError:
+                b = 0
+            if b < 1:
+                raise UserError(f"--batch-size: expected positive integers, got '{part}'")
+            if b not in out:
+                out.append(b)
+    return out
+
+
+def _positive(kind):
+    def conv(s: str):
+        try:
+            x = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got '{s}'") from None
+        if x <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got '{s}'")
+        return x
+
+    return conv
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="preset name (see --list-models), a local Hugging Face model directory, or a config.json "
+                        "(default: 'builtin' if models/builtin exists, else 'tiny')")
+    p.add_argument("--list-models", action="store_true", help="print the preset names and exit")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
+                   help="default: bf16 (fp16 without bf16 support) on GPU, fp32 on CPU")
+    p.add_argument("--context-length", type=_positive(int), default=256, help="tokens already in the KV cache (default 256)")
+    p.add_argument("--input-lengths", default=DEFAULT_LENGTHS_SPEC,
+                   help="N, START:STOP or START:STOP:STEP (STOP inclusive), comma-separated "
+                        f"(default {DEFAULT_LENGTHS_SPEC})")
+    p.add_argument("--batch-size", nargs="+", default=["1"], help="one or more batch sizes, e.g. 1 4 or 1,4 (default 1)")
+    p.add_argument("--time-budget", type=_positive(float), default=None,
+                   help="seconds of measuring in total (default 25 on CPU, 120 on GPU)")
+    p.add_argument("--min-repeats", type=_positive(int), default=5)
+    p.add_argument("--max-repeats", type=_positive(int), default=50)
+    p.add_argument("--target-ci", type=_positive(float), default=0.02,
+                   help="a length is done when its median's 95%% CI half-width is within this fraction (default 0.02)")
+    p.add_argument("--warmup", type=_positive(int), default=2, help="untimed passes per length before measuring")
+    p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
+    p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also plot latency versus input length")
+    p.add_argument("-o", "--output", default=None, help="output JSON (default profiles/<device>-<model>.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def device_slug(profile: dict) -> str:
+    """'cpu', or the GPU's name in lower case with dashes (e.g. nvidia-h100-80gb-hbm3)."""
+    if profile["device"] != "cuda":
+        return profile["device"]
+    return re.sub(r"[^a-z0-9.]+", "-", profile["device_name"].lower()).strip("-")
+
+
+def run(args) -> int:
+    from profiler.models import default_model_spec, preset_names
+
+    if args.list_models:
+        print("\n".join(preset_names()))
+        return 0
+    lengths = parse_lengths(args.input_lengths)
+    batch_sizes = parse_batch_sizes(args.batch_size)
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UserError(f"--plot: expected a .png file name, got '{args.plot}'")
+
+    import torch
+
+    from planner.jsonio import atomic_write_json
+    from profiler.measure import check_lengths, profile_model
+    from profiler.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = args.model or default_model_spec()
+    device = args.device
+    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device: expected cpu, cuda or cuda:N, got '{device}'")
+    if args.cuda_graphs and device == "cpu":
+        raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
+    loaded = load_model(spec, device=device, dtype=args.dtype)
+    check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None))
+    print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "
+          f"{next(loaded.model.parameters()).device}: {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
+          f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)
+    profile = profile_model(
+        loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
+        cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,
+        max_repeats=args.max_repeats, target_rel_ci=args.target_ci, warmup=args.warmup, seed=args.seed,
+    )
+    out = Path(args.output) if args.output else Path("profiles") / f"{device_slug(profile)}-{loaded.name}.json"
+    atomic_write_json(out, profile)
+    if args.plot:
+        from profiler.plot import plot_profile
+
+        plot_profile(profile, args.plot)
+    n, lat = profile["input_lengths"], profile["latency_s"]
+    print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms, "
+          f"{sum(profile['repeats'])} samples in {profile['wall_s']:.1f} s", file=sys.stderr)
+    for stop in profile.get("incomplete", []):
+        if stop["reason"] == "interrupted":
+            print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)
+            raise KeyboardInterrupt
+        kept = sum(len(s["input_lengths"]) for s in profile["series"])
+        raise UserError(
+            f"out of memory at input length {stop['input_length']} (batch size {stop['batch_size']}, context "
+            f"{args.context_length}); stopped there and kept the {kept} points measured so far in {out}"
+        )
+    return 0

@@ -1,0 +1,363 @@
+"""Timing the decoder's forward pass: n tree tokens over a KV cache of C tokens.
+
+One sample = crop the cache back to C tokens (untimed), then one `decoder.forward.tree_forward`
+of n tokens with a tree-shaped 4D mask and explicit position ids (timed), exactly the pass the
+decoder runs each step. Clocks are not assumed stable: after a warm-up sweep in ascending order
+(which also finds the out-of-memory limit), every round visits the unfinished lengths in a fresh
+random order, so drift spreads over all lengths instead of bending the curve. A length is done
+when the 95% confidence interval of its median (order statistics) is within `target_rel_ci` of
+the median, or at `max_repeats`; the whole run stops at `time_budget_s`.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from decoder.forward import ancestor_matrix, crop_cache, prefill, tree_attention_mask, tree_depths, tree_forward
+from planner.errors import UserError
+from profiler.fit import fit_latency
+from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
+from profiler.models import LoadedModel, config_hash, dtype_name
+
+TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4
+
+
+def check_lengths(input_lengths: list[int], context_length: int, max_positions: int | None) -> None:
+    if context_length < 1:
+        raise UserError(f"--context-length: must be at least 1, got {context_length}")
+    if max_positions is not None and context_length + max(input_lengths) > max_positions:
+        raise UserError(
+            f"--input-lengths: length {max(input_lengths)} exceeds the model's maximum position "
+            f"(context {context_length} + {max(input_lengths)} > max_position_embeddings {max_positions}; "
+            f"longest allowed {max_positions - context_length})"
+        )
+
+
+def median_rel_ci(samples: list[float]) -> float:
+    """Half-width of a distribution-free 95% CI of the median, relative to the median.
+
+    With r sorted samples the CI runs from order statistic k to r-1-k, k = floor((r - 1.96 sqrt r)/2).
+    """
+    r = len(samples)
+    if r < 2:
+        return math.inf
+    x = sorted(samples)
+    k = max(0, int((r - 1.96 * math.sqrt(r)) / 2))
+    med = float(np.median(x))
+    return (x[r - 1 - k] - x[k]) / (2 * med) if med > 0 else math.inf
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+@dataclass
+class TreeInput:
+    """Inputs of one tree forward: ids [B, n], position ids [B, n], mask [B, 1, n, C + n]."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+
+
+def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dtype, device, gen) -> TreeInput:
+    parents = [-1] + [(i - 1) // TREE_BRANCHING for i in range(1, n)]
+    depth = torch.tensor(tree_depths(parents), dtype=torch.long)
+    mask = tree_attention_mask(ancestor_matrix(parents), context_length, dtype, device)  # [1, 1, n, C + n]
+    ids = torch.randint(0, vocab, (batch_size, n), generator=gen).to(device)
+    pos = (context_length + depth).expand(batch_size, n).to(device)
+    return TreeInput(ids, pos, mask.expand(batch_size, -1, -1, -1))
+
+
+class Timer:
+    """Seconds spent in fn(): CUDA events on GPU (no host overhead in the number), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class Runner:
+    """Runs one length's forward over a cache of C tokens, eagerly or as a replayed CUDA graph."""
+
+    def __init__(self, model, cache, context_length: int, cuda_graphs: bool):
+        self.model, self.cache, self.C, self.cuda_graphs = model, cache, context_length, cuda_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def eager(self, x: TreeInput) -> None:
+        crop_cache(self.cache, self.C)
+        tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+
+    def prepare(self, n: int, x: TreeInput) -> None:
+        """Warm up; with CUDA graphs also capture. All graphs read the same C-token prefix, which
+        is restored after each capture so no graph reads another graph's output."""
+        crop_cache(self.cache, self.C)
+        if not self.cuda_graphs:
+            self.eager(x)
+            return
+        prefix = [(layer.keys, layer.values) for layer in self.cache.layers]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.eager(x)
+        torch.cuda.current_stream().wait_stream(side)
+        crop_cache(self.cache, self.C)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+        except RuntimeError as e:
+            if is_oom(e):
+                raise
+            raise UserError(f"--cuda-graphs: capture failed at input length {n} ({str(e).splitlines()[0]})") from None
+        finally:
+            for layer, (k, v) in zip(self.cache.layers, prefix):
+                layer.keys, layer.values = k, v
+        self.graphs[n] = graph
+
+    def sample_fn(self, n: int, x: TreeInput):
+        if self.cuda_graphs:
+            return self.graphs[n].replay
+        crop_cache(self.cache, self.C)  # untimed: only the forward itself is measured
+        return lambda: tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+
+
+@dataclass
+class Series:
+    batch_size: int
+    samples: dict[int, list[float]] = field(default_factory=dict)  # n -> seconds
+    stopped: dict | None = None  # {"reason", "input_length", ...} when cut short
+
+    def to_json(self) -> dict | None:
+        ns = sorted(n for n, s in self.samples.items() if s)
+        if not ns:
+            return None
+        med = [float(np.median(self.samples[n])) for n in ns]
+        reps = [len(self.samples[n]) for n in ns]
+        return {
+            "batch_size": self.batch_size,
+            "input_lengths": ns,
+            "latency_s": med,
+            "p10_s": [float(np.percentile(self.samples[n], 10)) for n in ns],
+            "p90_s": [float(np.percentile(self.samples[n], 90)) for n in ns],
+            "repeats": reps,
+            "median_rel_ci95": [min(median_rel_ci(self.samples[n]), 1e9) for n in ns],
+            "fit": fit_latency(ns, med, reps),
+        }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _versions(device: torch.device) -> dict:
+    import transformers
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+         "numpy": np.__version__}
+    if device.type == "cuda":
+        v["cuda"] = torch.version.cuda
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            v["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            v["driver"] = None
+    return v
+
+
+def profile_model(
+    model,
+    input_lengths: list[int],
+    context_length: int = 256,
+    batch_sizes=(1,),
+    device=None,
+    time_budget_s: float | None = None,
+    cuda_graphs: bool = False,
+    progress: bool = True,
+    min_repeats: int = 5,
+    max_repeats: int = 50,
+    target_rel_ci: float = 0.02,
+    warmup: int = 2,
+    seed: int = 0,
+) -> dict:
+    """Measure forward latency at every input length and batch size; returns the profile JSON object.
+
+    `model` is a LoadedModel or a bare transformers model. Out of memory at a length drops that
+    length and all longer ones for that batch size; Ctrl-C stops measuring. In both cases the
+    points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
+    point re-raises KeyboardInterrupt).
+    """
+    from tqdm import tqdm
+
+    loaded = model if isinstance(model, LoadedModel) else None
+    hf = loaded.model if loaded else model
+    device = torch.device(device) if device is not None else next(hf.parameters()).device
+    if cuda_graphs and device.type != "cuda":
+        raise UserError("--cuda-graphs: needs a CUDA device")
+    lengths = sorted(set(int(n) for n in input_lengths))
+    check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
+    batch_sizes = [int(b) for b in batch_sizes]
+    if time_budget_s is None:
+        time_budget_s = 120.0 if device.type == "cuda" else 25.0
+    dtype = next(hf.parameters()).dtype
+    vocab = hf.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    timer = Timer(device)
+    t_start = time.time()
+    series: list[Series] = []
+    interrupted = False
+
+    bar = tqdm(total=len(lengths) * len(batch_sizes), unit="pt", disable=not progress, dynamic_ncols=True)
+    try:
+        for bi, b in enumerate(batch_sizes):
+            s = Series(b)
+            series.append(s)
+            deadline = time.time() + (time_budget_s - (time.time() - t_start)) / (len(batch_sizes) - bi)
+            try:
+                ctx = torch.randint(0, vocab, (b, context_length), generator=gen).to(device)
+                _, cache = prefill(hf, ctx)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                if not is_oom(e):
+                    raise
+                s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
+                bar.update(len(lengths))
+                _free(device)
+                continue
+            runner = Runner(hf, cache, context_length, cuda_graphs)
+            inputs: dict[int, TreeInput] = {}
+            active: list[int] = []
+            bar.set_description(f"warm-up b={b}")
+            for n in lengths:  # ascending: the first length that does not fit ends the sweep
+                try:
+                    inputs[n] = make_tree_input(n, b, context_length, vocab, dtype, device, gen)
+                    for _ in range(max(1, warmup)):
+                        runner.prepare(n, inputs[n])
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                    if not is_oom(e):
+                        raise
+                    inputs.pop(n, None)
+                    runner.graphs.pop(n, None)
+                    s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": n}
+                    _free(device)
+                    crop_cache(cache, context_length)
+                    bar.update(len([m for m in lengths if m >= n]))
+                    break
+                s.samples[n] = []
+                active.append(n)
+            bar.set_description(f"profiling b={b}")
+            first_round = True
+            while active:
+                rng.shuffle(active)
+                for n in list(active):
+                    # The first round always completes, so every length gets at least one sample.
+                    if not first_round and time.time() > deadline:
+                        break
+                    fn = runner.sample_fn(n, inputs[n])
+                    s.samples[n].append(timer(fn))
+                first_round = False
+                done = [n for n in active if len(s.samples[n]) >= max_repeats
+                        or (len(s.samples[n]) >= min_repeats and median_rel_ci(s.samples[n]) <= target_rel_ci)]
+                if time.time() > deadline:
+                    done = list(active)
+                for n in done:
+                    active.remove(n)
+                bar.update(len(done))
+                bar.set_postfix(round=len(s.samples[lengths[0]]) if lengths[0] in s.samples else 0)
+            del runner, cache, inputs
+            _free(device)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+
+    out_series = [j for j in (s.to_json() for s in series) if j is not None]
+    stopped = [s.stopped for s in series if s.stopped]
+    if interrupted:
+        done_b = {s.batch_size for s in series}
+        stopped.append({"reason": "interrupted", "batch_size": series[-1].batch_size if series else batch_sizes[0],
+                        "not_started_batch_sizes": [b for b in batch_sizes if b not in done_b]})
+    if not out_series or out_series[0]["batch_size"] != batch_sizes[0]:
+        if interrupted:
+            raise KeyboardInterrupt
+        st = stopped[0] if stopped else {}
+        raise UserError(
+            f"out of memory at input length {st.get('input_length')} (batch size {st.get('batch_size')}, context "
+            f"{context_length}); nothing measured for the first batch size, so no profile written"
+        )
+    first = out_series[0]
+    result = {k: first[k] for k in ("input_lengths", "latency_s", "p10_s", "p90_s", "repeats", "fit")}
+    cfg = hf.config
+    result.update({
+        "batch_size": first["batch_size"],
+        "series": out_series,
+        "device": device.type,
+        "device_name": _device_name(device),
+        "model": loaded.name if loaded else (getattr(cfg, "_name_or_path", "") or cfg.model_type),
+        "model_source": loaded.source if loaded else None,
+        "has_weights": loaded.has_weights if loaded else None,
+        "config_hash": loaded.config_hash if loaded else config_hash(cfg),
+        "dtype": dtype_name(dtype),
+        "context_length": context_length,
+        "versions": _versions(device),
+        "threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {
+            "batch_sizes": batch_sizes,
+            "input_lengths_requested": lengths,
+            "time_budget_s": time_budget_s,
+            "min_repeats": min_repeats,
+            "max_repeats": max_repeats,
+            "target_rel_ci": target_rel_ci,
+            "warmup": warmup,
+            "cuda_graphs": cuda_graphs,
+            "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
+            "order": "ascending warm-up sweep, then shuffled rounds over unfinished lengths",
+            "tree": f"node i under node (i-1)//{TREE_BRANCHING}; position ids = context_length + depth",
+            "attn_implementation": getattr(cfg, "_attn_implementation", None),
+            "seed": seed,
+            "cpu_count": os.cpu_count(),
+        },
+        "wall_s": round(time.time() - t_start, 3),
+    })
+    if stopped:
+        result["incomplete"] = stopped
+    return result
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
