@@ -62,13 +62,23 @@ def prefill(model, input_ids: torch.Tensor):
 
 @torch.inference_mode()
 def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
-                 inputs_embeds: torch.Tensor | None = None):
+                 inputs_embeds: torch.Tensor | None = None, tree_parents=None):
     """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V].
 
     Pass `inputs_embeds` [B, n, hidden] (and input_ids=None) when some inputs are not vocabulary
     tokens (PPD prompt tokens). The cache grows by n entries; the caller keeps the accepted ones
     (decoder) or crops back to the prefix (profiler) with `crop_cache`.
+    `tree_parents` ([n] parents, or a kernels.TreeMask): on a model switched to the tree kernels
+    (kernels.hf.enable_tree_attention) the tree goes to the kernel and `attention_mask` is ignored
+    (may be None); on any other model it is ignored and the dense mask is used.
     """
+    extra = {}
+    if tree_parents is not None and getattr(model.config, "_attn_implementation", None) == "tree_triton":
+        from kernels.hf import prepare_tree
+
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        extra["tree_parents"] = prepare_tree(tree_parents, device)
+        attention_mask = None
     out = model(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
@@ -76,6 +86,7 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
         attention_mask=attention_mask,
         past_key_values=cache,
         use_cache=True,
+        **extra,
     )
     return out.logits
 
