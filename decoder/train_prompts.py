@@ -358,13 +358,13 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
     finally:
         bar.close()
     wall = wall_before + time.time() - t0
-    if interrupted:
-        # Ctrl-C: keep the work done; a second Ctrl-C while writing would leave the old checkpoint intact.
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall, cfg)
-        finally:
-            signal.signal(signal.SIGINT, old)
+    # Always checkpoint at the end: after Ctrl-C to keep the work done, after the last step so that
+    # --resume with more steps continues. Ignore a second Ctrl-C while writing.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall, cfg)
+    finally:
+        signal.signal(signal.SIGINT, old)
     pt.meta.update(meta or {})
     pt.meta["training"] = {
         "steps": step, "wall_s": round(wall, 1), "trained_parameters": trained, "config": asdict(cfg),

@@ -1,6 +1,6 @@
 """Train the built-in model: a BPE tokenizer and a small Llama causal LM on ../shared/data/.
 
-    python scripts/train_builtin.py --out models/builtin --steps 600 --seed 0
+    python scripts/train_builtin.py --out models/builtin --steps 300 --batch 8 --seed 0
 
 Reproducible: seeded, single process, deterministic given the thread count (--threads).
 Writes config.json, model.safetensors (fp16), tokenizer files and training.json (settings,
@@ -18,7 +18,6 @@ Data and splits (documented in docs/readme/model.md):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import math
@@ -29,11 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-DEFAULT_DATA = REPO / ".." / "shared" / "data"
+from decoder.train_prompts import DEFAULT_DATA, held_out_question, load_corpus  # the data split lives there
+
 SPECIALS = ["<s>", "</s>", "<unk>", "<pad>"]
-WEB_FILE = "openwebtext_eval.jsonl"
-ANSWERS_FILE = "vicuna7b_mt_bench_answers.jsonl"
-QUESTIONS_FILE = "mt_bench_questions.jsonl"
 
 ARCH = dict(
     hidden_size=192,
@@ -45,61 +42,6 @@ ARCH = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
-
-
-# ---------------------------------------------------------------- data
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    from planner.errors import UserError
-
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found (pass --data DIR)") from None
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}: line {n}: not valid JSON ({e.msg})") from None
-    return rows
-
-
-def held_out_question(question_id: int) -> bool:
-    """MT-bench questions kept out of all training (two per category)."""
-    return question_id % 5 == 0
-
-
-def chat_text(question_turns: list[str], answer_turns: list[str]) -> str:
-    """The documented prompt format; every turn ends with </s>."""
-    return "".join(f"USER: {q.strip()} ASSISTANT: {a.strip()}</s>" for q, a in zip(question_turns, answer_turns))
-
-
-def load_corpus(data_dir: Path) -> dict:
-    """{'web_train', 'web_val', 'chat_train', 'chat_val': list[str], 'sha256': {file: hex}}."""
-    data_dir = Path(data_dir)
-    web = [r["text"] for r in read_jsonl(data_dir / WEB_FILE)]
-    questions = {r["question_id"]: r["turns"] for r in read_jsonl(data_dir / QUESTIONS_FILE)}
-    answers = {r["question_id"]: r["turns"] for r in read_jsonl(data_dir / ANSWERS_FILE)}
-    chat_train, chat_val = [], []
-    for qid in sorted(answers):
-        if qid not in questions:
-            continue
-        text = chat_text(questions[qid], answers[qid])
-        (chat_val if held_out_question(qid) else chat_train).append(text)
-    sha = {
-        name: hashlib.sha256((data_dir / name).read_bytes()).hexdigest()
-        for name in (WEB_FILE, ANSWERS_FILE, QUESTIONS_FILE)
-    }
-    return {
-        "web_train": [t for i, t in enumerate(web) if i % 20 != 0],
-        "web_val": [t for i, t in enumerate(web) if i % 20 == 0],
-        "chat_train": chat_train,
-        "chat_val": chat_val,
-        "sha256": sha,
-    }
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -210,9 +152,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "models" / "builtin")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab", type=int, default=4096)
