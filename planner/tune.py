@@ -1,0 +1,633 @@
+"""Optuna search over the planner's and decoder's knobs (`planner tune`).
+
+The planner already picks the best tree *size* for one method and one set of settings; the
+tuner searches the rest: method, number of prompt tokens P, ensemble size (one acceptance file
+per E), maximum depth, size or input-length budget, shared or per-state budgets, and at
+temperature > 0 the verification rule and its typical-acceptance thresholds.
+
+Objectives:
+  predicted  the planner's model: tokens per step * L(1) / amortised step latency (fast)
+  measured   real decoding of validation prompts, tokens per second (needs a model)
+and optionally a second objective, memory (the largest input length or the extra KV bytes a
+step writes), which makes the study multi-objective and gives a Pareto front.
+
+The `planner plan` point (automatic size selection, default settings) of every method is
+enqueued as a trial, so the study's best is never worse than `planner plan` on the same inputs.
+
+optuna is imported inside functions only: the GPU machines do not have it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from planner.accept import Acceptance, load_acceptance
+from planner.errors import UserError
+from planner.profile import LatencyProfile
+from planner.tree import METHODS, Tree, save_tree
+
+OBJECTIVES = ("predicted", "measured")
+MEMORY_OBJECTIVES = ("input_length", "kv_bytes")
+VERIFY_RULES = ("typical", "lossless")
+# `planner plan` defaults: the enqueued reference point uses exactly these.
+PLAN_DEFAULT_PROMPT_TOKENS = 3
+
+_PREFIX = re.compile(r"^(?P<method>medusa|sequoia|ppd|all)(?:/e(?P<ept>\d+))?$")
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+@dataclass(frozen=True)
+class Source:
+    """One acceptance file and the methods (and PPD ensemble size E) it describes."""
+
+    label: str
+    accept: Acceptance
+    methods: tuple[str, ...]
+    ept: int = 1  # ensemble prompt tokens per prompt token: each costs E input tokens
+
+
+def guess_methods(accept: Acceptance, spec: str) -> tuple[str, ...]:
+    """Methods an unprefixed acceptance file describes: from its name, else by its form."""
+    name = spec.lower()
+    named = tuple(m for m in METHODS if m in name)
+    if named:
+        return named
+    return ("sequoia",) if accept.positional else ("ppd", "medusa")
+
+
+def parse_accept_spec(spec: str) -> Source:
+    """'[METHOD[/eE]=]FILE[:NAME]'; METHOD is medusa, sequoia, ppd or all; E the PPD ensemble size.
+
+    Without a prefix the methods are guessed from the name (ppd-..., medusa-...), else positional
+    statistics are taken as a draft model's (sequoia) and the others as ppd and medusa.
+    """
+    prefix, _, rest = spec.partition("=")
+    m = _PREFIX.match(prefix) if rest else None
+    if m is None:
+        accept = load_acceptance(spec)
+        return Source(spec, accept, guess_methods(accept, spec))
+    accept = load_acceptance(rest)
+    ept = int(m.group("ept") or 1)
+    if ept < 1:
+        raise UserError(f"--accept {spec}: ensemble size must be at least 1")
+    methods = METHODS if m.group("method") == "all" else (m.group("method"),)
+    return Source(spec, accept, methods, ept)
+
+
+def kv_bytes_per_token(config_path: str, dtype_bytes: int = 2) -> int:
+    """K and V bytes one token adds to the cache, from a Hugging Face config.json."""
+    from planner.jsonio import read_json
+
+    cfg = read_json(config_path)
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{config_path}: cannot read the KV size (field {e} missing or not a number)") from None
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def open_storage(url: str):
+    """An Optuna storage from a URL or a file path.
+
+    '*.db' / '*.sqlite' paths become SQLite; '*.log' / '*.journal' / '*.jsonl' paths a journal
+    file (safe for many processes on one machine or a shared file system); anything with '://'
+    (sqlite:///, postgresql://, mysql://) is handed to Optuna as it is.
+    """
+    import optuna
+
+    if "://" in url:
+        if url.startswith("sqlite:///"):
+            Path(url[len("sqlite:///"):]).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return _rdb_storage(url)
+        except (ImportError, ModuleNotFoundError) as e:
+            raise UserError(f"--storage {url}: the database driver is not installed ({e})") from None
+        except Exception as e:  # sqlalchemy errors: bad URL, unreachable server
+            raise UserError(f"--storage {url}: cannot open ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    path = Path(url).expanduser()
+    suffix = path.suffix.lower()
+    path.resolve().parent.mkdir(parents=True, exist_ok=True)
+    if suffix in (".db", ".sqlite", ".sqlite3"):
+        return open_storage(f"sqlite:///{path.resolve()}")
+    if suffix in (".log", ".journal", ".jsonl"):
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+    raise UserError(f"--storage {url}: expected a URL (sqlite:///FILE, postgresql://...) or a .db or .log file")
+
+
+def _rdb_storage(url: str, attempts: int = 6):
+    """RDBStorage, retried: workers started together race to create the schema of a new database."""
+    import time
+
+    import optuna
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for i in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+        except (OperationalError, IntegrityError):
+            if i == attempts - 1:
+                raise
+            time.sleep(0.3 * (i + 1))
+
+
+def _engine_kwargs(url: str) -> dict:
+    # Several worker processes on one SQLite file: wait for the lock instead of failing at once.
+    return {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# the search space
+
+
+@dataclass
+class SearchSpace:
+    sources: list[Source]
+    methods: tuple[str, ...] = METHODS
+    max_size: int = 64  # candidates at most
+    max_prompt_tokens: int = 3  # PPD: P is searched in 1..this (capped by the acceptance depth)
+    temperature: float = 0.0
+    draft_latency_s: float = 0.0  # sequoia: one draft step's latency, paid depth times
+
+    def __post_init__(self):
+        self.methods = tuple(m for m in self.methods if self.sources_for(m))
+        if not self.methods:
+            raise UserError("--accept: no acceptance file describes any of the methods searched")
+
+    def source(self, label: str) -> Source:
+        for s in self.sources:
+            if s.label == label:
+                return s
+        raise UserError(f"no acceptance source '{label}' in this search space")
+
+    def sources_for(self, method: str) -> list[Source]:
+        return [s for s in self.sources if method in s.methods]
+
+    def depth_cap(self, source: Source) -> int:
+        """Deepest tree searched: the planner's default depth (all distances the statistics cover)."""
+        from planner.plan import default_max_depth
+
+        return default_max_depth(source.accept)
+
+    def prompt_tokens_cap(self, source: Source) -> int:
+        d = source.accept.max_depth
+        return self.max_prompt_tokens if d is None else max(1, min(self.max_prompt_tokens, d))
+
+    def fingerprint(self, profile: LatencyProfile | None) -> str:
+        """Hash of the inputs, so a resumed study refuses different inputs (values would not compare)."""
+        obj = {
+            "sources": [(s.label, s.methods, s.ept, s.accept.to_json()) for s in self.sources],
+            "methods": self.methods, "max_size": self.max_size, "P": self.max_prompt_tokens,
+            "temperature": self.temperature, "draft_latency_s": self.draft_latency_s,
+            "profile": None if profile is None else [profile.input_lengths.tolist(), profile.latency_s.tolist()],
+        }
+        return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Config:
+    """One point of the search space: everything needed to plan (and decode) one tree."""
+
+    method: str
+    source: str  # Source.label
+    size: int | None = None  # candidates; None: the planner picks with the profile
+    max_depth: int | None = None  # None: the planner's default
+    prompt_tokens: int = PLAN_DEFAULT_PROMPT_TOKENS  # ppd only
+    per_state_budgets: bool = True  # ppd only
+    input_length: int | None = None  # ppd with a shared budget: tokens per forward pass
+    verify: str = "greedy"  # greedy at temperature 0; typical or lossless above
+    typical_eps: float | None = None
+    typical_delta: float | None = None
+
+    def to_json(self) -> dict:
+        """All fields (Config(**d) rebuilds it); fields the method ignores are dropped for readability."""
+        d = dict(self.__dict__)
+        if self.method != "ppd":
+            for k in ("prompt_tokens", "per_state_budgets", "input_length"):
+                d.pop(k)
+        return d
+
+
+def suggest(trial, space: SearchSpace, profile: LatencyProfile | None, tune_verify: bool = False) -> Config:
+    """Sample a Config. Parameter names carry the method, so each method has its own subspace."""
+    m = trial.suggest_categorical("method", list(space.methods))
+    sources = space.sources_for(m)
+    labels = [s.label for s in sources]
+    label = trial.suggest_categorical(f"{m}.source", labels) if len(labels) > 1 else labels[0]
+    src = next(s for s in sources if s.label == label)
+    cfg = Config(method=m, source=label)
+    auto = profile is not None and trial.suggest_categorical(f"{m}.size_mode", ["auto", "fixed"]) == "auto"
+    if m == "ppd":
+        cfg.prompt_tokens = trial.suggest_int("ppd.prompt_tokens", 1, space.prompt_tokens_cap(src))
+        if profile is not None:
+            cfg.per_state_budgets = trial.suggest_categorical("ppd.per_state_budgets", [True, False])
+        if not auto:  # PPD's budget is the forward-pass length (root + candidates + prompt tokens)
+            cap = profile.max_input_length if profile is not None else space.max_size + 1
+            cfg.input_length = trial.suggest_int("ppd.input_length", 2, max(2, cap))
+    else:
+        if not auto:
+            cfg.size = trial.suggest_int(f"{m}.size", 1, space.max_size)
+        cap = space.depth_cap(src)
+        depth = trial.suggest_int(f"{m}.max_depth", 1, cap)
+        # The top of the range is the planner's default (all distances the statistics cover).
+        cfg.max_depth = None if depth == cap else depth
+    if tune_verify:  # only decoding sees the rule: the predicted objective would search it blindly
+        cfg.verify = trial.suggest_categorical("verify", list(VERIFY_RULES))
+        if cfg.verify == "typical":
+            cfg.typical_eps = trial.suggest_float("typical.eps", 0.01, 0.3, log=True)
+            cfg.typical_delta = trial.suggest_float("typical.delta", 0.05, 1.0, log=True)
+    return cfg
+
+
+def reference_points(space: SearchSpace, profile: LatencyProfile | None) -> list[dict]:
+    """Trial parameters reproducing `planner plan` (automatic size, defaults), one per method and source."""
+    out = []
+    for m in space.methods:
+        for src in space.sources_for(m):
+            p: dict[str, Any] = {"method": m}
+            if len(space.sources_for(m)) > 1:
+                p[f"{m}.source"] = src.label
+            if profile is None:
+                continue  # no automatic size without a profile: nothing to reproduce
+            p[f"{m}.size_mode"] = "auto"
+            if m == "ppd":
+                p["ppd.prompt_tokens"] = min(PLAN_DEFAULT_PROMPT_TOKENS, space.prompt_tokens_cap(src))
+                p["ppd.per_state_budgets"] = True
+            else:
+                p[f"{m}.max_depth"] = space.depth_cap(src)
+            out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluating one point
+
+
+@dataclass
+class Prediction:
+    """The planner's model for one tree on one profile, with ensemble size E."""
+
+    speedup: float  # tokens_per_step * L(1) / step_latency_s
+    tokens_per_step: float  # amortised over PPD states
+    step_latency_s: float  # amortised forward latency (+ draft steps for sequoia)
+    max_input_length: int  # tokens in the largest forward pass, each prompt token counted E times
+
+
+def effective_input_lengths(tree: Tree, ept: int = 1) -> list[int]:
+    """Forward-pass length of each state when every prompt token is E ensemble tokens."""
+    return [1 + len(st.nodes) + ept * sum(st.prompt_tokens or []) for st in tree.states]
+
+
+def predict(tree: Tree, profile: LatencyProfile, ept: int = 1, draft_latency_s: float = 0.0) -> Prediction:
+    """speedup = sum_s pi_s tau_s * L(1) / (sum_s pi_s L(n_s) + depth * t_draft)  (ALGORITHMS.md 3, 4).
+
+    Written out here (not only planner.plan.predicted_speedup) because the plan knows nothing of
+    E: with E ensemble copies a prompt token costs E input tokens. Tests check both agree at E=1.
+    """
+    pis = [1.0] if len(tree.states) == 1 else [st.stationary_probability or 0.0 for st in tree.states]
+    lengths = effective_input_lengths(tree, ept)
+    tau = float(sum(p * st.expected_tokens for p, st in zip(pis, tree.states)))
+    cost = float(sum(p * profile.latency(n) for p, n in zip(pis, lengths)))
+    if tree.method == "sequoia":
+        cost += tree.depth * draft_latency_s
+    return Prediction(tau * profile.latency(1) / cost, tau, cost, max(lengths))
+
+
+def build_tree(cfg: Config, space: SearchSpace, profile: LatencyProfile | None) -> Tree:
+    """Plan the tree of one configuration (raises UserError when the point is infeasible)."""
+    from planner.plan import plan
+
+    src = space.source(cfg.source)
+    kw: dict[str, Any] = dict(size=cfg.size, max_depth=cfg.max_depth, profile=profile, max_size=space.max_size)
+    if cfg.method == "ppd":
+        kw.update(prompt_tokens=cfg.prompt_tokens, per_state_budgets=cfg.per_state_budgets)
+        if cfg.input_length is not None:
+            kw["input_length"] = cfg.input_length
+    if cfg.method == "sequoia":
+        kw["draft_latency_s"] = space.draft_latency_s
+    return plan(cfg.method, src.accept, **kw)
+
+
+Evaluator = Callable[[Tree, Config, Source], dict]  # -> {"tokens_per_s": ..., "tokens_per_step": ...}
+
+
+@dataclass
+class TuneResult:
+    study_name: str
+    storage: str
+    best: dict  # trial number, values, config, prediction
+    pareto: list[dict]  # multi-objective: the front, fastest first
+    trials_run: int  # in this call
+    trials_total: int  # completed trials in the study
+    out: Path | None
+    reference: list[dict] = field(default_factory=list)  # the `planner plan` points and their values
+
+
+def objective_names(objective: str, memory: str | None) -> list[str]:
+    first = "predicted speedup (x)" if objective == "predicted" else "measured tokens per second"
+    if memory is None:
+        return [first]
+    return [first, "largest input length (tokens)" if memory == "input_length" else "extra KV bytes per step"]
+
+
+def memory_value(pred_max_input_length: int, memory: str, kv_per_token: int | None) -> float:
+    if memory == "input_length":
+        return float(pred_max_input_length)
+    if kv_per_token is None:
+        raise UserError("--memory kv_bytes needs the model's KV size: give --model-config CONFIG.json or --kv-bytes-per-token")
+    # The step writes K and V for every input token before the rejected ones are cropped.
+    return float(pred_max_input_length * kv_per_token)
+
+
+def _evaluate(trial, space, profile, objective, memory, kv_per_token, evaluator, tune_verify):
+    """One trial: sample, plan, predict (and decode). Infeasible points are pruned with the reason."""
+    import optuna
+
+    cfg = suggest(trial, space, profile, tune_verify)
+    src = space.source(cfg.source)
+    try:
+        tree = build_tree(cfg, space, profile)
+        pred = predict(tree, profile, src.ept, space.draft_latency_s) if profile is not None else None
+    except UserError as e:
+        trial.set_user_attr("infeasible", str(e))
+        raise optuna.TrialPruned(str(e)) from None
+    trial.set_user_attr("config", cfg.to_json())
+    trial.set_user_attr("ept", src.ept)
+    trial.set_user_attr("max_input_length", max(effective_input_lengths(tree, src.ept)))
+    trial.set_user_attr("expected_tokens_per_step", tree.expected_tokens_per_step)
+    if pred is not None:
+        trial.set_user_attr("predicted_speedup", pred.speedup)
+        trial.set_user_attr("step_latency_s", pred.step_latency_s)
+    if objective == "predicted":
+        value = pred.speedup
+    else:
+        measured = evaluator(tree, cfg, src)
+        for k, v in measured.items():
+            trial.set_user_attr(f"measured_{k}", v)
+        value = float(measured["tokens_per_s"])
+    if memory is None:
+        return value
+    return value, memory_value(max(effective_input_lengths(tree, src.ept)), memory, kv_per_token)
+
+
+def open_study(storage: str, study_name: str, directions: list[str], fingerprint: str, names: list[str]):
+    """Create or resume a study; refuses to mix different inputs or objectives into one study."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    st = open_storage(storage)
+    try:
+        study = optuna.create_study(storage=st, study_name=study_name, directions=directions, load_if_exists=True)
+    except ValueError as e:
+        raise UserError(f"study '{study_name}' in {storage}: {e}") from None
+    got = [d.name.lower() for d in study.directions]
+    if got != directions:
+        raise UserError(f"study '{study_name}' in {storage} optimises {got}, this run asks {directions}: use another --study-name")
+    old = study.user_attrs.get("fingerprint")
+    if old is None:
+        study.set_user_attr("fingerprint", fingerprint)
+        study.set_user_attr("objective_names", names)
+    elif old != fingerprint:
+        raise UserError(f"study '{study_name}' in {storage} was run on other inputs (acceptance, profile or search "
+                        "options differ): use another --study-name")
+    return study
+
+
+def _trial_summary(t, names: list[str]) -> dict:
+    out = {"trial": t.number, "values": list(t.values), "objectives": names, "params": dict(t.params)}
+    out.update({k: v for k, v in t.user_attrs.items() if k != "config"})
+    out["config"] = t.user_attrs.get("config")
+    return out
+
+
+def tune(space: SearchSpace, profile: LatencyProfile | None, *, trials: int, storage: str, study_name: str,
+         out: str | Path | None = None, objective: str = "predicted", memory: str | None = None,
+         kv_per_token: int | None = None, evaluator: Evaluator | None = None, seed: int | None = None,
+         progress: bool = True) -> TuneResult:
+    """Run `trials` more trials of the study (created or resumed) and write the best tree to `out`.
+
+    The `planner plan` points (see reference_points) are enqueued once per study, so with
+    objective 'predicted' the best value is at least plan's automatic choice.
+    Ctrl-C stops after the running trial is marked failed; the best so far is still written.
+    """
+    import optuna
+
+    if objective not in OBJECTIVES:
+        raise UserError(f"--objective {objective}: expected one of {', '.join(OBJECTIVES)}")
+    if memory is not None and memory not in MEMORY_OBJECTIVES:
+        raise UserError(f"--memory {memory}: expected one of {', '.join(MEMORY_OBJECTIVES)}")
+    if objective == "predicted" and profile is None:
+        raise UserError("--objective predicted needs a latency profile (--profile)")
+    if objective == "measured" and evaluator is None:
+        raise UserError("--objective measured needs a model to decode with (--model)")
+    if memory == "kv_bytes" and kv_per_token is None:
+        memory_value(1, memory, None)  # raises the explanation
+    if trials < 0:
+        raise UserError(f"--trials must be >= 0, got {trials}")
+    names = objective_names(objective, memory)
+    directions = ["maximize"] + (["minimize"] if memory else [])
+    study = open_study(storage, study_name, directions, space.fingerprint(profile), names)
+    study.sampler = _sampler(seed, len(directions))
+    tune_verify = objective == "measured" and space.temperature > 0
+    refs = reference_points(space, profile)
+    for p in refs:
+        study.enqueue_trial(p, user_attrs={"reference": True}, skip_if_exists=True)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=trials, desc=f"tune {study_name}", unit="trial", disable=not progress, leave=False)
+
+    def on_done(st, t):
+        bar.update(1)
+        if t.state == optuna.trial.TrialState.COMPLETE and len(directions) == 1:
+            bar.set_postfix(best=f"{st.best_value:.4g}")
+
+    interrupted = False
+    try:
+        study.optimize(lambda t: _evaluate(t, space, profile, objective, memory, kv_per_token, evaluator, tune_verify),
+                       n_trials=trials, callbacks=[on_done], catch=())
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    result = _finish(study, space, profile, storage, names, trials if not interrupted else bar.n, out)
+    if interrupted:
+        raise KeyboardInterrupt
+    return result
+
+
+def _sampler(seed: int, n_objectives: int):
+    import optuna
+
+    if n_objectives > 1:
+        return optuna.samplers.NSGAIISampler(seed=seed)
+    import warnings
+
+    with warnings.catch_warnings():  # multivariate/group are "experimental" but are what a conditional space needs
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=8)
+
+
+def _finish(study, space, profile, storage, names, trials_run, out) -> TuneResult:
+    import optuna
+
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+    reference = [_trial_summary(t, names) for t in done if t.user_attrs.get("reference")]
+    if not done:
+        return TuneResult(study.study_name, storage, {}, [], trials_run, 0, None, reference)
+    front = sorted(study.best_trials, key=lambda t: -t.values[0]) if len(names) > 1 else [study.best_trial]
+    best = front[0]
+    pareto = [_trial_summary(t, names) for t in front] if len(names) > 1 else []
+    path = None
+    if out is not None:
+        cfg = Config(**best.user_attrs["config"])
+        tree = build_tree(cfg, space, profile)
+        src = space.source(cfg.source)
+        if profile is not None:
+            tree.predicted_speedup = predict(tree, profile, src.ept, space.draft_latency_s).speedup
+        tree.settings = dict(tree.settings)
+        tree.settings["tune"] = {
+            "study_name": study.study_name, "storage": storage, "trial": best.number,
+            "objectives": names, "values": list(best.values), "config": cfg.to_json(), "ensemble": src.ept,
+            "acceptance": src.label, "completed_trials": len(done),
+            "decode": {"verify_rule": cfg.verify, "eps": cfg.typical_eps, "delta": cfg.typical_delta,
+                       "temperature": space.temperature},
+            "reference": [{"trial": r["trial"], "values": r["values"], "params": r["params"]} for r in reference],
+            "pareto": [{"trial": p["trial"], "values": p["values"], "config": p["config"]} for p in pareto],
+        }
+        tree.provenance = dict(tree.provenance)
+        tree.provenance.setdefault("acceptance", src.accept.source)
+        if profile is not None:
+            tree.provenance.setdefault("profile", profile.source)
+        path = save_tree(tree, out)
+    return TuneResult(study.study_name, storage, _trial_summary(best, names), pareto, trials_run, len(done), path, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# the measured objective: real decoding
+
+SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"
+DEFAULT_PROMPTS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
+
+
+def read_prompts(path: str | Path, limit: int) -> list[str]:
+    """First turn (or 'text', 'prompt') of each JSON line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: line {i + 1} is not valid JSON ({e.msg})") from None
+        text = None
+        if isinstance(obj, dict):
+            turns = obj.get("turns")
+            text = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], str) else obj.get("text", obj.get("prompt"))
+        if not isinstance(text, str) or not text:
+            raise UserError(f"{path}: line {i + 1}: expected a field 'turns' (list of strings), 'text' or 'prompt'")
+        out.append(text)
+        if len(out) == limit:
+            break
+    if not out:
+        raise UserError(f"{path}: no prompts")
+    return out
+
+
+class MeasuredEvaluator:
+    """Decodes validation prompts with each trial's tree; tokens per second over all prompts.
+
+    Guessers: PPD uses trained prompt tokens when `prompt_tokens_dir` is given; otherwise (and for
+    medusa/sequoia, which have no trained heads here) an oracle guesser that puts the model's own
+    next token at rank r with the acceptance file's probability a_1[r], with real prompt-token
+    inputs for PPD so that every forward pass has its planned size. The oracle continuation is
+    the plain greedy output, so at temperature > 0 it measures cost, not the sampled acceptance.
+    """
+
+    def __init__(self, model_spec: str, prompts: list[str], *, max_new_tokens: int = 64, device: str | None = None,
+                 dtype: str | None = None, temperature: float = 0.0, prompt_tokens_dir: str | None = None,
+                 seed: int = 0, max_prompt_tokens_len: int = 256):
+        import torch
+
+        from profiler.models import load_model
+
+        loaded = load_model(model_spec, device=device, dtype=dtype)
+        self.model = loaded.model
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.seed = seed
+        self.prompt_tokens_dir = prompt_tokens_dir
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        self.vocab = vocab
+        dev = self.model.get_input_embeddings().weight.device
+        if loaded.tokenizer_dir:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir, local_files_only=True)
+            ids = [tok(p, return_tensors="pt").input_ids[0][:max_prompt_tokens_len] for p in prompts]
+        else:  # random-weight preset without a tokenizer: bytes folded into the vocabulary
+            ids = [torch.tensor([b % vocab for b in p.encode()][:max_prompt_tokens_len]) for p in prompts]
+        self.input_ids = [x.to(dev) for x in ids]
+        from decoder import generate_plain
+
+        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+                       for x in self.input_ids]
+        self.plain_tokens_per_s = _rate(self._plain)
+
+    def guesser(self, tree: Tree, src: Source, prompt_ids, plain_tokens):
+        import torch
+
+        from decoder import OracleGuesser, PromptTokens
+
+        if tree.method == "ppd" and self.prompt_tokens_dir:
+            return PromptTokens.load(self.prompt_tokens_dir, self.model)
+        K = src.accept.num_ranks
+        pt = None
+        if tree.method == "ppd":
+            pt = PromptTokens.random(self.model, tree.prompt_tokens_max, ensemble=src.ept, seed=self.seed, top_k=K)
+        depth = tree.prompt_tokens_max if tree.method == "ppd" else max(1, tree.depth)
+        seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
+        return OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.accuracy[0].tolist(),
+                             seed=self.seed, prompt_tokens=pt)
+
+    def __call__(self, tree: Tree, cfg: Config, src: Source) -> dict:
+        from decoder import generate
+
+        outs = []
+        for x, plain in zip(self.input_ids, self._plain):
+            g = self.guesser(tree, src, x, plain.tokens)
+            rule = "auto" if cfg.verify == "greedy" else cfg.verify
+            kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
+            outs.append(generate(self.model, x, plan=tree, guesser=g, max_new_tokens=self.max_new_tokens,
+                                 temperature=self.temperature, verify_rule=rule, seed=self.seed, **kw))
+        tokens = sum(o.tokens.numel() for o in outs)
+        steps = sum(o.steps for o in outs)
+        rate = _rate(outs)
+        return {"tokens_per_s": rate, "tokens_per_step": tokens / max(1, steps),
+                "speedup": rate / self.plain_tokens_per_s if self.plain_tokens_per_s else None,
+                "plain_tokens_per_s": self.plain_tokens_per_s}
+
+
+def _rate(outs) -> float:
+    tokens = sum(o.tokens.numel() for o in outs)
+    seconds = sum(o.stats.total_s for o in outs)
+    return tokens / seconds if seconds > 0 else 0.0

@@ -1,0 +1,242 @@
+"""planner tune: search space, the `planner plan` guarantee, storage (resume, several workers), CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from planner.accept import from_entry  # noqa: E402
+from planner.cli import main  # noqa: E402
+from planner.errors import UserError  # noqa: E402
+from planner.plan import plan, predicted_speedup  # noqa: E402
+from planner.profile import load_profile  # noqa: E402
+from planner.tree import load_tree  # noqa: E402
+from planner.tune import (Config, SearchSpace, Source, build_tree, effective_input_lengths, kv_bytes_per_token,  # noqa: E402
+                          open_storage, parse_accept_spec, predict, reference_points, tune)
+
+REPO = Path(__file__).resolve().parents[1]
+PPD_ROWS = [[0.55, 0.12, 0.05, 0.03], [0.30, 0.10, 0.05, 0.03], [0.15, 0.07, 0.04, 0.02]]
+MEDUSA_ROWS = [[0.50, 0.10, 0.05], [0.30, 0.08, 0.04], [0.18, 0.06, 0.03]]
+
+
+def _write(path: Path, obj) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A small acceptance collection and a profile whose latency bends upward after 16 tokens."""
+    acc = _write(tmp_path / "acc.json", {"ppd-x": {"accuracy": PPD_ROWS}, "medusa-x": {"accuracy": MEDUSA_ROWS},
+                                          "draft": {"positional": [0.6, 0.15, 0.05]}})
+    n = [1, 2, 4, 8, 16, 24, 32, 48]
+    lat = [0.010, 0.0101, 0.0102, 0.0105, 0.011, 0.0135, 0.016, 0.022]
+    prof = _write(tmp_path / "prof.json", {"device": "fake", "input_lengths": n, "latency_s": lat})
+    return tmp_path, acc, prof
+
+
+def _space(acc, methods=("ppd", "medusa", "sequoia"), **kw):
+    sources = [parse_accept_spec(f"{acc}:ppd-x"), parse_accept_spec(f"{acc}:medusa-x"), parse_accept_spec(f"{acc}:draft")]
+    return SearchSpace(sources, methods=methods, max_size=24, **kw)
+
+
+def test_accept_spec_prefixes(inputs):
+    _, acc, _ = inputs
+    assert parse_accept_spec(f"{acc}:ppd-x").methods == ("ppd",)
+    assert parse_accept_spec(f"{acc}:medusa-x").methods == ("medusa",)
+    assert parse_accept_spec(f"{acc}:draft").methods == ("sequoia",)  # positional: a draft model
+    s = parse_accept_spec(f"ppd/e4={acc}:medusa-x")
+    assert (s.methods, s.ept) == (("ppd",), 4)
+    assert parse_accept_spec(f"all={acc}:draft").methods == ("medusa", "sequoia", "ppd")
+    with pytest.raises(UserError, match="no entry named"):
+        parse_accept_spec(f"ppd={acc}:nope")
+
+
+def test_predict_matches_planner_and_counts_ensemble(inputs):
+    _, acc, prof = inputs
+    profile = load_profile(prof)
+    space = _space(acc)
+    for cfg in (Config("ppd", f"{acc}:ppd-x", input_length=14, prompt_tokens=3),
+                Config("medusa", f"{acc}:medusa-x", size=9),
+                Config("sequoia", f"{acc}:draft", size=7, max_depth=4)):
+        tree = build_tree(cfg, space, profile)
+        p1 = predict(tree, profile, ept=1, draft_latency_s=0.002)
+        assert p1.speedup == pytest.approx(predicted_speedup(tree, profile, draft_latency_s=0.002 if cfg.method == "sequoia" else 0.0))
+        assert p1.max_input_length == tree.max_input_length
+        if cfg.method == "ppd":
+            # E copies per prompt token: longer forward passes, same tokens per step, lower speedup
+            p3 = predict(tree, profile, ept=3)
+            lengths = effective_input_lengths(tree, 3)
+            assert lengths == [1 + len(s.nodes) + 3 * sum(s.prompt_tokens) for s in tree.states]
+            assert p3.tokens_per_step == pytest.approx(p1.tokens_per_step)
+            assert p3.max_input_length > p1.max_input_length and p3.speedup < p1.speedup
+
+
+def test_best_is_at_least_planner_plan(inputs):
+    """The guarantee: the study contains `planner plan`'s automatic point of every method."""
+    tmp, acc, prof = inputs
+    profile = load_profile(prof)
+    space = _space(acc)
+    res = tune(space, profile, trials=12, storage=str(tmp / "s.db"), study_name="g", out=tmp / "best.json",
+               seed=1, progress=False)
+    # independent: the planner's own automatic choice per method, with its defaults
+    auto = {m: predicted_speedup(plan(m, src.accept, profile=profile, max_size=24), profile)
+            for m in space.methods for src in space.sources_for(m)}
+    assert res.best["values"][0] >= max(auto.values()) - 1e-12
+    assert sorted(r["params"]["method"] for r in res.reference) == sorted(auto)
+    for r in res.reference:  # each enqueued point reproduced plan's value exactly
+        assert r["values"][0] == pytest.approx(auto[r["params"]["method"]], rel=1e-12)
+    tree = load_tree(tmp / "best.json")
+    assert tree.predicted_speedup == pytest.approx(res.best["values"][0])
+    assert tree.settings["tune"]["trial"] == res.best["trial"]
+    assert Config(**tree.settings["tune"]["config"]).method == tree.method
+    assert res.trials_total <= 12 and res.trials_run == 12
+
+
+def test_resume_adds_trials_and_refuses_other_inputs(inputs):
+    tmp, acc, prof = inputs
+    profile = load_profile(prof)
+    space = _space(acc, methods=("medusa",))
+    url = f"sqlite:///{tmp / 'r.db'}"
+    tune(space, profile, trials=3, storage=url, study_name="r", progress=False, seed=0)
+    tune(space, profile, trials=4, storage=url, study_name="r", progress=False, seed=0)
+    study = optuna.load_study(study_name="r", storage=open_storage(url))
+    assert len(study.trials) == 7
+    assert sum(bool(t.user_attrs.get("reference")) for t in study.trials) == 1  # enqueued once only
+    other = _space(acc, methods=("medusa",), max_prompt_tokens=2)
+    other.max_size = 10
+    with pytest.raises(UserError, match="other inputs"):
+        tune(other, profile, trials=1, storage=url, study_name="r", progress=False)
+    with pytest.raises(UserError, match="optimises"):
+        tune(space, profile, trials=1, storage=url, study_name="r", memory="input_length", progress=False)
+
+
+def test_pareto_front_is_non_dominated(inputs):
+    tmp, acc, prof = inputs
+    profile = load_profile(prof)
+    space = _space(acc, methods=("ppd", "medusa"))
+    res = tune(space, profile, trials=14, storage=str(tmp / "p.log"), study_name="p", memory="input_length",
+               out=tmp / "best.json", seed=3, progress=False)
+    study = optuna.load_study(study_name="p", storage=open_storage(str(tmp / "p.log")))
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    front = {p["trial"] for p in res.pareto}
+
+    def dominates(a, b):
+        return a[0] >= b[0] and a[1] <= b[1] and (a[0] > b[0] or a[1] < b[1])
+
+    for t in done:  # brute force: front = exactly the non-dominated trials
+        dominated = any(dominates(u.values, t.values) for u in done)
+        assert (t.number in front) == (not dominated)
+    speeds = [p["values"][0] for p in res.pareto]
+    assert speeds == sorted(speeds, reverse=True)
+    for t in done:  # the memory objective is the largest forward pass of the trial's tree
+        assert t.values[1] == t.user_attrs["max_input_length"]
+    tree = load_tree(tmp / "best.json")
+    assert tree.settings["tune"]["values"][0] == max(speeds)
+    assert len(tree.settings["tune"]["pareto"]) == len(res.pareto)
+
+
+def test_kv_bytes_objective(inputs, tmp_path):
+    tmp, acc, prof = inputs
+    cfg = _write(tmp_path / "config.json", {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                             "hidden_size": 512})
+    assert kv_bytes_per_token(cfg) == 2 * 4 * 2 * 64 * 2
+    profile = load_profile(prof)
+    res = tune(_space(acc, methods=("medusa",)), profile, trials=3, storage=str(tmp / "k.db"), study_name="k",
+               memory="kv_bytes", kv_per_token=kv_bytes_per_token(cfg), progress=False, seed=0)
+    for p in res.pareto:
+        assert p["values"][1] == p["max_input_length"] * 2048
+    with pytest.raises(UserError, match="KV size"):
+        tune(_space(acc, methods=("medusa",)), profile, trials=1, storage=str(tmp / "k2.db"), study_name="k",
+             memory="kv_bytes", progress=False)
+
+
+def test_measured_objective_uses_evaluator_and_searches_verification(inputs):
+    """Decoding itself is tested by the decoder; here a stand-in evaluator checks the wiring."""
+    tmp, acc, prof = inputs
+    seen = []
+
+    def evaluator(tree, cfg, src):
+        seen.append(cfg)
+        return {"tokens_per_s": 100.0 * tree.expected_tokens_per_step / tree.max_input_length ** 0.1,
+                "tokens_per_step": tree.expected_tokens_per_step}
+
+    space = _space(acc, methods=("medusa", "ppd"), temperature=0.7)
+    res = tune(space, None, trials=6, storage=str(tmp / "m.db"), study_name="m", objective="measured",
+               evaluator=evaluator, out=tmp / "best.json", seed=0, progress=False)
+    assert len(seen) >= 1 and all(c.verify in ("typical", "lossless") for c in seen)
+    assert all(c.size is not None or c.input_length is not None for c in seen)  # no profile: no automatic size
+    assert res.best["values"][0] == max(100.0 * build_tree(c, space, None).expected_tokens_per_step
+                                        / build_tree(c, space, None).max_input_length ** 0.1 for c in seen)
+    tree = load_tree(tmp / "best.json")
+    assert tree.settings["tune"]["decode"]["verify_rule"] in ("typical", "lossless")
+    assert tree.settings["tune"]["decode"]["temperature"] == 0.7
+
+
+def test_interrupt_keeps_best_so_far(inputs):
+    tmp, acc, prof = inputs
+    calls = []
+
+    def evaluator(tree, cfg, src):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return {"tokens_per_s": float(len(calls))}
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(_space(acc, methods=("medusa",)), None, trials=10, storage=str(tmp / "i.db"), study_name="i",
+             objective="measured", evaluator=evaluator, out=tmp / "best.json", progress=False, seed=0)
+    tree = load_tree(tmp / "best.json")
+    assert tree.settings["tune"]["values"] == [2.0] and tree.settings["tune"]["completed_trials"] == 2
+
+
+@pytest.mark.parametrize("storage", ["w.log", "w.db"])
+def test_two_worker_processes_share_one_study(inputs, storage):
+    tmp, acc, prof = inputs
+    cmd = [sys.executable, "-m", "planner", "tune", "--accept", f"{acc}:medusa-x", "--profile", prof,
+           "--methods", "medusa", "--max-size", "16", "--trials", "5", "--storage", str(tmp / storage),
+           "--study-name", "shared", "-o", str(tmp / "best.json"), "--no-progress"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    study = optuna.load_study(study_name="shared", storage=open_storage(str(tmp / storage)))
+    assert len(study.trials) == 10  # the two workers' trials add up
+    assert len({t.number for t in study.trials}) == 10
+
+
+def test_cli_errors_are_one_line(inputs, capsys):
+    tmp, acc, prof = inputs
+    base = ["tune", "--accept", f"{acc}:medusa-x", "-o", str(tmp / "b.json"), "--storage", str(tmp / "c.db")]
+    cases = [
+        (base + ["--methods", "foo"], "--methods foo"),
+        (base, "needs a latency profile"),
+        (base + ["--profile", prof, "--trials", "-1"], "--trials must be at least 0"),
+        (base + ["--profile", prof, "--storage", str(tmp / "x.txt")], "expected a URL"),
+        (base + ["--objective", "measured"], "needs --model"),
+        (["tune", "--accept", str(tmp / "missing.json"), "-o", "b.json"], "file not found"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.startswith("planner tune: error:") and err.count("\n") == 1, err
+    assert not (tmp / "b.json").exists()
+
+
+def test_cli_writes_best_tree(inputs, capsys):
+    tmp, acc, prof = inputs
+    argv = ["tune", "--accept", f"{acc}:ppd-x", "--accept", f"{acc}:medusa-x", "--profile", prof, "--methods",
+            "ppd,medusa", "--max-size", "16", "--trials", "6", "-o", str(tmp / "best.json"), "--seed", "0", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "planner plan (ppd)" in out and "planner plan (medusa)" in out
+    tree = load_tree(tmp / "best.json")
+    assert (tmp / "best.optuna.db").exists()  # default storage next to the output
+    assert tree.settings["tune"]["completed_trials"] >= 2
+    assert np.isfinite(tree.predicted_speedup)
