@@ -1,0 +1,360 @@
+"""The main job: profile this machine, measure acceptance, plan trees, verify them by decoding, report.
+
+    from planner.autotune import AutotuneSettings, autotune
+    summary = autotune(AutotuneSettings())          # the built-in model on the best device
+
+Each step writes its file into the run folder (profile.json, accept.json, trees/, summary.json,
+report/), so a run can be inspected, and later steps can be re-run from earlier files
+(`--profile`, `--accept`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from planner.accept import Acceptance, load_acceptance
+from planner.errors import UserError
+from planner.jsonio import atomic_write_json
+from planner.plan import plan, predicted_speedup
+from planner.profile import LatencyProfile, load_profile
+from planner.tree import Tree, save_tree
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_QUESTIONS = REPO / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
+BUILTIN_PROMPT_TOKENS = REPO / "models" / "builtin" / "prompt_tokens"
+METHODS = ("ppd", "medusa", "sequoia")
+
+
+@dataclass
+class AutotuneSettings:
+    model: str = "builtin"
+    prompt_tokens: str | None = None  # a PromptTokens directory; default: the built-in model's
+    device: str | None = None
+    dtype: str | None = None
+    out: str | None = None  # run folder; default runs/<date>-<device>-<model>
+    questions: str = str(DEFAULT_QUESTIONS)
+    accept_prompts: int = 8  # held-out prompts to measure acceptance on
+    decode_prompts: int = 8  # other held-out prompts to decode
+    accept_tokens: int = 96  # greedy tokens per prompt when measuring acceptance
+    decode_tokens: int = 64  # new tokens per prompt when decoding
+    max_input_length: int = 64  # largest forward pass planned and profiled
+    context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
+    methods: tuple[str, ...] = METHODS
+    neighbours: int = 2  # sizes either side of the chosen one that are also decoded
+    profile: str | None = None  # reuse a profile file instead of measuring
+    accept: str | None = None  # reuse an acceptance file instead of measuring
+    profile_budget_s: float = 40.0
+    trees_dir: str = str(REPO / "trees")
+    report: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Candidate:
+    """One plan the autotune considers: its tree and the model's prediction for this machine."""
+
+    method: str
+    tree: Tree
+    size: int  # candidates (medusa/sequoia) or planned input length (ppd)
+    input_length: float  # real forward length in the decoder (amortised over states for ppd)
+    predicted_tokens_per_step: float
+    predicted_speedup: float
+    measured: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
+    """First turns of the MT-bench questions held out of all training, split in two disjoint sets."""
+    from decoder.train_prompts import held_out_question
+
+    path = Path(questions_path)
+    if not path.is_file():
+        raise UserError(f"{path}: file not found (the MT-bench questions; give another with --questions)")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            rows.append((int(q["question_id"]), str(q["turns"][0])))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+            raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
+    held = [text for qid, text in rows if held_out_question(qid)]
+    if len(held) < n_accept + n_decode:
+        raise UserError(f"{path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
+    # Interleave so both sets span the categories (questions are grouped by category).
+    return held[0::2][:n_accept], held[1::2][:n_decode]
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list:
+    """The built-in model's chat format; other tokenizers get the same plain format."""
+    import torch
+
+    out = []
+    for t in texts:
+        ids = tokenizer(f"USER: {t.strip()} ASSISTANT:", add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        out.append(torch.tensor(([bos] if bos is not None else []) + ids, dtype=torch.long))
+    return out
+
+
+# ------------------------------------------------------------------ planning
+
+
+def real_input_length(tree: Tree, ensemble: int) -> float:
+    """Tokens in the decoder's forward pass, amortised over states.
+
+    ppd: root + candidates + E slots per prompt token. medusa/sequoia run as static trees whose
+    every node carries D prompt tokens (so the next step can guess depth D): (1 + N)(1 + D E).
+    """
+    if tree.method == "ppd":
+        total = 0.0
+        for st in tree.states:
+            n = 1 + len(st.nodes) + ensemble * sum(st.prompt_tokens)
+            total += (st.stationary_probability or 0.0) * n
+        return total
+    st = tree.states[0]
+    return (1 + len(st.nodes)) * (1 + st.depth * ensemble)
+
+
+def real_step_latency(tree: Tree, profile: LatencyProfile, ensemble: int) -> float:
+    if tree.method == "ppd":
+        return sum(
+            (st.stationary_probability or 0.0) * profile.latency(1 + len(st.nodes) + ensemble * sum(st.prompt_tokens))
+            for st in tree.states
+        )
+    return float(profile.latency(real_input_length(tree, ensemble)))
+
+
+def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
+                    max_input_length: int) -> list[Candidate]:
+    """Every size of `method` whose real forward pass fits `max_input_length`, with its prediction."""
+    l1 = float(profile.latency(1))
+    out = []
+    if method == "ppd":
+        for n in range(prompt_tokens + 1, max_input_length + 1):
+            if 1 + ensemble * prompt_tokens > n:
+                continue
+            # with the profile, each state spends up to n tokens where the latency curve says it pays
+            tree = plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens, profile=profile)
+            if real_input_length(tree, ensemble) > max_input_length + 1e-9 or any(
+                1 + len(st.nodes) + ensemble * sum(st.prompt_tokens) > max_input_length for st in tree.states
+            ):
+                continue
+            out.append(_candidate(method, tree, n, profile, ensemble, l1))
+        return out
+    depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
+    for size in range(1, max_input_length):
+        tree = plan(method, accept, size=size, max_depth=depth)
+        if real_input_length(tree, ensemble) > max_input_length:
+            break
+        out.append(_candidate(method, tree, size, profile, ensemble, l1))
+    return out
+
+
+def _candidate(method, tree, size, profile, ensemble, l1) -> Candidate:
+    tau = tree.expected_tokens_per_step
+    step = real_step_latency(tree, profile, ensemble)
+    tree.predicted_speedup = tau * l1 / step
+    return Candidate(method, tree, size, real_input_length(tree, ensemble), tau, tau * l1 / step)
+
+
+def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[Candidate]]:
+    """The best predicted candidate overall, plus: the best of every other method and the
+    `neighbours` sizes either side of the chosen one in its own method (to check the choice)."""
+    best = max(candidates, key=lambda c: c.predicted_speedup)
+    same = [c for c in candidates if c.method == best.method]
+    i = same.index(best)
+    chosen_and_near = same[max(0, i - neighbours): i + neighbours + 1]
+    step = max(1, len(same) // 8)  # and a coarse sweep of the chosen method, to see the curve's shape
+    sweep = same[::step]
+    others = []
+    for m in dict.fromkeys(c.method for c in candidates):
+        if m != best.method:
+            others.append(max((c for c in candidates if c.method == m), key=lambda c: c.predicted_speedup))
+    tried = list({id(c): c for c in chosen_and_near + sweep + others}.values())
+    tried.sort(key=lambda c: (c.method != best.method, c.method, c.size))
+    return best, tried
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def decode_all(model, prompts, candidate: Candidate | None, guesser, max_new_tokens: int) -> dict:
+    """Decode every prompt with a plan (None: plain decoding); tokens, steps and wall time."""
+    import torch
+
+    from decoder import build_plan_buffers, generate, generate_plain
+
+    w = model.get_input_embeddings().weight
+    buffers = None if candidate is None else build_plan_buffers(candidate.tree, guesser, w.dtype, w.device, "autotune")
+    tokens, steps, seconds, outputs = 0, 0, 0.0, []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        if candidate is None:
+            out = generate_plain(model, ids.to(w.device), max_new_tokens=max_new_tokens)
+        else:
+            out = generate(model, ids.to(w.device), plan=candidate.tree, guesser=guesser,
+                           max_new_tokens=max_new_tokens, buffers=buffers)
+        seconds += time.perf_counter() - t0
+        tokens += int(out.tokens.numel())
+        steps += int(out.steps)
+        outputs.append(out.tokens.cpu())
+    return {"tokens": tokens, "steps": steps, "seconds": seconds, "outputs": outputs,
+            "tokens_per_step": tokens / max(steps, 1), "tokens_per_s": tokens / seconds if seconds > 0 else math.nan}
+
+
+# ------------------------------------------------------------------ the job
+
+
+def _default_out(device: str, model_name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return REPO / "runs" / f"{stamp}-{device}-{model_name}"
+
+
+def autotune(s: AutotuneSettings) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from decoder import PromptTokens, measure_accuracy
+    from profiler.measure import profile_model
+    from profiler.models import default_device, dtype_name, load_model
+
+    t_start = time.time()
+    device = s.device or default_device()
+    loaded = load_model(s.model, device=device, dtype=s.dtype)
+    model = loaded.model
+    pt_dir = s.prompt_tokens or (str(BUILTIN_PROMPT_TOKENS) if s.model == "builtin" else None)
+    if pt_dir is None:
+        raise UserError("--prompt-tokens: needed with --model other than builtin (train them with `planner train-prompts`)")
+    guesser = PromptTokens.load(pt_dir, model=model)
+    guesser = guesser.to(device=model.device, dtype=next(model.parameters()).dtype)
+    P, E = guesser.num_prompt_tokens, guesser.ensemble
+    if loaded.tokenizer_dir is None:
+        raise UserError(f"--model {s.model}: no tokenizer files found; autotune decodes text prompts")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    out_dir = Path(s.out) if s.out else _default_out(device, loaded.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    accept_texts, decode_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
+    accept_ids, decode_ids = encode_prompts(tokenizer, accept_texts), encode_prompts(tokenizer, decode_texts)
+    say = print if s.progress else (lambda *a, **k: None)
+
+    # 1. profile
+    if s.profile:
+        profile_path = Path(s.profile)
+    else:
+        say(f"[1/5] profiling {loaded.name} on {device}: input lengths 1..{s.max_input_length}, context {s.context_length}")
+        prof = profile_model(loaded, list(range(1, s.max_input_length + 1)), context_length=s.context_length,
+                             time_budget_s=s.profile_budget_s, progress=s.progress)
+        profile_path = atomic_write_json(out_dir / "profile.json", prof)
+    profile = load_profile(str(profile_path))
+    if profile.max_input_length < s.max_input_length:
+        raise UserError(f"{profile_path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
+
+    # 2. acceptance
+    if s.accept:
+        accept_path = Path(s.accept)
+    else:
+        say(f"[2/5] measuring acceptance of {P} prompt tokens on {len(accept_ids)} held-out prompts")
+        acc_json = measure_accuracy(model, guesser, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress)
+        acc_json["source"] = f"planner autotune: {loaded.name}, prompt tokens {pt_dir}, {len(accept_ids)} held-out MT-bench prompts"
+        accept_path = atomic_write_json(out_dir / "accept.json", acc_json)
+    accept = load_acceptance(str(accept_path))
+
+    # 3. plan every size of every method and predict
+    say(f"[3/5] planning {', '.join(s.methods)} up to input length {s.max_input_length}")
+    candidates = []
+    for m in s.methods:
+        candidates += plan_candidates(m, accept, profile, P, E, s.max_input_length)
+    if not candidates:
+        raise UserError(f"--max-input-length {s.max_input_length}: no plan fits (prompt tokens need {1 + P * E})")
+    chosen, tried = pick(candidates, s.neighbours)
+
+    # 4. decode: plain, then every plan tried; outputs must equal plain greedy decoding
+    say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans")
+    torch.manual_seed(0)
+    decode_all(model, decode_ids[:1], None, guesser, 8)  # warm-up (allocator, kernels)
+    plain = decode_all(model, decode_ids, None, guesser, s.decode_tokens)
+    identical = True
+    for c in tqdm(tried, desc="decode", disable=not s.progress):
+        r = decode_all(model, decode_ids, c, guesser, s.decode_tokens)
+        same = all(torch.equal(a, b) for a, b in zip(r["outputs"], plain["outputs"]))
+        identical &= same
+        c.measured = {"tokens_per_step": r["tokens_per_step"], "tokens_per_s": r["tokens_per_s"],
+                      "speedup": plain["seconds"] / r["seconds"] * (r["tokens"] / max(plain["tokens"], 1)),
+                      "identical_to_greedy": same, "steps": r["steps"], "tokens": r["tokens"]}
+
+    # 5. write
+    trees_dir = out_dir / "trees"
+    rows = []
+    for c in tried:
+        path = trees_dir / f"{c.method}-{c.size}.json"
+        c.tree.provenance.update({"accept": str(accept_path), "profile": str(profile_path), "autotune": str(out_dir)})
+        save_tree(c.tree, path)
+        rows.append({
+            "method": c.method, "size": c.size, "input_length": round(c.input_length, 3),
+            "planned_input_length": c.tree.max_input_length,
+            "predicted_tokens_per_step": c.predicted_tokens_per_step,
+            "measured_tokens_per_step": c.measured["tokens_per_step"],
+            "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
+            "measured_tokens_per_s": c.measured["tokens_per_s"],
+            "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": c is chosen, "tree": str(path),
+        })
+    chosen_path = Path(s.trees_dir) / f"autotune-{device}-{loaded.name}.json"
+    save_tree(chosen.tree, chosen_path)
+    best_measured = max(tried, key=lambda c: c.measured["speedup"])
+    summary = {
+        "chosen": str(chosen_path),
+        "chosen_method": chosen.method,
+        "chosen_size": chosen.size,
+        "identical_to_greedy": identical,
+        "plain": {"tokens": plain["tokens"], "seconds": plain["seconds"], "tokens_per_s": plain["tokens_per_s"]},
+        "prediction_error": chosen.measured["tokens_per_step"] / chosen.predicted_tokens_per_step - 1,
+        "best_measured": {"method": best_measured.method, "size": best_measured.size,
+                          "measured_speedup": best_measured.measured["speedup"]},
+        "rows": rows,
+        "profile": str(profile_path),
+        "accept": str(accept_path),
+        "model": loaded.name,
+        "device": device,
+        "dtype": dtype_name(next(model.parameters()).dtype),
+        "prompt_tokens": {"dir": str(pt_dir), "P": P, "E": E},
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
+        "wall_s": None,
+    }
+    summary["wall_s"] = time.time() - t_start
+    atomic_write_json(out_dir / "summary.json", summary)
+    say(format_table(summary))
+    if s.report:
+        from planner.report import write_report
+
+        index = write_report(out_dir / "report", profiles=[str(profile_path)], accepts=[str(accept_path)],
+                             trees=[str(chosen_path)], run_dir=str(out_dir))
+        summary["report"] = str(index)
+        atomic_write_json(out_dir / "summary.json", summary)
+        say(f"report: {index}")
+    say(f"run folder: {out_dir}  ({summary['wall_s']:.0f} s)")
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    head = f"{'method':8} {'size':>5} {'n_real':>7} {'tok/step pred':>13} {'meas':>6} {'speedup pred':>12} {'meas':>6}  same"
+    lines = [head, "-" * len(head)]
+    for r in summary["rows"]:
+        mark = " *" if r["chosen"] else ""
+        lines.append(
+            f"{r['method']:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
+            f"{r['measured_tokens_per_step']:>6.2f} {r['predicted_speedup']:>12.2f} {r['measured_speedup']:>6.2f}  "
+            f"{'yes' if r['identical_to_greedy'] else 'NO'}{mark}"
+        )
+    p = summary["plain"]
+    lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s; * = chosen ({summary['chosen']}); "
+                 f"outputs identical to greedy: {summary['identical_to_greedy']}")
+    return "\n".join(lines)
