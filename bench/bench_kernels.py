@@ -1,0 +1,261 @@
+"""Kernel benchmark (needs a CUDA GPU): tree attention and KV compaction against their baselines.
+
+  python bench/bench_kernels.py [--repeats 30] [--no-flex] [--out bench/results]
+  python bench/bench_kernels.py --smoke      # CPU, Triton interpreter, tiny shapes: checks the code paths only
+
+Tree attention, Llama-2-7B shapes (32 heads, head dim 128, fp16, batch 1), n tree tokens over a
+cache of C tokens, n in {16, 32, 64, 128, 256}, C in {256, 2048, 8192}, all in the same run:
+- triton: kernels.tree_attention (ancestor bitmasks, built once per tree shape, not timed);
+- sdpa_dense: torch SDPA with the dense additive float mask [1, 1, n, C + n] the decoder builds
+  today (mask built once, not timed; `sdpa_dense_with_mask_us` adds building it, as the decoder does every step);
+- flex: torch.compile'd FlexAttention with a block mask from the same tree (block mask built
+  once per shape; its build time is reported separately).
+KV compaction, 32 layers, C = 2048, tree of 64 tokens, m accepted rows: kernels.kv_compact (one
+launch) against the per-layer PyTorch gather + copy loop. Verification floor: argmax over the
+tree's logits [n, 32000] plus the device-to-host copy, to judge whether a fused verification
+kernel is worth writing (issue item 3).
+
+Medians over repeats of CUDA-event timings (each timing covers `inner` calls). Writes
+bench/results/kernels.json and kernels.md. Without CUDA it prints a message and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=30, help="timings per case (median reported)")
+    p.add_argument("--inner", type=int, default=10, help="calls per timing")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, writes nothing")
+    return p.parse_args(argv)
+
+
+def random_tree(n: int, seed: int = 0) -> list[int]:
+    """A bushy random tree (parent among the previous 8 nodes), roughly the shape planners produce."""
+    import random
+
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(max(0, i - 8), i) for i in range(1, n)]
+
+
+def timer(device: str, repeats: int, inner: int):
+    import torch
+
+    def measure(fn) -> float:
+        """Median microseconds per call."""
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(inner):
+                    fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / inner)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                times.append((time.perf_counter() - t0) * 1e6 / inner)
+        return statistics.median(times)
+
+    return measure
+
+
+def bench_tree_attention(cfg, measure, use_flex: bool, progress):
+    import torch
+    import torch.nn.functional as F
+
+    from decoder.forward import ancestor_matrix, tree_attention_mask
+    from kernels import tree_attention, tree_attention_ref, tree_mask
+
+    dev, dtype, H, H_kv, D = cfg["device"], cfg["dtype"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    flex = None
+    if use_flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        torch._dynamo.config.cache_size_limit = 64
+    rows = []
+    for C in cfg["prefix"]:
+        for n in cfg["tree"]:
+            parents = random_tree(n, seed=n)
+            g = torch.Generator(device="cpu").manual_seed(n + C)
+            q = torch.randn(1, H, n, D, generator=g).to(dev, dtype)
+            k = torch.randn(1, H_kv, C + n, D, generator=g).to(dev, dtype)
+            v = torch.randn(1, H_kv, C + n, D, generator=g).to(dev, dtype)
+            tm = tree_mask(parents, device=dev)
+            anc = ancestor_matrix(parents)
+            dense = tree_attention_mask(anc, C, dtype, dev)  # [1, 1, n, C + n]
+            ref = tree_attention_ref(q, k, v, parents, C).float()
+            row = {"n": n, "C": C}
+
+            out = tree_attention(q, k, v, tm, C, backend="triton")
+            row["triton_max_err"] = float((out.float() - ref).abs().max())
+            row["triton_us"] = measure(lambda: tree_attention(q, k, v, tm, C, backend="triton"))
+
+            gqa = H != H_kv
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)  # noqa: E731
+            row["sdpa_dense_max_err"] = float((sdpa().float() - ref).abs().max())
+            row["sdpa_dense_us"] = measure(sdpa)
+            row["sdpa_dense_with_mask_us"] = measure(
+                lambda: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=tree_attention_mask(anc, C, dtype, dev), enable_gqa=gqa
+                )
+            )
+
+            if flex is not None:
+                try:
+                    anc_dev = anc.to(dev)
+
+                    def mask_mod(b, h, qi, kv):
+                        return (kv < C) | anc_dev[qi, (kv - C).clamp(min=0)]
+
+                    t0 = time.perf_counter()
+                    block_mask = create_block_mask(mask_mod, None, None, n, C + n, device=dev)
+                    row["flex_block_mask_build_us"] = (time.perf_counter() - t0) * 1e6
+                    fx = lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)  # noqa: E731
+                    row["flex_max_err"] = float((fx().float() - ref).abs().max())
+                    row["flex_us"] = measure(fx)
+                except Exception as e:  # a FlexAttention limit must not lose the other columns
+                    row["flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            row["speedup_vs_sdpa_dense"] = row["sdpa_dense_us"] / row["triton_us"]
+            rows.append(row)
+            progress.update(1)
+    return rows
+
+
+def bench_kv_compact(cfg, measure, progress):
+    import torch
+
+    from kernels import kv_compact
+
+    dev, dtype, H_kv, D = cfg["device"], cfg["dtype"], cfg["kv_heads"], cfg["head_dim"]
+    layers, C, n = cfg["layers"], cfg["compact_prefix"], cfg["compact_tree"]
+    ks = [torch.randn(1, H_kv, C + n, D, device=dev, dtype=dtype) for _ in range(layers)]
+    vs = [torch.randn(1, H_kv, C + n, D, device=dev, dtype=dtype) for _ in range(layers)]
+    rows = []
+    for m in cfg["accepted"]:
+        idx = torch.linspace(0, n - 1, m).round().long().unique().to(dev)  # a strictly increasing path
+
+        def torch_loop():
+            src = idx + C
+            for t in ks + vs:
+                t[:, :, C : C + idx.numel()] = t[:, :, src]
+
+        rows.append({
+            "layers": layers, "C": C, "n": n, "m": int(idx.numel()),
+            "triton_us": measure(lambda: kv_compact(ks, vs, C, idx, backend="triton", validate=False)),
+            "torch_loop_us": measure(torch_loop),
+        })
+        rows[-1]["speedup"] = rows[-1]["torch_loop_us"] / rows[-1]["triton_us"]
+        progress.update(1)
+    return rows
+
+
+def bench_verify_floor(cfg, measure, progress):
+    import torch
+
+    rows = []
+    for n in cfg["tree"]:
+        logits = torch.randn(n, cfg["vocab"], device=cfg["device"], dtype=cfg["dtype"])
+        rows.append({"n": n, "argmax_to_host_us": measure(lambda: logits.argmax(-1).cpu())})
+        progress.update(1)
+    return rows
+
+
+def write_markdown(res) -> str:
+    lines = [
+        "# Kernel benchmark", "",
+        f"Machine: {res['machine']}; torch {res['torch']}, triton {res['triton']}. "
+        f"Medians over {res['repeats']} timings of {res['inner']} calls, microseconds per call.", "",
+        f"## Tree attention ({res['config']['heads']} heads, {res['config']['kv_heads']} KV heads, "
+        f"d = {res['config']['head_dim']}, {res['config']['dtype']}, batch 1)", "",
+        "| C | n | triton | SDPA dense mask | SDPA + mask build | flex | speedup vs SDPA |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["tree_attention"]:
+        flex = f"{r['flex_us']:.1f}" if "flex_us" in r else ("error" if "flex_error" in r else "-")
+        lines.append(
+            f"| {r['C']} | {r['n']} | {r['triton_us']:.1f} | {r['sdpa_dense_us']:.1f} | "
+            f"{r['sdpa_dense_with_mask_us']:.1f} | {flex} | {r['speedup_vs_sdpa_dense']:.2f} |"
+        )
+    lines += ["", "## KV compaction (one launch vs a per-layer PyTorch loop; tree of "
+              f"{res['config']['compact_tree']} tokens)", "",
+              "| layers | C | m | triton | torch loop | speedup |", "|---|---|---|---|---|---|"]
+    for r in res["kv_compact"]:
+        lines.append(f"| {r['layers']} | {r['C']} | {r['m']} | {r['triton_us']:.1f} | {r['torch_loop_us']:.1f} | {r['speedup']:.2f} |")
+    lines += ["", "## Verification floor (argmax over [n, vocab] logits + copy to host)", "",
+              "| n | us |", "|---|---|"]
+    for r in res["verify_floor"]:
+        lines.append(f"| {r['n']} | {r['argmax_to_host_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device; GPU timings skipped (use --smoke to check the code paths on the CPU)")
+        return 0
+    import triton
+    from tqdm import tqdm
+
+    if args.smoke:
+        cfg = dict(device="cpu", dtype=torch.float32, heads=4, kv_heads=2, head_dim=64, prefix=[0, 70], tree=[16, 33],
+                   layers=3, compact_prefix=40, compact_tree=16, accepted=[1, 4], vocab=1000)
+        args.repeats, args.inner = 1, 1
+    else:
+        cfg = dict(device="cuda", dtype=torch.float16, heads=32, kv_heads=32, head_dim=128,
+                   prefix=[256, 2048, 8192], tree=[16, 32, 64, 128, 256],
+                   layers=32, compact_prefix=2048, compact_tree=64, accepted=[1, 2, 4, 8, 16], vocab=32000)
+    measure = timer(cfg["device"], args.repeats, args.inner)
+    use_flex = not args.no_flex and not args.smoke
+    total = len(cfg["prefix"]) * len(cfg["tree"]) + len(cfg["accepted"]) + len(cfg["tree"])
+    res = {
+        "machine": torch.cuda.get_device_name() if cfg["device"] == "cuda" else f"{platform.machine()} CPU (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__, "repeats": args.repeats, "inner": args.inner,
+        "config": {k: (str(v) if k == "dtype" else v) for k, v in cfg.items()},
+    }
+    with tqdm(total=total, desc="bench_kernels") as progress:
+        try:
+            res["tree_attention"] = bench_tree_attention(cfg, measure, use_flex, progress)
+            res["kv_compact"] = bench_kv_compact(cfg, measure, progress)
+            res["verify_floor"] = bench_verify_floor(cfg, measure, progress)
+        except KeyboardInterrupt:
+            print("bench_kernels: interrupted, nothing written", file=sys.stderr)
+            return 130
+    md = write_markdown(res)
+    print(md)
+    if args.smoke:
+        bad = [r for r in res["tree_attention"] if r["triton_max_err"] > 1e-4]
+        print("smoke:", "FAILED" if bad else "ok (kernel matches reference; CPU timings are meaningless)")
+        return 1 if bad else 0
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    atomic_write_json(args.out / "kernels.json", res)
+    atomic_write_bytes(args.out / "kernels.md", md.encode())
+    print(f"wrote {args.out / 'kernels.json'} and kernels.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
