@@ -148,8 +148,8 @@ def load_model(spec: str, device: str | None = None, dtype: str | None = None) -
     if has_weights and device != "meta":
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, config=config, dtype=torch_dtype, local_files_only=True, device_map=device
-            )
+                path, config=config, dtype=torch_dtype, local_files_only=True
+            ).to(device)  # not device_map=: that needs accelerate
         except (OSError, ValueError) as e:
             raise UserError(f"{path}: cannot load weights ({str(e).splitlines()[0]})") from None
     else:
