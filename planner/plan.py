@@ -88,6 +88,8 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
     if method == "ppd":
         if size is not None:
             raise UserError("ppd takes --input-length (tokens per forward pass), not --size")
+        if max_depth is not None:
+            raise UserError("ppd trees of state s reach depth s <= P: set --prompt-tokens, not --max-depth")
         tree = _plan_ppd(accept, input_length, prompt_tokens, profile, max_input_length, improved,
                          per_state_budgets, progress)
     else:

@@ -126,16 +126,26 @@ def paper_values(accept: Acceptance, input_length: int, P: int) -> np.ndarray:
 
 @dataclass
 class _Allocation:
-    value: np.ndarray  # [C+1, B+1] best sum_u last[c,u] * V(k_u) - V(0) with exactly p prompt tokens
+    value: np.ndarray  # [C+1, B+1] best sum_u last[c,u] * V(k_u) - V(0) with at most p prompt tokens
     order: np.ndarray | None  # [C+1, (C+1)*P] fast path: (j-major) flat indices, best first
     V: np.ndarray  # [C+1, P+1] the values used (per c)
+    use: np.ndarray  # [C+1, P+1] tokens actually placed for a nominal k (fewer when V(k) is no record)
 
 
 def _allocation(opts: _StateOptions, V: np.ndarray, P: int) -> _Allocation:
-    """Best prompt-token allocation for every (c, p). V is [P+1] or [C+1, P+1]."""
+    """Best prompt-token allocation for every (c, p). V is [P+1] or [C+1, P+1].
+
+    A count k whose V(k) does not beat every smaller count is dominated (fewer tokens, same or
+    more value), so V is replaced by its running maximum and k by the count that attains it;
+    budgets are then "at most p", which is what the callers optimise over anyway.
+    """
     C = len(opts.tau) - 1
     V = np.broadcast_to(np.asarray(V, dtype=np.float64), (C + 1, P + 1))
-    delta = np.diff(V, axis=1)  # [C+1, P]
+    use = np.zeros((C + 1, P + 1), dtype=np.int64)
+    for k in range(1, P + 1):
+        use[:, k] = np.where(V[:, k] > V[np.arange(C + 1), use[:, k - 1]], k, use[:, k - 1])
+    V_run = np.take_along_axis(V, use, axis=1)
+    delta = np.diff(V_run, axis=1)  # [C+1, P] >= 0
     B = P * (C + 1)
     if np.all(np.diff(delta, axis=1) <= 1e-12):
         # values[c, j, u] = last[c, u] * delta[c, j]; nodes beyond c do not exist
@@ -145,12 +155,12 @@ def _allocation(opts: _StateOptions, V: np.ndarray, P: int) -> _Allocation:
         order = np.argsort(-values, axis=1, kind="stable")  # ties: lower j first keeps k prefix-closed
         value = np.zeros((C + 1, B + 1))
         value[:, 1:] = np.cumsum(np.take_along_axis(values, order, axis=1), axis=1)
-        return _Allocation(value, order, V)
+        return _Allocation(value, order, V_run, use)
     value = np.full((C + 1, B + 1), NEG)
     for c in range(C + 1):
         best, _ = _knapsack(opts.last[c, : c + 1], V[c], P)
         value[c, : len(best)] = best - V[c, 0]
-    return _Allocation(value, None, V)
+    return _Allocation(value, None, np.array(V), np.tile(np.arange(P + 1), (C + 1, 1)))
 
 
 def _knapsack(w: np.ndarray, V: np.ndarray, P: int):
@@ -173,7 +183,7 @@ def _prompt_counts(opts: _StateOptions, alloc: _Allocation, c: int, p: int, P: i
     C = len(opts.tau) - 1
     if alloc.order is not None:
         u = alloc.order[c, :p] % (C + 1)
-        return np.bincount(u, minlength=C + 1)[: c + 1].tolist()
+        return alloc.use[c, np.bincount(u, minlength=C + 1)[: c + 1]].tolist()
     _, choice = _knapsack(opts.last[c, : c + 1], alloc.V[c], P)
     ks, b = [], p
     for u in range(c, -1, -1):

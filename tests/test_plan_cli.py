@@ -96,6 +96,7 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, con
     (["ppd", "--accept", PPD, "--input-length", 30, "--prompt-tokens", 4], "distances 1..4"),
     (["ppd", "--accept", PPD, "--size", 30], "not --size"),
     (["ppd", "--accept", PPD], "needs --input-length"),
+    (["ppd", "--accept", PPD, "--input-length", 30, "--max-depth", 2], "not --max-depth"),
     (["ppd", "--accept", PPD, "--input-length", 0], "--input-length must be >= 1"),
 ])
 def test_bad_options(tmp_path, capsys, args, message):
