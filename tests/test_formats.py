@@ -156,3 +156,15 @@ def test_sequoia_contiguity_and_ppd_depth_checks():
     no_pt = _mutate(ppd, lambda d: d["states"][2].pop("prompt_tokens"))
     with pytest.raises(UserError, match="prompt_tokens"):
         tree_from_json(no_pt, "x.json")
+
+
+def test_committed_example_trees_are_valid():
+    trees = sorted(p for p in SCHEMA_PATH.parent.glob("*.json") if p.name != "schema.json")
+    assert trees
+    for p in trees:
+        jsonschema.validate(json.loads(p.read_text()), SCHEMA)
+        tree = load_tree(p)
+        if tree.method == "ppd":
+            pi = np.array([st.stationary_probability for st in tree.states])
+            M = np.array([st.transitions for st in tree.states])
+            np.testing.assert_allclose(pi @ M, pi, atol=1e-9)
