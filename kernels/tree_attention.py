@@ -7,7 +7,9 @@ tree token j is i or one of its ancestors), so no [n, C + n] mask is ever materi
 
 Grouped-query attention: the G = H / H_kv query heads that share one KV head are packed into the
 rows of one program (row = g * n + i), so a small tree (n = 16) still fills a 64-row tile and
-every K/V block is loaded once per KV head instead of once per query head.
+every K/V block is loaded once per KV head instead of once per query head. When a small tree
+leaves the GPU half idle over a long prefix, the prefix is split over several programs whose
+partial softmaxes a second small kernel combines (flash-decoding).
 
 Triton is optional: without it (or on the CPU without TRITON_INTERPRET=1) `tree_attention`
 runs the plain PyTorch reference, unless backend="triton" is asked for, which raises.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -89,19 +92,22 @@ if triton is not None:
 
     @triton.jit
     def _tree_attn_fwd(
-        Q, K, V, Out, Bits,
+        Q, K, V, Out, Bits, Mid, Lse,  # Mid [S, B, H, n, d] / Lse [S, B, H, n] fp32: per-split partials
         stride_qb, stride_qh, stride_qn, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_on, stride_od,
         stride_bits,
-        H_KV, N_TREE, PREFIX, qk_scale,  # qk_scale = log2(e) * scale: softmax in base 2
+        N_BATCH, H_KV, N_TREE, PREFIX, qk_scale,  # qk_scale = log2(e) * scale: softmax in base 2
+        SPLIT_SIZE, NUM_SPLITS,  # prefix keys per split (a multiple of BLOCK_N), number of splits
+        SPLIT: tl.constexpr,  # NUM_SPLITS > 1: write partials for _split_combine instead of Out
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,  # the CPU interpreter's tl.dot is wrong for bf16: upcast there
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
         b = pid_bh // H_KV
         kvh = pid_bh % H_KV
 
@@ -127,10 +133,13 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Prefix: every query sees every cached key, so only the sequence end is masked.
-        for start in range(0, PREFIX, BLOCK_N):
+        # Prefix: every query sees every cached key, so only the sequence end is masked. With
+        # splits (flash-decoding), program pid_s covers one slice of it.
+        lo = pid_s * SPLIT_SIZE
+        hi = tl.minimum(lo + SPLIT_SIZE, PREFIX)
+        for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < PREFIX
+            col_ok = cols < hi
             kt = tl.load(k_base + cols[None, :] * stride_kn + d[:, None] * stride_kd,
                          mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             if DOT_F32:
@@ -150,7 +159,9 @@ if triton is not None:
 
         # Tree part: topological order means no query sees a key after itself, so the loop stops
         # at the block's last token; visibility comes from one bitmask word per (query, key).
+        # The last split also takes the tree part.
         tree_hi = tl.max(tl.where(row_ok, i, 0), 0) + 1
+        tree_hi = tl.where(pid_s == NUM_SPLITS - 1, tree_hi, 0)
         for start in range(0, tree_hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             col_ok = j < N_TREE
@@ -176,10 +187,45 @@ if triton is not None:
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows only: every real row sees itself
         out = acc / l_i[:, None]
-        tl.store(
-            Out + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + d[None, :] * stride_od,
-            out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
-        )
+        if SPLIT:
+            flat = ((pid_s * N_BATCH + b) * (H_KV * GROUP) + h) * N_TREE + i  # row of [S, B, H, n]
+            tl.store(Lse + flat, m_i + tl.math.log2(l_i), mask=row_ok)
+            tl.store(Mid + flat[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(
+                Out + b * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + d[None, :] * stride_od,
+                out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+    @triton.jit
+    def _split_combine(
+        Mid, Lse, Out,
+        stride_ob, stride_oh, stride_on, stride_od,
+        H, N_TREE, ROWS, NUM_SPLITS,  # ROWS = B * H * n
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, i)
+        r_ok = r < ROWS
+        b = r // (H * N_TREE)
+        h = (r // N_TREE) % H
+        i = r % N_TREE
+        d = tl.arange(0, BLOCK_D)
+        ok = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+        m = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for sp in range(0, NUM_SPLITS):
+            lse = tl.load(Lse + sp * ROWS + r, mask=r_ok, other=-1.0e30)
+            o = tl.load(Mid + (sp * ROWS + r)[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.math.exp2(m - m_new)
+            w = tl.math.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + w[:, None] * o
+            l = l * alpha + w
+            m = m_new
+        l = tl.where(l == 0.0, 1.0, l)
+        tl.store(Out + b[:, None] * stride_ob + h[:, None] * stride_oh + i[:, None] * stride_on + d[None, :] * stride_od,
+                 (acc / l[:, None]).to(Out.dtype.element_ty), mask=ok)
 
     # Decorated while TRITON_INTERPRET=1 was set: the kernel then runs on CPU tensors.
     INTERPRETED = type(_tree_attn_fwd).__name__ == "InterpretedFunction"
@@ -213,6 +259,7 @@ def tree_attention(
     backend: str = "auto",
     out: torch.Tensor | None = None,
     scale: float | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of n tree tokens over a cache prefix plus the tree; returns out [B, H, n, d].
 
@@ -223,6 +270,9 @@ def tree_attention(
     reference), "triton" (raise if it cannot run) or "reference".
     out: optional [B, H, n, d] tensor (any strides, e.g. a transposed [B, n, H, d] buffer) to write into.
     scale: softmax scale, 1 / sqrt(d) when None.
+    num_splits: split the prefix over this many programs per row block and combine their partial
+    softmaxes (flash-decoding); None picks a number that fills the GPU when the tree is small
+    and the prefix long (always 1 under the interpreter).
     """
     B, H, n, D = q.shape
     Bk, H_kv, L, Dk = k.shape
@@ -261,14 +311,46 @@ def tree_attention(
     block_n = 64
     block_d = triton.next_power_of_2(D)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no silent tf32 rounding
-    grid = (triton.cdiv(rows, block_m), B * H_kv)
+    programs = triton.cdiv(rows, block_m) * B * H_kv
+    if num_splits is None:
+        num_splits = _auto_splits(programs, prefix_len, q.device)
+    split_size = triton.cdiv(triton.cdiv(max(prefix_len, 1), max(num_splits, 1)), block_n) * block_n
+    num_splits = max(1, triton.cdiv(prefix_len, split_size))  # no empty splits
+    if num_splits > 1:
+        mid = torch.empty(num_splits, B, H, n, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, B, H, n, dtype=torch.float32, device=q.device)
+    else:
+        mid = lse = out  # unused
+    grid = (triton.cdiv(rows, block_m), B * H_kv, num_splits)
     _tree_attn_fwd[grid](
-        q, k, v, out, tm.bits,
+        q, k, v, out, tm.bits, mid, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         tm.bits.stride(0),
-        H_kv, n, prefix_len, math.log2(math.e) * (scale if scale is not None else 1.0 / math.sqrt(D)),
+        B, H_kv, n, prefix_len, math.log2(math.e) * (scale if scale is not None else 1.0 / math.sqrt(D)),
+        split_size, num_splits, SPLIT=num_splits > 1,
         GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=precision, DOT_F32=INTERPRETED and q.dtype == torch.bfloat16,
         num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
+    if num_splits > 1:
+        block_r = 16
+        _split_combine[(triton.cdiv(B * H * n, block_r),)](
+            mid, lse, out, *out.stride(), H, n, B * H * n, num_splits,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_R=block_r,
+        )
     return out
+
+
+@lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _auto_splits(programs: int, prefix_len: int, device: torch.device) -> int:
+    """Enough prefix splits to give every SM about two programs, each split at least 512 keys."""
+    if device.type != "cuda" or prefix_len < 1024:
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), prefix_len // 512))

@@ -137,6 +137,26 @@ def test_tree_attention_kernel_matches_reference(n, C, H, H_kv, D, dtype, kind):
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "n,C,H,H_kv,D,dtype,splits",
+    [(7, 300, 8, 2, 64, torch.float32, 3), (16, 1000, 4, 1, 128, torch.float16, 4),
+     (5, 65, 2, 2, 64, torch.bfloat16, 2), (3, 64, 2, 1, 64, torch.float32, 8), (9, 0, 2, 1, 64, torch.float32, 4)],
+)
+def test_tree_attention_split_prefix_matches_reference(n, C, H, H_kv, D, dtype, splits):
+    """Flash-decoding path: prefix split over programs, partial softmaxes combined by a second kernel."""
+    ta, _ = _kernel_modules()
+    gen = torch.Generator().manual_seed(n + C)
+    parents = random_parents(n, "forest", gen)
+    q = torch.randn(2, H, n, D, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(2, H_kv, C + n, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(2, H_kv, C + n, D, generator=gen).to(DEVICE, dtype)
+    out = torch.empty(2, n, H, D, dtype=dtype, device=DEVICE)
+    ta.tree_attention(q, k, v, parents, C, backend="triton", num_splits=splits, out=out.transpose(1, 2))
+    want = reference.tree_attention_ref(q, k, v, parents, C)
+    torch.testing.assert_close(out.transpose(1, 2).float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_triton
 def test_tree_attention_kernel_strided_inputs_and_out_buffer():
     """q as transformers hands it over (a transposed [B, n, H, d] view), output into a [B, n, H, d] buffer."""
     ta, _ = _kernel_modules()
