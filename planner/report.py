@@ -21,7 +21,6 @@ from planner.profile import LatencyProfile, load_profile, profile_from_json
 from planner.tree import Tree, load_tree
 
 MAX_TABLE_ROWS = 80
-SPEEDUP_METHODS = ("ppd", "medusa", "sequoia")
 
 
 @dataclass
@@ -109,15 +108,29 @@ def fig_latency(profiles: list[ProfileInput]) -> Section:
                    "The planner reads the line (fit when present).", table, fig)
 
 
-def _size_grid(max_size: int) -> list[int]:
-    small = list(range(1, min(max_size, 16) + 1))
-    return sorted(set(small + list(range(16, max_size + 1, 4)) + [max_size]))
+def _length_grid(max_length: int) -> list[int]:
+    small = list(range(2, min(max_length, 16) + 1))
+    return sorted(set(small + list(range(16, max_length + 1, 4)) + [max_length]))
+
+
+def _ppd_prompt_tokens(accept) -> int:
+    from planner.tune import PLAN_DEFAULT_PROMPT_TOKENS
+
+    d = accept.max_depth
+    return PLAN_DEFAULT_PROMPT_TOKENS if d is None else min(PLAN_DEFAULT_PROMPT_TOKENS, d)
+
+
+def _plan_at_length(method: str, accept, n: int) -> Tree:
+    """The planner's best tree whose forward pass has n tokens (medusa/sequoia: n - 1 candidates)."""
+    from planner.plan import plan
+
+    if method == "ppd":
+        return plan("ppd", accept, input_length=n, prompt_tokens=_ppd_prompt_tokens(accept))
+    return plan(method, accept, size=n - 1)
 
 
 def fig_tokens_per_step(sources: list, max_size: int = 64) -> Section:
-    """Expected tokens per step versus tree size for each method, on each acceptance file."""
-    from planner.plan import plan
-
+    """Expected tokens per step versus tree size (input length) for each method, on each acceptance file."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     table = []
@@ -125,72 +138,81 @@ def fig_tokens_per_step(sources: list, max_size: int = 64) -> Section:
     for src in sources:
         for method in src.methods:
             xs, ys = [], []
-            for n in _size_grid(max_size):
+            for n in _length_grid(max_size + 1):
                 try:
-                    tree = plan(method, src.accept, size=n)
+                    tree = _plan_at_length(method, src.accept, n)
                 except UserError:
                     continue
                 xs.append(n)
                 ys.append(tree.expected_tokens_per_step)
-                table.append({"acceptance": src.label, "method": method, "size": n,
-                              "max_input_length": tree.max_input_length,
+                table.append({"acceptance": src.label, "method": method, "input_length": n,
+                              "candidates": max(len(st.nodes) for st in tree.states),
                               "expected_tokens_per_step": round(tree.expected_tokens_per_step, 4)})
             if xs:
-                ax.plot(xs, ys, "-o", ms=2.5, color=f"C{k}", label=f"{method} on {Path(src.label).name}")
+                ax.plot(xs, ys, "-o", ms=2.5, color=f"C{k}", label=f"{method} on {_short(src.label)}")
                 k += 1
-    ax.set_xlabel("tree size (candidate tokens)")
+    ax.set_xlabel("tree size: input length (tokens per forward pass, root + candidates + prompt tokens)")
     ax.set_ylabel("expected tokens per step")
     ax.set_title("Expected tokens per step versus tree size (independence model)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return Section("Expected tokens per step versus tree size", "tokens_per_step.png",
-                   "Hardware-independent: the planner's best tree of each size and its expected tokens per "
-                   "decoding step (PPD: amortised over its states). The root token counts as 1.", table, fig)
+                   "Hardware-independent: the planner's best tree of each input length and its expected tokens "
+                   "per decoding step (PPD: amortised over its states, P = 3 prompt tokens). The root counts as 1.",
+                   table, fig)
+
+
+def _short(label: str) -> str:
+    return label.rsplit("/", 1)[-1]
 
 
 def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64) -> Section:
-    """Predicted speedup versus tree size, one line per machine, the chosen size marked (PPD fig. 8b)."""
+    """Predicted speedup versus tree size, one line per machine, the chosen tree starred (PPD fig. 8b)."""
     from planner.plan import plan
 
     plt = _plt()
     pairs = [(s, m) for s in sources for m in s.methods]
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.4 * len(pairs), 4.6), squeeze=False)
     table = []
     for ax, (src, method) in zip(axes[0], pairs):
         for i, p in enumerate(profiles):
             try:
-                tree = plan(method, src.accept, profile=p.profile, max_size=max_size,
-                            max_input_length=p.profile.max_input_length)
+                kw = {"prompt_tokens": _ppd_prompt_tokens(src.accept),
+                      "max_input_length": min(max_size + 1, p.profile.max_input_length)} if method == "ppd" else {}
+                tree = plan(method, src.accept, profile=p.profile, max_size=max_size, **kw)
             except UserError as e:
-                ax.text(0.5, 0.5 - 0.08 * i, f"{p.label}: {e}", transform=ax.transAxes, ha="center", fontsize=7)
+                ax.text(0.5, 0.5 - 0.08 * i, f"{p.label}: {e}", transform=ax.transAxes, ha="center", fontsize=7, wrap=True)
                 continue
-            curve = tree.size_curve or []
-            xs = [r.get("size", r["input_length"]) for r in curve]
-            ys = [r["predicted_speedup"] for r in curve]
-            ax.plot(xs, ys, "-", color=f"C{i}", lw=1.5, label=p.label)
-            best = max(range(len(ys)), key=ys.__getitem__) if ys else None
-            if best is not None:
-                ax.plot([xs[best]], [ys[best]], "*", ms=13, color=f"C{i}", mec="k",
-                        label=f"chosen: size {xs[best]}, {ys[best]:.2f}x")
+            curve = [r for r in (tree.size_curve or []) if r["input_length"] >= 2]
+            ax.plot([r["input_length"] for r in curve], [r["predicted_speedup"] for r in curve], "-", color=f"C{i}",
+                    lw=1.5, label=p.label)
+            n_best = tree.max_input_length
+            ax.plot([n_best], [tree.predicted_speedup], "*", ms=14, color=f"C{i}", mec="k",
+                    label=f"chosen: input length {n_best}, {tree.predicted_speedup:.2f}x")
             for r in curve:
                 table.append({"acceptance": src.label, "method": method, "profile": p.label,
-                              "size": r.get("size"), "input_length": r["input_length"],
+                              "input_length": int(r["input_length"]),
                               "expected_tokens_per_step": round(r["expected_tokens_per_step"], 4),
                               "latency_ms": round(r["latency_s"] * 1e3, 4),
-                              "predicted_speedup": round(r["predicted_speedup"], 4),
-                              "chosen": r is curve[best] if best is not None else False})
+                              "predicted_speedup": round(r["predicted_speedup"], 4)})
+            table.append({"acceptance": src.label, "method": method, "profile": p.label, "input_length": n_best,
+                          "expected_tokens_per_step": round(tree.expected_tokens_per_step, 4),
+                          "predicted_speedup": round(tree.predicted_speedup, 4), "chosen": True,
+                          "construction": tree.settings.get("construction", "")})
         ax.axhline(1.0, color="gray", lw=0.8, ls=":")
-        ax.set_xlabel("tree size (candidate tokens)")
+        ax.set_xlabel("tree size: input length (tokens per forward pass)")
         ax.set_ylabel("predicted speedup over plain decoding (x)")
-        ax.set_title(f"{method} on {Path(src.label).name}", fontsize=10)
+        ax.set_title(f"{method} on {_short(src.label)}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Predicted speedup versus tree size per machine (chosen size starred)")
+    fig.suptitle("Predicted speedup versus tree size per machine (the planner's choice starred)")
     fig.tight_layout()
     return Section("Predicted speedup versus tree size", "speedup.png",
-                   "speedup = expected tokens per step x L(1) / step latency, with L from each profile; the "
-                   "star marks the size the planner picks on that machine.", table, fig)
+                   "speedup = expected tokens per step x L(1) / step latency, with L from each profile (the PPD "
+                   "paper's figure 8b for these profiles). Lines: the best tree at each shared input length; star: "
+                   "the tree `planner plan` chooses (PPD with per-state budgets may sit above the line, its states "
+                   "using different lengths; drawn at its largest).", table, fig)
 
 
 def fig_run(summary: dict, label: str) -> Section:
@@ -348,13 +370,18 @@ def fig_study(study) -> list[Section]:
     xs = [t.number for t in done]
     ys = [t.values[0] for t in done]
     ref = [t for t in done if t.user_attrs.get("reference")]
-    ax.plot(xs, ys, "o", ms=4, color="C0", alpha=0.7, label="trial")
+    methods = sorted({str(t.params.get("method", "")) for t in done})
+    for k, m in enumerate(methods):
+        sel = [t for t in done if str(t.params.get("method", "")) == m]
+        ax.plot([t.number for t in sel], [t.values[0] for t in sel], "o", ms=4, color=f"C{k}", alpha=0.75,
+                label=f"trial: {m}" if m else "trial")
     best = np.maximum.accumulate(ys) if maximize else np.minimum.accumulate(ys)
     ax.step(xs, best, where="post", color="C3", lw=1.6, label="best so far")
     if ref:
         ax.plot([t.number for t in ref], [t.values[0] for t in ref], "D", ms=7, mfc="none", mec="k",
                 label="`planner plan` point (enqueued)")
     ax.set_xlabel("trial number")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(names[0])
     ax.set_title(f"Optuna history: study '{study.study_name}' ({len(done)} completed trials)")
     ax.grid(alpha=0.3)
@@ -371,10 +398,16 @@ def fig_study(study) -> list[Section]:
         other = [t for t in done if t.number not in front]
         pf = sorted((t for t in done if t.number in front), key=lambda t: t.values[1])
         ax.plot([t.values[1] for t in other], [t.values[0] for t in other], "o", ms=4, color="0.6", label="trial")
-        ax.plot([t.values[1] for t in pf], [t.values[0] for t in pf], "-o", ms=6, color="C3", label="Pareto front")
+        ax.plot([t.values[1] for t in pf], [t.values[0] for t in pf], "-o", ms=6, color="C3", drawstyle="steps-post",
+                label="Pareto front")
+        labelled = set()
         for t in pf:
+            key = (t.values[1], round(t.values[0], 6))
+            if key in labelled:
+                continue
+            labelled.add(key)
             ax.annotate(str(t.params.get("method", "")), (t.values[1], t.values[0]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
+                        xytext=(4, -9), textcoords="offset points")
         ax.set_xlabel(names[1])
         ax.set_ylabel(names[0])
         ax.set_title(f"Pareto front: {names[0]} versus {names[1]}")

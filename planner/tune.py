@@ -253,6 +253,27 @@ def suggest(trial, space: SearchSpace, profile: LatencyProfile | None, tune_veri
     return cfg
 
 
+def front_seed_points(space: SearchSpace, profile: LatencyProfile | None) -> list[dict]:
+    """Multi-objective: fixed sizes on a doubling grid per method, so the front's small-memory end is
+    sampled from the start instead of left to chance (the auto points sit at its fast end)."""
+    if profile is None:
+        return []
+    out = []
+    for ref in reference_points(space, profile):
+        m = ref["method"]
+        top = profile.max_input_length if m == "ppd" else space.max_size
+        grid, n = [], 2 if m == "ppd" else 1
+        while n <= top:
+            grid.append(n)
+            n *= 2
+        for n in grid:
+            p = dict(ref)
+            p[f"{m}.size_mode"] = "fixed"
+            p["ppd.input_length" if m == "ppd" else f"{m}.size"] = n
+            out.append(p)
+    return out
+
+
 def reference_points(space: SearchSpace, profile: LatencyProfile | None) -> list[dict]:
     """Trial parameters reproducing `planner plan` (automatic size, defaults), one per method and source."""
     out = []
@@ -446,6 +467,9 @@ def tune(space: SearchSpace, profile: LatencyProfile | None, *, trials: int, sto
     refs = reference_points(space, profile)
     for p in refs:
         study.enqueue_trial(p, user_attrs={"reference": True}, skip_if_exists=True)
+    if memory is not None:
+        for p in front_seed_points(space, profile):
+            study.enqueue_trial(p, skip_if_exists=True)
 
     from tqdm import tqdm
 

@@ -1,0 +1,141 @@
+"""planner report: every figure is produced from small inputs, well-formed, with its numbers."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from planner.accept import load_acceptance
+from planner.cli import main
+from planner.errors import UserError
+from planner.plan import plan, predicted_speedup
+from planner.profile import load_profile
+from planner.report import _layout, write_report
+from planner.tree import save_tree
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path: Path, obj) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    acc = _write(tmp_path / "acc.json", {"ppd-x": {"accuracy": [[0.55, 0.12, 0.05], [0.3, 0.1, 0.05], [0.15, 0.07, 0.04]]},
+                                          "medusa-x": {"accuracy": [[0.5, 0.1, 0.05], [0.3, 0.08, 0.04]]}})
+    n = [1, 2, 4, 8, 16, 24, 32]
+    lat_a = [0.010, 0.0101, 0.0102, 0.0105, 0.011, 0.0135, 0.016]
+    lat_b = [0.020, 0.0205, 0.021, 0.023, 0.027, 0.032, 0.037]
+    pa = _write(tmp_path / "a.json", {"device": "gpu-a", "model": "m", "context_length": 256, "input_lengths": n,
+                                      "latency_s": lat_a, "p10_s": [x * 0.98 for x in lat_a], "p90_s": [x * 1.03 for x in lat_a]})
+    pb = _write(tmp_path / "b.json", {"device": "cpu-b", "input_lengths": n, "latency_s": lat_b,
+                                      "fit": {"kind": "piecewise_linear", "input_lengths": n, "latency_s": lat_b}})
+    ppd_tree = plan("ppd", load_acceptance(f"{acc}:ppd-x"), profile=load_profile(pa), prompt_tokens=3)
+    save_tree(ppd_tree, tmp_path / "ppd.json")
+    save_tree(plan("medusa", load_acceptance(f"{acc}:medusa-x"), size=6), tmp_path / "medusa.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"method": "ppd", "input_length": n_, "predicted_tokens_per_step": 1 + 0.1 * n_, "measured_tokens_per_step": 1 + 0.09 * n_,
+             "predicted_speedup": 1.2 + 0.03 * n_, "measured_speedup": 1.1 + 0.03 * n_, "tree": f"t{n_}.json"} for n_ in (4, 8, 12)]
+    rows.append({"method": "medusa", "input_length": 7, "predicted_tokens_per_step": 1.9, "measured_tokens_per_step": None,
+                 "predicted_speedup": 1.7, "measured_speedup": None, "tree": "m.json"})
+    _write(run / "summary.json", {"chosen": "t8.json", "identical_to_greedy": True, "rows": rows})
+    return tmp_path, acc, pa, pb, run
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_full_report(inputs):
+    pytest.importorskip("optuna")
+    from planner.tune import SearchSpace, parse_accept_spec, tune
+
+    tmp, acc, pa, pb, run = inputs
+    space = SearchSpace([parse_accept_spec(f"{acc}:ppd-x"), parse_accept_spec(f"{acc}:medusa-x")], max_size=16)
+    tune(space, load_profile(pa), trials=6, storage=str(tmp / "s.db"), study_name="s", memory="input_length",
+         progress=False, seed=0)
+    index = write_report(tmp / "out", profiles=[pa, pb], accepts=[f"{acc}:ppd-x", f"{acc}:medusa-x"],
+                         trees=[tmp / "ppd.json", tmp / "medusa.json"], run_dir=run, storage=str(tmp / "s.db"),
+                         study_name="s", max_size=16)
+    out = tmp / "out"
+    want = {"latency.png", "tokens_per_step.png", "speedup.png", "run.png", "tree_ppd.png", "tree_medusa.png",
+            "study_history.png", "study_pareto.png"}
+    assert {p.name for p in out.glob("*.png")} == want
+    for name in want:
+        w, h = _png_size(out / name)
+        assert 300 < w < 4000 and 200 < h < 6000, name
+    page = index.read_text()
+    assert set(re.findall(r"<img src='([^']+)'", page)) == want
+    assert page.count("<table>") == len(want)
+    rep = json.loads((out / "report.json").read_text())
+    sections = {s["image"]: s for s in rep["sections"]}
+    # numbers behind the figures agree with the planner, computed independently here
+    lat = sections["latency.png"]["table"]
+    assert len(lat) == 2 * 7 and lat[0]["latency_ms"] == pytest.approx(10.0)
+    chosen = [r for r in sections["speedup.png"]["table"] if r.get("chosen")]
+    assert len(chosen) == 2 * 2  # one per (method, profile)
+    for r in chosen:
+        if r["method"] == "medusa":
+            prof = load_profile(pa if r["profile"].startswith("gpu-a") else pb)
+            t = plan("medusa", load_acceptance(f"{acc}:medusa-x"), profile=prof, max_size=16)
+            assert r["predicted_speedup"] == pytest.approx(predicted_speedup(t, prof), abs=1e-4)
+            assert r["input_length"] == t.max_input_length
+    tps = [r for r in sections["tokens_per_step.png"]["table"] if r["method"] == "medusa"]
+    for r in tps:
+        t = plan("medusa", load_acceptance(f"{acc}:medusa-x"), size=r["input_length"] - 1)
+        assert r["expected_tokens_per_step"] == pytest.approx(t.expected_tokens_per_step, abs=1e-4)
+    assert [r["state"] for r in sections["tree_ppd.png"]["table"]] == [0, 1, 2, 3]
+    assert len(sections["run.png"]["table"]) == 4  # rows without measurements are listed, not drawn
+    assert all("trial" in r for r in sections["study_pareto.png"]["table"])
+
+
+def test_only_what_inputs_allow(inputs):
+    tmp, acc, pa, pb, run = inputs
+    write_report(tmp / "o1", accepts=[f"{acc}:medusa-x"], max_size=8)
+    assert {p.name for p in (tmp / "o1").glob("*.png")} == {"tokens_per_step.png"}
+    assert "needs a latency profile" in (tmp / "o1" / "index.html").read_text()
+    write_report(tmp / "o2", trees=[tmp / "ppd.json", tmp / "ppd.json"])  # same name twice: two files
+    assert {p.name for p in (tmp / "o2").glob("*.png")} == {"tree_ppd.png", "tree_ppd_2.png"}
+
+
+def test_layout_centres_parents():
+    nodes = [(0,), (1,), (0, 0), (0, 1), (0, 2), (1, 0)]
+    pos = _layout(nodes)
+    leaves = [p for p in [()] + nodes if not any(q[:-1] == p for q in nodes)]
+    xs = sorted(pos[p][0] for p in leaves)
+    assert xs == [0.0, 1.0, 2.0, 3.0]  # leaves evenly spaced, no overlap
+    assert pos[(0,)][0] == pytest.approx((pos[(0, 0)][0] + pos[(0, 2)][0]) / 2)
+    assert all(pos[p][1] == len(p) for p in pos)
+
+
+def test_cli_report_and_errors(inputs, capsys):
+    tmp, acc, pa, pb, run = inputs
+    assert main(["report", "--profile", pa, "--tree", str(tmp / "medusa.json"), "--out", str(tmp / "c")]) == 0
+    assert (tmp / "c" / "index.html").exists() and (tmp / "c" / "latency.png").exists()
+    (tmp / "bad").mkdir()
+    _write(tmp / "bad" / "summary.json", {"rows": "x"})
+    cases = [
+        (["report", "--out", str(tmp / "e")], "nothing to draw"),
+        (["report", "--run", str(tmp / "bad"), "--out", str(tmp / "e")], "summary.json: field 'rows'"),
+        (["report", "--profile", str(tmp / "nope.json"), "--out", str(tmp / "e")], "nope.json: file not found"),
+        (["report", "--study-name", "x", "--out", str(tmp / "e")], "--study-name needs --storage"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.startswith("planner report: error:") and err.count("\n") == 1, err
+    pytest.importorskip("optuna")
+    from planner.tune import open_storage
+
+    open_storage(str(tmp / "empty.db"))
+    assert main(["report", "--storage", str(tmp / "empty.db"), "--out", str(tmp / "e")]) == 2
+    assert "holds 0 studies" in capsys.readouterr().err
+    with pytest.raises(UserError, match="expected a URL"):
+        write_report(tmp / "e", storage=str(tmp / "x.txt"))
