@@ -37,8 +37,12 @@ def count_hits(guesses: torch.Tensor, emitted: torch.Tensor) -> tuple[np.ndarray
 
 
 def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens: int = 64, progress: bool = False,
-                     eos_token_id=None) -> dict:
-    """Decode each prompt greedily with root-only steps; returns the acceptance JSON (planner/accept.py)."""
+                     eos_token_id=None, allow_empty: bool = False) -> dict:
+    """Decode each prompt greedily with root-only steps; returns the acceptance JSON (planner/accept.py).
+
+    allow_empty: return zero rows (accuracy 0) instead of an error when a distance has no data
+    (callers that merge counts over several calls).
+    """
     from tqdm import tqdm
 
     if guesser.input_embeddings() is None:
@@ -57,11 +61,11 @@ def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens
         hits += h
         totals += t
         positions += int(out.tokens.numel())
-    if totals.min() == 0:
+    if totals.min() == 0 and not allow_empty:
         raise UserError(f"measure_accuracy: {positions} positions decoded, too few to measure distance {int(np.argmin(totals)) + 1}")
     cfg = model.config
     return {
-        "accuracy": (hits / totals[:, None]).tolist(),
+        "accuracy": np.divide(hits, totals[:, None], out=np.zeros(hits.shape), where=totals[:, None] > 0).tolist(),
         "counts": hits.tolist(),
         "totals": totals.tolist(),
         "positions": positions,
