@@ -1,0 +1,73 @@
+"""`planner decode` and `planner accept`: outputs, and one-line errors for bad input."""
+import json
+
+import pytest
+import torch
+
+from planner.accept import load_acceptance
+from planner.cli import main
+from planner.tree import save_tree
+from test_decoder_utils import ppd_tree, static_tree
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def files(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["Hello there", "x"]}\n{"text": "Another prompt"}\n')
+    return {
+        "ppd": save_tree(ppd_tree(2, [0, 3, 6]), tmp_path / "ppd.json"),
+        "medusa": save_tree(static_tree("medusa", 10, 3), tmp_path / "medusa.json"),
+        "prompts": prompts,
+        "dir": tmp_path,
+    }
+
+
+def test_decode_writes_results_identical_to_plain(files, capsys):
+    out = files["dir"] / "out.json"
+    rc = main(["decode", "--plan", str(files["ppd"]), "--model", "tiny", "--random-prompt-tokens", "2",
+               "--prompts", str(files["prompts"]), "--max-new-tokens", "12", "--compare-plain", "-o", str(out),
+               "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["identical_to_plain"] is True
+    assert doc["summary"]["prompts"] == 2 and all(len(r["tokens"]) == 12 for r in doc["results"])
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_accept_writes_loadable_statistics(files):
+    out = files["dir"] / "acc.json"
+    tr = files["dir"] / "tr.json"
+    rc = main(["accept", "--model", "tiny", "--random-prompt-tokens", "2", "--top-k-guesses", "3",
+               "--prompts", str(files["prompts"]), "--max-new-tokens", "8", "-o", str(out),
+               "--plan", str(files["ppd"]), "--transitions-output", str(tr), "--no-progress"])
+    assert rc == 0
+    acc = load_acceptance(str(out))
+    doc = json.loads(out.read_text())
+    assert acc.accuracy.shape == (2, 3)
+    assert doc["totals"] == [14, 12] and doc["positions"] == 16
+    t = json.loads(tr.read_text())
+    assert sum(t["visits"]) > 0 and len(t["counts"]) == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["decode", "--plan", "{missing}", "--model", "tiny", "--random-prompt-tokens", "2"], "file not found"),
+    (["decode", "--plan", "{medusa}", "--model", "tiny", "--random-prompt-tokens", "2", "--prompts", "{prompts}"],
+     "the guesser guesses 2 distances"),
+    (["decode", "--plan", "{ppd}", "--model", "tiny", "--random-prompt-tokens", "2", "--prompts", "{bad}"],
+     "line 1: not valid JSON"),
+    (["decode", "--plan", "{ppd}", "--model", "tiny", "--prompt-tokens", "{dir}", "--prompts", "{prompts}"],
+     "prompt_tokens.json: file not found"),
+    (["decode", "--plan", "{ppd}", "--model", "tiny", "--top-p", "0"], "--top-p"),
+    (["accept", "--model", "tiny", "--random-prompt-tokens", "2", "-o", "{dir}/a.json", "--plan", "{ppd}"],
+     "--plan needs --transitions-output"),
+])
+def test_bad_input_is_one_line_error(files, capsys, argv, message):
+    (files["dir"] / "bad.jsonl").write_text("{not json\n")
+    paths = {**{k: str(v) for k, v in files.items()}, "missing": str(files["dir"] / "nope.json"),
+             "bad": str(files["dir"] / "bad.jsonl")}
+    rc = main([a.format(**paths) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith(f"planner {argv[0]}: error: ") and message in err and "\n" not in err
