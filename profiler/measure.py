@@ -2,9 +2,10 @@
 
 One sample = crop the cache back to C tokens (untimed), then one `decoder.forward.tree_forward`
 of n tokens with a tree-shaped 4D mask and explicit position ids (timed), exactly the pass the
-decoder runs each step. Clocks are not assumed stable: after a warm-up sweep in ascending order
-(which also finds the out-of-memory limit), every round visits the unfinished lengths in a fresh
-random order, so drift spreads over all lengths instead of bending the curve. A length is done
+decoder runs each step. Clocks are not assumed stable: the first round visits lengths coarse to
+fine (ends, then midpoints, so a budget that runs out early still leaves the range covered), and
+every later round visits the unfinished lengths in a fresh random order, so drift spreads over all
+lengths instead of bending the curve. A length is done
 when the 95% confidence interval of its median (order statistics) is within `target_rel_ci` of
 the median, or at `max_repeats`; the whole run stops at `time_budget_s`.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.forward import ancestor_matrix, crop_cache, prefill, tree_attention_mask, tree_depths, tree_forward
+from decoder.forward import ancestor_matrix, prefill, tree_attention_mask, tree_depths, tree_forward
 from planner.errors import UserError
 from profiler.fit import fit_latency
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
@@ -54,6 +55,21 @@ def median_rel_ci(samples: list[float]) -> float:
     k = max(0, int((r - 1.96 * math.sqrt(r)) / 2))
     med = float(np.median(x))
     return (x[r - 1 - k] - x[k]) / (2 * med) if med > 0 else math.inf
+
+
+def coarse_to_fine(m: int) -> list[int]:
+    """Indices 0..m-1: last, first, then midpoints level by level (breadth-first bisection)."""
+    order = [m - 1, 0][: min(m, 2)]
+    level = [(0, m - 1)]
+    while level:
+        nxt = []
+        for lo, hi in level:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                order.append(mid)
+                nxt += [(lo, mid), (mid, hi)]
+        level = nxt
+    return order
 
 
 def is_oom(e: BaseException) -> bool:
@@ -101,49 +117,58 @@ class Timer:
 
 
 class Runner:
-    """Runs one length's forward over a cache of C tokens, eagerly or as a replayed CUDA graph."""
+    """Runs one length's forward over a cache of C tokens, eagerly or as a replayed CUDA graph.
 
-    def __init__(self, model, cache, context_length: int, cuda_graphs: bool):
-        self.model, self.cache, self.C, self.cuda_graphs = model, cache, context_length, cuda_graphs
+    Before every pass the cache is reset to the same C-token prefix tensors, which this object
+    keeps alive: captured graphs read them, so they must never be freed or rewritten.
+    """
+
+    def __init__(self, model, cache, cuda_graphs: bool):
+        self.model, self.cache, self.cuda_graphs = model, cache, cuda_graphs
+        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H_kv, C, head_dim] each
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def eager(self, x: TreeInput) -> None:
-        crop_cache(self.cache, self.C)
+    def reset(self) -> None:
+        for layer, (k, v) in zip(self.cache.layers, self.prefix):
+            layer.keys, layer.values = k, v
+
+    def forward(self, x: TreeInput) -> None:
         tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
 
-    def prepare(self, n: int, x: TreeInput) -> None:
-        """Warm up; with CUDA graphs also capture. All graphs read the same C-token prefix, which
-        is restored after each capture so no graph reads another graph's output."""
-        crop_cache(self.cache, self.C)
+    def warm(self, n: int, x: TreeInput, times: int) -> None:
+        """`times` untimed passes; with CUDA graphs, then capture (warm-up on a side stream first,
+        as graph capture requires)."""
         if not self.cuda_graphs:
-            self.eager(x)
+            for _ in range(times):
+                self.reset()
+                self.forward(x)
             return
-        prefix = [(layer.keys, layer.values) for layer in self.cache.layers]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self.eager(x)
+            for _ in range(max(times, 2)):
+                self.reset()
+                self.forward(x)
         torch.cuda.current_stream().wait_stream(side)
-        crop_cache(self.cache, self.C)
         graph = torch.cuda.CUDAGraph()
+        self.reset()
         try:
             with torch.cuda.graph(graph):
-                tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+                self.forward(x)
         except RuntimeError as e:
             if is_oom(e):
                 raise
             raise UserError(f"--cuda-graphs: capture failed at input length {n} ({str(e).splitlines()[0]})") from None
         finally:
-            for layer, (k, v) in zip(self.cache.layers, prefix):
-                layer.keys, layer.values = k, v
+            self.reset()
         self.graphs[n] = graph
 
     def sample_fn(self, n: int, x: TreeInput):
+        """The thing to time: a graph replay, or one eager pass (the reset happens here, untimed)."""
         if self.cuda_graphs:
             return self.graphs[n].replay
-        crop_cache(self.cache, self.C)  # untimed: only the forward itself is measured
-        return lambda: tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+        self.reset()
+        return lambda: self.forward(x)
 
 
 @dataclass
@@ -151,6 +176,7 @@ class Series:
     batch_size: int
     samples: dict[int, list[float]] = field(default_factory=dict)  # n -> seconds
     stopped: dict | None = None  # {"reason", "input_length", ...} when cut short
+    unmeasured: list[int] = field(default_factory=list)  # lengths the time budget did not reach
 
     def to_json(self) -> dict | None:
         ns = sorted(n for n, s in self.samples.items() if s)
@@ -210,7 +236,7 @@ def profile_model(
     min_repeats: int = 5,
     max_repeats: int = 50,
     target_rel_ci: float = 0.02,
-    warmup: int = 2,
+    warmup: int = 1,
     seed: int = 0,
 ) -> dict:
     """Measure forward latency at every input length and batch size; returns the profile JSON object.
@@ -241,7 +267,17 @@ def profile_model(
     series: list[Series] = []
     interrupted = False
 
-    bar = tqdm(total=len(lengths) * len(batch_sizes), unit="pt", disable=not progress, dynamic_ncols=True)
+    # Time-based bar: the run is bounded by the budget, and how many samples a length needs is unknown.
+    bar = tqdm(total=round(time_budget_s, 1), disable=not progress, dynamic_ncols=True,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
+    n_samples = 0
+
+    def tick(b: int) -> None:
+        nonlocal n_samples
+        n_samples += 1
+        bar.update(min(time.time() - t_start, bar.total) - bar.n)
+        bar.set_postfix_str(f"batch {b}, {n_samples} samples", refresh=False)
+
     try:
         for bi, b in enumerate(batch_sizes):
             s = Series(b)
@@ -254,49 +290,65 @@ def profile_model(
                 if not is_oom(e):
                     raise
                 s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
-                bar.update(len(lengths))
                 _free(device)
                 continue
-            runner = Runner(hf, cache, context_length, cuda_graphs)
+            runner = Runner(hf, cache, cuda_graphs)
             inputs: dict[int, TreeInput] = {}
             active: list[int] = []
-            bar.set_description(f"warm-up b={b}")
-            for n in lengths:  # ascending: the first length that does not fit ends the sweep
+            todo = [lengths[i] for i in coarse_to_fine(len(lengths))]
+
+            def out_of_memory(n: int) -> None:
+                """Lengths from n up that have no sample yet are dropped; measured ones are kept."""
+                nonlocal todo, active
+                inputs.pop(n, None)
+                runner.graphs.pop(n, None)
+                _free(device)
+                runner.reset()
+                if s.stopped is None or n < s.stopped["input_length"]:
+                    s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": n}
+                todo = [m for m in todo if m < n]
+                active = [m for m in active if m < n]
+
+            # Round one, coarse to fine (ends, then midpoints): if the budget runs out here the
+            # measured lengths still span the range. Each length is warmed up just before its
+            # first sample; out of memory at n ends all longer lengths.
+            bar.set_description(f"profiling b={b}")
+            while todo:
+                if len(s.samples) >= 2 and time.time() > deadline:
+                    break
+                n = todo.pop(0)
                 try:
                     inputs[n] = make_tree_input(n, b, context_length, vocab, dtype, device, gen)
-                    for _ in range(max(1, warmup)):
-                        runner.prepare(n, inputs[n])
+                    runner.warm(n, inputs[n], warmup)
+                    s.samples[n] = [timer(runner.sample_fn(n, inputs[n]))]
+                    tick(b)
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                     if not is_oom(e):
                         raise
-                    inputs.pop(n, None)
-                    runner.graphs.pop(n, None)
-                    s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": n}
-                    _free(device)
-                    crop_cache(cache, context_length)
-                    bar.update(len([m for m in lengths if m >= n]))
-                    break
-                s.samples[n] = []
+                    out_of_memory(n)
+                    continue
                 active.append(n)
-            bar.set_description(f"profiling b={b}")
-            first_round = True
+            if todo:
+                s.unmeasured = sorted(todo)
+            # Later rounds: unfinished lengths in a fresh random order each time.
             while active:
                 rng.shuffle(active)
                 for n in list(active):
-                    # The first round always completes, so every length gets at least one sample.
-                    if not first_round and time.time() > deadline:
+                    if time.time() > deadline or n not in active:
                         break
-                    fn = runner.sample_fn(n, inputs[n])
-                    s.samples[n].append(timer(fn))
-                first_round = False
+                    try:
+                        s.samples[n].append(timer(runner.sample_fn(n, inputs[n])))
+                        tick(b)
+                    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                        if not is_oom(e):
+                            raise
+                        out_of_memory(n)
                 done = [n for n in active if len(s.samples[n]) >= max_repeats
                         or (len(s.samples[n]) >= min_repeats and median_rel_ci(s.samples[n]) <= target_rel_ci)]
                 if time.time() > deadline:
                     done = list(active)
                 for n in done:
                     active.remove(n)
-                bar.update(len(done))
-                bar.set_postfix(round=len(s.samples[lengths[0]]) if lengths[0] in s.samples else 0)
             del runner, cache, inputs
             _free(device)
     except KeyboardInterrupt:
@@ -345,7 +397,7 @@ def profile_model(
             "warmup": warmup,
             "cuda_graphs": cuda_graphs,
             "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
-            "order": "ascending warm-up sweep, then shuffled rounds over unfinished lengths",
+            "order": "first round coarse to fine (ends, then midpoints), later rounds shuffled over unfinished lengths",
             "tree": f"node i under node (i-1)//{TREE_BRANCHING}; position ids = context_length + depth",
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
             "seed": seed,
@@ -355,6 +407,9 @@ def profile_model(
     })
     if stopped:
         result["incomplete"] = stopped
+    unmeasured = {s.batch_size: s.unmeasured for s in series if s.unmeasured}
+    if unmeasured:
+        result["unmeasured_input_lengths"] = {str(b): ns for b, ns in unmeasured.items()}
     return result
 
 

@@ -361,3 +361,49 @@ def test_fit_interpolates_and_planner_reads_it(tmp_path):
     assert lp.latency(6) == pytest.approx(3.75) and lp.latency(3) == pytest.approx(2.5)
     with pytest.raises(UserError, match="outside the profiled range"):
         lp.latency(9)
+
+
+def test_budget_running_out_in_round_one_still_spans_the_range(small_model, monkeypatch):
+    import time
+
+    real = measure.tree_forward
+
+    def slow(*a, **kw):
+        time.sleep(0.05)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(measure, "tree_forward", slow)
+    prof = profile_model(small_model, list(range(1, 10)), context_length=8, time_budget_s=0.25, warmup=1, progress=False)
+    assert prof["input_lengths"][0] == 1 and prof["input_lengths"][-1] == 9 and len(prof["input_lengths"]) < 9
+    unmeasured = prof["unmeasured_input_lengths"]["1"]
+    assert sorted(unmeasured + prof["input_lengths"]) == list(range(1, 10))
+
+
+def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
+    real, calls = measure.tree_forward, {"n": 0}
+
+    def fake(model, input_ids, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] > 8 and input_ids.shape[1] >= 4:  # fits in round one, fails later (fragmentation)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(model, input_ids, *a, **kw)
+
+    monkeypatch.setattr(measure, "tree_forward", fake)
+    prof = profile_model(small_model, [1, 2, 4, 8], context_length=8, time_budget_s=2, min_repeats=3, max_repeats=3,
+                         warmup=1, progress=False)
+    assert prof["input_lengths"] == [1, 2, 4, 8] and prof["incomplete"][0]["input_length"] == 4
+    assert prof["repeats"][:2] == [3, 3] and all(r >= 1 for r in prof["repeats"][2:])
+
+
+def test_runner_resets_to_the_prefix(small_model):
+    from decoder.forward import prefill
+
+    _, cache = prefill(small_model.model, torch.arange(8)[None])
+    runner = measure.Runner(small_model.model, cache, cuda_graphs=False)
+    x = measure.make_tree_input(5, 1, 8, 128, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert x.mask.shape == (1, 1, 5, 13) and x.position_ids.tolist() == [[8, 9, 9, 9, 9]]
+    runner.warm(5, x, 2)
+    assert cache.get_seq_length() == 13
+    runner.sample_fn(5, x)()
+    runner.reset()
+    assert cache.get_seq_length() == 8 and cache.layers[0].keys is runner.prefix[0][0]
