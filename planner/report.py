@@ -215,7 +215,24 @@ def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64)
                    "using different lengths; drawn at its largest).", table, fig)
 
 
-def fig_run(summary: dict, label: str) -> Section:
+def study_rows(study) -> list[dict]:
+    """Trials of a measured study as autotune-style rows (predicted from the profile, measured by decoding)."""
+    import optuna
+
+    rows = []
+    for t in study.trials:
+        a = t.user_attrs
+        if t.state != optuna.trial.TrialState.COMPLETE or "measured_tokens_per_s" not in a:
+            continue
+        rows.append({"method": t.params.get("method"), "input_length": a.get("max_input_length"),
+                     "predicted_tokens_per_step": a.get("expected_tokens_per_step"),
+                     "measured_tokens_per_step": a.get("measured_tokens_per_step"),
+                     "predicted_speedup": a.get("predicted_speedup"), "measured_speedup": a.get("measured_speedup"),
+                     "tree": f"trial {t.number}"})
+    return rows
+
+
+def fig_run(summary: dict, label: str, image: str = "run.png", title: str = "Predicted versus measured (autotune run)") -> Section:
     """Predicted against measured tokens per step and speedup, one point per autotune row."""
     plt = _plt()
     rows = summary.get("rows")
@@ -257,12 +274,12 @@ def fig_run(summary: dict, label: str) -> Section:
         table.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                       if k in ("method", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
                                "predicted_speedup", "measured_speedup", "tree")})
-    fig.suptitle("Autotune run: the model's prediction against real decoding (labels: input length)")
+    fig.suptitle("The planner's prediction against real decoding (point labels: input length)")
     fig.tight_layout()
     caption = f"From {label}. Points on the dashed line are predicted exactly."
     if "identical_to_greedy" in summary:
         caption += f" Output identical to plain greedy decoding: {summary['identical_to_greedy']}."
-    return Section("Predicted versus measured (autotune run)", "run.png", caption, table, fig)
+    return Section(title, image, caption, table, fig)
 
 
 def _layout(nodes: list[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[float, int]]:
@@ -526,6 +543,10 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
         add(fig_tree(tree, label, name))
     if study is not None:
         add(fig_study(study))
+        rows = study_rows(study)
+        if any(isinstance(r["predicted_speedup"], (int, float)) for r in rows):
+            add(fig_run({"rows": rows}, f"study '{study.study_name}' (objective measured, with a profile)",
+                        "study_measured.png", "Predicted versus measured (tune study)"))
 
     inputs = {"profiles": [p.profile.source.get("file", p.label) for p in profs], "accepts": [s.label for s in sources],
               "trees": [str(s) if not isinstance(s, Tree) else "(in memory)" for s, _ in loaded_trees],

@@ -582,7 +582,7 @@ class MeasuredEvaluator:
 
     Guessers: PPD uses trained prompt tokens when `prompt_tokens_dir` is given; otherwise (and for
     medusa/sequoia, which have no trained heads here) an oracle guesser that puts the model's own
-    next token at rank r with the acceptance file's probability a_1[r], with real prompt-token
+    token at distance d at rank r with the acceptance file's probability a_d[r], with real prompt-token
     inputs for PPD so that every forward pass has its planned size. The oracle continuation is
     the plain greedy output, so at temperature > 0 it measures cost, not the sampled acceptance.
     """
@@ -630,8 +630,9 @@ class MeasuredEvaluator:
             pt = PromptTokens.random(self.model, tree.prompt_tokens_max, ensemble=src.ept, seed=self.seed, top_k=K)
         depth = tree.prompt_tokens_max if tree.method == "ppd" else max(1, tree.depth)
         seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
-        return OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.accuracy[0].tolist(),
-                             seed=self.seed, prompt_tokens=pt)
+        g = OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.accuracy[0].tolist(),
+                          seed=self.seed, prompt_tokens=pt)
+        return _DepthOracle(g, torch.as_tensor(src.accept.rows(depth), dtype=torch.float64))
 
     def __call__(self, tree: Tree, cfg: Config, src: Source) -> dict:
         from decoder import generate
@@ -649,6 +650,30 @@ class MeasuredEvaluator:
         return {"tokens_per_s": rate, "tokens_per_step": tokens / max(1, steps),
                 "speedup": rate / self.plain_tokens_per_s if self.plain_tokens_per_s else None,
                 "plain_tokens_per_s": self.plain_tokens_per_s}
+
+
+class _DepthOracle:
+    """OracleGuesser with one accuracy row per distance (the decoder's takes one row for all),
+    so decoding sees the statistics the planner assumed. Delegates everything but `guess`."""
+
+    def __init__(self, oracle, rows):
+        self.oracle = oracle
+        self.rows = rows  # [D, K] float64
+
+    def __getattr__(self, name):
+        return getattr(self.oracle, name)
+
+    def guess(self, prompt_logits, next_root_pos: int, k: int):
+        import torch
+
+        o = self.oracle
+        pos = next_root_pos + torch.arange(1, k + 1)  # [k] distances 1..k beyond the next root
+        truth = o.sequence[pos.clamp(max=o.sequence.numel() - 1)]  # [k]
+        rows = self.rows[:k]  # [k, K]
+        probs = torch.cat([rows, (1 - rows.sum(1)).clamp(min=0)[:, None]], dim=1)  # [k, K+1]; K: truth not guessed
+        rank = torch.multinomial(probs, 1, generator=o.generator)[:, 0]  # [k]
+        offset = (torch.arange(o.top_k)[None, :] - rank[:, None]) % (o.top_k + 1)  # 0 where column == rank
+        return (truth[:, None] + offset) % o.vocab_size  # [k, K]
 
 
 def _rate(outs) -> float:

@@ -139,3 +139,24 @@ def test_cli_report_and_errors(inputs, capsys):
     assert "holds 0 studies" in capsys.readouterr().err
     with pytest.raises(UserError, match="expected a URL"):
         write_report(tmp / "e", storage=str(tmp / "x.txt"))
+
+
+def test_measured_study_gets_predicted_versus_measured(inputs):
+    pytest.importorskip("optuna")
+    from planner.tune import SearchSpace, parse_accept_spec, tune
+
+    tmp, acc, pa, pb, run = inputs
+
+    def evaluator(tree, cfg, src):  # stand-in for decoding: 90% of the predicted tokens per step
+        return {"tokens_per_s": 50.0 * tree.expected_tokens_per_step, "tokens_per_step": 0.9 * tree.expected_tokens_per_step,
+                "speedup": 1.0 + 0.1 * tree.expected_tokens_per_step}
+
+    space = SearchSpace([parse_accept_spec(f"{acc}:medusa-x")], max_size=8)
+    tune(space, load_profile(pa), trials=3, storage=str(tmp / "m.db"), study_name="m", objective="measured",
+         evaluator=evaluator, progress=False, seed=0)
+    write_report(tmp / "o", storage=str(tmp / "m.db"))
+    rep = json.loads((tmp / "o" / "report.json").read_text())
+    table = next(s["table"] for s in rep["sections"] if s["image"] == "study_measured.png")
+    assert len(table) == 3
+    for r in table:
+        assert r["measured_tokens_per_step"] == pytest.approx(0.9 * r["predicted_tokens_per_step"], abs=1e-3)

@@ -261,3 +261,21 @@ def test_measured_objective_decodes_with_a_tiny_model(inputs):
     for t in done:
         assert t.values[0] == t.user_attrs["measured_tokens_per_s"] > 0
         assert 1.0 <= t.user_attrs["measured_tokens_per_step"] <= 1 + t.user_attrs["max_input_length"]
+
+
+def test_depth_oracle_uses_one_row_per_distance():
+    torch = pytest.importorskip("torch")
+    from decoder import OracleGuesser
+    from planner.tune import _DepthOracle
+
+    seq = torch.arange(100)
+    rows = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    g = _DepthOracle(OracleGuesser(seq, 1000, 3, top_k=3), rows)
+    out = g.guess(None, 10, 3)  # distances 1..3 beyond position 10: true tokens 11, 12, 13
+    assert out.shape == (3, 3) and g.top_k == 3 and g.num_distances == 3
+    assert out[0, 0] == 11 and 11 not in out[0, 1:].tolist()  # distance 1: always rank 0
+    assert out[1, 1] == 12 and 12 not in out[1, [0, 2]].tolist()  # distance 2: always rank 1
+    assert 13 not in out[2].tolist()  # distance 3: never guessed
+    half = _DepthOracle(OracleGuesser(seq, 1000, 1, top_k=2, seed=1), torch.tensor([[0.5, 0.0]], dtype=torch.float64))
+    hits = sum(int(half.guess(None, 10, 1)[0, 0] == 11) for _ in range(2000))
+    assert 900 < hits < 1100  # rank 0 with probability 0.5
