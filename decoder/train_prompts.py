@@ -287,9 +287,9 @@ def _freeze(model) -> None:
     model.eval()
 
 
-def _save_checkpoint(path: Path, pt: PromptTokens, opt, gen: torch.Generator, step: int, losses, wall: float, cfg: TrainConfig):
+def _save_checkpoint(path: Path, pt: PromptTokens, opt, gen_state: torch.Tensor, step: int, losses, wall: float, cfg: TrainConfig):
     buf = io.BytesIO()
-    torch.save({"embeddings": pt.embeddings.detach().cpu(), "opt": opt.state_dict(), "gen": gen.get_state(),
+    torch.save({"embeddings": pt.embeddings.detach().cpu(), "opt": opt.state_dict(), "gen": gen_state,
                 "step": step, "losses": losses, "wall_s": wall, "config": asdict(cfg)}, buf)
     atomic_write_bytes(path, buf.getvalue())
 
@@ -333,9 +333,11 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
 
     t0 = time.time()
     interrupted = False
+    gen_state = gen.get_state()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train prompts P={P} E={E}", disable=not progress, dynamic_ncols=True)
     try:
         while step < cfg.steps:
+            gen_state = gen.get_state()  # a step cut short by Ctrl-C redraws the same batch on resume
             rows = torch.randint(0, train_windows.shape[0], (cfg.batch_size,), generator=gen)
             x = train_windows[rows].to(device)  # [B, T]
             inserts = sample_insertions(x.shape[0], T, P, cfg.inserts, gen).to(device)  # [B, m]
@@ -352,7 +354,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", kl=",".join(f"{v:.2f}" for v in per_d.tolist()))
             if step % cfg.ckpt_every == 0 and step < cfg.steps:
-                _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall_before + time.time() - t0, cfg)
+                _save_checkpoint(ckpt, pt, opt, gen.get_state(), step, losses, wall_before + time.time() - t0, cfg)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -362,7 +364,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
     # --resume with more steps continues. Ignore a second Ctrl-C while writing.
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        _save_checkpoint(ckpt, pt, opt, gen, step, losses, wall, cfg)
+        _save_checkpoint(ckpt, pt, opt, gen_state if interrupted else gen.get_state(), step, losses, wall, cfg)
     finally:
         signal.signal(signal.SIGINT, old)
     pt.meta.update(meta or {})
