@@ -2,6 +2,7 @@
 
   python bench/bench_kernels.py [--repeats 30] [--no-flex] [--out bench/results]
   python bench/bench_kernels.py --smoke      # CPU, Triton interpreter, tiny shapes: checks the code paths only
+  python bench/bench_kernels.py --compile-check   # no GPU: compile all variants for sm_80/sm_90 with ptxas
 
 Tree attention, Llama-2-7B shapes (32 heads, head dim 128, fp16, batch 1), n tree tokens over a
 cache of C tokens, n in {16, 32, 64, 128, 256}, C in {256, 2048, 8192}, all in the same run:
@@ -39,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, writes nothing")
+    p.add_argument("--compile-check", action="store_true",
+                   help="no GPU needed: compile every kernel variant for sm_80 and sm_90 with ptxas, "
+                        "write bench/results/kernels_compile.json (shared memory per variant)")
     return p.parse_args(argv)
 
 
@@ -179,6 +183,69 @@ def bench_verify_floor(cfg, measure, progress):
     return rows
 
 
+def compile_check(out_dir: Path) -> int:
+    """Ahead-of-time compile of each kernel variant the wrappers can launch, for A100 and H100.
+
+    Catches what the CPU interpreter cannot: lowering errors, tl.dot shape limits, and tiles that
+    need more shared memory than the SM has (164 KiB on sm_80, 227 KiB on sm_90).
+    """
+    import importlib
+
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ta = importlib.import_module("kernels.tree_attention")  # the package re-exports a function of the same name
+    kc = importlib.import_module("kernels.kv_compact")
+    limits = {80: 164 * 1024, 90: 227 * 1024}
+    tnames = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+    def build(fn, types, consts, options, arch):
+        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+
+    rows_out, failed = [], 0
+    cases = [(dt, d, rows, split) for dt in tnames for d in (64, 128) for rows in (16, 64, 300) for split in (False, True)]
+    from tqdm import tqdm
+
+    for arch in limits:
+        for dt, d, rows, split in tqdm(cases, desc=f"sm_{arch}"):
+            cfg = ta.launch_config(dt, d, rows)
+            options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+            t = tnames[dt]
+            types = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "Out": f"*{t}", "Bits": "*i32", "Mid": "*fp32",
+                     "Lse": "*fp32", "qk_scale": "fp32"}
+            row = {"arch": arch, "kernel": "tree_attention", "dtype": t, "head_dim": d, "rows": rows, "split": split,
+                   **{k: v for k, v in cfg.items() if k.startswith("BLOCK")}, **options}
+            try:
+                k = build(ta._tree_attn_fwd, types, {**cfg, "SPLIT": split, "GROUP": 1, "HEAD_DIM": d}, options, arch)
+                row["shared_bytes"] = k.metadata.shared
+                row["fits"] = k.metadata.shared <= limits[arch]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                row["fits"] = False
+            failed += not row["fits"]
+            rows_out.append(row)
+        for t, tdt in (("fp16", tl.float16), ("bf16", tl.bfloat16), ("fp32", tl.float32)):
+            k = build(kc._kv_compact, {"Ptrs": "*i64", "Idx": "*i64"},
+                      {"HEAD_DIM": 128, "BLOCK_T": 32, "BLOCK_D": 128, "DTYPE": tdt}, {"num_warps": 4}, arch)
+            rows_out.append({"arch": arch, "kernel": "kv_compact", "dtype": t, "shared_bytes": k.metadata.shared, "fits": True})
+        k = build(ta._split_combine, {"Mid": "*fp32", "Lse": "*fp32", "Out": "*fp16"},
+                  {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_R": 16}, {"num_warps": 4}, arch)
+        rows_out.append({"arch": arch, "kernel": "split_combine", "dtype": "fp16", "shared_bytes": k.metadata.shared, "fits": True})
+    from planner.jsonio import atomic_write_json
+
+    atomic_write_json(out_dir / "kernels_compile.json", {"triton": triton.__version__, "variants": rows_out})
+    for r in rows_out:
+        if not r["fits"]:
+            print("does not fit or failed:", r)
+    print(f"{len(rows_out) - failed}/{len(rows_out)} variants compile and fit; wrote {out_dir / 'kernels_compile.json'}")
+    return 1 if failed else 0
+
+
 def write_markdown(res) -> str:
     lines = [
         "# Kernel benchmark", "",
@@ -211,6 +278,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    if args.compile_check:
+        os.environ.pop("TRITON_INTERPRET", None)
+        return compile_check(args.out)
     import torch
 
     if not args.smoke and not torch.cuda.is_available():

@@ -307,10 +307,8 @@ def tree_attention(
         return out
     group = H // H_kv
     rows = group * n
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64
-    block_d = triton.next_power_of_2(D)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: no silent tf32 rounding
+    cfg = launch_config(q.dtype, D, rows)
+    block_m, block_n, block_d = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     programs = triton.cdiv(rows, block_m) * B * H_kv
     if num_splits is None:
         num_splits = _auto_splits(programs, prefix_len, q.device)
@@ -328,9 +326,7 @@ def tree_attention(
         tm.bits.stride(0),
         B, H_kv, n, prefix_len, math.log2(math.e) * (scale if scale is not None else 1.0 / math.sqrt(D)),
         split_size, num_splits, SPLIT=num_splits > 1,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=precision, DOT_F32=INTERPRETED and q.dtype == torch.bfloat16,
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        GROUP=group, HEAD_DIM=D, **cfg,
     )
     if num_splits > 1:
         block_r = 16
@@ -339,6 +335,21 @@ def tree_attention(
             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_R=block_r,
         )
     return out
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, rows: int) -> dict:
+    """Tile sizes and launch options of the attention kernel for `rows` = (H / H_kv) * n query rows."""
+    fp32 = dtype == torch.float32
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+    return dict(
+        BLOCK_M=16 if rows <= 16 else 32 if rows <= 32 else 64,
+        BLOCK_N=32 if fp32 else 64,  # fp32 tiles take twice the shared memory
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if fp32 else "tf32",  # fp32 inputs: no silent tf32 rounding
+        DOT_F32=INTERPRETED and dtype == torch.bfloat16,
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=1 if fp32 else 2,
+    )
 
 
 @lru_cache(maxsize=8)
