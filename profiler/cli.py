@@ -5,6 +5,7 @@ Light imports only at top level: torch and transformers load inside run().
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_LENGTHS_SPEC})")
     p.add_argument("--batch-size", nargs="+", default=["1"], help="one or more batch sizes, e.g. 1 4 or 1,4 (default 1)")
     p.add_argument("--time-budget", type=_positive(float), default=None,
-                   help="seconds of measuring in total (default 25 on CPU, 120 on GPU)")
+                   help="seconds of measuring in total (default 20 on CPU, 120 on GPU)")
     p.add_argument("--min-repeats", type=_positive(int), default=5)
     p.add_argument("--max-repeats", type=_positive(int), default=50)
     p.add_argument("--target-ci", type=_positive(float), default=0.02,
@@ -107,6 +108,10 @@ def run(args) -> int:
     print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "
           f"{next(loaded.model.parameters()).device}: {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
           f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if loaded.model.device.type == "cpu" and load > (os.cpu_count() or 1):
+        print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): CPU timings will be noisy "
+              f"and slow with {torch.get_num_threads()} threads; --threads 1 suffers least", file=sys.stderr)
     profile = profile_model(
         loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
         cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,

@@ -257,19 +257,20 @@ def profile_model(
     check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
     batch_sizes = [int(b) for b in batch_sizes]
     if time_budget_s is None:
-        time_budget_s = 120.0 if device.type == "cuda" else 25.0
+        time_budget_s = 120.0 if device.type == "cuda" else 20.0
     dtype = next(hf.parameters()).dtype
     vocab = hf.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     timer = Timer(device)
     t_start = time.time()
+    load_start = _load()
     series: list[Series] = []
     interrupted = False
 
     # Time-based bar: the run is bounded by the budget, and how many samples a length needs is unknown.
     bar = tqdm(total=round(time_budget_s, 1), disable=not progress, dynamic_ncols=True,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
+               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
     n_samples = 0
 
     def tick(b: int) -> None:
@@ -402,6 +403,7 @@ def profile_model(
             "attn_implementation": getattr(cfg, "_attn_implementation", None),
             "seed": seed,
             "cpu_count": os.cpu_count(),
+            "load_avg_1m": [load_start, _load()],  # at start and end: other work on the machine skews CPU timings
         },
         "wall_s": round(time.time() - t_start, 3),
     })
@@ -411,6 +413,13 @@ def profile_model(
     if unmeasured:
         result["unmeasured_input_lengths"] = {str(b): ns for b, ns in unmeasured.items()}
     return result
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _free(device: torch.device) -> None:
