@@ -56,35 +56,6 @@ def _check(args) -> None:
         raise UserError(f"--out {args.out}: exists and is not a directory")
 
 
-def _load(spec: str, device: str | None, dtype: str | None):
-    """(model, name, config_hash, has_weights, tokenizer_dir). Directories with weights (builtin
-    included) load here with plain from_pretrained + .to(device), which needs no `accelerate`;
-    everything else goes through the profiler's loader."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from planner.errors import UserError
-    from profiler import models as pm
-
-    path = pm.BUILTIN_DIR if spec == "builtin" else Path(spec)
-    if path.is_dir() and any(any(path.glob(g)) for g in pm.WEIGHT_GLOBS):
-        device = device or pm.default_device()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError(f"--device {device}: CUDA is not available on this machine")
-        config = pm._load_config(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=pm.resolve_dtype(dtype, device),
-                                                         local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise UserError(f"{path}: cannot load weights ({str(e).splitlines()[0]})") from None
-        model.to(device).eval()
-        tok = str(path) if any((path / f).is_file() for f in pm.TOKENIZER_FILES) else None
-        name = "builtin" if spec == "builtin" else path.resolve().name
-        return model, name, pm.config_hash(config), True, tok
-    loaded = pm.load_model(spec, device=device, dtype=dtype)
-    return loaded.model, loaded.name, loaded.config_hash, loaded.has_weights, loaded.tokenizer_dir
-
-
 def run(args) -> int:
     _check(args)
     import time
@@ -95,9 +66,12 @@ def run(args) -> int:
     from decoder import train_prompts as tp
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
+    from profiler.models import load_model
 
     torch.set_num_threads(args.threads)
-    model, model_name, model_hash, has_weights, tokenizer_dir = _load(args.model, args.device, args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, model_name, model_hash = loaded.model, loaded.name, loaded.config_hash
+    has_weights, tokenizer_dir = loaded.has_weights, loaded.tokenizer_dir
     device = next(model.parameters()).device
     if not has_weights:
         print(f"planner train-prompts: note: model '{model_name}' has random weights; the prompt tokens learn its noise")

@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="save the training state after this step and stop (then --resume, possibly with other --steps)")
     p.add_argument("--config-only", action="store_true", help="write config.json and the tokenizer, then stop")
     args = p.parse_args(argv)
 
@@ -200,20 +202,22 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     state_path = args.out / "_train_state.pt"
-    step, elapsed_before, losses = 0, 0.0, []
+    step, elapsed_before, losses, resumed_at = 0, 0.0, [], []
     if args.resume and state_path.exists():
         st = torch.load(state_path, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step, elapsed_before, losses = st["step"], st["elapsed"], st["losses"]
+        resumed_at = st.get("resumed_at", []) + [{"step": step, "steps_before": st.get("steps", None)}]
         print(f"resumed at step {step}", flush=True)
 
     def save_state():
         buf = io.BytesIO()
         torch.save(
             {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
-             "elapsed": elapsed_before + time.time() - t_loop, "losses": losses},
+             "elapsed": elapsed_before + time.time() - t_loop, "losses": losses, "steps": args.steps,
+             "resumed_at": resumed_at},
             buf,
         )
         from planner.jsonio import atomic_write_bytes
@@ -242,6 +246,10 @@ def main(argv=None) -> int:
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if step % args.ckpt_every == 0 and step < args.steps:
                 save_state()
+            if args.stop_after is not None and step >= args.stop_after:
+                save_state()
+                print(f"\nstopped after step {step}; state saved to {state_path} (use --resume)", flush=True)
+                return 0
     except KeyboardInterrupt:
         save_state()
         print(f"\ninterrupted at step {step}; state saved to {state_path} (use --resume)", file=sys.stderr)
@@ -273,6 +281,7 @@ def main(argv=None) -> int:
         },
         "prompt_format": "USER: {question} ASSISTANT: {answer}</s> per turn; <s> at the start",
         "validation": val,
+        "resumed": resumed_at,
         "final_train_loss_mean_last50": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
         "loss_curve_every_25": losses[::25],
         "train_wall_s": round(train_wall, 1),
