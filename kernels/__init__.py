@@ -11,7 +11,14 @@ references (backend="auto") or raise (backend="triton").
 """
 from kernels.kv_compact import kv_compact
 from kernels.reference import ancestor_matrix_ref, kv_compact_ref, tree_attention_ref, tree_visibility_ref
-from kernels.tree_attention import TreeMask, ancestor_bitmask, tree_attention, tree_mask, triton_available
+from kernels.tree_attention import (
+    TreeMask,
+    ancestor_bitmask,
+    parents_from_visibility,
+    tree_attention,
+    tree_mask,
+    triton_available,
+)
 
 __all__ = [
     "TreeMask",
@@ -19,6 +26,7 @@ __all__ = [
     "ancestor_matrix_ref",
     "kv_compact",
     "kv_compact_ref",
+    "parents_from_visibility",
     "tree_attention",
     "tree_attention_ref",
     "tree_mask",

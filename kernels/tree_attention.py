@@ -88,6 +88,27 @@ def tree_mask(parents: torch.Tensor | Sequence[int], device: torch.device | str 
     return TreeMask(parents=parents, bits=bits, ancestors=anc)
 
 
+def parents_from_visibility(visible: torch.Tensor) -> list[int]:
+    """Recover `parents` from an [n, n] visibility block among the step's tokens (bool, or an
+    additive float mask: 0 visible, very negative hidden), e.g. a decoder's existing mask.
+
+    Raises ValueError when the block is not "ancestors and self" of some tree in topological
+    order, since the kernel could not express it.
+    """
+    if visible.ndim != 2 or visible.shape[0] != visible.shape[1]:
+        raise ValueError(f"visibility block must be [n, n], got shape {tuple(visible.shape)}")
+    if visible.dtype != torch.bool:
+        visible = visible > torch.finfo(visible.dtype).min / 2
+    visible = visible.cpu()
+    n = visible.shape[0]
+    earlier = visible & torch.ones(n, n, dtype=torch.bool).tril(-1)  # [n, n] strictly before the diagonal
+    idx = torch.arange(n).expand(n, n)
+    parents = torch.where(earlier, idx, -1).max(dim=1).values if n else torch.zeros(0, dtype=torch.int64)
+    if n and not torch.equal(ancestor_bitmask(parents, validate=False)[1].cpu(), visible):
+        raise ValueError("visibility block is not the ancestor relation of a tree in topological order")
+    return parents.tolist()
+
+
 if triton is not None:
 
     @triton.jit

@@ -87,6 +87,38 @@ def test_tree_mask_rejects_non_topological_parents(bad):
         reference.ancestor_matrix_ref(bad)
 
 
+@pytest.mark.parametrize("kind", ["random", "chain", "star", "forest"])
+def test_parents_from_visibility_round_trip(kind):
+    parents = random_parents(40, kind, torch.Generator().manual_seed(1))
+    anc = reference.ancestor_matrix_ref(parents)
+    assert kernels.parents_from_visibility(anc) == parents
+    additive = torch.zeros(40, 40).masked_fill(~anc, torch.finfo(torch.float32).min)
+    assert kernels.parents_from_visibility(additive) == parents
+
+
+def test_parents_from_visibility_matches_ppd_decoder_mask():
+    """The decoder's step mask (tree + PPD prompt-token lanes) is a tree, so the kernel can express it."""
+    from decoder.prompt_tokens import prompt_block_mask
+
+    P, E, u_parents = 3, 2, [-1, 0, 0, 1]
+    anc = reference.ancestor_matrix_ref(u_parents)
+    n = 4 + P * E
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    visible[:4, :4] = anc
+    visible[4:, :4] = anc[3]  # prompt tokens hang off node 3
+    visible[4:, 4:] = prompt_block_mask(P, E)
+    parents = kernels.parents_from_visibility(visible)
+    assert parents[4:] == [3, 3, 4, 5, 6, 7]  # slot (j, e) = 4 + j * E + e follows (j - 1, e)
+    assert torch.equal(reference.ancestor_matrix_ref(parents), visible)
+
+
+def test_parents_from_visibility_rejects_non_trees():
+    bad = reference.ancestor_matrix_ref([-1, 0, 1]).clone()
+    bad[2, 0] = False  # sees its parent but not its grandparent
+    with pytest.raises(ValueError, match="not the ancestor relation"):
+        kernels.parents_from_visibility(bad)
+
+
 def test_reference_matches_brute_force():
     gen = torch.Generator().manual_seed(0)
     for n, C, H, H_kv in [(1, 0, 2, 1), (9, 5, 4, 2), (13, 0, 4, 1), (6, 30, 2, 2)]:
