@@ -110,8 +110,9 @@ def run(args) -> int:
           f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if loaded.model.device.type == "cpu" and load > (os.cpu_count() or 1):
-        print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): CPU timings will be noisy "
-              f"and slow with {torch.get_num_threads()} threads; --threads 1 suffers least", file=sys.stderr)
+        hint = "; --threads 1 suffers least" if torch.get_num_threads() > 1 else ""
+        print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): CPU timings will be "
+              f"noisy{hint}", file=sys.stderr)
     profile = profile_model(
         loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
         cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,

@@ -98,7 +98,8 @@ def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dt
 
 
 class Timer:
-    """Seconds spent in fn(): CUDA events on GPU (no host overhead in the number), perf_counter on CPU."""
+    """Seconds spent in fn(): CUDA events on GPU (device time between the two events, which includes
+    any wait for kernel launches, as a decoding step has), perf_counter on CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
