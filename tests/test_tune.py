@@ -237,6 +237,10 @@ def test_cli_writes_best_tree(inputs, capsys):
     out = capsys.readouterr().out
     assert "planner plan (ppd)" in out and "planner plan (medusa)" in out
     tree = load_tree(tmp / "best.json")
+    for m in ("ppd", "medusa"):  # the guarantee against the `planner plan` command itself
+        assert main(["plan", m, "--accept", f"{acc}:{m}-x", "--profile", prof, "--max-size", "16", "-q",
+                     "-o", str(tmp / f"plan-{m}.json")]) == 0
+        assert tree.predicted_speedup >= load_tree(tmp / f"plan-{m}.json").predicted_speedup - 1e-12
     assert (tmp / "best.optuna.db").exists()  # default storage next to the output
     assert tree.settings["tune"]["completed_trials"] >= 2
     assert np.isfinite(tree.predicted_speedup)
