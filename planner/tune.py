@@ -239,8 +239,9 @@ def suggest(trial, space: SearchSpace, profile: LatencyProfile | None, tune_veri
             cap = profile.max_input_length if profile is not None else space.max_size + 1
             cfg.input_length = trial.suggest_int("ppd.input_length", 2, max(2, cap))
     else:
-        if not auto:
-            cfg.size = trial.suggest_int(f"{m}.size", 1, space.max_size)
+        if not auto:  # a tree of size n runs n + 1 tokens: stay inside the profiled range
+            hi = space.max_size if profile is None else max(1, min(space.max_size, profile.max_input_length - 1))
+            cfg.size = trial.suggest_int(f"{m}.size", 1, hi)
         cap = space.depth_cap(src)
         depth = trial.suggest_int(f"{m}.max_depth", 1, cap)
         # The top of the range is the planner's default (all distances the statistics cover).
@@ -261,7 +262,7 @@ def front_seed_points(space: SearchSpace, profile: LatencyProfile | None) -> lis
     out = []
     for ref in reference_points(space, profile):
         m = ref["method"]
-        top = profile.max_input_length if m == "ppd" else space.max_size
+        top = profile.max_input_length if m == "ppd" else min(space.max_size, profile.max_input_length - 1)
         grid, n = [], 2 if m == "ppd" else 1
         while n <= top:
             grid.append(n)
