@@ -488,19 +488,29 @@ def _save(section: Section, out_dir: Path) -> None:
     atomic_write_bytes(out_dir / section.image, buf.getvalue())
 
 
+def _as_source(a):
+    """An acceptance spec string, a planner.tune.Source, or an Acceptance (methods guessed from its label)."""
+    from planner.accept import Acceptance
+    from planner.tune import Source, guess_methods, parse_accept_spec
+
+    if isinstance(a, Source):
+        return a
+    if isinstance(a, Acceptance):
+        return Source(a.label, a, guess_methods(a, a.label))
+    return parse_accept_spec(str(a))
+
+
 def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, storage=None, study_name=None,
                  *, max_size: int = 64, title: str = "Tree planner report") -> Path:
     """Draw what the inputs allow into out_dir; returns the path of index.html.
 
     profiles: profile files (or LatencyProfile); accepts: acceptance specs '[METHOD[/eE]=]FILE[:NAME]'
-    (or planner.tune.Source); trees: tree files (or Tree); run_dir: an autotune directory with
+    (or planner.tune.Source, or Acceptance); trees: tree files (or Tree); run_dir: an autotune directory with
     summary.json; storage/study_name: an Optuna study.
     """
-    from planner.tune import Source, parse_accept_spec
-
     out_dir = Path(out_dir)
     profs = [load_profile_input(p) for p in profiles]
-    sources = [a if isinstance(a, Source) else parse_accept_spec(a) for a in accepts]
+    sources = [_as_source(a) for a in accepts]
     loaded_trees = [(t, t if isinstance(t, Tree) else load_tree(t)) for t in trees]
     summary = None
     if run_dir is not None:

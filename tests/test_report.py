@@ -98,7 +98,7 @@ def test_full_report(inputs):
 
 def test_only_what_inputs_allow(inputs):
     tmp, acc, pa, pb, run = inputs
-    write_report(tmp / "o1", accepts=[f"{acc}:medusa-x"], max_size=8)
+    write_report(tmp / "o1", accepts=[load_acceptance(f"{acc}:medusa-x")], max_size=8)  # objects work too
     assert {p.name for p in (tmp / "o1").glob("*.png")} == {"tokens_per_step.png"}
     assert "needs a latency profile" in (tmp / "o1" / "index.html").read_text()
     write_report(tmp / "o2", trees=[tmp / "ppd.json", tmp / "ppd.json"])  # same name twice: two files
