@@ -144,8 +144,9 @@ def uses_tree_attention(model) -> bool:
 def compact_cache(cache, prefix_len: int, accepted_idx: torch.Tensor, backend: str = "auto") -> int:
     """Keep the accepted tree rows of a transformers cache: move them after the prefix in every
     layer with one kv_compact launch, then crop. Returns the new cache length."""
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
+    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]  # skip lazy, empty layers
+    keys = [layer.keys for layer in layers]
+    values = [layer.values for layer in layers]
     new_len = kv_compact(keys, values, prefix_len, accepted_idx, backend=backend)
     remove = cache.get_seq_length() - new_len
     if remove > 0:

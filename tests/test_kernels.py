@@ -1,8 +1,10 @@
 """kernels/: Triton kernels against their PyTorch references, and the transformers integration.
 
-Without CUDA the kernels run under the Triton interpreter on CPU tensors: TRITON_INTERPRET=1 is
-read when a kernel is decorated, so it is set here before kernels is imported (and the kernel
-modules are reloaded if another test imported them first without it).
+Without CUDA the kernels run under the Triton interpreter on CPU tensors. TRITON_INTERPRET=1 is
+read when triton itself is imported (its own tl.* helpers are jit functions), so it is set here
+before anything imports triton. If something in this pytest process imported triton earlier
+(importing a transformers model does), the kernel tests skip here and one test reruns this file
+in a fresh process instead.
 """
 import importlib
 import os
@@ -12,7 +14,7 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import kernels  # noqa: E402
@@ -20,18 +22,32 @@ from kernels import reference  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+KERNELS_RUN_HERE = HAS_TRITON and (
+    DEVICE == "cuda"
+    or (importlib.import_module("kernels.tree_attention").INTERPRETED and importlib.import_module("kernels.kv_compact").INTERPRETED)
+)
+needs_triton = pytest.mark.skipif(
+    not KERNELS_RUN_HERE,
+    reason="triton not installed" if not HAS_TRITON else "triton was imported before TRITON_INTERPRET=1 could be set "
+    "(see test_kernels_in_a_fresh_process)",
+)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def _kernel_modules():
-    ta = importlib.import_module("kernels.tree_attention")
-    kc = importlib.import_module("kernels.kv_compact")
-    if DEVICE == "cpu" and HAS_TRITON and not (ta.INTERPRETED and kc.INTERPRETED):
-        ta, kc = importlib.reload(ta), importlib.reload(kc)
-        importlib.reload(importlib.import_module("kernels.hf"))
-    return ta, kc
+    return importlib.import_module("kernels.tree_attention"), importlib.import_module("kernels.kv_compact")
+
+
+@pytest.mark.skipif(KERNELS_RUN_HERE or not HAS_TRITON, reason="the kernel tests run in this process")
+def test_kernels_in_a_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True, text=True, env=env, timeout=900,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
 
 
 def random_parents(n: int, kind: str, gen: torch.Generator) -> list[int]:
@@ -420,7 +436,7 @@ def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
             path.append(nxt)
             node = nxt
         if kernel_path:
-            compact_cache(cache, C, torch.tensor(path), backend="triton" if HAS_TRITON else "reference")
+            compact_cache(cache, C, torch.tensor(path), backend="triton" if KERNELS_RUN_HERE else "reference")
         else:
             idx = torch.tensor(path) + C
             with torch.inference_mode():
