@@ -257,9 +257,10 @@ def fig_run(summary: dict, label: str, image: str = "run.png", title: str = "Pre
             ax.plot([p for p, _ in sel], [q for _, q in sel], "o", color=f"C{k}", label=m)
         for p, q, r in pts:
             tag = r.get("input_length", "")
-            if chosen and str(r.get("tree", "")) == chosen:
+            tag = f"{tag:.3g}" if isinstance(tag, float) else str(tag)
+            if r.get("chosen") is True or (chosen and str(r.get("tree", "")) == chosen):
                 ax.plot([p], [q], "*", ms=15, mfc="none", mec="k", label="chosen")
-            ax.annotate(str(tag), (p, q), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(tag, (p, q), fontsize=7, xytext=(3, 3), textcoords="offset points")
         if pts:
             lo = min(min(p, q) for p, q, _ in pts)
             hi = max(max(p, q) for p, q, _ in pts)
@@ -272,8 +273,9 @@ def fig_run(summary: dict, label: str, image: str = "run.png", title: str = "Pre
         ax.legend(fontsize=8)
     for r in rows:
         table.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                      if k in ("method", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
-                               "predicted_speedup", "measured_speedup", "tree")})
+                      if k in ("method", "size", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
+                               "predicted_speedup", "measured_speedup", "measured_tokens_per_s", "identical_to_greedy",
+                               "chosen", "tree")})
     fig.suptitle("The planner's prediction against real decoding (point labels: input length)")
     fig.tight_layout()
     caption = f"From {label}. Points on the dashed line are predicted exactly."

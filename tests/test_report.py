@@ -40,10 +40,11 @@ def inputs(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"method": "ppd", "input_length": n_, "predicted_tokens_per_step": 1 + 0.1 * n_, "measured_tokens_per_step": 1 + 0.09 * n_,
-             "predicted_speedup": 1.2 + 0.03 * n_, "measured_speedup": 1.1 + 0.03 * n_, "tree": f"t{n_}.json"} for n_ in (4, 8, 12)]
+             "predicted_speedup": 1.2 + 0.03 * n_, "measured_speedup": 1.1 + 0.03 * n_, "tree": f"trees/ppd-{n_}.json",
+             "chosen": n_ == 8.5} for n_ in (4.0, 8.5, 12.333)]  # as planner autotune writes them
     rows.append({"method": "medusa", "input_length": 7, "predicted_tokens_per_step": 1.9, "measured_tokens_per_step": None,
                  "predicted_speedup": 1.7, "measured_speedup": None, "tree": "m.json"})
-    _write(run / "summary.json", {"chosen": "t8.json", "identical_to_greedy": True, "rows": rows})
+    _write(run / "summary.json", {"chosen": "trees/autotune-cpu-x.json", "identical_to_greedy": True, "rows": rows})
     return tmp_path, acc, pa, pb, run
 
 
@@ -92,7 +93,9 @@ def test_full_report(inputs):
         t = plan("medusa", load_acceptance(f"{acc}:medusa-x"), size=r["input_length"] - 1)
         assert r["expected_tokens_per_step"] == pytest.approx(t.expected_tokens_per_step, abs=1e-4)
     assert [r["state"] for r in sections["tree_ppd.png"]["table"]] == [0, 1, 2, 3]
-    assert len(sections["run.png"]["table"]) == 4  # rows without measurements are listed, not drawn
+    run_table = sections["run.png"]["table"]
+    assert len(run_table) == 4  # rows without measurements are listed, not drawn
+    assert [r.get("chosen") for r in run_table] == [False, True, False, None]
     assert all("trial" in r for r in sections["study_pareto.png"]["table"])
 
 
