@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a length is done when its median's 95%% CI half-width is within this fraction (default 0.02)")
     p.add_argument("--warmup", type=_positive(int), default=2, help="untimed passes per length before measuring")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
-    p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also plot latency versus input length")
     p.add_argument("-o", "--output", default=None, help="output JSON (default profiles/<device>-<model>.json)")
@@ -78,6 +78,15 @@ def device_slug(profile: dict) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", profile["device_name"].lower()).strip("-")
 
 
+def _check_writable(opt: str, path: Path) -> None:
+    """Fail before measuring, not after, when the output cannot be written."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if path.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"{opt} {path}: cannot write there")
+
+
 def run(args) -> int:
     from profiler.models import default_model_spec, preset_names
 
@@ -88,6 +97,8 @@ def run(args) -> int:
     batch_sizes = parse_batch_sizes(args.batch_size)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot: expected a .png file name, got '{args.plot}'")
+    for opt, path in (("-o", args.output), ("--plot", args.plot)):
+        _check_writable(opt, Path(path) if path else Path("profiles") / "x")
 
     import torch
 
@@ -110,20 +121,29 @@ def run(args) -> int:
           f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if loaded.model.device.type == "cpu" and load > (os.cpu_count() or 1):
-        hint = "; --threads 1 suffers least" if torch.get_num_threads() > 1 else ""
-        print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): CPU timings will be "
-              f"noisy{hint}", file=sys.stderr)
+        # Oversubscribed: torch's threads wait on each other at every op (seen here: 1 s instead of
+        # 10 ms per pass with 2 threads at load 8), so unless asked otherwise measure with one.
+        if not args.threads and torch.get_num_threads() > 1:
+            torch.set_num_threads(1)
+            print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): measuring with 1 thread "
+                  "(pass --threads to choose); timings will be noisy", file=sys.stderr)
+        else:
+            print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): timings will be noisy",
+                  file=sys.stderr)
     profile = profile_model(
         loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
         cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,
         max_repeats=args.max_repeats, target_rel_ci=args.target_ci, warmup=args.warmup, seed=args.seed,
     )
     out = Path(args.output) if args.output else Path("profiles") / f"{device_slug(profile)}-{loaded.name}.json"
-    atomic_write_json(out, profile)
-    if args.plot:
-        from profiler.plot import plot_profile
+    try:
+        atomic_write_json(out, profile)
+        if args.plot:
+            from profiler.plot import plot_profile
 
-        plot_profile(profile, args.plot)
+            plot_profile(profile, args.plot)
+    except OSError as e:
+        raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
     n, lat = profile["input_lengths"], profile["latency_s"]
     print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms, "
           f"{sum(profile['repeats'])} samples in {profile['wall_s']:.1f} s", file=sys.stderr)
@@ -132,8 +152,9 @@ def run(args) -> int:
             print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)
             raise KeyboardInterrupt
         kept = sum(len(s["input_lengths"]) for s in profile["series"])
+        where = "filling the cache" if stop.get("at") == "prefill" else f"at input length {stop['input_length']}"
         raise UserError(
-            f"out of memory at input length {stop['input_length']} (batch size {stop['batch_size']}, context "
-            f"{args.context_length}); stopped there and kept the {kept} points measured so far in {out}"
+            f"out of memory {where} (batch size {stop['batch_size']}, context {args.context_length}); "
+            f"stopped there and kept the {kept} points measured so far in {out}"
         )
     return 0

@@ -309,9 +309,12 @@ def test_cli_default_output_name(small_config, tmp_path, monkeypatch):
     (["--device", "tpu"], "--device: expected cpu, cuda or cuda:N"),
     (["--device", "cpu", "--cuda-graphs"], "--cuda-graphs: needs a CUDA device"),
     (["--plot", "x.pdf"], "--plot: expected a .png"),
+    (["-o", "{tmp}/afile/p.json"], "afile/p.json: cannot write there"),
 ])
 def test_cli_bad_input_is_one_line_and_writes_nothing(argv, match, tmp_path, capsys):
     out = tmp_path / "p.json"
+    (tmp_path / "afile").write_text("")
+    argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(["profile", "--no-progress", "-o", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("planner profile: error: ") and match in err[0]
