@@ -209,7 +209,7 @@ class Config:
     prompt_tokens: int = PLAN_DEFAULT_PROMPT_TOKENS  # ppd only
     per_state_budgets: bool = True  # ppd only
     input_length: int | None = None  # ppd with a shared budget: tokens per forward pass
-    verify: str = "greedy"  # greedy at temperature 0; typical or lossless above
+    verify: str = "auto"  # the decoder's rule names: auto (greedy at temperature 0, lossless above), typical, lossless
     typical_eps: float | None = None
     typical_delta: float | None = None
 
@@ -581,11 +581,13 @@ def read_prompts(path: str | Path, limit: int) -> list[str]:
 class MeasuredEvaluator:
     """Decodes validation prompts with each trial's tree; tokens per second over all prompts.
 
-    Guessers: PPD uses trained prompt tokens when `prompt_tokens_dir` is given; otherwise (and for
+    Guessers: PPD uses trained prompt tokens when `prompt_tokens_dir` is given (for sources whose
+    ensemble size E matches theirs); otherwise (and for
     medusa/sequoia, which have no trained heads here) an oracle guesser that puts the model's own
     token at distance d at rank r with the acceptance file's probability a_d[r], with real prompt-token
     inputs for PPD so that every forward pass has its planned size. The oracle continuation is
-    the plain greedy output, so at temperature > 0 it measures cost, not the sampled acceptance.
+    plain decoding's output (same temperature and seed); at temperature > 0 the sampled outputs
+    diverge from it, so there the oracle measures cost more than acceptance.
     """
 
     def __init__(self, model_spec: str, prompts: list[str], *, max_new_tokens: int = 64, device: str | None = None,
@@ -601,6 +603,7 @@ class MeasuredEvaluator:
         self.max_new_tokens = max_new_tokens
         self.seed = seed
         self.prompt_tokens_dir = prompt_tokens_dir
+        self._trained = None  # PromptTokens loaded from prompt_tokens_dir on first use
         vocab = self.model.get_input_embeddings().weight.shape[0]
         self.vocab = vocab
         dev = self.model.get_input_embeddings().weight.device
@@ -624,7 +627,10 @@ class MeasuredEvaluator:
         from decoder import OracleGuesser, PromptTokens
 
         if tree.method == "ppd" and self.prompt_tokens_dir:
-            return PromptTokens.load(self.prompt_tokens_dir, self.model)
+            if self._trained is None:
+                self._trained = PromptTokens.load(self.prompt_tokens_dir, self.model)
+            if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
+                return self._trained
         K = src.accept.num_ranks
         pt = None
         if tree.method == "ppd":
@@ -641,10 +647,9 @@ class MeasuredEvaluator:
         outs = []
         for x, plain in zip(self.input_ids, self._plain):
             g = self.guesser(tree, src, x, plain.tokens)
-            rule = "auto" if cfg.verify == "greedy" else cfg.verify
             kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
             outs.append(generate(self.model, x, plan=tree, guesser=g, max_new_tokens=self.max_new_tokens,
-                                 temperature=self.temperature, verify_rule=rule, seed=self.seed, **kw))
+                                 temperature=self.temperature, verify_rule=cfg.verify, seed=self.seed, **kw))
         tokens = sum(o.tokens.numel() for o in outs)
         steps = sum(o.steps for o in outs)
         rate = _rate(outs)
