@@ -328,10 +328,10 @@ def fig_tree(tree: Tree, label: str, image: str) -> Section:
             ax.text(x, -y, "R" if not p else str(p[-1]), color="white", ha="center", va="center", fontsize=8,
                     fontweight="bold", zorder=3)
             k = st.prompt_tokens[index[p]] if st.prompt_tokens else 0
-            if k:  # prompt tokens: a chain of small squares hanging below-right of their node
-                px = [x + 0.18 + 0.14 * j for j in range(k)]
-                ax.plot([x] + px, [-y] + [-y - 0.28] * k, ":", color="goldenrod", lw=0.8, zorder=1)
-                ax.scatter(px, [-y - 0.28] * k, s=30, marker="s", color="goldenrod", zorder=2)
+            if k:  # prompt tokens: a gold box with their count, hanging below-right of the node
+                ax.plot([x, x + 0.22], [-y, -y - 0.32], ":", color="goldenrod", lw=0.9, zorder=1)
+                ax.text(x + 0.22, -y - 0.32, str(k), fontsize=7, ha="center", va="center", zorder=3,
+                        bbox=dict(boxstyle="square,pad=0.2", fc="gold", ec="darkgoldenrod", lw=0.6))
         ax.set_xlim(min(x for x, _ in pos.values()) - 0.7, max(x for x, _ in pos.values()) + 0.9)
         ax.set_ylim(-depth - 0.6, 0.5)
         ax.set_yticks([-d for d in range(depth + 1)], [f"distance {d}" if d else "root" for d in range(depth + 1)], fontsize=7)
@@ -342,7 +342,7 @@ def fig_tree(tree: Tree, label: str, image: str) -> Section:
         if st.stationary_probability is not None:
             title += f", pi {st.stationary_probability:.3f}"
         if st.prompt_tokens:
-            title += f", {sum(st.prompt_tokens)} prompt tokens (squares)"
+            title += f", {sum(st.prompt_tokens)} prompt tokens"
         ax.set_title(title, fontsize=9)
         table.append({"state": st.state, "candidates": len(st.nodes), "depth": st.depth,
                       "prompt_tokens": sum(st.prompt_tokens or []), "input_length": st.input_length,
@@ -351,11 +351,12 @@ def fig_tree(tree: Tree, label: str, image: str) -> Section:
     head = f"{label}: {tree.method}, {tree.expected_tokens_per_step:.3f} tokens per step"
     if tree.predicted_speedup is not None:
         head += f", predicted speedup {tree.predicted_speedup:.2f}x"
-    fig.suptitle(head + "\nnode label = rank of the guess, R = root, gold squares = prompt tokens", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(head + "\nnode label = rank of the guess, R = root, gold box = number of prompt tokens after the node",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
     return Section(f"Tree: {label}", image,
                    "One tree per decoder state; circles are candidates labelled by rank, colour by distance; "
-                   "gold squares are PPD prompt tokens appended after the node.", table, fig)
+                   "gold boxes give the number of PPD prompt tokens appended after the node.", table, fig)
 
 
 def load_study(storage: str, study_name: str | None):
