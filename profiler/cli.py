@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_LENGTHS_SPEC})")
     p.add_argument("--batch-size", nargs="+", default=["1"], help="one or more batch sizes, e.g. 1 4 or 1,4 (default 1)")
     p.add_argument("--time-budget", type=_positive(float), default=None,
-                   help="seconds of measuring in total (default 20 on CPU, 120 on GPU)")
+                   help="seconds of measuring in total (default 15 on CPU, 120 on GPU)")
     p.add_argument("--min-repeats", type=_positive(int), default=5)
     p.add_argument("--max-repeats", type=_positive(int), default=50)
     p.add_argument("--target-ci", type=_positive(float), default=0.02,

@@ -258,7 +258,7 @@ def profile_model(
     check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
     batch_sizes = [int(b) for b in batch_sizes]
     if time_budget_s is None:
-        time_budget_s = 120.0 if device.type == "cuda" else 20.0
+        time_budget_s = 120.0 if device.type == "cuda" else 15.0
     dtype = next(hf.parameters()).dtype
     vocab = hf.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
