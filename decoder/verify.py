@@ -81,11 +81,10 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers
 
     Walks one root-to-leaf path (at most depth x children iterations), not the whole tree.
     """
-    p = probabilities(logits, s).cpu()  # [num_tree, V]
     toks = tokens.cpu().tolist()
     u, path = 0, [0]
     while True:
-        q = p[u].clone()
+        q = probabilities(logits[u], s).cpu()  # [V], only for nodes on the walked path
         moved = False
         for c in buf.children[u].tolist():
             if c < 0:
@@ -98,7 +97,7 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers
                 break
             q[x] = 0.0
         if not moved:
-            last = int(torch.multinomial(q / q.sum(), 1, generator=generator)) if float(q.sum()) > 0 else int(p[u].argmax())
+            last = int(torch.multinomial(q / q.sum(), 1, generator=generator)) if float(q.sum()) > 0 else int(logits[u].argmax())
             break
     path_t = torch.tensor(path, dtype=torch.long)
     emitted = torch.tensor([toks[i] for i in path[1:]] + [last], dtype=torch.long)
