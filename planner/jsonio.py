@@ -24,12 +24,19 @@ def read_json(path: str | os.PathLike) -> Any:
         raise UserError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write to a temporary file in the same directory, then rename over the target."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; outputs should look like any other file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
