@@ -10,7 +10,7 @@ report/), so a run can be inspected, and later steps can be re-run from earlier 
 from __future__ import annotations
 
 import json
-import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +44,8 @@ class AutotuneSettings:
     context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
     methods: tuple[str, ...] = METHODS
     neighbours: int = 2  # sizes either side of the chosen one that are also decoded
+    rounds: int = 2  # decoding repeats; each (plan, prompt) time is the median
+    threads: int | None = None  # CPU threads for torch (default: torch's choice)
     profile: str | None = None  # reuse a profile file instead of measuring
     accept: str | None = None  # reuse an acceptance file instead of measuring
     profile_budget_s: float = 40.0
@@ -185,28 +187,50 @@ def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[
 # ------------------------------------------------------------------ measuring
 
 
-def decode_all(model, prompts, candidate: Candidate | None, guesser, max_new_tokens: int) -> dict:
-    """Decode every prompt with a plan (None: plain decoding); tokens, steps and wall time."""
-    import torch
+def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max_new_tokens: int, rounds: int = 2,
+                     progress: bool = True) -> list[dict]:
+    """Decode every prompt with every plan (None: plain decoding), interleaved.
+
+    Plans run in a shuffled order per prompt and round, so a slow spell of the machine (clock
+    changes, another process) spreads over all of them instead of biasing one; each (plan, prompt)
+    time is the median over rounds. Returns per plan: tokens, steps, seconds, outputs.
+    """
+    import random
+
+    from tqdm import tqdm
 
     from decoder import build_plan_buffers, generate, generate_plain
 
     w = model.get_input_embeddings().weight
-    buffers = None if candidate is None else build_plan_buffers(candidate.tree, guesser, w.dtype, w.device, "autotune")
-    tokens, steps, seconds, outputs = 0, 0, 0.0, []
-    for ids in prompts:
-        t0 = time.perf_counter()
-        if candidate is None:
-            out = generate_plain(model, ids.to(w.device), max_new_tokens=max_new_tokens)
-        else:
-            out = generate(model, ids.to(w.device), plan=candidate.tree, guesser=guesser,
-                           max_new_tokens=max_new_tokens, buffers=buffers)
-        seconds += time.perf_counter() - t0
-        tokens += int(out.tokens.numel())
-        steps += int(out.steps)
-        outputs.append(out.tokens.cpu())
-    return {"tokens": tokens, "steps": steps, "seconds": seconds, "outputs": outputs,
-            "tokens_per_step": tokens / max(steps, 1), "tokens_per_s": tokens / seconds if seconds > 0 else math.nan}
+    buffers = [None if c is None else build_plan_buffers(c.tree, guesser, w.dtype, w.device, "autotune") for c in plans]
+    times = [[[] for _ in prompts] for _ in plans]
+    results = [{"tokens": 0, "steps": 0, "outputs": []} for _ in plans]
+    rng = random.Random(0)
+    bar = tqdm(total=rounds * len(prompts) * len(plans), desc="decode", unit="run", disable=not progress)
+    for r in range(rounds):
+        for p, ids in enumerate(prompts):
+            ids = ids.to(w.device)
+            order = list(range(len(plans)))
+            rng.shuffle(order)
+            for i in order:
+                t0 = time.perf_counter()
+                if plans[i] is None:
+                    out = generate_plain(model, ids, max_new_tokens=max_new_tokens)
+                else:
+                    out = generate(model, ids, plan=plans[i].tree, guesser=guesser, max_new_tokens=max_new_tokens,
+                                   buffers=buffers[i])
+                times[i][p].append(time.perf_counter() - t0)
+                if r == 0:
+                    results[i]["tokens"] += int(out.tokens.numel())
+                    results[i]["steps"] += int(out.steps)
+                    results[i]["outputs"].append(out.tokens.cpu())
+                bar.update()
+    bar.close()
+    for i, res in enumerate(results):
+        res["seconds"] = float(sum(statistics.median(t) for t in times[i]))
+        res["tokens_per_step"] = res["tokens"] / max(res["steps"], 1)
+        res["tokens_per_s"] = res["tokens"] / res["seconds"]
+    return results
 
 
 # ------------------------------------------------------------------ the job
@@ -219,13 +243,14 @@ def _default_out(device: str, model_name: str) -> Path:
 
 def autotune(s: AutotuneSettings) -> dict:
     import torch
-    from tqdm import tqdm
 
     from decoder import PromptTokens, measure_accuracy
     from profiler.measure import profile_model
     from profiler.models import default_device, dtype_name, load_model
 
     t_start = time.time()
+    if s.threads:
+        torch.set_num_threads(s.threads)
     device = s.device or default_device()
     loaded = load_model(s.model, device=device, dtype=s.dtype)
     model = loaded.model
@@ -277,18 +302,18 @@ def autotune(s: AutotuneSettings) -> dict:
         raise UserError(f"--max-input-length {s.max_input_length}: no plan fits (prompt tokens need {1 + P * E})")
     chosen, tried = pick(candidates, s.neighbours)
 
-    # 4. decode: plain, then every plan tried; outputs must equal plain greedy decoding
-    say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans")
-    torch.manual_seed(0)
-    decode_all(model, decode_ids[:1], None, guesser, 8)  # warm-up (allocator, kernels)
-    plain = decode_all(model, decode_ids, None, guesser, s.decode_tokens)
+    # 4. decode: plain and every plan tried, interleaved; outputs must equal plain greedy decoding
+    say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans, "
+        f"{s.rounds} rounds")
+    measure_decoding(model, decode_ids[:1], [None, chosen], guesser, 8, rounds=1, progress=False)  # warm-up
+    results = measure_decoding(model, decode_ids, [None] + tried, guesser, s.decode_tokens, s.rounds, s.progress)
+    plain = results[0]
     identical = True
-    for c in tqdm(tried, desc="decode", disable=not s.progress):
-        r = decode_all(model, decode_ids, c, guesser, s.decode_tokens)
+    for c, r in zip(tried, results[1:]):
         same = all(torch.equal(a, b) for a, b in zip(r["outputs"], plain["outputs"]))
         identical &= same
         c.measured = {"tokens_per_step": r["tokens_per_step"], "tokens_per_s": r["tokens_per_s"],
-                      "speedup": plain["seconds"] / r["seconds"] * (r["tokens"] / max(plain["tokens"], 1)),
+                      "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
                       "identical_to_greedy": same, "steps": r["steps"], "tokens": r["tokens"]}
 
     # 5. write

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=d.context_length, help="KV-cache length for the profile")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of ppd,medusa,sequoia")
     p.add_argument("--neighbours", type=int, default=d.neighbours, help="sizes either side of the chosen one to decode")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="decoding repeats (median per plan and prompt)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
     p.add_argument("--accept", default=None, help="reuse this acceptance file instead of measuring")
     p.add_argument("--profile-budget", type=float, default=d.profile_budget_s, help="seconds of profiling")
@@ -39,7 +41,7 @@ def run(args) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise UserError(f"--methods: expected a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
-    for name in ("accept_prompts", "decode_prompts", "accept_tokens", "decode_tokens", "max_input_length", "context_length"):
+    for name in ("accept_prompts", "decode_prompts", "accept_tokens", "decode_tokens", "max_input_length", "context_length", "rounds"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')}: must be a positive integer")
     if args.neighbours < 0:
@@ -49,7 +51,7 @@ def run(args) -> int:
         questions=args.questions, accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts,
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=methods, neighbours=args.neighbours, profile=args.profile,
-        accept=args.accept, profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
+        accept=args.accept, rounds=args.rounds, threads=args.threads, profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
     )
     summary = autotune(s)
     return 0 if summary["identical_to_greedy"] else 1
