@@ -151,8 +151,11 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
         _, cache = prefill(model, ids[None, :-1])
     else:
         cache = DynamicCache(config=model.config)
-    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", [])):
-        raise UserError("model: sliding-window attention caches are not supported by the tree decoder")
+    windows = [layer.sliding_window for layer in getattr(cache, "layers", []) if getattr(layer, "is_sliding", False)]
+    longest = max([b.input_length for b in pb.states.values()] + [pb.bootstrap.input_length])
+    if windows and T + max_new_tokens + longest >= min(windows):
+        raise UserError(f"model: sliding window of {min(windows)} tokens: prompt ({T}) + max_new_tokens ({max_new_tokens}) "
+                        f"+ step input ({longest}) must stay below it (KV compaction keeps the whole context)")
     sync()
     stats.prefill_s = time.perf_counter() - t_start
     C = T - 1

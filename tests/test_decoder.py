@@ -216,3 +216,13 @@ def test_kv_compaction_equals_plain_decoding(model):
     for got, want in zip(cache.layers, plain.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+def test_mistral_sliding_window_model_below_the_window():
+    model = tiny_model("mistral")
+    tree = ppd_tree(2, [0, 3, 6], seed=5)
+    g = PromptTokens.random(model, 2, ensemble=2, top_k=4)
+    for ids in _prompts(3, seed=30):
+        assert generate(model, ids, plan=tree, guesser=g, max_new_tokens=20).tokens.tolist() == reference(model, ids, 20)
+    with pytest.raises(UserError, match="sliding window of 256 tokens"):
+        generate(model, torch.ones(200, dtype=torch.long), plan=tree, guesser=g, max_new_tokens=60)

@@ -20,6 +20,10 @@ def tiny_model(family: str = "llama", vocab: int = V, seed: int = 0, eos: int | 
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=eos, pad_token_id=0)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=256))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=False))
     with torch.no_grad():
