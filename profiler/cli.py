@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-ci", type=_positive(float), default=0.02,
                    help="a length is done when its median's 95%% CI half-width is within this fraction (default 0.02)")
     p.add_argument("--warmup", type=_positive(int), default=2, help="untimed passes per length before measuring")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "tree"],
+                   help="sdpa: dense 4D mask through PyTorch SDPA (default); tree: the project's tree-attention "
+                        "kernels (kernels.hf, Triton on CUDA), as the decoder runs them when switched on")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
@@ -115,6 +118,10 @@ def run(args) -> int:
     if args.cuda_graphs and device == "cpu":
         raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
     loaded = load_model(spec, device=device, dtype=args.dtype)
+    if args.attention == "tree":
+        from kernels.hf import enable_tree_attention
+
+        enable_tree_attention(loaded.model)
     check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None))
     print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "
           f"{next(loaded.model.parameters()).device}: {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "

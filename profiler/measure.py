@@ -81,11 +81,13 @@ def is_oom(e: BaseException) -> bool:
 
 @dataclass
 class TreeInput:
-    """Inputs of one tree forward: ids [B, n], position ids [B, n], mask [B, 1, n, C + n]."""
+    """Inputs of one tree forward: ids [B, n], position ids [B, n], mask [B, 1, n, C + n], and the
+    parents [n] for a model switched to the tree kernels (which ignore the dense mask)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     mask: torch.Tensor
+    parents: list[int]
 
 
 def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dtype, device, gen) -> TreeInput:
@@ -94,7 +96,7 @@ def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dt
     mask = tree_attention_mask(ancestor_matrix(parents), context_length, dtype, device)  # [1, 1, n, C + n]
     ids = torch.randint(0, vocab, (batch_size, n), generator=gen).to(device)
     pos = (context_length + depth).expand(batch_size, n).to(device)
-    return TreeInput(ids, pos, mask.expand(batch_size, -1, -1, -1))
+    return TreeInput(ids, pos, mask.expand(batch_size, -1, -1, -1), parents)
 
 
 class Timer:
@@ -134,7 +136,7 @@ class Runner:
             layer.keys, layer.values = k, v
 
     def forward(self, x: TreeInput) -> None:
-        tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
+        tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache, tree_parents=x.parents)
 
     def warm(self, n: int, x: TreeInput, times: int) -> None:
         """`times` untimed passes; with CUDA graphs, then capture (warm-up on a side stream first,

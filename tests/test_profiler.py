@@ -88,12 +88,13 @@ def test_every_option_parses():
     a = build_parser().parse_args([
         "profile", "--model", "vicuna-7b", "--device", "cuda:1", "--dtype", "bf16", "--context-length", "512",
         "--input-lengths", "1:64", "--batch-size", "1", "4", "--time-budget", "7.5", "--min-repeats", "3",
-        "--max-repeats", "9", "--target-ci", "0.05", "--warmup", "4", "--cuda-graphs", "--threads", "2",
+        "--max-repeats", "9", "--target-ci", "0.05", "--warmup", "4", "--cuda-graphs", "--threads", "2", "--attention", "tree",
         "--seed", "7", "--plot", "x.png", "-o", "out.json", "--no-progress",
     ])
     assert (a.model, a.device, a.dtype, a.context_length, a.input_lengths) == ("vicuna-7b", "cuda:1", "bf16", 512, "1:64")
     assert (a.batch_size, a.time_budget, a.min_repeats, a.max_repeats, a.target_ci) == (["1", "4"], 7.5, 3, 9, 0.05)
     assert (a.warmup, a.cuda_graphs, a.threads, a.seed, a.plot, a.output, a.no_progress) == (4, True, 2, 7, "x.png", "out.json", True)
+    assert a.attention == "tree" and build_parser().parse_args(["profile"]).attention == "sdpa"
     d = build_parser().parse_args(["profile"])
     assert (d.model, d.device, d.dtype, d.context_length, d.batch_size, d.cuda_graphs) == (None, None, None, 256, ["1"], False)
 
@@ -292,6 +293,20 @@ def test_cli_writes_profile_and_plot(small_config, tmp_path, capsys):
     assert load_profile(str(out)).max_input_length == 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cli_tree_attention_kernels(small_config, tmp_path):
+    out = tmp_path / "prof.json"
+    rc = main(["profile", "--model", str(small_config), "--attention", "tree", "--input-lengths", "1,5,21",
+               "--context-length", "8", "--time-budget", "1", "--no-progress", "-o", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert prof["settings"]["attn_implementation"] == "tree_triton" and prof["input_lengths"] == [1, 5, 21]
+
+
+def test_list_models(capsys):
+    assert main(["profile", "--list-models"]) == 0
+    assert "llama-2-7b" in capsys.readouterr().out.split()
 
 
 def test_cli_default_output_name(small_config, tmp_path, monkeypatch):
