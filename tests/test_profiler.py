@@ -425,3 +425,22 @@ def test_runner_resets_to_the_prefix(small_model):
     runner.sample_fn(5, x)()
     runner.reset()
     assert cache.get_seq_length() == 8 and cache.layers[0].keys is runner.prefix[0][0]
+
+
+def test_cli_ctrl_c_writes_points_and_exits_130(small_config, tmp_path, monkeypatch, capsys):
+    real, calls = measure.tree_forward, []
+
+    def fake(*a, **kw):
+        calls.append(1)
+        if len(calls) > 10:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(measure, "tree_forward", fake)
+    out = tmp_path / "p.json"
+    rc = main(["profile", "--model", str(small_config), "--input-lengths", "1:4", "--context-length", "4",
+               "--time-budget", "60", "--min-repeats", "50", "--no-progress", "-o", str(out)])
+    assert rc == 130
+    assert "interrupted: kept the points measured so far" in capsys.readouterr().err
+    prof = json.loads(out.read_text())
+    assert prof["input_lengths"] == [1, 2, 3, 4] and prof["incomplete"][-1]["reason"] == "interrupted"
