@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-repeats", type=_positive(int), default=50)
     p.add_argument("--target-ci", type=_positive(float), default=0.02,
                    help="a length is done when its median's 95%% CI half-width is within this fraction (default 0.02)")
-    p.add_argument("--warmup", type=_positive(int), default=2, help="untimed passes per length before measuring")
+    p.add_argument("--warmup", type=_positive(int), default=1, help="untimed passes per length before measuring")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "tree"],
                    help="sdpa: dense 4D mask through PyTorch SDPA (default); tree: the project's tree-attention "
                         "kernels (kernels.hf, Triton on CUDA), as the decoder runs them when switched on")
