@@ -104,7 +104,7 @@ def run(args) -> int:
     cfg = tp.TrainConfig(num_prompt_tokens=args.prompt_tokens, ensemble=args.ensemble, steps=args.steps,
                          batch_size=args.batch_size, inserts=args.inserts, lr=args.lr, decay=args.decay,
                          seed=args.seed, ckpt_every=args.ckpt_every)
-    meta = {"model": model_name, "model_config_hash": model_hash}
+    meta = {"model": model_name}  # model_config_hash stays the decoder's fingerprint (PromptTokens.random)
     print(f"model {model_name} on {device}; {windows.shape[0]} training windows of {args.seq_len} tokens")
     result = tp.train_prompt_tokens(model, windows, args.out, cfg, resume=args.resume, device=device, meta=meta)
     if result.interrupted:

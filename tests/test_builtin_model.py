@@ -80,7 +80,7 @@ def test_perplexity_matches_training_json(model, tokenizer, corpus):
     # A slice of the validation split, so allow sampling spread; a broken load would be ~vocab size.
     assert abs(math.log(chat_ppl / val["chat_ppl"])) < 0.35, (chat_ppl, val["chat_ppl"])
     assert abs(math.log(web_ppl / val["web_ppl"])) < 0.35, (web_ppl, val["web_ppl"])
-    assert chat_ppl < 0.1 * model.config.vocab_size
+    assert chat_ppl < 0.25 * model.config.vocab_size  # an untrained model scores about the vocabulary size
 
 
 def test_greedy_continuation_is_not_degenerate(model, tokenizer, corpus):
