@@ -14,6 +14,7 @@ Writes bench/results/decoder.json and decoder.md.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -84,6 +85,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     model = llama_125m()
     n_params = sum(p.numel() for p in model.parameters())
     data = Path(args.shared) / "data" / "published_acceptance.json"
@@ -148,6 +150,7 @@ def main() -> int:
 
     result = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                    "cores": os.cpu_count(), "load_average_start_end": [load_start, os.getloadavg()[0]],
                     "torch": torch.__version__, "python": platform.python_version()},
         "model": {"name": "llama-125m (random weights, fp32)", "parameters": n_params},
         "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
@@ -165,7 +168,8 @@ def markdown(r: dict) -> str:
         "# Decoder step breakdown",
         "",
         f"{r['model']['name']}, {r['model']['parameters'] / 1e6:.0f}M parameters, CPU ({r['machine']['threads']} threads, "
-        f"torch {r['machine']['torch']}), prompt {r['context']} tokens, {r['tokens']} new tokens. Medians over steps; "
+        f"torch {r['machine']['torch']}; {r['machine']['cores']} cores shared with other jobs, load average "
+        f"{r['machine']['load_average_start_end'][0]:.1f} at start, {r['machine']['load_average_start_end'][1]:.1f} at end), prompt {r['context']} tokens, {r['tokens']} new tokens. Medians over steps; "
         f"plain forward = the model's own forward over the same number of tokens at the same context (median of {r['repeats']}).",
         "",
         "| plan | real input | prepare ms | forward ms | verify ms | cache ms | guess ms | step ms | plain forward ms | outside forward / step forward | step vs plain forward | oracle tokens/step | oracle speedup |",
@@ -179,7 +183,11 @@ def markdown(r: dict) -> str:
             f"{x['outside_forward_frac']:.1%} | {x['step_vs_plain_forward']:+.1%} | {x['tokens_per_step']:.2f} | {o} |")
     lines += ["", f"Plain decoding: {r['plain_tokens_per_s']:.1f} tokens/s. Oracle: the true token at rank r with the "
               "published distance-1 probability (so tokens/step is realistic, the guess cost is not); output checked "
-              "equal to plain greedy decoding.", ""]
+              "equal to plain greedy decoding.", "",
+              "The robust figure is `outside forward / step forward`: prepare + verify + cache + guess against the "
+              "forward pass of the same steps. Absolute times, `step vs plain forward` and the oracle speedups compare "
+              "measurements taken seconds apart and move with the load of the shared machine; rerun on a quiet machine "
+              "before reading them as speedups.", ""]
     return "\n".join(lines)
 
 
