@@ -34,8 +34,9 @@ class Guesser(Protocol):
 class OracleGuesser:
     """Guesses from a known token sequence (prompt + continuation), e.g. the model's own greedy output.
 
-    The true token goes to rank 0, or, with `accuracy` = [a_0, ..., a_{K-1}], to rank r with
-    probability a_r and nowhere with 1 - sum(a) (seeded): a guesser with known statistics.
+    The true token goes to rank 0, or, with `accuracy` = [a_0, ..., a_{K-1}] (every distance) or
+    [[...], ...] (row d for distance d+1), to rank r with probability a_r and nowhere with
+    1 - sum(a) (seeded): a guesser with known statistics.
     Other ranks hold (true + offset) % vocab, distinct from the truth. `prompt_tokens`, when
     given, supplies the prompt-token inputs so that the forward pass has its real size.
     """
@@ -61,9 +62,13 @@ class OracleGuesser:
         if self.accuracy is None:
             rank = torch.zeros(k, dtype=torch.long)
         else:
-            # rank K means "the truth is not among the guesses"
-            probs = torch.cat([self.accuracy, (1 - self.accuracy.sum()).clamp(min=0)[None]])
-            rank = torch.multinomial(probs, k, replacement=True, generator=self.generator)
+            # rank K means "the truth is not among the guesses"; one row per distance, or one for all
+            acc = self.accuracy if self.accuracy.dim() == 2 else self.accuracy[None].expand(k, -1)
+            if acc.shape[0] < k:
+                raise ValueError(f"OracleGuesser: accuracy has {acc.shape[0]} rows, distance {k} asked")
+            acc = acc[:k]
+            probs = torch.cat([acc, (1 - acc.sum(1, keepdim=True)).clamp(min=0)], dim=1)  # [k, K+1]
+            rank = torch.multinomial(probs, 1, generator=self.generator)[:, 0]  # [k]
         # column c holds truth + ((c - rank) mod (K+1)) ... shifted so the truth lands at `rank`
         c = torch.arange(self.top_k)
         offset = (c[None, :] - rank[:, None]) % (self.top_k + 1)  # 0 exactly at c == rank
