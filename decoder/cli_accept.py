@@ -55,7 +55,7 @@ def run(args) -> int:
     acc.update({"prompts": len(done), "model": loaded.name, "config_hash": loaded.config_hash,
                 "source": f"planner accept: {loaded.name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} greedy tokens each", "wall_s": time.time() - t0})
-    acc["prompt_tokens"]["dir"] = args.prompt_tokens
+    acc["prompt_tokens"]["dir"] = guesser.source_dir  # None: random, untrained
     from_entry({"accuracy": acc["accuracy"]}, label=args.output)  # what we write, the planner can read
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))

@@ -103,6 +103,7 @@ def load_everything(args, need_tree_depth: int | None = None):
         if not P or P < 1:
             raise UserError("--prompt-tokens DIR or --random-prompt-tokens P: the guesser is needed")
         guesser = PromptTokens.random(model, P, ensemble=args.ensemble, top_k=args.top_k_guesses)
+    guesser.source_dir = pt_dir  # None: random, untrained
     tokenizer = None
     if loaded.tokenizer_dir is not None:
         from transformers import AutoTokenizer
@@ -202,8 +203,8 @@ def run(args) -> int:
     doc = {
         "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
         "plan": str(args.plan), "method": tree.method,
-        "prompt_tokens": {"dir": args.prompt_tokens, "P": guesser.num_prompt_tokens, "E": guesser.ensemble,
-                          "top_k": guesser.top_k, "random": args.prompt_tokens is None and not guesser.meta.get("training")},
+        "prompt_tokens": {"dir": guesser.source_dir, "P": guesser.num_prompt_tokens, "E": guesser.ensemble,
+                          "top_k": guesser.top_k, "random": guesser.source_dir is None},
         "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed},
         "real_input_length_by_state": {str(s): b.input_length for s, b in buffers.states.items()},

@@ -33,6 +33,7 @@ def test_decode_writes_results_identical_to_plain(files, capsys):
     doc = json.loads(out.read_text())
     assert doc["summary"]["identical_to_plain"] is True
     assert doc["summary"]["prompts"] == 2 and all(len(r["tokens"]) == 12 for r in doc["results"])
+    assert doc["prompt_tokens"]["random"] is True and doc["real_input_length_by_state"]["2"] >= 1
     assert "speedup" in capsys.readouterr().out
 
 
