@@ -93,12 +93,17 @@ def _as_tree(plan) -> tuple[Tree, str]:
 def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, verify_rule: str = "auto", eps: float = 0.09, delta: float = 0.3,
              eos_token_id=None, seed: int = 0, record_guesses: bool = False, progress: bool = False,
-             buffers: PlanBuffers | None = None) -> GenerateOutput:
+             buffers: PlanBuffers | None = None, attention: str = "auto") -> GenerateOutput:
     """Decode with a tree plan (a path or a loaded Tree) and a guesser (PromptTokens, OracleGuesser, ...).
 
     verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless.
     Pass `buffers` (from `build_plan_buffers`) to reuse them across calls.
+    attention: "auto" (the Triton tree kernels on CUDA when triton is installed, else a dense
+    4D mask through the model's own attention), "kernels" or "dense". Enabling the kernels
+    switches the model to the "tree_triton" attention implementation, which keeps using SDPA for
+    every call that is not a tree step.
     """
+    _select_attention(model, attention)
     tree, label = _as_tree(plan)
     embed = model.get_input_embeddings()
     if buffers is None:
@@ -106,6 +111,32 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     return _decode(model, input_ids, buffers, guesser, max_new_tokens, sampling, eos_token_id, seed,
                    record_guesses, progress)
+
+
+def _select_attention(model, attention: str) -> None:
+    if attention not in ("auto", "kernels", "dense"):
+        raise UserError(f"attention: expected auto, kernels or dense, got {attention!r}")
+    if attention == "dense":
+        return
+    if attention == "auto":
+        if model.get_input_embeddings().weight.device.type != "cuda":
+            return
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return
+    from kernels.hf import enable_tree_attention
+
+    if getattr(model.config, "_attn_implementation", None) != "tree_triton":
+        enable_tree_attention(model)
+
+
+def _kernel_parents(pb: PlanBuffers) -> dict[int, list[int]]:
+    """Each step buffer's tree (prompt-token lanes included) as parent indices, for the kernels."""
+    from kernels import parents_from_visibility
+
+    bufs = list(pb.states.values()) + [pb.bootstrap]
+    return {id(b): parents_from_visibility(b.mask_block) for b in bufs}
 
 
 def generate_plain(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -144,6 +175,8 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
     stats = DecodeStats(guesses=[] if record_guesses else None)
+    kernel_path = getattr(model.config, "_attn_implementation", None) == "tree_triton"
+    tree_parents = _kernel_parents(pb) if kernel_path else {}
 
     t_start = time.perf_counter()
     T = ids.numel()
@@ -176,8 +209,11 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
         else:
             tree_ids = root
         position_ids = buf.position_offsets + C  # [1, n]
-        mask = torch.zeros(1, 1, n, C + n, dtype=dtype, device=device)
-        mask[..., C:] = buf.mask_block
+        if kernel_path:  # the tree reaches the kernel as parents; no dense mask
+            mask, args_tree = None, {"tree_parents": tree_parents[id(buf)]}
+        else:
+            mask, args_tree = torch.zeros(1, 1, n, C + n, dtype=dtype, device=device), {}
+            mask[..., C:] = buf.mask_block
         if n > buf.num_tree:
             x = torch.cat([embed(tree_ids), table[buf.slot_embedding]])  # [n, hidden]
             args = dict(input_ids=None, inputs_embeds=x[None])
@@ -185,12 +221,18 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
             args = dict(input_ids=tree_ids[None], inputs_embeds=None)
         sync()
         t1 = time.perf_counter()
-        logits = tree_forward(model, position_ids=position_ids, attention_mask=mask, cache=cache, **args)[0]  # [n, V]
+        logits = tree_forward(model, position_ids=position_ids, attention_mask=mask, cache=cache, **args,
+                              **args_tree)[0]  # [n, V]
         sync()
         t2 = time.perf_counter()
         path, emitted = verify(logits[: buf.num_tree], tree_ids, buf, sampling, gen)
         t3 = time.perf_counter()
-        compact_cache(cache, C, path)
+        if kernel_path:
+            from kernels.hf import compact_cache as kernel_compact_cache
+
+            kernel_compact_cache(cache, C, path)  # one launch for all layers
+        else:
+            compact_cache(cache, C, path)
         sync()
         t4 = time.perf_counter()
         a = path.numel() - 1
