@@ -204,7 +204,7 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
     w = model.get_input_embeddings().weight
     buffers = [None if c is None else build_plan_buffers(c.tree, guesser, w.dtype, w.device, "autotune") for c in plans]
     times = [[[] for _ in prompts] for _ in plans]
-    results = [{"tokens": 0, "steps": 0, "outputs": []} for _ in plans]
+    results = [{"tokens": 0, "steps": 0, "outputs": [], "states": []} for _ in plans]
     rng = random.Random(0)
     bar = tqdm(total=rounds * len(prompts) * len(plans), desc="decode", unit="run", disable=not progress)
     for r in range(rounds):
@@ -224,6 +224,7 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
                     results[i]["tokens"] += int(out.tokens.numel())
                     results[i]["steps"] += int(out.steps)
                     results[i]["outputs"].append(out.tokens.cpu())
+                    results[i]["states"] += [st for st in out.stats.states if st >= 0]  # -1: bootstrap step
                 bar.update()
     bar.close()
     for i, res in enumerate(results):
@@ -231,6 +232,18 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
         res["tokens_per_step"] = res["tokens"] / max(res["steps"], 1)
         res["tokens_per_s"] = res["tokens"] / res["seconds"]
     return results
+
+
+def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
+    """ppd: how often each state was visited while decoding, next to the Markov model's pi."""
+    if tree.method != "ppd" or not states:
+        return None
+    counts = {st.state: 0 for st in tree.states}
+    for s_ in states:
+        counts[s_] += 1
+    total = sum(counts.values())
+    return {str(st.state): {"measured": counts[st.state] / total, "predicted": st.stationary_probability}
+            for st in tree.states}
 
 
 # ------------------------------------------------------------------ the job
@@ -314,7 +327,8 @@ def autotune(s: AutotuneSettings) -> dict:
         identical &= same
         c.measured = {"tokens_per_step": r["tokens_per_step"], "tokens_per_s": r["tokens_per_s"],
                       "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
-                      "identical_to_greedy": same, "steps": r["steps"], "tokens": r["tokens"]}
+                      "identical_to_greedy": same, "steps": r["steps"], "tokens": r["tokens"],
+                      "state_frequencies": state_frequencies(c.tree, r["states"])}
 
     # 5. write
     trees_dir = out_dir / "trees"
@@ -331,6 +345,7 @@ def autotune(s: AutotuneSettings) -> dict:
             "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
             "measured_tokens_per_s": c.measured["tokens_per_s"],
             "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": c is chosen, "tree": str(path),
+            "state_frequencies": c.measured["state_frequencies"],
         })
     chosen_path = Path(s.trees_dir) / f"autotune-{device}-{loaded.name}.json"
     save_tree(chosen.tree, chosen_path)

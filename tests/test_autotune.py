@@ -1,0 +1,93 @@
+"""planner autotune: the pipeline end to end on the built-in model (small settings), and its pieces."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from planner.accept import from_entry
+from planner.autotune import AutotuneSettings, autotune, held_out_prompts, pick, plan_candidates, real_input_length
+from planner.errors import UserError
+from planner.profile import LatencyProfile
+from planner.tree import load_tree
+
+ACC = from_entry({"accuracy": [[0.5, 0.2, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], [0.2, 0.1, 0.1, 0.05]]})
+
+
+def flat_then_linear(knee: int, top: int = 64) -> LatencyProfile:
+    n = np.arange(1, top + 1)
+    return LatencyProfile(n, 0.01 * np.maximum(1.0, n / knee), {"file": "synthetic"})
+
+
+@pytest.mark.parametrize("method", ["ppd", "medusa", "sequoia"])
+def test_real_input_length_matches_the_decoder_buffers(method):
+    from decoder import OracleGuesser, build_plan_buffers
+
+    cands = plan_candidates(method, ACC, flat_then_linear(16), prompt_tokens=3, ensemble=1, max_input_length=40)
+    assert cands
+    g = OracleGuesser(torch.arange(50), vocab_size=64, num_distances=3, top_k=4,
+                      prompt_tokens=_random_prompt_tokens())
+    for c in cands[:: max(1, len(cands) // 4)]:
+        pb = build_plan_buffers(c.tree, g, torch.float32, "cpu", "test")
+        if method == "ppd":
+            want = sum(st.stationary_probability * pb.states[st.state].input_length for st in c.tree.states)
+        else:
+            want = pb.states[0].input_length
+        assert real_input_length(c.tree, ensemble=1) == pytest.approx(want)
+        assert c.input_length <= 40 + 1e-9
+
+
+def _random_prompt_tokens():
+    from decoder import PromptTokens
+
+    return PromptTokens(3, 1, hidden_size=8, top_k=4)
+
+
+def test_pick_chooses_the_best_prediction_and_keeps_neighbours():
+    cands = []
+    for m in ("ppd", "medusa"):
+        cands += plan_candidates(m, ACC, flat_then_linear(12), prompt_tokens=3, ensemble=1, max_input_length=32)
+    best, tried = pick(cands, neighbours=2)
+    assert best.predicted_speedup == max(c.predicted_speedup for c in cands)
+    assert best in tried
+    assert {c.method for c in tried} == {"ppd", "medusa"}
+    same = [c for c in cands if c.method == best.method]
+    i = same.index(best)
+    for c in same[max(0, i - 2): i + 3]:
+        assert c in tried
+
+
+def test_held_out_prompts_are_disjoint_and_held_out(tmp_path):
+    rows = [{"question_id": q, "turns": [f"question {q}", "second"]} for q in range(81, 161)]
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    a, d = held_out_prompts(str(f), 8, 8)
+    assert len(a) == len(d) == 8 and not set(a) & set(d)
+    assert all(int(t.split()[1]) % 5 == 0 for t in a + d)
+    with pytest.raises(UserError, match="held-out questions"):
+        held_out_prompts(str(f), 10, 10)
+    f.write_text("not json\n")
+    with pytest.raises(UserError, match="line 1"):
+        held_out_prompts(str(f), 1, 1)
+
+
+def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
+    s = AutotuneSettings(out=str(tmp_path / "run"), trees_dir=str(tmp_path / "trees"), accept_prompts=1,
+                         decode_prompts=1, accept_tokens=16, decode_tokens=12, max_input_length=10,
+                         context_length=32, profile_budget_s=2.0, rounds=1, report=False, progress=False, threads=1)
+    summary = autotune(s)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["identical_to_greedy"] is True and summary["identical_to_greedy"] is True
+    assert {r["method"] for r in saved["rows"]} == {"ppd", "medusa", "sequoia"}
+    for r in saved["rows"]:
+        for key in ("method", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
+                    "predicted_speedup", "measured_speedup"):
+            assert isinstance(r[key], (int, float, str))
+        assert r["input_length"] <= 10
+        load_tree(r["tree"])
+    chosen = [r for r in saved["rows"] if r["chosen"]]
+    assert len(chosen) == 1
+    assert chosen[0]["predicted_speedup"] == max(r["predicted_speedup"] for r in saved["rows"])
+    assert load_tree(saved["chosen"]).method == chosen[0]["method"]
+    for name in ("profile.json", "accept.json"):
+        assert (tmp_path / "run" / name).is_file()
