@@ -1,6 +1,6 @@
 """Train the built-in model: a BPE tokenizer and a small Llama causal LM on ../shared/data/.
 
-    python scripts/train_builtin.py --out models/builtin --steps 300 --batch 8 --seed 0
+    python scripts/train_builtin.py --out models/builtin --steps 600 --batch 8 --seed 0
 
 Reproducible: seeded, single process, deterministic given the thread count (--threads).
 Writes config.json, model.safetensors (fp16), tokenizer files and training.json (settings,
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "models" / "builtin")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)

@@ -106,6 +106,8 @@ def test_shipped_prompt_tokens(model, tokenizer, corpus):
     documented = report["heldout"]["chat"]["top1"]
     for d in range(pt.num_prompt_tokens):
         assert abs(ev["top1"][d] - documented[d]) < 0.08, (ev["top1"], documented)
-    # Trained tokens beat the untrained initialisation at distance 1.
+    # Trained tokens beat their initialisation (copies of vocabulary embeddings) on average top-1
+    # and on the distillation KL at every distance.
     init = tp.evaluate(model, tp.init_prompt_tokens(model, pt.num_prompt_tokens, pt.ensemble, 0), chat, stride=4)
-    assert ev["top1"][0] > init["top1"][0] + 0.02, (init["top1"], ev["top1"])
+    assert sum(ev["top1"]) > sum(init["top1"]) + 0.05, (init["top1"], ev["top1"])
+    assert all(a < b for a, b in zip(ev["kl"], init["kl"])), (init["kl"], ev["kl"])
