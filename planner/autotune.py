@@ -44,7 +44,7 @@ class AutotuneSettings:
     context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
     methods: tuple[str, ...] = METHODS
     neighbours: int = 2  # sizes either side of the chosen one that are also decoded
-    rounds: int = 2  # decoding repeats; each (plan, prompt) time is the median
+    rounds: int = 3  # decoding repeats; each (plan, prompt) time is the median
     threads: int | None = None  # CPU threads for torch (default: torch's choice)
     profile: str | None = None  # reuse a profile file instead of measuring
     accept: str | None = None  # reuse an acceptance file instead of measuring
@@ -64,6 +64,7 @@ class Candidate:
     input_length: float  # real forward length in the decoder (amortised over states for ppd)
     predicted_tokens_per_step: float
     predicted_speedup: float
+    variant: str = ""  # ppd: "shared budget" (the paper's) or "per-state budgets" (hardware-aware)
     measured: dict = field(default_factory=dict)
 
 
@@ -139,16 +140,20 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
     l1 = float(profile.latency(1))
     out = []
     if method == "ppd":
-        for n in range(prompt_tokens + 1, max_input_length + 1):
-            if 1 + ensemble * prompt_tokens > n:
+        # The paper's shared budget gives a real size sweep (every state spends up to n tokens);
+        # the planner's hardware-aware tree (each state spends what the latency curve says pays)
+        # is one more plan, usually equal in speed to the best of the sweep or better.
+        sized = [(n, plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
+                 for n in range(1 + prompt_tokens, max_input_length + 1)]
+        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length)
+        sized.append((auto.max_input_length, auto, "per-state budgets"))
+        seen = set()
+        for n, tree, variant in sized:
+            sig = _signature(tree)
+            if sig in seen or max(1 + len(st.nodes) + ensemble * sum(st.prompt_tokens) for st in tree.states) > max_input_length:
                 continue
-            # with the profile, each state spends up to n tokens where the latency curve says it pays
-            tree = plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens, profile=profile)
-            if real_input_length(tree, ensemble) > max_input_length + 1e-9 or any(
-                1 + len(st.nodes) + ensemble * sum(st.prompt_tokens) > max_input_length for st in tree.states
-            ):
-                continue
-            out.append(_candidate(method, tree, n, profile, ensemble, l1))
+            seen.add(sig)
+            out.append(_candidate(method, tree, n, profile, ensemble, l1, variant))
         return out
     depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
     for size in range(1, max_input_length):
@@ -159,11 +164,15 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
     return out
 
 
-def _candidate(method, tree, size, profile, ensemble, l1) -> Candidate:
+def _signature(tree: Tree) -> tuple:
+    return tuple((st.state, tuple(st.nodes), tuple(st.prompt_tokens or ())) for st in tree.states)
+
+
+def _candidate(method, tree, size, profile, ensemble, l1, variant="") -> Candidate:
     tau = tree.expected_tokens_per_step
     step = real_step_latency(tree, profile, ensemble)
     tree.predicted_speedup = tau * l1 / step
-    return Candidate(method, tree, size, real_input_length(tree, ensemble), tau, tau * l1 / step)
+    return Candidate(method, tree, size, real_input_length(tree, ensemble), tau, tau * l1 / step, variant)
 
 
 def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[Candidate]]:
@@ -334,11 +343,11 @@ def autotune(s: AutotuneSettings) -> dict:
     trees_dir = out_dir / "trees"
     rows = []
     for c in tried:
-        path = trees_dir / f"{c.method}-{c.size}.json"
+        path = trees_dir / f"{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
         c.tree.provenance.update({"accept": str(accept_path), "profile": str(profile_path), "autotune": str(out_dir)})
         save_tree(c.tree, path)
         rows.append({
-            "method": c.method, "size": c.size, "input_length": round(c.input_length, 3),
+            "method": c.method, "variant": c.variant, "size": c.size, "input_length": round(c.input_length, 3),
             "planned_input_length": c.tree.max_input_length,
             "predicted_tokens_per_step": c.predicted_tokens_per_step,
             "measured_tokens_per_step": c.measured["tokens_per_step"],
@@ -350,6 +359,7 @@ def autotune(s: AutotuneSettings) -> dict:
     chosen_path = Path(s.trees_dir) / f"autotune-{device}-{loaded.name}.json"
     save_tree(chosen.tree, chosen_path)
     best_measured = max(tried, key=lambda c: c.measured["speedup"])
+    by_measured = sorted(tried, key=lambda c: -c.measured["speedup"])
     summary = {
         "chosen": str(chosen_path),
         "chosen_method": chosen.method,
@@ -359,6 +369,8 @@ def autotune(s: AutotuneSettings) -> dict:
         "prediction_error": chosen.measured["tokens_per_step"] / chosen.predicted_tokens_per_step - 1,
         "best_measured": {"method": best_measured.method, "size": best_measured.size,
                           "measured_speedup": best_measured.measured["speedup"]},
+        "chosen_measured_rank": by_measured.index(chosen) + 1,  # 1 = the chosen plan was also measured fastest
+        "chosen_measured_vs_best": chosen.measured["speedup"] / best_measured.measured["speedup"],
         "rows": rows,
         "profile": str(profile_path),
         "accept": str(accept_path),
@@ -389,12 +401,16 @@ def format_table(summary: dict) -> str:
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         mark = " *" if r["chosen"] else ""
+        method = r["method"] + ("+" if r.get("variant") == "per-state budgets" else "")
         lines.append(
-            f"{r['method']:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
+            f"{method:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
             f"{r['measured_tokens_per_step']:>6.2f} {r['predicted_speedup']:>12.2f} {r['measured_speedup']:>6.2f}  "
             f"{'yes' if r['identical_to_greedy'] else 'NO'}{mark}"
         )
     p = summary["plain"]
     lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s; * = chosen ({summary['chosen']}); "
                  f"outputs identical to greedy: {summary['identical_to_greedy']}")
+    lines.append("ppd+ = per-state budgets chosen against the latency profile; ppd = the paper's shared budget; "
+                 f"chosen plan's measured rank: {summary['chosen_measured_rank']} of {len(summary['rows'])} "
+                 f"({summary['chosen_measured_vs_best']:.2f}x of the best measured)")
     return "\n".join(lines)
