@@ -258,6 +258,15 @@ def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
 # ------------------------------------------------------------------ the job
 
 
+def _shown(path) -> str:
+    """Paths under the working directory are recorded relative to it, so a run folder can be moved or committed."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
 def _default_out(device: str, model_name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return REPO / "runs" / f"{stamp}-{device}-{model_name}"
@@ -344,7 +353,7 @@ def autotune(s: AutotuneSettings) -> dict:
     rows = []
     for c in tried:
         path = trees_dir / f"{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
-        c.tree.provenance.update({"accept": str(accept_path), "profile": str(profile_path), "autotune": str(out_dir)})
+        c.tree.provenance.update({"accept": _shown(accept_path), "profile": _shown(profile_path), "autotune": _shown(out_dir)})
         save_tree(c.tree, path)
         rows.append({
             "method": c.method, "variant": c.variant, "size": c.size, "input_length": round(c.input_length, 3),
@@ -353,7 +362,7 @@ def autotune(s: AutotuneSettings) -> dict:
             "measured_tokens_per_step": c.measured["tokens_per_step"],
             "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
             "measured_tokens_per_s": c.measured["tokens_per_s"],
-            "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": c is chosen, "tree": str(path),
+            "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": c is chosen, "tree": _shown(path),
             "state_frequencies": c.measured["state_frequencies"],
         })
     chosen_path = Path(s.trees_dir) / f"autotune-{device}-{loaded.name}.json"
@@ -361,7 +370,7 @@ def autotune(s: AutotuneSettings) -> dict:
     best_measured = max(tried, key=lambda c: c.measured["speedup"])
     by_measured = sorted(tried, key=lambda c: -c.measured["speedup"])
     summary = {
-        "chosen": str(chosen_path),
+        "chosen": _shown(chosen_path),
         "chosen_method": chosen.method,
         "chosen_size": chosen.size,
         "identical_to_greedy": identical,
@@ -372,12 +381,12 @@ def autotune(s: AutotuneSettings) -> dict:
         "chosen_measured_rank": by_measured.index(chosen) + 1,  # 1 = the chosen plan was also measured fastest
         "chosen_measured_vs_best": chosen.measured["speedup"] / best_measured.measured["speedup"],
         "rows": rows,
-        "profile": str(profile_path),
-        "accept": str(accept_path),
+        "profile": _shown(profile_path),
+        "accept": _shown(accept_path),
         "model": loaded.name,
         "device": device,
         "dtype": dtype_name(next(model.parameters()).dtype),
-        "prompt_tokens": {"dir": str(pt_dir), "P": P, "E": E},
+        "prompt_tokens": {"dir": _shown(pt_dir), "P": P, "E": E},
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
         "wall_s": None,
     }
@@ -389,7 +398,7 @@ def autotune(s: AutotuneSettings) -> dict:
 
         index = write_report(out_dir / "report", profiles=[str(profile_path)], accepts=[str(accept_path)],
                              trees=[str(chosen_path)], run_dir=str(out_dir))
-        summary["report"] = str(index)
+        summary["report"] = _shown(index)
         atomic_write_json(out_dir / "summary.json", summary)
         say(f"report: {index}")
     say(f"run folder: {out_dir}  ({summary['wall_s']:.0f} s)")
