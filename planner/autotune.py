@@ -179,7 +179,7 @@ def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[
     """The best predicted candidate overall, plus: the best of every other method and the
     `neighbours` sizes either side of the chosen one in its own method (to check the choice)."""
     best = max(candidates, key=lambda c: c.predicted_speedup)
-    same = [c for c in candidates if c.method == best.method]
+    same = sorted((c for c in candidates if c.method == best.method), key=lambda c: (c.input_length, c.size))
     i = same.index(best)
     chosen_and_near = same[max(0, i - neighbours): i + neighbours + 1]
     step = max(1, len(same) // 8)  # and a coarse sweep of the chosen method, to see the curve's shape

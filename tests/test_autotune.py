@@ -51,7 +51,7 @@ def test_pick_chooses_the_best_prediction_and_keeps_neighbours():
     assert best.predicted_speedup == max(c.predicted_speedup for c in cands)
     assert best in tried
     assert {c.method for c in tried} == {"ppd", "medusa"}
-    same = [c for c in cands if c.method == best.method]
+    same = sorted((c for c in cands if c.method == best.method), key=lambda c: (c.input_length, c.size))
     i = same.index(best)
     for c in same[max(0, i - 2): i + 3]:
         assert c in tried
