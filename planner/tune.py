@@ -549,33 +549,7 @@ SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"
 DEFAULT_PROMPTS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
 
 
-def read_prompts(path: str | Path, limit: int) -> list[str]:
-    """First turn (or 'text', 'prompt') of each JSON line."""
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: line {i + 1} is not valid JSON ({e.msg})") from None
-        text = None
-        if isinstance(obj, dict):
-            turns = obj.get("turns")
-            text = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], str) else obj.get("text", obj.get("prompt"))
-        if not isinstance(text, str) or not text:
-            raise UserError(f"{path}: line {i + 1}: expected a field 'turns' (list of strings), 'text' or 'prompt'")
-        out.append(text)
-        if len(out) == limit:
-            break
-    if not out:
-        raise UserError(f"{path}: no prompts")
-    return out
+from decoder.cli_decode import read_prompts  # noqa: E402,F401  (one prompt reader for every command)
 
 
 class MeasuredEvaluator:
