@@ -29,12 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue  # subcommand not built yet in this checkout
+        mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_, description=help_)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
