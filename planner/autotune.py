@@ -21,6 +21,7 @@ from planner.jsonio import atomic_write_json
 from planner.plan import plan, predicted_speedup
 from planner.profile import LatencyProfile, load_profile
 from planner.tree import Tree, save_tree
+from planner.tune import effective_input_lengths
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = REPO / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -109,29 +110,32 @@ def encode_prompts(tokenizer, texts: list[str]) -> list:
 # ------------------------------------------------------------------ planning
 
 
-def real_input_length(tree: Tree, ensemble: int) -> float:
-    """Tokens in the decoder's forward pass, amortised over states.
+def state_input_lengths(tree: Tree, ensemble: int) -> list[int]:
+    """Tokens in the decoder's forward pass for each state.
 
-    ppd: root + candidates + E slots per prompt token. medusa/sequoia run as static trees whose
-    every node carries D prompt tokens (so the next step can guess depth D): (1 + N)(1 + D E).
+    ppd: root + candidates + E slots per prompt token (`planner.tune.effective_input_lengths`).
+    medusa/sequoia run as static trees whose every node carries D prompt tokens (so the next
+    step can guess depth D): (1 + N)(1 + D E).
     """
     if tree.method == "ppd":
-        total = 0.0
-        for st in tree.states:
-            n = 1 + len(st.nodes) + ensemble * sum(st.prompt_tokens)
-            total += (st.stationary_probability or 0.0) * n
-        return total
+        return effective_input_lengths(tree, ensemble)
     st = tree.states[0]
-    return (1 + len(st.nodes)) * (1 + st.depth * ensemble)
+    return [(1 + len(st.nodes)) * (1 + st.depth * ensemble)]
+
+
+def _state_weights(tree: Tree) -> list[float]:
+    return [1.0] if len(tree.states) == 1 else [st.stationary_probability or 0.0 for st in tree.states]
+
+
+def real_input_length(tree: Tree, ensemble: int) -> float:
+    """Tokens in the decoder's forward pass, amortised over states."""
+    return float(sum(w * n for w, n in zip(_state_weights(tree), state_input_lengths(tree, ensemble))))
 
 
 def real_step_latency(tree: Tree, profile: LatencyProfile, ensemble: int) -> float:
-    if tree.method == "ppd":
-        return sum(
-            (st.stationary_probability or 0.0) * profile.latency(1 + len(st.nodes) + ensemble * sum(st.prompt_tokens))
-            for st in tree.states
-        )
-    return float(profile.latency(real_input_length(tree, ensemble)))
+    """sum_s pi_s L(n_s) over the decoder's real input lengths."""
+    lengths = state_input_lengths(tree, ensemble)
+    return float(sum(w * profile.latency(n) for w, n in zip(_state_weights(tree), lengths)))
 
 
 def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
@@ -150,7 +154,7 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
         seen = set()
         for n, tree, variant in sized:
             sig = _signature(tree)
-            if sig in seen or max(1 + len(st.nodes) + ensemble * sum(st.prompt_tokens) for st in tree.states) > max_input_length:
+            if sig in seen or max(state_input_lengths(tree, ensemble)) > max_input_length:
                 continue
             seen.add(sig)
             out.append(_candidate(method, tree, n, profile, ensemble, l1, variant))
