@@ -67,7 +67,7 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
 
     Pass `inputs_embeds` [B, n, hidden] (and input_ids=None) when some inputs are not vocabulary
     tokens (PPD prompt tokens). The cache grows by n entries; the caller keeps the accepted ones
-    (decoder) or crops back to the prefix (profiler) with `crop_cache`.
+    (decoder) or resets it to the prefix (profiler).
     `tree_parents` ([n] parents, or a kernels.TreeMask): on a model switched to the tree kernels
     (kernels.hf.enable_tree_attention) the tree goes to the kernel and `attention_mask` is ignored
     (may be None); on any other model it is ignored and the dense mask is used.
@@ -89,10 +89,6 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
         **extra,
     )
     return out.logits
-
-
-def cache_length(cache) -> int:
-    return cache.get_seq_length()
 
 
 def crop_cache(cache, length: int) -> None:

@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from decoder.forward import crop_cache
 from kernels.kv_compact import kv_compact
 from kernels.tree_attention import TreeMask, tree_attention, tree_mask
 
@@ -148,7 +149,5 @@ def compact_cache(cache, prefix_len: int, accepted_idx: torch.Tensor, backend: s
     keys = [layer.keys for layer in layers]
     values = [layer.values for layer in layers]
     new_len = kv_compact(keys, values, prefix_len, accepted_idx, backend=backend)
-    remove = cache.get_seq_length() - new_len
-    if remove > 0:
-        cache.crop(-remove)
+    crop_cache(cache, new_len)
     return new_len
