@@ -39,6 +39,7 @@ class StepBuffers:
     slot_index: torch.Tensor  # [num_tree, Kmax, E] long: input index of slot (u, j, e); 0 where j >= k_u
     paths: torch.Tensor  # [L, depth + 1] long tree indices root..leaf, padded with 0
     path_valid: torch.Tensor  # [L, depth] bool, True for real steps along the path
+    paths_list: list[list[int]]  # paths, host copy (the accepted path's indices without a device read)
     children: torch.Tensor  # [num_tree, max_children] long, rank order, -1 padded (sampling)
     depth: int
 
@@ -112,6 +113,7 @@ def build_buffers(state: int, nodes: list[tuple[int, ...]], prompt_count: list[i
         slot_index=to(slot_index),
         paths=to(paths),
         path_valid=to(valid),
+        paths_list=paths.tolist(),
         children=children,  # host: the sampling walk reads it element by element
         depth=tree_depth,
     )

@@ -51,7 +51,7 @@ class DecodeStats:
             "total_s": self.total_s,
             "tokens_per_s": tokens / self.total_s if self.total_s > 0 else None,
         }
-        out.update({f"{p}_s": sum(self.times[p]) for p in PHASES})
+        out.update({f"{p}_s": sum(self.times[p]) if self.times[p] or not steps else None for p in PHASES})
         return out
 
     def to_json(self) -> dict:
@@ -93,7 +93,7 @@ def _as_tree(plan) -> tuple[Tree, str]:
 def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, verify_rule: str = "auto", eps: float = 0.09, delta: float = 0.3,
              eos_token_id=None, seed: int = 0, record_guesses: bool = False, progress: bool = False,
-             buffers: PlanBuffers | None = None, attention: str = "auto") -> GenerateOutput:
+             buffers: PlanBuffers | None = None, attention: str = "auto", phase_times: bool = True) -> GenerateOutput:
     """Decode with a tree plan (a path or a loaded Tree) and a guesser (PromptTokens, OracleGuesser, ...).
 
     verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless.
@@ -102,6 +102,9 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
     4D mask through the model's own attention), "kernels" or "dense". Enabling the kernels
     switches the model to the "tree_triton" attention implementation, which keeps using SDPA for
     every call that is not a tree step.
+    phase_times: split each step into PHASES. On a GPU that costs five device syncs per step, which
+    stall the launch queue; pass False for deployment-speed timing (total_s stays exact, the
+    phase lists stay empty on CUDA; on the CPU, where work is synchronous, they are always kept).
     """
     _select_attention(model, attention)
     tree, label = _as_tree(plan)
@@ -110,7 +113,7 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
         buffers = build_plan_buffers(tree, guesser, embed.weight.dtype, embed.weight.device, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     return _decode(model, input_ids, buffers, guesser, max_new_tokens, sampling, eos_token_id, seed,
-                   record_guesses, progress)
+                   record_guesses, progress, phase_times)
 
 
 def _select_attention(model, attention: str) -> None:
@@ -140,13 +143,14 @@ def _kernel_parents(pb: PlanBuffers) -> dict[int, list[int]]:
 
 
 def generate_plain(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, eos_token_id=None, seed: int = 0, progress: bool = False) -> GenerateOutput:
+                   top_k: int = 0, eos_token_id=None, seed: int = 0, progress: bool = False,
+                   phase_times: bool = True) -> GenerateOutput:
     """One token per step through the same prefill, forward, verify and cache path as `generate`."""
     w = model.get_input_embeddings().weight
     root_only = build_buffers(0, [], [0], 1, 0, w.dtype, w.device)
     buffers = PlanBuffers({0: root_only}, root_only, static=True, depth=0, top_k=1)
     return _decode(model, input_ids, buffers, None, max_new_tokens, Sampling(temperature, top_k, top_p),
-                   eos_token_id, seed, False, progress)
+                   eos_token_id, seed, False, progress, phase_times)
 
 
 def _ids_1d(input_ids, device) -> torch.Tensor:
@@ -162,7 +166,7 @@ def _ids_1d(input_ids, device) -> torch.Tensor:
 
 @torch.inference_mode()
 def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sampling: Sampling, eos_token_id,
-            seed: int, record_guesses: bool, progress: bool) -> GenerateOutput:
+            seed: int, record_guesses: bool, progress: bool, phase_times: bool = True) -> GenerateOutput:
     from transformers import DynamicCache
 
     embed = model.get_input_embeddings()
@@ -172,7 +176,9 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
     table = None if guesser is None else guesser.input_embeddings()
     if table is not None:
         table = table.detach().to(device=device, dtype=dtype)  # [P*E, hidden]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cuda = device.type == "cuda"
+    record_phases = phase_times or not cuda
+    sync = torch.cuda.synchronize if cuda and phase_times else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
     stats = DecodeStats(guesses=[] if record_guesses else None)
     kernel_path = getattr(model.config, "_attn_implementation", None) == "tree_triton"
@@ -225,19 +231,20 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
                               **args_tree)[0]  # [n, V]
         sync()
         t2 = time.perf_counter()
-        path, emitted = verify(logits[: buf.num_tree], tree_ids, buf, sampling, gen)
+        verdict = verify(logits[: buf.num_tree], tree_ids, buf, sampling, gen)
         t3 = time.perf_counter()
         if kernel_path:
             from kernels.hf import compact_cache as kernel_compact_cache
 
-            kernel_compact_cache(cache, C, path)  # one launch for all layers
+            # one launch for all layers; a verified path is increasing, so skip the index check's sync
+            kernel_compact_cache(cache, C, verdict.path, validate=False)
         else:
-            compact_cache(cache, C, path)
+            compact_cache(cache, C, verdict.path)
         sync()
         t4 = time.perf_counter()
-        a = path.numel() - 1
+        a = len(verdict.nodes) - 1
         C += a + 1
-        last = int(path[-1])
+        last = verdict.nodes[-1]
         k = buf.prompt_count_list[last]
         if k > 0:
             prompt_logits = logits[buf.slot_index[last, :k]] if n > buf.num_tree else None  # [k, E, V]
@@ -247,7 +254,7 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
         sync()
         t5 = time.perf_counter()
 
-        out = emitted.tolist()
+        out = verdict.emitted
         stop = False
         for i, tok in enumerate(out):
             if tok in eos:
@@ -261,18 +268,21 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
         stats.emitted.append(len(out))
         stats.input_lengths.append(n)
         stats.planned_input_lengths.append(buf.planned_input_length)
-        for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            stats.times[name].append(dt)
+        if record_phases:
+            for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                stats.times[name].append(dt)
         if record_guesses:
             stats.guesses.append(None if guesses is None else guesses.cpu())
         if bar is not None:
             bar.update(len(out))
         if stop:
             break
-        root = emitted[-1:]
+        root = verdict.root
         buf = pb.states[0] if pb.static else pb.states[k]
     if bar is not None:
         bar.close()
+    if cuda:
+        torch.cuda.synchronize()  # the last compaction may still be queued
     stats.total_s = time.perf_counter() - t_start
     tokens = torch.tensor(new, dtype=torch.long)
     return GenerateOutput(tokens=tokens, steps=len(stats.states), stats=stats)

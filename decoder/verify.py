@@ -1,7 +1,12 @@
 """Verification: which candidates the base model accepts, and the token it adds after them.
 
-Random draws use a CPU torch.Generator (the same one on any device). All rules return (accepted tree indices [a+1] starting with the root, emitted tokens [a+1]):
-the accepted candidates' tokens followed by the base model's own token at the last accepted node.
+Random draws use a CPU torch.Generator (the same one on any device). All rules return a
+`Verdict`: the accepted tree indices [a+1] starting with the root (on the device, for the KV
+compaction, and on the host), and the emitted tokens [a+1] on the host: the accepted candidates'
+tokens followed by the base model's own token at the last accepted node, which is also the next
+step's root (kept on the device).
+Greedy verification reads the device once per step: the winning path, its length and the tokens
+along it come back in one copy (every extra read is a device sync on a GPU).
 See ../shared/notes/ALGORITHMS.md section 5.
 """
 from __future__ import annotations
@@ -45,25 +50,39 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return x.softmax(-1)
 
 
-def _best_path(node_ok: torch.Tensor, buf: StepBuffers) -> tuple[torch.Tensor, int]:
-    """node_ok [num_tree] bool (root True) -> (tree indices of the longest accepted path, its length a)."""
+@dataclass
+class Verdict:
+    path: torch.Tensor  # [a+1] long tree indices, root first, on the logits' device
+    nodes: list[int]  # the same indices on the host
+    emitted: list[int]  # [a+1] tokens: accepted candidates, then the base model's token
+    root: torch.Tensor  # [1] long, emitted[-1] on the device: the next step's root
+
+
+def _best_path(node_ok: torch.Tensor, buf: StepBuffers, *per_node: torch.Tensor) -> tuple[int, int, list[list[int]]]:
+    """node_ok [num_tree] bool (root True) -> (best path row b, accepted length a, per_node values along row b).
+
+    One device-to-host copy: the row index, its length and each `per_node` [num_tree] tensor
+    gathered along the winning row (depth + 1 values each)."""
     ok = node_ok[buf.paths[:, 1:]] & buf.path_valid  # [L, depth]
     length = ok.long().cumprod(dim=1).sum(dim=1)  # [L]
-    best = int(length.argmax())
-    a = int(length[best])
-    return buf.paths[best, : a + 1], a
+    best = length.argmax().view(1)  # [1], stays on the device (indexing with it would sync)
+    row = buf.paths.index_select(0, best)[0]  # [depth + 1]
+    host = torch.cat([best, length.index_select(0, best)] + [t[row] for t in per_node]).tolist()
+    w = buf.depth + 1
+    return host[0], host[1], [host[2 + i * w: 2 + (i + 1) * w] for i in range(len(per_node))]
 
 
-def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers):
+def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers) -> Verdict:
     """logits [num_tree, V], tokens [num_tree]: accept a candidate equal to the argmax at its parent."""
     top = logits.argmax(dim=-1)  # [num_tree]
     ok = tokens == top[buf.parents]
     ok[0] = True
-    path, a = _best_path(ok, buf)
-    return path, torch.cat([tokens[path[1:]], top[path[-1:]]])
+    b, a, (toks, tops) = _best_path(ok, buf, tokens, top)
+    path = buf.paths[b, : a + 1]
+    return Verdict(path, buf.paths_list[b][: a + 1], toks[1: a + 1] + [tops[a]], top[path[a:]])
 
 
-def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator):
+def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator) -> Verdict:
     """Medusa typical acceptance: p(x) > min(eps, delta * exp(-H(p))) at the parent; not lossless."""
     p = probabilities(logits, s)  # [num_tree, V]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [num_tree]
@@ -71,12 +90,14 @@ def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers,
     parent = buf.parents
     ok = p[parent, tokens] > threshold[parent]
     ok[0] = True
-    path, a = _best_path(ok, buf)
-    last = torch.multinomial(p[path[-1]].cpu(), 1, generator=generator).to(tokens.device)
-    return path, torch.cat([tokens[path[1:]], last])
+    b, a, (toks,) = _best_path(ok, buf, tokens)
+    nodes = buf.paths_list[b][: a + 1]
+    last = int(torch.multinomial(p[nodes[-1]].cpu(), 1, generator=generator))
+    return Verdict(buf.paths[b, : a + 1], nodes, toks[1: a + 1] + [last],
+                   torch.tensor([last], dtype=torch.long, device=tokens.device))
 
 
-def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator):
+def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator) -> Verdict:
     """Deterministic guesses: children in rank order, accept x with prob p(x), else zero it and renormalise.
 
     Walks one root-to-leaf path (at most depth x children iterations), not the whole tree.
@@ -99,12 +120,12 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers
         if not moved:
             last = int(torch.multinomial(q / q.sum(), 1, generator=generator)) if float(q.sum()) > 0 else int(logits[u].argmax())
             break
-    path_t = torch.tensor(path, dtype=torch.long)
-    emitted = torch.tensor([toks[i] for i in path[1:]] + [last], dtype=torch.long)
-    return path_t.to(tokens.device), emitted.to(tokens.device)
+    emitted = [toks[i] for i in path[1:]] + [last]
+    return Verdict(torch.tensor(path, dtype=torch.long, device=tokens.device), path, emitted,
+                   torch.tensor([last], dtype=torch.long, device=tokens.device))
 
 
-def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator=None):
+def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator=None) -> Verdict:
     rule = s.rule
     if rule == "greedy":
         return verify_greedy(logits, tokens, buf)

@@ -206,9 +206,11 @@ def test_kv_compaction_equals_plain_decoding(model):
     mask = torch.zeros(1, 1, buf.input_length, C + buf.input_length)
     mask[..., C:] = buf.mask_block
     logits = tree_forward(model, tree_ids[None], buf.position_offsets + C, mask, cache)[0]
-    path, emitted = verify_greedy(logits, tree_ids, buf)
+    verdict = verify_greedy(logits, tree_ids, buf)
+    path = verdict.path
     a = path.numel() - 1
-    assert emitted.tolist() == ref[: a + 1]
+    assert verdict.emitted == ref[: a + 1]
+    assert verdict.nodes == path.tolist() and verdict.root.tolist() == ref[a : a + 1]
     compact_cache(cache, C, path)
     kept = torch.cat([ids, torch.tensor(ref[:a])])  # prompt + accepted candidates; the new root is not cached
     _, plain = prefill(model, kept[None])
@@ -226,3 +228,70 @@ def test_mistral_sliding_window_model_below_the_window():
         assert generate(model, ids, plan=tree, guesser=g, max_new_tokens=20).tokens.tolist() == reference(model, ids, 20)
     with pytest.raises(UserError, match="sliding window of 256 tokens"):
         generate(model, torch.ones(200, dtype=torch.long), plan=tree, guesser=g, max_new_tokens=60)
+
+
+class _HostReads:
+    """Counts reads of tensor data into Python (each is a device sync on a GPU)."""
+
+    NAMES = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(t, *a, _orig=orig, **k):
+                self.count += 1
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+
+@pytest.mark.parametrize("plan_i", [1, 2, 4, 6])
+def test_greedy_verification_reads_the_device_once_and_matches_brute_force(monkeypatch, plan_i):
+    _, tree = PLANS[plan_i]
+    P = tree.prompt_tokens_max or tree.depth
+    oracle = OracleGuesser(torch.arange(200) % V, V, P, top_k=4)
+    buffers = build_plan_buffers(tree, oracle, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(plan_i)
+    for buf in buffers.states.values():
+        parents = buf.parents.tolist()
+        for trial in range(20):
+            logits = torch.randn(buf.num_tree, 6, generator=g)  # few classes, so candidates often match
+            tokens = torch.randint(0, 6, (buf.num_tree,), generator=g)
+            top = logits.argmax(-1).tolist()
+            # brute force: every node whose whole chain of candidates matches its parent's argmax
+            accepted = [0]
+            for u in range(1, buf.num_tree):
+                chain, v = [], u
+                while v != 0:
+                    chain.append(v)
+                    v = parents[v]
+                if all(tokens[w].item() == top[parents[w]] for w in chain):
+                    accepted.append(u)
+            depth = lambda u: 0 if u == 0 else 1 + depth(parents[u])  # noqa: E731
+            deepest = max(depth(u) for u in accepted)
+            reads = _HostReads(monkeypatch)
+            v = verify_greedy(logits, tokens, buf)
+            assert reads.count == 1
+            monkeypatch.undo()
+            a = len(v.nodes) - 1
+            assert a == deepest and all(u in accepted for u in v.nodes) and v.path.tolist() == v.nodes
+            assert v.emitted == [tokens[u].item() for u in v.nodes[1:]] + [top[v.nodes[-1]]]
+            assert v.root.tolist() == v.emitted[-1:]
+
+
+def test_phase_times_off_changes_nothing_on_the_cpu(model):
+    from decoder.step import DecodeStats
+
+    ids = _prompts(3, seed=40)[2]
+    tree = PLANS[5][1]
+    g = PromptTokens.random(model, 2, top_k=4)
+    on = generate(model, ids, plan=tree, guesser=g, max_new_tokens=12)
+    off = generate(model, ids, plan=tree, guesser=g, max_new_tokens=12, phase_times=False)
+    plain = generate_plain(model, ids, 12, phase_times=False)
+    assert on.tokens.tolist() == off.tokens.tolist() == plain.tokens.tolist() == reference(model, ids, 12)
+    assert len(off.stats.times["forward"]) == off.steps  # CPU work is synchronous: phases stay exact
+    # on CUDA without phase syncs the phase lists stay empty; the summary says unknown, not zero
+    s = DecodeStats(states=[0, 0], accepted=[0, 1], emitted=[1, 2]).summary()
+    assert s["forward_s"] is None and s["tokens"] == 3
