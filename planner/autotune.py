@@ -228,10 +228,10 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
             for i in order:
                 t0 = time.perf_counter()
                 if plans[i] is None:
-                    out = generate_plain(model, ids, max_new_tokens=max_new_tokens)
+                    out = generate_plain(model, ids, max_new_tokens=max_new_tokens, phase_times=False)
                 else:
                     out = generate(model, ids, plan=plans[i].tree, guesser=guesser, max_new_tokens=max_new_tokens,
-                                   buffers=buffers[i])
+                                   buffers=buffers[i], phase_times=False)
                 times[i][p].append(time.perf_counter() - t0)
                 if r == 0:
                     results[i]["tokens"] += int(out.tokens.numel())

@@ -591,7 +591,8 @@ class MeasuredEvaluator:
         self.input_ids = [x.to(dev) for x in ids]
         from decoder import generate_plain
 
-        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                      phase_times=False)
                        for x in self.input_ids]
         self.plain_tokens_per_s = _rate(self._plain)
 
@@ -623,7 +624,8 @@ class MeasuredEvaluator:
             g = self.guesser(tree, src, x, plain.tokens)
             kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
             outs.append(generate(self.model, x, plan=tree, guesser=g, max_new_tokens=self.max_new_tokens,
-                                 temperature=self.temperature, verify_rule=cfg.verify, seed=self.seed, **kw))
+                                 temperature=self.temperature, verify_rule=cfg.verify, seed=self.seed, phase_times=False,
+                                 **kw))
         tokens = sum(o.tokens.numel() for o in outs)
         steps = sum(o.steps for o in outs)
         rate = _rate(outs)
