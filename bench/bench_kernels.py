@@ -15,6 +15,12 @@ KV compaction, 32 layers, C = 2048, tree of 64 tokens, m accepted rows: kernels.
 launch) against the per-layer PyTorch gather + copy loop. Verification floor: argmax over the
 tree's logits [n, 32000] plus the device-to-host copy, to judge whether a fused verification
 kernel is worth writing (issue item 3).
+Decoder step, Llama-2-7B with random weights (fp16, 32 layers), C in {256, 2048}, the same n: the
+part of a decoding step that the kernels change, timed as the decoder runs it: tree inputs + one
+forward + KV compaction. dense = the decoder's plain path (SDPA model, dense mask built on the
+device each step, per-layer gather compaction); kernels = "tree_triton" (parents prepared once
+per plan, no mask, one kv_compact launch). The two alternate within every repeat, and the first
+pass checks that both give the same logits and the same compacted cache.
 
 Medians over repeats of CUDA-event timings (each timing covers `inner` calls). Writes
 bench/results/kernels.json and kernels.md. Without CUDA it prints a message and exits 0.
@@ -38,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=30, help="timings per case (median reported)")
     p.add_argument("--inner", type=int, default=10, help="calls per timing")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
+    p.add_argument("--no-step", action="store_true", help="skip the decoder-step comparison (builds Llama-2-7B)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, writes nothing")
     p.add_argument("--compile-check", action="store_true",
@@ -79,6 +86,42 @@ def timer(device: str, repeats: int, inner: int):
         return statistics.median(times)
 
     return measure
+
+
+def alternating_timer(device: str, repeats: int):
+    """Time several variants in turn within each repeat, so drift hits them alike.
+
+    variants: name -> setup(); setup runs untimed (resets state) and returns the call to time once.
+    Returns name -> median microseconds.
+    """
+    import torch
+
+    def one(fn) -> float:
+        if device != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    def measure_many(variants: dict) -> dict[str, float]:
+        for setup in variants.values():  # warm-up (compiles, allocator)
+            for _ in range(2):
+                setup()()
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(repeats):
+            names = list(variants) if r % 2 == 0 else list(variants)[::-1]
+            for name in names:
+                fn = variants[name]()
+                times[name].append(one(fn))
+        return {name: statistics.median(t) for name, t in times.items()}
+
+    return measure_many
 
 
 def bench_tree_attention(cfg, measure, use_flex: bool, progress):
@@ -183,6 +226,74 @@ def bench_verify_floor(cfg, measure, progress):
     return rows
 
 
+def bench_step(cfg, measure_many, progress):
+    """One decoder step (tree inputs, forward, KV compaction) on a real model, dense mask vs kernels."""
+    import torch
+
+    from decoder.cache import compact_cache as dense_compact
+    from decoder.forward import ancestor_matrix, prefill, tree_attention_mask, tree_depths, tree_forward
+    from kernels.hf import compact_cache as kernel_compact
+    from kernels.hf import enable_tree_attention, prepare_tree
+    from profiler.models import load_model
+
+    dev = cfg["device"]
+    model = load_model(cfg["step_model"], device=dev, dtype=cfg["step_dtype"]).model
+    enable_tree_attention(model, backend="triton")  # registers "tree_triton"; each mode sets its own below
+    vocab = model.config.vocab_size
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for C in cfg["step_prefix"]:
+        model.set_attn_implementation("sdpa")
+        _, cache = prefill(model, torch.randint(0, vocab, (1, C), generator=g).to(dev))
+        prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H_kv, C, d] each, never written
+
+        def reset():
+            for layer, (k, v) in zip(cache.layers, prefix):
+                layer.keys, layer.values = k, v
+
+        for n in cfg["tree"]:
+            parents = random_tree(n, seed=n)
+            ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
+            pos = (C + torch.tensor(tree_depths(parents)))[None].to(dev)  # [1, n]
+            block = tree_attention_mask(ancestor_matrix(parents), 0, dtype, dev)[0, 0]  # [n, n] additive
+            tm = prepare_tree(parents, dev)  # once per plan in the decoder
+            deepest = max(range(n), key=lambda i: tree_depths(parents)[i])
+            path = [deepest]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path = torch.tensor(path[::-1], device=dev)  # [m] accepted root-to-leaf path
+
+            def dense_step():
+                model.set_attn_implementation("sdpa")
+                reset()
+                mask = torch.zeros(1, 1, n, C + n, dtype=dtype, device=dev)  # as decoder/step.py does
+                mask[..., C:] = block
+                return lambda: (tree_forward(model, ids, pos, mask, cache), dense_compact(cache, C, path))[0]
+
+            def kernel_step():
+                model.set_attn_implementation("tree_triton")
+                reset()
+                return lambda: (tree_forward(model, ids, pos, None, cache, tree_parents=tm),
+                                kernel_compact(cache, C, path, validate=False))[0]
+
+            out_d = dense_step()()
+            keys_d = [layer.keys.clone() for layer in cache.layers]
+            out_k = kernel_step()()
+            row = {"C": C, "n": n, "accepted": int(path.numel()),
+                   "logits_max_err": float((out_d.float() - out_k.float()).abs().max()),
+                   "cache_max_err": max(float((a.float() - layer.keys.float()).abs().max())
+                                        for a, layer in zip(keys_d, cache.layers))}
+            times = measure_many({"dense": dense_step, "kernels": kernel_step})
+            row["dense_us"], row["kernels_us"] = times["dense"], times["kernels"]
+            row["speedup"] = row["dense_us"] / row["kernels_us"]
+            rows.append(row)
+            progress.update(1)
+        reset()
+    model.set_attn_implementation("sdpa")
+    return rows
+
+
 def compile_check(out_dir: Path) -> int:
     """Ahead-of-time compile of each kernel variant the wrappers can launch, for A100 and H100.
 
@@ -267,6 +378,13 @@ def write_markdown(res) -> str:
               "| layers | C | m | triton | torch loop | speedup |", "|---|---|---|---|---|---|"]
     for r in res["kv_compact"]:
         lines.append(f"| {r['layers']} | {r['C']} | {r['m']} | {r['triton_us']:.1f} | {r['torch_loop_us']:.1f} | {r['speedup']:.2f} |")
+    if res.get("step"):
+        lines += ["", f"## Decoder step: tree inputs + forward + KV compaction ({res['config']['step_model']}, "
+                  f"{res['config']['step_dtype']}, random weights)", "",
+                  "| C | n | accepted | dense mask | kernels | speedup | max logit diff |", "|---|---|---|---|---|---|---|"]
+        for r in res["step"]:
+            lines.append(f"| {r['C']} | {r['n']} | {r['accepted']} | {r['dense_us']:.1f} | {r['kernels_us']:.1f} | "
+                         f"{r['speedup']:.2f} | {r['logits_max_err']:.2g} |")
     lines += ["", "## Verification floor (argmax over [n, vocab] logits + copy to host)", "",
               "| n | us |", "|---|---|"]
     for r in res["verify_floor"]:
@@ -291,15 +409,18 @@ def main(argv=None) -> int:
 
     if args.smoke:
         cfg = dict(device="cpu", dtype=torch.float32, heads=4, kv_heads=2, head_dim=64, prefix=[0, 70], tree=[16, 33],
-                   layers=3, compact_prefix=40, compact_tree=16, accepted=[1, 4], vocab=1000)
+                   layers=3, compact_prefix=40, compact_tree=16, accepted=[1, 4], vocab=1000,
+                   step_model="tiny", step_dtype="fp32", step_prefix=[40])
         args.repeats, args.inner = 1, 1
     else:
         cfg = dict(device="cuda", dtype=torch.float16, heads=32, kv_heads=32, head_dim=128,
                    prefix=[256, 2048, 8192], tree=[16, 32, 64, 128, 256],
-                   layers=32, compact_prefix=2048, compact_tree=64, accepted=[1, 2, 4, 8, 16], vocab=32000)
+                   layers=32, compact_prefix=2048, compact_tree=64, accepted=[1, 2, 4, 8, 16], vocab=32000,
+                   step_model="llama-2-7b", step_dtype="fp16", step_prefix=[256, 2048])
     measure = timer(cfg["device"], args.repeats, args.inner)
     use_flex = not args.no_flex and not args.smoke
-    total = len(cfg["prefix"]) * len(cfg["tree"]) + len(cfg["accepted"]) + len(cfg["tree"])
+    total = (len(cfg["prefix"]) + (0 if args.no_step else len(cfg["step_prefix"]))) * len(cfg["tree"]) \
+        + len(cfg["accepted"]) + len(cfg["tree"])
     res = {
         "machine": torch.cuda.get_device_name() if cfg["device"] == "cuda" else f"{platform.machine()} CPU (interpreter)",
         "torch": torch.__version__, "triton": triton.__version__, "repeats": args.repeats, "inner": args.inner,
@@ -310,6 +431,8 @@ def main(argv=None) -> int:
             res["tree_attention"] = bench_tree_attention(cfg, measure, use_flex, progress)
             res["kv_compact"] = bench_kv_compact(cfg, measure, progress)
             res["verify_floor"] = bench_verify_floor(cfg, measure, progress)
+            if not args.no_step:
+                res["step"] = bench_step(cfg, alternating_timer(cfg["device"], args.repeats), progress)
         except KeyboardInterrupt:
             print("bench_kernels: interrupted, nothing written", file=sys.stderr)
             return 130
@@ -317,7 +440,8 @@ def main(argv=None) -> int:
     print(md)
     if args.smoke:
         bad = [r for r in res["tree_attention"] if r["triton_max_err"] > 1e-4]
-        print("smoke:", "FAILED" if bad else "ok (kernel matches reference; CPU timings are meaningless)")
+        bad += [r for r in res.get("step", []) if r["logits_max_err"] > 1e-3 or r["cache_max_err"] > 1e-4]
+        print("smoke:", "FAILED" if bad else "ok (kernels match references and the dense step; CPU timings are meaningless)")
         return 1 if bad else 0
     from planner.jsonio import atomic_write_bytes, atomic_write_json
 
