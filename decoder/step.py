@@ -128,7 +128,13 @@ def _select_attention(model, attention: str) -> None:
             import triton  # noqa: F401
         except ImportError:
             return
-    from kernels.hf import enable_tree_attention
+    from kernels.hf import enable_tree_attention, unsupported_reason
+
+    reason = unsupported_reason(model)
+    if reason:
+        if attention == "auto":
+            return  # the dense mask serves every model the decoder supports
+        raise UserError(f"attention='kernels': {reason}; use attention='dense'")
 
     if getattr(model.config, "_attn_implementation", None) != "tree_triton":
         enable_tree_attention(model)

@@ -13,9 +13,10 @@ Per attention call:
   that mask is absent and the query block sits after a cache (a chunk), causal attention with
   the cache offset, which is a chain tree.
 
-Limits: full-attention decoder models whose attention modules follow transformers'
-AttentionInterface (Llama, Qwen2, Mistral without sliding window...); no softcap, no
-sliding window. A 2D padding mask is honoured on non-tree steps only.
+Limits: decoder models whose attention modules follow transformers' AttentionInterface (Llama,
+Qwen2, Mistral...); no logit softcap; sliding windows only while the keys fit in the window
+(`unsupported_reason(model)` says why a model cannot use the kernels). A 2D padding mask is
+honoured on non-tree steps only.
 """
 from __future__ import annotations
 
@@ -87,10 +88,14 @@ def tree_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, H, n, d], key/value [B, H_kv, L, d] (cache included)."""
-    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{ATTN_NAME} attention supports neither softcap nor sliding windows")
-    backend = getattr(getattr(module, "config", None), _BACKEND_ATTR, "auto")
     n, L = query.shape[2], key.shape[2]
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTN_NAME} attention does not implement logit softcapping")
+    window = kwargs.get("sliding_window")
+    if window is not None and L > window:
+        # below the window nothing is cut off (a query's farthest key is at most L - 1 positions back)
+        raise ValueError(f"{ATTN_NAME} attention: {L} keys exceed the sliding window of {window}")
+    backend = getattr(getattr(module, "config", None), _BACKEND_ATTR, "auto")
     if tree_parents is not None:
         tm = prepare_tree(tree_parents, query.device)
         if tm.n != n:
@@ -124,6 +129,20 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, _tree_mask_function)
 
 
+def unsupported_reason(model) -> str | None:
+    """Why the tree kernels cannot serve `model`, or None when they can.
+
+    Sliding-window models pass: the kernels serve them while the keys fit in the window (the
+    decoder keeps its context below it) and raise past it.
+    """
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not route attention through transformers' attention interface"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{type(model).__name__} uses attention logit softcapping, which the tree kernel does not implement"
+    return None
+
+
 def enable_tree_attention(model, backend: str = "auto"):
     """Switch `model` to the tree kernels; returns the model.
 
@@ -132,6 +151,9 @@ def enable_tree_attention(model, backend: str = "auto"):
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    reason = unsupported_reason(model)
+    if reason:
+        raise ValueError(f"tree kernels: {reason}")
     register()
     model.set_attn_implementation(ATTN_NAME)
     setattr(model.config, _BACKEND_ATTR, backend)

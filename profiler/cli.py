@@ -119,8 +119,11 @@ def run(args) -> int:
         raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
     loaded = load_model(spec, device=device, dtype=args.dtype)
     if args.attention == "tree":
-        from kernels.hf import enable_tree_attention
+        from kernels.hf import enable_tree_attention, unsupported_reason
 
+        reason = unsupported_reason(loaded.model)
+        if reason:
+            raise UserError(f"--attention tree: {reason}; profile with --attention sdpa")
         enable_tree_attention(loaded.model)
     check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None))
     print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "

@@ -474,7 +474,7 @@ def test_hf_greedy_tree_decoding_is_token_identical(tiny_llama, greedy_oracle, b
 
 
 @needs_triton
-@pytest.mark.parametrize("family,ensemble", [("llama", 2)])
+@pytest.mark.parametrize("family,ensemble", [("llama", 2), ("mistral", 1)])
 def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family, ensemble):
     """The real decoder (PPD tree with prompt-token lanes, oracle guesses) on a model switched to the
     tree kernels: generate(attention="kernels") passes the tree as parents (no dense mask) and
@@ -510,3 +510,37 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     assert calls["compact"] == out.steps
     assert calls["tree"] >= out.steps  # the tree form reached the attention path every step (and per layer)
     assert out.steps <= n // 2  # the oracle's trees were accepted: compaction really moved rows
+
+
+def test_models_the_kernels_cannot_serve_get_a_clear_answer():
+    """Softcapping (Gemma 2): no kernel path, a one-line reason; attention="kernels" is a user
+    error, attention="auto" keeps the dense mask. Sliding windows: served while the keys fit."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    import kernels.hf as hf
+    from decoder import PromptTokens, generate
+    from decoder.step import _select_attention
+    from planner.errors import UserError
+
+    utils = pytest.importorskip("test_decoder_utils")
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=utils.V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=512, attn_logit_softcapping=50.0)).eval()
+    assert "softcapping" in hf.unsupported_reason(gemma)
+    with pytest.raises(ValueError, match="softcapping"):
+        hf.enable_tree_attention(gemma)
+    pt = PromptTokens.random(gemma, 2, top_k=4)
+    with pytest.raises(UserError, match="softcapping"):
+        generate(gemma, torch.tensor([3, 4, 5]), plan=utils.ppd_tree(2, [0, 3, 6], seed=5), guesser=pt,
+                 max_new_tokens=4, attention="kernels")
+    _select_attention(gemma, "auto")  # off CUDA, and never for this model: stays as it was
+    assert gemma.config._attn_implementation != hf.ATTN_NAME
+
+    mistral = utils.tiny_model("mistral")
+    assert hf.unsupported_reason(mistral) is None and hf.unsupported_reason(utils.tiny_model("llama")) is None
+    q = torch.randn(1, 4, 3, 16)
+    kv = torch.randn(1, 2, 10, 16)
+    out, _ = hf.tree_attention_forward(None, q, kv, kv, None, 0.25, tree_parents=[-1, 0, 0], sliding_window=10)
+    assert out.shape == (1, 3, 4, 16)
+    with pytest.raises(ValueError, match="exceed the sliding window of 9"):
+        hf.tree_attention_forward(None, q, kv, kv, None, 0.25, tree_parents=[-1, 0, 0], sliding_window=9)
