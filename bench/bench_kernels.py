@@ -61,29 +61,32 @@ def random_tree(n: int, seed: int = 0) -> list[int]:
     return [-1] + [rng.randrange(max(0, i - 8), i) for i in range(1, n)]
 
 
-def timer(device: str, repeats: int, inner: int):
+def elapsed_us(device: str, fn, inner: int = 1) -> float:
+    """Microseconds per call of `inner` back-to-back calls: CUDA events on the GPU (after draining
+    whatever was queued before, so untimed work does not leak in), perf_counter on the CPU."""
     import torch
 
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / inner
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / inner
+
+
+def timer(device: str, repeats: int, inner: int):
     def measure(fn) -> float:
         """Median microseconds per call."""
         for _ in range(3):
             fn()
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(inner):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / inner)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                times.append((time.perf_counter() - t0) * 1e6 / inner)
-        return statistics.median(times)
+        return statistics.median(elapsed_us(device, fn, inner) for _ in range(repeats))
 
     return measure
 
@@ -94,20 +97,6 @@ def alternating_timer(device: str, repeats: int):
     variants: name -> setup(); setup runs untimed (resets state) and returns the call to time once.
     Returns name -> median microseconds.
     """
-    import torch
-
-    def one(fn) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e6
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3
 
     def measure_many(variants: dict) -> dict[str, float]:
         for setup in variants.values():  # warm-up (compiles, allocator)
@@ -118,7 +107,7 @@ def alternating_timer(device: str, repeats: int):
             names = list(variants) if r % 2 == 0 else list(variants)[::-1]
             for name in names:
                 fn = variants[name]()
-                times[name].append(one(fn))
+                times[name].append(elapsed_us(device, fn))
         return {name: statistics.median(t) for name, t in times.items()}
 
     return measure_many
@@ -231,7 +220,7 @@ def bench_step(cfg, measure_many, progress):
     import torch
 
     from decoder.cache import compact_cache as dense_compact
-    from decoder.forward import ancestor_matrix, prefill, tree_attention_mask, tree_depths, tree_forward
+    from decoder.forward import ancestor_matrix, prefill, step_mask, tree_attention_mask, tree_depths, tree_forward
     from kernels.hf import compact_cache as kernel_compact
     from kernels.hf import enable_tree_attention, prepare_tree
     from profiler.models import load_model
@@ -255,20 +244,18 @@ def bench_step(cfg, measure_many, progress):
         for n in cfg["tree"]:
             parents = random_tree(n, seed=n)
             ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
-            pos = (C + torch.tensor(tree_depths(parents)))[None].to(dev)  # [1, n]
-            block = tree_attention_mask(ancestor_matrix(parents), 0, dtype, dev)[0, 0]  # [n, n] additive
+            depths = tree_depths(parents)
+            pos = (C + torch.tensor(depths))[None].to(dev)  # [1, n]
+            anc = ancestor_matrix(parents)  # [n, n]
+            block = tree_attention_mask(anc, 0, dtype, dev)[0, 0]  # [n, n] additive
             tm = prepare_tree(parents, dev)  # once per plan in the decoder
-            deepest = max(range(n), key=lambda i: tree_depths(parents)[i])
-            path = [deepest]
-            while parents[path[-1]] >= 0:
-                path.append(parents[path[-1]])
-            path = torch.tensor(path[::-1], device=dev)  # [m] accepted root-to-leaf path
+            deepest = max(range(n), key=depths.__getitem__)
+            path = anc[deepest].nonzero()[:, 0].to(dev)  # [m] accepted root-to-leaf path, in order
 
             def dense_step():
                 model.set_attn_implementation("sdpa")
                 reset()
-                mask = torch.zeros(1, 1, n, C + n, dtype=dtype, device=dev)  # as decoder/step.py does
-                mask[..., C:] = block
+                mask = step_mask(block, C)  # built every step, as decoder/step.py does
                 return lambda: (tree_forward(model, ids, pos, mask, cache), dense_compact(cache, C, path))[0]
 
             def kernel_step():

@@ -43,11 +43,17 @@ def tree_attention_mask(
     ancestors: torch.Tensor, prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Additive 4D mask [1, 1, n, prefix_len + n]: 0 where visible, the dtype's minimum elsewhere."""
-    n = ancestors.shape[0]
-    visible = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), ancestors.cpu()], dim=1)
-    mask = torch.zeros(n, prefix_len + n, dtype=dtype)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
+    block = torch.zeros(ancestors.shape, dtype=dtype).masked_fill_(~ancestors.cpu(), torch.finfo(dtype).min)
+    return step_mask(block.to(device), prefix_len)
+
+
+def step_mask(mask_block: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """The step's additive 4D mask [1, 1, n, prefix_len + n] from its [n, n] block among the tree
+    tokens: the whole prefix is visible. Built on the block's device, as the decoder does every step."""
+    n = mask_block.shape[0]
+    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=mask_block.dtype, device=mask_block.device)
+    mask[..., prefix_len:] = mask_block
+    return mask
 
 
 @torch.inference_mode()

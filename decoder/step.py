@@ -17,7 +17,7 @@ import torch
 
 from decoder.buffers import PlanBuffers, StepBuffers, build_buffers, build_plan_buffers
 from decoder.cache import compact_cache
-from decoder.forward import prefill, tree_forward
+from decoder.forward import prefill, step_mask, tree_forward
 from decoder.verify import Sampling, verify
 from planner.errors import UserError
 from planner.tree import Tree, load_tree
@@ -172,7 +172,7 @@ def _ids_1d(input_ids, device) -> torch.Tensor:
 
 @torch.inference_mode()
 def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sampling: Sampling, eos_token_id,
-            seed: int, record_guesses: bool, progress: bool, phase_times: bool = True) -> GenerateOutput:
+            seed: int, record_guesses: bool, progress: bool, phase_times: bool) -> GenerateOutput:
     from transformers import DynamicCache
 
     embed = model.get_input_embeddings()
@@ -224,8 +224,7 @@ def _decode(model, input_ids, pb: PlanBuffers, guesser, max_new_tokens: int, sam
         if kernel_path:  # the tree reaches the kernel as parents; no dense mask
             mask, args_tree = None, {"tree_parents": tree_parents[id(buf)]}
         else:
-            mask, args_tree = torch.zeros(1, 1, n, C + n, dtype=dtype, device=device), {}
-            mask[..., C:] = buf.mask_block
+            mask, args_tree = step_mask(buf.mask_block, C), {}
         if n > buf.num_tree:
             x = torch.cat([embed(tree_ids), table[buf.slot_embedding]])  # [n, hidden]
             args = dict(input_ids=None, inputs_embeds=x[None])

@@ -5,7 +5,7 @@ import torch
 from decoder import OracleGuesser, PromptTokens, generate, generate_plain, prompt_block_mask
 from decoder.buffers import build_plan_buffers
 from decoder.cache import compact_cache
-from decoder.forward import prefill, tree_forward
+from decoder.forward import prefill, step_mask, tree_forward
 from decoder.verify import verify_greedy
 from planner.errors import UserError
 from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
@@ -179,8 +179,7 @@ def test_prompt_token_logits_match_a_plain_sequence(model):
     tree_ids = torch.cat([ids[-1:], cand])
     embed = model.get_input_embeddings()
     x = torch.cat([embed(tree_ids), pt.embeddings[buf.slot_embedding]])[None]
-    mask = torch.zeros(1, 1, buf.input_length, C + buf.input_length)
-    mask[..., C:] = buf.mask_block
+    mask = step_mask(buf.mask_block, C)
     logits = tree_forward(model, None, buf.position_offsets + C, mask, cache, inputs_embeds=x)[0]
     # node u = the first candidate (depth 1), its prompt slots of ensemble copy 1
     u = 1
@@ -203,8 +202,7 @@ def test_kv_compaction_equals_plain_decoding(model):
     _, cache = prefill(model, ids[None, :-1])
     guesses = oracle.guess(None, C, 3)
     tree_ids = torch.cat([ids[-1:], guesses.reshape(-1)[buf.cand_index]])
-    mask = torch.zeros(1, 1, buf.input_length, C + buf.input_length)
-    mask[..., C:] = buf.mask_block
+    mask = step_mask(buf.mask_block, C)
     logits = tree_forward(model, tree_ids[None], buf.position_offsets + C, mask, cache)[0]
     verdict = verify_greedy(logits, tree_ids, buf)
     path = verdict.path
