@@ -26,8 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from decoder import OracleGuesser, PromptTokens, build_plan_buffers, generate, generate_plain  # noqa: E402
-from decoder.forward import crop_cache, prefill  # noqa: E402
+from decoder import (  # noqa: E402
+    OracleGuesser,
+    PromptTokens,
+    generate,
+    generate_plain,
+)
+from decoder.cache import crop_cache  # noqa: E402
+from decoder.forward import prefill  # noqa: E402
 from planner.accept import load_acceptance  # noqa: E402
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
 from planner.plan import plan  # noqa: E402
@@ -49,7 +55,7 @@ def llama_125m(vocab: int = 32000):
 @torch.inference_mode()
 def plain_forward_time(model, context: torch.Tensor, n: int, repeats: int) -> float:
     """Median time of model(n new tokens) over a cache of len(context), default causal mask."""
-    _, cache = prefill(model, context[None])
+    cache = prefill(model, context[None]).cache
     C = context.numel()
     x = torch.randint(1, model.config.vocab_size, (1, n))
     times = []
@@ -119,9 +125,9 @@ def main() -> int:
         P = tree.prompt_tokens_max or tree.depth
         pt = PromptTokens.random(model, P, top_k=10)
         w = model.get_input_embeddings().weight
-        buffers = build_plan_buffers(tree, pt, w.dtype, w.device, name)
-        generate(model, ids, plan=tree, guesser=pt, max_new_tokens=6, buffers=buffers)  # warm-up
-        out = generate(model, ids, plan=tree, guesser=pt, max_new_tokens=args.tokens, buffers=buffers)
+        layouts = pt.layouts(tree, w.dtype, w.device)
+        generate(model, ids, plan=tree, guesser=pt, max_new_tokens=6)  # warm-up
+        out = generate(model, ids, plan=tree, guesser=pt, max_new_tokens=args.tokens)
         prof = step_profile(out)
         n = int(prof["median_input_length"])
         base = plain_forward_time(model, mid_context, n, args.repeats)
@@ -132,12 +138,12 @@ def main() -> int:
         for seed in range(3):
             oracle = OracleGuesser(seq, model.config.vocab_size, P, top_k=10, accuracy=row0 + [0.0] * (10 - len(row0)),
                                    seed=seed, prompt_tokens=pt)
-            o = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=args.tokens, buffers=buffers)
+            o = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=args.tokens)
             assert torch.equal(o.tokens, ref[: args.tokens]), "tree decoding must equal plain greedy decoding"
             oracle_tps.append((o.tokens.numel() / o.stats.total_s, o.tokens.numel() / o.steps))
         tps = statistics.median(t for t, _ in oracle_tps)
         rows.append({
-            "plan": name, "input_length": n, "planned_input_length": max(b.planned_input_length for b in buffers.states.values()),
+            "plan": name, "input_length": n, "planned_input_length": max(b.planned_input_length for b in layouts.states.values()),
             "tokens_per_step": statistics.median(s for _, s in oracle_tps),
             **{f"{p}_ms": prof["median_s"][p] * 1e3 for p in PHASES},
             "step_ms": prof["median_step_s"] * 1e3, "plain_forward_ms": base * 1e3,

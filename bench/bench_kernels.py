@@ -219,10 +219,16 @@ def bench_step(cfg, measure_many, progress):
     """One decoder step (tree inputs, forward, KV compaction) on a real model, dense mask vs kernels."""
     import torch
 
-    from decoder.cache import compact_cache as dense_compact
-    from decoder.forward import ancestor_matrix, prefill, step_mask, tree_attention_mask, tree_depths, tree_forward
-    from kernels.hf import compact_cache as kernel_compact
-    from kernels.hf import enable_tree_attention, prepare_tree
+    from decoder.attention import enable_tree_attention, prepare_tree
+    from decoder.cache import compact_cache
+    from decoder.forward import (
+        ancestor_matrix,
+        prefill,
+        step_mask,
+        tree_attention_mask,
+        tree_depths,
+        tree_forward,
+    )
     from profiler.models import load_model
 
     dev = cfg["device"]
@@ -234,7 +240,7 @@ def bench_step(cfg, measure_many, progress):
     rows = []
     for C in cfg["step_prefix"]:
         model.set_attn_implementation("sdpa")
-        _, cache = prefill(model, torch.randint(0, vocab, (1, C), generator=g).to(dev))
+        cache = prefill(model, torch.randint(0, vocab, (1, C), generator=g).to(dev)).cache
         prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H_kv, C, d] each, never written
 
         def reset():
@@ -255,14 +261,14 @@ def bench_step(cfg, measure_many, progress):
             def dense_step():
                 model.set_attn_implementation("sdpa")
                 reset()
-                mask = step_mask(block, C)  # built every step, as decoder/step.py does
-                return lambda: (tree_forward(model, ids, pos, mask, cache), dense_compact(cache, C, path))[0]
+                mask = step_mask(block, C)  # built every step, as decoder/loop.py does
+                return lambda: (tree_forward(model, ids, pos, mask, cache).logits, compact_cache(cache, C, path))[0]
 
             def kernel_step():
                 model.set_attn_implementation("tree_triton")
                 reset()
-                return lambda: (tree_forward(model, ids, pos, None, cache, tree_parents=tm),
-                                kernel_compact(cache, C, path, validate=False))[0]
+                return lambda: (tree_forward(model, ids, pos, None, cache, tree=tm).logits,
+                                compact_cache(cache, C, path, kernel=True, validate=False))[0]
 
             out_d = dense_step()()
             keys_d = [layer.keys.clone() for layer in cache.layers]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from planner.accept import load_acceptance  # noqa: E402
 from planner.candidate import best_paths, sequoia_table, sequoia_tree  # noqa: E402
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from planner.plan import plan, predicted_speedup  # noqa: E402
+from planner.plan import plan  # noqa: E402
 from planner.ppd import paper_trees, ppd_tree  # noqa: E402
 from planner.profile import LatencyProfile, load_profile  # noqa: E402
 

@@ -1,23 +1,27 @@
-"""Decoder: runs a planned tree with a guesser (PPD prompt tokens, an oracle) on a Hugging Face causal LM.
+"""Decoder: executes plans on a Hugging Face causal LM, with any guesser, in one decoding loop.
 
     from decoder import PromptTokens, generate
 
-Names are imported lazily so that `planner` subcommands in this package start without torch.
+Layout: `loop` (the step loop: propose, score, verify, commit), `guesser` (the guesser protocol
+and per-distance guessers), `prompt_tokens` (PPD), `oracle`, `layout` (step input layouts),
+`forward` (the target's tree forward pass), `verify` (verification rules), `cache` (KV
+bookkeeping), `attention` (the adapter to the Triton kernels in `kernels/`).
+Names are imported lazily so that importing `decoder` costs nothing until a name is used.
 """
 import importlib
 
 _EXPORTS = {
-    "generate": "decoder.step",
-    "generate_plain": "decoder.step",
-    "GenerateOutput": "decoder.step",
-    "DecodeStats": "decoder.step",
+    "generate": "decoder.loop",
+    "generate_plain": "decoder.loop",
+    "GenerateOutput": "decoder.loop",
+    "DecodeStats": "decoder.loop",
     "PromptTokens": "decoder.prompt_tokens",
-    "prompt_block_mask": "decoder.prompt_tokens",
-    "Guesser": "decoder.guessers",
-    "OracleGuesser": "decoder.guessers",
-    "build_plan_buffers": "decoder.buffers",
-    "measure_accuracy": "decoder.acceptance",
-    "measure_transitions": "decoder.acceptance",
+    "prompt_block_mask": "decoder.layout",
+    "Guesser": "decoder.guesser",
+    "Proposal": "decoder.guesser",
+    "StepOutcome": "decoder.guesser",
+    "OracleGuesser": "decoder.oracle",
+    "plan_layout": "decoder.layout",
 }
 
 __all__ = list(_EXPORTS)

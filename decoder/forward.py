@@ -8,6 +8,7 @@ change to model code.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -56,35 +57,42 @@ def step_mask(mask_block: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return mask
 
 
+class ForwardOut(NamedTuple):
+    logits: torch.Tensor  # [B, n, V] (prefill: [B, 1, V], the last position only)
+    hidden: torch.Tensor | None  # [B, n, hidden] last hidden state (after the final norm), when asked
+    cache: object  # the transformers cache the pass extended
+
+
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor):
-    """Run the prompt [B, T] through the model; returns (logits [B, T, V], cache)."""
+def prefill(model, input_ids: torch.Tensor, hidden: bool = False) -> ForwardOut:
+    """Run the prompt [B, T] through the model into a new cache.
+
+    Only the last position's logits are computed: the decoder needs no others, and [T, V] logits
+    of a long prompt cost memory and time for nothing.
+    """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    return out.logits, out.past_key_values
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                output_hidden_states=hidden)
+    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, out.past_key_values)
 
 
 @torch.inference_mode()
-def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache,
-                 inputs_embeds: torch.Tensor | None = None, tree_parents=None):
-    """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V].
+def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache, inputs_embeds: torch.Tensor | None = None, tree=None, hidden: bool = False) -> ForwardOut:
+    """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V] (and the last
+    hidden state [B, n, hidden] with hidden=True, for drafters that read the target's features).
 
     Pass `inputs_embeds` [B, n, hidden] (and input_ids=None) when some inputs are not vocabulary
     tokens (PPD prompt tokens). The cache grows by n entries; the caller keeps the accepted ones
     (decoder) or resets it to the prefix (profiler).
-    `tree_parents` ([n] parents, or a kernels.TreeMask): on a model switched to the tree kernels
-    (kernels.hf.enable_tree_attention) the tree goes to the kernel and `attention_mask` is ignored
-    (may be None); on any other model it is ignored and the dense mask is used.
+    `tree`: for a model switched to the tree kernels (decoder.attention.enable_tree_attention),
+    the step's tree as a kernels.TreeMask (decoder.attention.prepare_tree) instead of the dense
+    `attention_mask` (then None); the caller knows which path it runs, so this module never
+    imports the kernels (and triton) itself.
     """
-    extra = {}
-    if tree_parents is not None and getattr(model.config, "_attn_implementation", None) == "tree_triton":
-        from kernels.hf import prepare_tree
-
-        device = (input_ids if input_ids is not None else inputs_embeds).device
-        extra["tree_parents"] = prepare_tree(tree_parents, device)
-        attention_mask = None
+    extra = {} if tree is None else {"tree_parents": tree}
     out = model(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
@@ -92,13 +100,7 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
         attention_mask=attention_mask,
         past_key_values=cache,
         use_cache=True,
+        output_hidden_states=hidden,
         **extra,
     )
-    return out.logits
-
-
-def crop_cache(cache, length: int) -> None:
-    """Drop cache entries past `length` in every layer."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)  # a negative count removes that many tokens in every transformers version
+    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, cache)

@@ -8,7 +8,7 @@ averaged (PPD appendix B.5.1).
 Mask. Prompt tokens appended after a position u all see u and its past; among themselves, copy
 (j, e) sees (j', e) for j' <= j: each ensemble group is its own causal chain. The same block is
 used by the decoder (after every tree node) and by prompt-token training (after every insertion
-point): `prompt_block_mask`.
+point): `prompt_block_mask` (decoder/layout.py).
 """
 from __future__ import annotations
 
@@ -19,19 +19,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from decoder.guesser import DistanceGuesser
+from decoder.layout import prompt_block_mask  # noqa: F401  (re-exported: the mask lives with the layouts)
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
 
 WEIGHTS_NAME = "prompt_tokens.safetensors"
 CONFIG_NAME = "prompt_tokens.json"
 FORMAT = "tree-planner/prompt-tokens"
-
-
-def prompt_block_mask(num_prompt_tokens: int, ensemble: int = 1) -> torch.Tensor:
-    """bool [P*E, P*E]: True where slot a = (j, e) may attend slot b = (j', e'): e == e' and j' <= j."""
-    idx = torch.arange(num_prompt_tokens * ensemble)
-    j, e = idx // ensemble, idx % ensemble
-    return (e[:, None] == e[None, :]) & (j[None, :] <= j[:, None])
 
 
 def config_fingerprint(config) -> str:
@@ -41,7 +36,7 @@ def config_fingerprint(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class PromptTokens(nn.Module):
+class PromptTokens(DistanceGuesser, nn.Module):
     """P x E prompt-token embeddings; also the decoder's guesser (top_k guesses per distance)."""
 
     def __init__(self, num_prompt_tokens: int, ensemble: int, hidden_size: int, top_k: int = 10, meta: dict | None = None):
@@ -55,7 +50,7 @@ class PromptTokens(nn.Module):
         self.meta = dict(meta or {})
         self.embeddings = nn.Parameter(torch.zeros(num_prompt_tokens * ensemble, hidden_size))  # [P*E, hidden]
 
-    # guesser protocol (see decoder/guessers.py)
+    # guesser protocol (decoder/guesser.py, DistanceGuesser)
     @property
     def num_distances(self) -> int:
         return self.num_prompt_tokens

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.buffers import StepBuffers
+from decoder.layout import StepLayout
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Verdict:
     root: torch.Tensor  # [1] long, emitted[-1] on the device: the next step's root
 
 
-def _best_path(node_ok: torch.Tensor, buf: StepBuffers, *per_node: torch.Tensor) -> tuple[int, int, list[list[int]]]:
+def _best_path(node_ok: torch.Tensor, buf: StepLayout, *per_node: torch.Tensor) -> tuple[int, int, list[list[int]]]:
     """node_ok [num_tree] bool (root True) -> (best path row b, accepted length a, per_node values along row b).
 
     One device-to-host copy: the row index, its length and each `per_node` [num_tree] tensor
@@ -72,7 +72,7 @@ def _best_path(node_ok: torch.Tensor, buf: StepBuffers, *per_node: torch.Tensor)
     return host[0], host[1], [host[2 + i * w: 2 + (i + 1) * w] for i in range(len(per_node))]
 
 
-def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers) -> Verdict:
+def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout) -> Verdict:
     """logits [num_tree, V], tokens [num_tree]: accept a candidate equal to the argmax at its parent."""
     top = logits.argmax(dim=-1)  # [num_tree]
     ok = tokens == top[buf.parents]
@@ -82,7 +82,7 @@ def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers) 
     return Verdict(path, buf.paths_list[b][: a + 1], toks[1: a + 1] + [tops[a]], top[path[a:]])
 
 
-def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator) -> Verdict:
+def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator) -> Verdict:
     """Medusa typical acceptance: p(x) > min(eps, delta * exp(-H(p))) at the parent; not lossless."""
     p = probabilities(logits, s)  # [num_tree, V]
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [num_tree]
@@ -97,7 +97,7 @@ def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers,
                    torch.tensor([last], dtype=torch.long, device=tokens.device))
 
 
-def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator) -> Verdict:
+def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator) -> Verdict:
     """Deterministic guesses: children in rank order, accept x with prob p(x), else zero it and renormalise.
 
     Walks one root-to-leaf path (at most depth x children iterations), not the whole tree.
@@ -125,8 +125,13 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers
                    torch.tensor([last], dtype=torch.long, device=tokens.device))
 
 
-def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepBuffers, s: Sampling, generator=None) -> Verdict:
+def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator=None,
+           draft_probs: torch.Tensor | None = None) -> Verdict:
+    """logits [num_tree, V], tokens [num_tree] (root first). draft_probs [num_tree, V]: the draft
+    distribution each node's children were sampled from (sampled drafts); None: deterministic guesses."""
     rule = s.rule
+    if draft_probs is not None and rule != "greedy":
+        raise NotImplementedError("verification of sampled drafts")
     if rule == "greedy":
         return verify_greedy(logits, tokens, buf)
     if rule == "typical":

@@ -4,13 +4,18 @@
   and their ancestors, the tree given as ancestor bitmasks (`tree_mask`), no dense mask.
 - `kv_compact(layers_k, layers_v, prefix_len, accepted_idx)`: move the accepted path's K/V rows
   after the prefix in every layer, one launch.
-- `kernels.hf`: the "tree_triton" attention implementation for transformers models.
+- `decoder.attention`: the "tree_triton" attention implementation for transformers models.
 
 Importing this package needs neither triton nor CUDA: without them the functions run their
 references (backend="auto") or raise (backend="triton").
 """
 from kernels.kv_compact import kv_compact
-from kernels.reference import ancestor_matrix_ref, kv_compact_ref, tree_attention_ref, tree_visibility_ref
+from kernels.reference import (
+    ancestor_matrix_ref,
+    kv_compact_ref,
+    tree_attention_ref,
+    tree_visibility_ref,
+)
 from kernels.tree_attention import (
     TreeMask,
     ancestor_bitmask,

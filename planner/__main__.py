@@ -1,3 +1,4 @@
-from planner.cli import main
+"""`python3 -m planner`: hands over to the workflow layer's CLI (the one allowed upward import)."""
+from workflows.cli import main
 
 raise SystemExit(main())

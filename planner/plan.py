@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from planner.accept import Acceptance
-from planner.candidate import best_paths, num_paths, sequoia_table, sequoia_tree, sort_nodes
+from planner.candidate import (
+    best_paths,
+    num_paths,
+    sequoia_table,
+    sequoia_tree,
+    sort_nodes,
+)
+from planner.cost import predicted_speedup, step_latency
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import Tree, TreeState
@@ -20,19 +27,6 @@ from planner.tree import Tree, TreeState
 METHODS = ("medusa", "sequoia", "ppd")
 POSITIONAL_DEFAULT_DEPTH = 8  # a positional vector allows any depth; deeper than 8 rarely pays
 SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"  # ../shared/data/... from the repo
-
-
-def amortised_step_latency(tree: Tree, profile: LatencyProfile) -> float:
-    """sum_s pi_s L(n_s); a single-state tree costs L(n)."""
-    if len(tree.states) == 1:
-        return float(profile.latency(tree.states[0].input_length))
-    return float(sum((st.stationary_probability or 0.0) * profile.latency(st.input_length) for st in tree.states))
-
-
-def predicted_speedup(tree: Tree, profile: LatencyProfile, draft_latency_s: float = 0.0) -> float:
-    """tau * L(1) / (amortised step latency + depth * draft latency)."""
-    step = amortised_step_latency(tree, profile) + tree.depth * draft_latency_s
-    return float(tree.expected_tokens_per_step * profile.latency(1) / step)
 
 
 def default_max_depth(accept: Acceptance) -> int:
@@ -175,14 +169,19 @@ def _plan_ppd(accept, input_length, P, profile, max_input_length, improved, per_
     for N in progress(range(1, cap + 1), desc="input lengths", unit="N"):
         opts = [_slice_options(o, N - 1) for o in options_all]
         tree = ppd_tree(accept, N, P, improved=improved, options=opts)
-        lat = amortised_step_latency(tree, profile)
+        lat = step_latency(tree, profile)
         speed = tree.expected_tokens_per_step * profile.latency(1) / lat
         curve.append(_curve_row(N - 1, N, tree.expected_tokens_per_step, lat, speed))
         if speed > best_speed:
             best, best_speed = tree, speed
     if improved and per_state_budgets:
         # start the throughput iteration from the best shared budget, let states spend up to cap
-        from planner.ppd import PPDResult, improve, transition_matrix, stationary_distribution
+        from planner.ppd import (
+            PPDResult,
+            improve,
+            stationary_distribution,
+            transition_matrix,
+        )
 
         M = transition_matrix(best.states, accept, P)
         start = PPDResult(best.states, M, stationary_distribution(M), best.expected_tokens_per_step)

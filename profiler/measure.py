@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.forward import ancestor_matrix, prefill, tree_attention_mask, tree_depths, tree_forward
+from decoder.forward import (
+    ancestor_matrix,
+    prefill,
+    tree_attention_mask,
+    tree_depths,
+    tree_forward,
+)
 from planner.errors import UserError
 from profiler.fit import fit_latency
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
@@ -128,6 +134,7 @@ class Runner:
 
     def __init__(self, model, cache, cuda_graphs: bool):
         self.model, self.cache, self.cuda_graphs = model, cache, cuda_graphs
+        self.kernel_path = getattr(model.config, "_attn_implementation", None) == "tree_triton"
         self.prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H_kv, C, head_dim] each
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -136,7 +143,13 @@ class Runner:
             layer.keys, layer.values = k, v
 
     def forward(self, x: TreeInput) -> None:
-        tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache, tree_parents=x.parents)
+        if self.kernel_path:  # the decoder's kernel path: the tree as parents, no dense mask
+            from decoder.attention import prepare_tree
+
+            tree = prepare_tree(x.parents, x.input_ids.device)
+            tree_forward(self.model, x.input_ids, x.position_ids, None, self.cache, tree=tree)
+        else:
+            tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
 
     def warm(self, n: int, x: TreeInput, times: int) -> None:
         """`times` untimed passes; with CUDA graphs, then capture (warm-up on a side stream first,
@@ -227,6 +240,34 @@ def _versions(device: torch.device) -> dict:
     return v
 
 
+@dataclass
+class _Settings:
+    """One profiling run's fixed inputs and shared state (clock, random sources, progress)."""
+
+    hf: object
+    device: torch.device
+    lengths: list[int]
+    context_length: int
+    cuda_graphs: bool
+    min_repeats: int
+    max_repeats: int
+    target_rel_ci: float
+    warmup: int
+    dtype: torch.dtype
+    vocab: int
+    gen: torch.Generator
+    rng: random.Random
+    timer: Timer
+    t_start: float
+    bar: object
+    n_samples: int = 0
+
+    def tick(self, b: int) -> None:
+        self.n_samples += 1
+        self.bar.update(min(time.time() - self.t_start, self.bar.total) - self.bar.n)
+        self.bar.set_postfix_str(f"batch {b}, {self.n_samples} samples", refresh=False)
+
+
 def profile_model(
     model,
     input_lengths: list[int],
@@ -249,172 +290,192 @@ def profile_model(
     points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
     point re-raises KeyboardInterrupt).
     """
-    from tqdm import tqdm
-
     loaded = model if isinstance(model, LoadedModel) else None
     hf = loaded.model if loaded else model
     device = torch.device(device) if device is not None else next(hf.parameters()).device
-    if cuda_graphs and device.type != "cuda":
-        raise UserError("--cuda-graphs: needs a CUDA device")
-    lengths = sorted(set(int(n) for n in input_lengths))
-    check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
-    batch_sizes = [int(b) for b in batch_sizes]
     if time_budget_s is None:
         time_budget_s = 120.0 if device.type == "cuda" else 15.0
-    dtype = next(hf.parameters()).dtype
-    vocab = hf.config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    timer = Timer(device)
-    t_start = time.time()
+    st = _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci,
+               warmup, seed, time_budget_s, progress)
+    lengths, bar = st.lengths, st.bar
+    batch_sizes = [int(b) for b in batch_sizes]
     load_start = _load()
     series: list[Series] = []
     interrupted = False
-
-    # Time-based bar: the run is bounded by the budget, and how many samples a length needs is unknown.
-    bar = tqdm(total=round(time_budget_s, 1), disable=not progress, dynamic_ncols=True,
-               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
-    n_samples = 0
-
-    def tick(b: int) -> None:
-        nonlocal n_samples
-        n_samples += 1
-        bar.update(min(time.time() - t_start, bar.total) - bar.n)
-        bar.set_postfix_str(f"batch {b}, {n_samples} samples", refresh=False)
-
     try:
         for bi, b in enumerate(batch_sizes):
             s = Series(b)
             series.append(s)
-            deadline = time.time() + (time_budget_s - (time.time() - t_start)) / (len(batch_sizes) - bi)
-            try:
-                ctx = torch.randint(0, vocab, (b, context_length), generator=gen).to(device)
-                _, cache = prefill(hf, ctx)
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-                if not is_oom(e):
-                    raise
-                s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
-                _free(device)
-                continue
-            runner = Runner(hf, cache, cuda_graphs)
-            inputs: dict[int, TreeInput] = {}
-            active: list[int] = []
-            todo = [lengths[i] for i in coarse_to_fine(len(lengths))]
-
-            def out_of_memory(n: int) -> None:
-                """Lengths from n up that have no sample yet are dropped; measured ones are kept."""
-                nonlocal todo, active
-                inputs.pop(n, None)
-                runner.graphs.pop(n, None)
-                _free(device)
-                runner.reset()
-                if s.stopped is None or n < s.stopped["input_length"]:
-                    s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": n}
-                todo = [m for m in todo if m < n]
-                active = [m for m in active if m < n]
-
-            # Round one, coarse to fine (ends, then midpoints): if the budget runs out here the
-            # measured lengths still span the range. Each length is warmed up just before its
-            # first sample; out of memory at n ends all longer lengths.
-            bar.set_description(f"profiling b={b}")
-            while todo:
-                if len(s.samples) >= 2 and time.time() > deadline:
-                    break
-                n = todo.pop(0)
-                try:
-                    inputs[n] = make_tree_input(n, b, context_length, vocab, dtype, device, gen)
-                    runner.warm(n, inputs[n], warmup)
-                    s.samples[n] = [timer(runner.sample_fn(n, inputs[n]))]
-                    tick(b)
-                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-                    if not is_oom(e):
-                        raise
-                    out_of_memory(n)
-                    continue
-                active.append(n)
-            if todo:
-                s.unmeasured = sorted(todo)
-            # Later rounds: unfinished lengths in a fresh random order each time.
-            while active:
-                rng.shuffle(active)
-                for n in list(active):
-                    if time.time() > deadline or n not in active:
-                        break
-                    try:
-                        s.samples[n].append(timer(runner.sample_fn(n, inputs[n])))
-                        tick(b)
-                    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-                        if not is_oom(e):
-                            raise
-                        out_of_memory(n)
-                done = [n for n in active if len(s.samples[n]) >= max_repeats
-                        or (len(s.samples[n]) >= min_repeats and median_rel_ci(s.samples[n]) <= target_rel_ci)]
-                if time.time() > deadline:
-                    done = list(active)
-                for n in done:
-                    active.remove(n)
-            del runner, cache, inputs
-            _free(device)
+            deadline = time.time() + (time_budget_s - (time.time() - st.t_start)) / (len(batch_sizes) - bi)
+            _measure_batch(st, s, deadline)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         bar.close()
-
+    stopped = _stops(series, batch_sizes, interrupted)
     out_series = [j for j in (s.to_json() for s in series) if j is not None]
-    stopped = [s.stopped for s in series if s.stopped]
-    if interrupted:
-        done_b = {s.batch_size for s in series}
-        stopped.append({"reason": "interrupted", "batch_size": series[-1].batch_size if series else batch_sizes[0],
-                        "not_started_batch_sizes": [b for b in batch_sizes if b not in done_b]})
     if not out_series or out_series[0]["batch_size"] != batch_sizes[0]:
         if interrupted:
             raise KeyboardInterrupt
-        st = stopped[0] if stopped else {}
+        stop = stopped[0] if stopped else {}
         raise UserError(
-            f"out of memory at input length {st.get('input_length')} (batch size {st.get('batch_size')}, context "
+            f"out of memory at input length {stop.get('input_length')} (batch size {stop.get('batch_size')}, context "
             f"{context_length}); nothing measured for the first batch size, so no profile written"
         )
-    first = out_series[0]
-    result = {k: first[k] for k in ("input_lengths", "latency_s", "p10_s", "p90_s", "repeats", "fit")}
-    cfg = hf.config
-    result.update({
-        "batch_size": first["batch_size"],
-        "series": out_series,
-        "device": device.type,
-        "device_name": _device_name(device),
-        "model": loaded.name if loaded else (getattr(cfg, "_name_or_path", "") or cfg.model_type),
-        "model_source": loaded.source if loaded else None,
-        "has_weights": loaded.has_weights if loaded else None,
-        "config_hash": loaded.config_hash if loaded else config_hash(cfg),
-        "dtype": dtype_name(dtype),
-        "context_length": context_length,
-        "versions": _versions(device),
-        "threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {
-            "batch_sizes": batch_sizes,
-            "input_lengths_requested": lengths,
-            "time_budget_s": time_budget_s,
-            "min_repeats": min_repeats,
-            "max_repeats": max_repeats,
-            "target_rel_ci": target_rel_ci,
-            "warmup": warmup,
-            "cuda_graphs": cuda_graphs,
-            "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
-            "order": "first round coarse to fine (ends, then midpoints), later rounds shuffled over unfinished lengths",
-            "tree": f"node i under node (i-1)//{TREE_BRANCHING}; position ids = context_length + depth",
-            "attn_implementation": getattr(cfg, "_attn_implementation", None),
-            "seed": seed,
-            "cpu_count": os.cpu_count(),
-            "load_avg_1m": [load_start, _load()],  # at start and end: other work on the machine skews CPU timings
-        },
-        "wall_s": round(time.time() - t_start, 3),
-    })
+    settings = {"batch_sizes": batch_sizes, "input_lengths_requested": lengths, "time_budget_s": time_budget_s,
+                "min_repeats": min_repeats, "max_repeats": max_repeats, "target_rel_ci": target_rel_ci,
+                "warmup": warmup, "cuda_graphs": cuda_graphs, "seed": seed, "load_avg_1m": [load_start, _load()]}
+    result = _profile_json(st, loaded, out_series, settings)
     if stopped:
         result["incomplete"] = stopped
     unmeasured = {s.batch_size: s.unmeasured for s in series if s.unmeasured}
     if unmeasured:
         result["unmeasured_input_lengths"] = {str(b): ns for b, ns in unmeasured.items()}
+    return result
+
+
+def _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci, warmup,
+          seed, time_budget_s, progress) -> _Settings:
+    from tqdm import tqdm
+
+    if cuda_graphs and device.type != "cuda":
+        raise UserError("--cuda-graphs: needs a CUDA device")
+    lengths = sorted(set(int(n) for n in input_lengths))
+    check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
+    # Time-based bar: the run is bounded by the budget, and how many samples a length needs is unknown.
+    bar = tqdm(total=round(time_budget_s, 1), disable=not progress, dynamic_ncols=True,
+               bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
+    return _Settings(hf, device, lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci, warmup,
+                     next(hf.parameters()).dtype, hf.config.get_text_config().vocab_size,
+                     torch.Generator().manual_seed(seed), random.Random(seed), Timer(device), time.time(), bar)
+
+
+def _stops(series: list[Series], batch_sizes: list[int], interrupted: bool) -> list[dict]:
+    stopped = [s.stopped for s in series if s.stopped]
+    if interrupted:
+        done_b = {s.batch_size for s in series}
+        stopped.append({"reason": "interrupted", "batch_size": series[-1].batch_size if series else batch_sizes[0],
+                        "not_started_batch_sizes": [b for b in batch_sizes if b not in done_b]})
+    return stopped
+
+
+class _OutOfMemory(Exception):
+    pass
+
+
+def _guarded(fn):
+    """Run fn(); an out-of-memory error becomes _OutOfMemory, anything else propagates."""
+    try:
+        return fn()
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        if not is_oom(e):
+            raise
+        raise _OutOfMemory from None
+
+
+def _measure_batch(st: _Settings, s: Series, deadline: float) -> None:
+    """Every length at one batch size: round one coarse to fine, then shuffled rounds until each
+    length's median is tight enough or the deadline passes."""
+    b = s.batch_size
+    ctx = torch.randint(0, st.vocab, (b, st.context_length), generator=st.gen).to(st.device)
+    try:
+        cache = _guarded(lambda: prefill(st.hf, ctx).cache)
+    except _OutOfMemory:
+        s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
+        _free(st.device)
+        return
+    runner = Runner(st.hf, cache, st.cuda_graphs)
+    inputs: dict[int, TreeInput] = {}
+    st.bar.set_description(f"profiling b={b}")
+    active = _first_round(st, s, runner, inputs, deadline)
+    _later_rounds(st, s, runner, inputs, active, deadline)
+    del runner, cache, inputs
+    _free(st.device)
+
+
+def _drop_from(st: _Settings, s: Series, runner: Runner, inputs: dict, n: int, *queues: list[int]) -> None:
+    """Out of memory at n: lengths from n up that have no sample yet are dropped; measured ones are kept."""
+    inputs.pop(n, None)
+    runner.graphs.pop(n, None)
+    _free(st.device)
+    runner.reset()
+    if s.stopped is None or n < s.stopped["input_length"]:
+        s.stopped = {"reason": "out of memory", "batch_size": s.batch_size, "input_length": n}
+    for q in queues:
+        q[:] = [m for m in q if m < n]
+
+
+def _first_round(st: _Settings, s: Series, runner: Runner, inputs: dict, deadline: float) -> list[int]:
+    """Coarse to fine (ends, then midpoints): if the budget runs out here the measured lengths still
+    span the range. Each length is warmed up just before its first sample. Returns the lengths measured."""
+    todo = [st.lengths[i] for i in coarse_to_fine(len(st.lengths))]
+    active: list[int] = []
+    while todo:
+        if len(s.samples) >= 2 and time.time() > deadline:
+            break
+        n = todo.pop(0)
+        try:
+            inputs[n] = _guarded(lambda: make_tree_input(n, s.batch_size, st.context_length, st.vocab, st.dtype,
+                                                         st.device, st.gen))
+            _guarded(lambda: runner.warm(n, inputs[n], st.warmup))
+            s.samples[n] = [_guarded(lambda: st.timer(runner.sample_fn(n, inputs[n])))]
+            st.tick(s.batch_size)
+        except _OutOfMemory:
+            _drop_from(st, s, runner, inputs, n, todo, active)
+            continue
+        active.append(n)
+    if todo:
+        s.unmeasured = sorted(todo)
+    return active
+
+
+def _later_rounds(st: _Settings, s: Series, runner: Runner, inputs: dict, active: list[int], deadline: float) -> None:
+    """Unfinished lengths in a fresh random order each round, until done or out of time."""
+    while active:
+        st.rng.shuffle(active)
+        for n in list(active):
+            if time.time() > deadline or n not in active:
+                break
+            try:
+                s.samples[n].append(_guarded(lambda: st.timer(runner.sample_fn(n, inputs[n]))))
+                st.tick(s.batch_size)
+            except _OutOfMemory:
+                _drop_from(st, s, runner, inputs, n, active)
+        done = [n for n in active if len(s.samples[n]) >= st.max_repeats
+                or (len(s.samples[n]) >= st.min_repeats and median_rel_ci(s.samples[n]) <= st.target_rel_ci)]
+        if time.time() > deadline:
+            done = list(active)
+        for n in done:
+            active.remove(n)
+
+
+def _profile_json(st: _Settings, loaded, out_series: list[dict], settings: dict) -> dict:
+    first = out_series[0]
+    result = {k: first[k] for k in ("input_lengths", "latency_s", "p10_s", "p90_s", "repeats", "fit")}
+    cfg = st.hf.config
+    result.update({
+        "batch_size": first["batch_size"],
+        "series": out_series,
+        "device": st.device.type,
+        "device_name": _device_name(st.device),
+        "model": loaded.name if loaded else (getattr(cfg, "_name_or_path", "") or cfg.model_type),
+        "model_source": loaded.source if loaded else None,
+        "has_weights": loaded.has_weights if loaded else None,
+        "config_hash": loaded.config_hash if loaded else config_hash(cfg),
+        "dtype": dtype_name(st.dtype),
+        "context_length": st.context_length,
+        "versions": _versions(st.device),
+        "threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": settings | {
+            "timer": "cuda_events" if st.device.type == "cuda" else "perf_counter",
+            "order": "first round coarse to fine (ends, then midpoints), later rounds shuffled over unfinished lengths",
+            "tree": f"node i under node (i-1)//{TREE_BRANCHING}; position ids = context_length + depth",
+            "attn_implementation": getattr(cfg, "_attn_implementation", None),
+            "cpu_count": os.cpu_count(),
+        },
+        "wall_s": round(time.time() - st.t_start, 3),
+    })
     return result
 
 

@@ -28,7 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from decoder.train_prompts import DEFAULT_DATA, held_out_question, load_corpus  # the data split lives there
+from training.data import (  # the data split lives there
+    DEFAULT_DATA,
+    held_out_question,
+    load_corpus,
+)
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<pad>"]
 
@@ -49,7 +53,14 @@ ARCH = dict(
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE (no unknown characters possible) with <s>, </s>, <unk>, <pad> as ids 0..3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 import torch
-
-from decoder import OracleGuesser, PromptTokens, measure_accuracy, measure_transitions
-from decoder.step import generate
-from decoder.acceptance import chain_plan
-from planner.accept import from_entry
 from test_decoder_utils import V, ppd_tree, reference, tiny_model
+
+from decoder import OracleGuesser, PromptTokens
+from decoder.loop import generate
+from planner.accept import from_entry
+from profiler.acceptance import chain_plan, measure_accuracy, measure_transitions
 
 torch.set_num_threads(1)
 
@@ -120,4 +120,5 @@ def test_chain_plan_emits_one_token_per_step(model):
     ids = torch.tensor([3, 4, 5])
     out = generate(model, ids, plan=chain_plan(2), guesser=pt, max_new_tokens=10, record_guesses=True)
     assert out.steps == 10 and out.tokens.tolist() == reference(model, ids, 10)
-    assert all(g.shape == (2, 3) for g in out.stats.guesses)
+    # each step records the guesses its proposal used; the bootstrap step has none
+    assert out.stats.guesses[0] is None and all(g.shape == (2, 3) for g in out.stats.guesses[1:])

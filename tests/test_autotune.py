@@ -6,10 +6,17 @@ import pytest
 import torch
 
 from planner.accept import from_entry
-from planner.autotune import AutotuneSettings, autotune, held_out_prompts, pick, plan_candidates, real_input_length
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import load_tree
+from workflows.autotune import (
+    AutotuneSettings,
+    autotune,
+    pick,
+    plan_candidates,
+    real_input_length,
+)
+from workflows.inputs import held_out_prompts
 
 ACC = from_entry({"accuracy": [[0.5, 0.2, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], [0.2, 0.1, 0.1, 0.05]]})
 
@@ -20,15 +27,16 @@ def flat_then_linear(knee: int, top: int = 64) -> LatencyProfile:
 
 
 @pytest.mark.parametrize("method", ["ppd", "medusa", "sequoia"])
-def test_real_input_length_matches_the_decoder_buffers(method):
-    from decoder import OracleGuesser, build_plan_buffers
+def test_real_input_length_matches_the_decoder_layouts(method):
+    from decoder import OracleGuesser
 
     cands = plan_candidates(method, ACC, flat_then_linear(16), prompt_tokens=3, ensemble=1, max_input_length=40)
     assert cands
     g = OracleGuesser(torch.arange(50), vocab_size=64, num_distances=3, top_k=4,
                       prompt_tokens=_random_prompt_tokens())
     for c in cands[:: max(1, len(cands) // 4)]:
-        pb = build_plan_buffers(c.tree, g, torch.float32, "cpu", "test")
+        g.check(c.tree)
+        pb = g.layouts(c.tree, torch.float32, "cpu")
         if method == "ppd":
             want = sum(st.stationary_probability * pb.states[st.state].input_length for st in c.tree.states)
         else:

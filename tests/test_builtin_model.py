@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder import train_prompts as tp
+from training import data
+from training import prompts as tp
 
 REPO = Path(__file__).resolve().parents[1]
 BUILTIN = REPO / "models" / "builtin"
@@ -35,7 +36,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def corpus():
-    return tp.load_corpus(tp.DEFAULT_DATA)
+    return data.load_corpus(data.DEFAULT_DATA)
 
 
 def test_checkpoint_is_small_and_documented():
@@ -43,24 +44,24 @@ def test_checkpoint_is_small_and_documented():
     assert size < 8 * 2**20, size
     meta = json.loads((BUILTIN / "training.json").read_text())
     assert meta["validation"]["web_ppl"] > 1 and meta["validation"]["chat_ppl"] > 1
-    assert set(meta["data_sha256"]) == {tp.WEB_FILE, tp.ANSWERS_FILE, tp.QUESTIONS_FILE}
+    assert set(meta["data_sha256"]) == {data.WEB_FILE, data.ANSWERS_FILE, data.QUESTIONS_FILE}
     cfg = json.loads((BUILTIN / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["max_position_embeddings"] >= 768
 
 
 def test_tokenizer_chat_format(tokenizer):
     assert [tokenizer.convert_tokens_to_ids(t) for t in ("<s>", "</s>", "<unk>", "<pad>")] == [0, 1, 2, 3]
-    text = tp.chat_text(["What is 2 + 2?"], ["It is 4."])
+    text = data.chat_text(["What is 2 + 2?"], ["It is 4."])
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == 0 and ids[-1] == 1
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + text
 
 
 def test_heldout_questions_are_not_in_training(corpus):
-    held = [q for q in range(81, 161) if tp.held_out_question(q)]
+    held = [q for q in range(81, 161) if data.held_out_question(q)]
     assert len(held) == 16 and len(corpus["chat_val"]) == 16 and len(corpus["chat_train"]) == 64
     train = "\n".join(corpus["chat_train"])
-    questions = {r["question_id"]: r["turns"] for r in tp.read_jsonl(tp.DEFAULT_DATA / tp.QUESTIONS_FILE)}
+    questions = {r["question_id"]: r["turns"] for r in data.read_jsonl(data.DEFAULT_DATA / data.QUESTIONS_FILE)}
     for q in held:
         assert questions[q][0].strip() not in train
 
@@ -74,8 +75,8 @@ def _ppl(model, windows):
 
 def test_perplexity_matches_training_json(model, tokenizer, corpus):
     val = json.loads((BUILTIN / "training.json").read_text())["validation"]
-    chat = tp.token_windows(tokenizer, corpus["chat_val"], 256)[:12]
-    web = tp.token_windows(tokenizer, corpus["web_val"], 256)[:12]
+    chat = data.token_windows(tokenizer, corpus["chat_val"], 256)[:12]
+    web = data.token_windows(tokenizer, corpus["web_val"], 256)[:12]
     chat_ppl, web_ppl = _ppl(model, chat), _ppl(model, web)
     # A slice of the validation split, so allow sampling spread; a broken load would be ~vocab size.
     assert abs(math.log(chat_ppl / val["chat_ppl"])) < 0.35, (chat_ppl, val["chat_ppl"])
@@ -101,7 +102,7 @@ def test_shipped_prompt_tokens(model, tokenizer, corpus):
     acc = load_acceptance(str(PROMPTS / "accept_heldout.json"))
     assert acc.accuracy.shape[0] == pt.num_prompt_tokens
     report = json.loads((PROMPTS / "training.json").read_text())
-    chat = tp.token_windows(tokenizer, corpus["chat_val"], 256)[:6]
+    chat = data.token_windows(tokenizer, corpus["chat_val"], 256)[:6]
     ev = tp.evaluate(model, pt, chat, ranks=10, stride=4)
     documented = report["heldout"]["chat"]["top1"]
     for d in range(pt.num_prompt_tokens):

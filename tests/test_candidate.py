@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from planner.candidate import (
-    _sequoia_dp, best_paths, num_paths, path_prob, sequoia_table, sequoia_tree, tree_tau,
+    _sequoia_dp,
+    best_paths,
+    num_paths,
+    path_prob,
+    sequoia_table,
+    sequoia_tree,
+    tree_tau,
 )
 from planner.errors import UserError
 

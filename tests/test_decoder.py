@@ -1,14 +1,19 @@
 """Greedy tree decoding equals model.generate; edge cases; KV compaction equals plain decoding."""
 import pytest
 import torch
+from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
 
-from decoder import OracleGuesser, PromptTokens, generate, generate_plain, prompt_block_mask
-from decoder.buffers import build_plan_buffers
+from decoder import (
+    OracleGuesser,
+    PromptTokens,
+    generate,
+    generate_plain,
+    prompt_block_mask,
+)
 from decoder.cache import compact_cache
 from decoder.forward import prefill, step_mask, tree_forward
 from decoder.verify import verify_greedy
 from planner.errors import UserError
-from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
 
 torch.set_num_threads(1)
 
@@ -61,7 +66,7 @@ def test_greedy_oracle_accepts_almost_everything(model, plan_i):
     out = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=n)
     assert out.tokens.tolist() == ref
     # every step but the last accepts the deepest path its tree offers
-    buffers = build_plan_buffers(tree, oracle, torch.float32, "cpu")
+    buffers = oracle.layouts(tree, torch.float32, "cpu")
     for state, a in list(zip(out.stats.states, out.stats.accepted))[:-1]:
         buf = buffers.bootstrap if state == -1 else buffers.states[state]
         assert a == buf.depth
@@ -171,16 +176,15 @@ def test_prompt_token_logits_match_a_plain_sequence(model):
     tree = static_tree("medusa", 4, 2)
     pt = PromptTokens.random(model, 2, ensemble=2, top_k=4)
     ids = torch.tensor([4, 9, 17, 33, 2])
-    buffers = build_plan_buffers(tree, pt, torch.float32, "cpu")
-    buf = buffers.states[0]
-    _, cache = prefill(model, ids[None, :-1])
+    buf = pt.layouts(tree, torch.float32, "cpu").states[0]
+    cache = prefill(model, ids[None, :-1]).cache
     C = ids.numel() - 1
     cand = torch.tensor([11, 12, 13, 14])[: buf.num_tree - 1]
     tree_ids = torch.cat([ids[-1:], cand])
     embed = model.get_input_embeddings()
     x = torch.cat([embed(tree_ids), pt.embeddings[buf.slot_embedding]])[None]
     mask = step_mask(buf.mask_block, C)
-    logits = tree_forward(model, None, buf.position_offsets + C, mask, cache, inputs_embeds=x)[0]
+    logits = tree_forward(model, None, buf.position_offsets + C, mask, cache, inputs_embeds=x).logits[0]
     # node u = the first candidate (depth 1), its prompt slots of ensemble copy 1
     u = 1
     for j in range(2):
@@ -196,14 +200,13 @@ def test_kv_compaction_equals_plain_decoding(model):
     ref = reference(model, ids, 6)
     tree = static_tree("medusa", 10, 3)
     oracle = OracleGuesser(torch.cat([ids, torch.tensor(ref)]), V, 3, top_k=4, accuracy=[0.6, 0.3, 0.1, 0.0], seed=1)
-    buffers = build_plan_buffers(tree, oracle, torch.float32, "cpu")
-    buf = buffers.states[0]
+    buf = oracle.layouts(tree, torch.float32, "cpu").states[0]
     C = ids.numel() - 1
-    _, cache = prefill(model, ids[None, :-1])
+    cache = prefill(model, ids[None, :-1]).cache
     guesses = oracle.guess(None, C, 3)
     tree_ids = torch.cat([ids[-1:], guesses.reshape(-1)[buf.cand_index]])
     mask = step_mask(buf.mask_block, C)
-    logits = tree_forward(model, tree_ids[None], buf.position_offsets + C, mask, cache)[0]
+    logits = tree_forward(model, tree_ids[None], buf.position_offsets + C, mask, cache).logits[0]
     verdict = verify_greedy(logits, tree_ids, buf)
     path = verdict.path
     a = path.numel() - 1
@@ -211,7 +214,7 @@ def test_kv_compaction_equals_plain_decoding(model):
     assert verdict.nodes == path.tolist() and verdict.root.tolist() == ref[a : a + 1]
     compact_cache(cache, C, path)
     kept = torch.cat([ids, torch.tensor(ref[:a])])  # prompt + accepted candidates; the new root is not cached
-    _, plain = prefill(model, kept[None])
+    plain = prefill(model, kept[None]).cache
     assert cache.get_seq_length() == kept.numel()
     for got, want in zip(cache.layers, plain.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
@@ -250,7 +253,7 @@ def test_greedy_verification_reads_the_device_once_and_matches_brute_force(monke
     _, tree = PLANS[plan_i]
     P = tree.prompt_tokens_max or tree.depth
     oracle = OracleGuesser(torch.arange(200) % V, V, P, top_k=4)
-    buffers = build_plan_buffers(tree, oracle, torch.float32, "cpu")
+    buffers = oracle.layouts(tree, torch.float32, "cpu")
     g = torch.Generator().manual_seed(plan_i)
     for buf in buffers.states.values():
         parents = buf.parents.tolist()
@@ -280,7 +283,7 @@ def test_greedy_verification_reads_the_device_once_and_matches_brute_force(monke
 
 
 def test_phase_times_off_changes_nothing_on_the_cpu(model):
-    from decoder.step import DecodeStats
+    from decoder.loop import DecodeStats
 
     ids = _prompts(3, seed=40)[2]
     tree = PLANS[5][1]

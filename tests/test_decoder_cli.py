@@ -3,11 +3,11 @@ import json
 
 import pytest
 import torch
+from test_decoder_utils import ppd_tree, static_tree
 
 from planner.accept import load_acceptance
-from planner.cli import main
 from planner.tree import save_tree
-from test_decoder_utils import ppd_tree, static_tree
+from workflows.cli import main
 
 torch.set_num_threads(1)
 

@@ -1,13 +1,12 @@
 """Lossless sampling: tree decoding draws from the same distribution as plain sampling."""
-import itertools
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from test_decoder_utils import static_tree, tiny_model
 
 from decoder import PromptTokens, generate, generate_plain
-from test_decoder_utils import static_tree, tiny_model
 
 torch.set_num_threads(1)
 

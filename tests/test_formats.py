@@ -5,7 +5,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from planner.accept import Acceptance, from_entry, load_acceptance
+from planner.accept import from_entry, load_acceptance
 from planner.errors import UserError
 from planner.plan import SHARED_DIR, plan
 from planner.profile import LatencyProfile, load_profile

@@ -343,7 +343,7 @@ def tiny_llama():
 def _with_kernels(model, backend):
     import copy
 
-    from kernels.hf import enable_tree_attention
+    from decoder.attention import enable_tree_attention
 
     _kernel_modules()
     return enable_tree_attention(copy.deepcopy(model), backend)
@@ -354,7 +354,13 @@ BACKENDS = ["sdpa", "reference", pytest.param("triton", marks=needs_triton)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
-    from decoder.forward import ancestor_matrix, prefill, tree_attention_mask, tree_depths, tree_forward
+    from decoder.forward import (
+        ancestor_matrix,
+        prefill,
+        tree_attention_mask,
+        tree_depths,
+        tree_forward,
+    )
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 101, (1, 23), generator=gen)
@@ -363,19 +369,22 @@ def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
     tok = torch.randint(0, 101, (1, n), generator=gen)
     pos = torch.tensor([tree_depths(parents)]) + C
 
-    want_pre, cache = prefill(tiny_llama, prompt)
-    want = tree_forward(tiny_llama, tok, pos, tree_attention_mask(ancestor_matrix(parents), C, torch.float32), cache)
+    from decoder.attention import prepare_tree
+
+    pre = prefill(tiny_llama, prompt)
+    want = tree_forward(tiny_llama, tok, pos, tree_attention_mask(ancestor_matrix(parents), C, torch.float32), pre.cache).logits
 
     model = _with_kernels(tiny_llama, backend)
     assert model.config._attn_implementation == "tree_triton"
-    got_pre, cache2 = prefill(model, prompt)
-    got = tree_forward(model, tok, pos, None, cache2, tree_parents=parents)
-    torch.testing.assert_close(got_pre, want_pre, atol=1e-5, rtol=1e-5)
+    pre2 = prefill(model, prompt)
+    got = tree_forward(model, tok, pos, None, pre2.cache, tree=prepare_tree(parents, "cpu")).logits
+    torch.testing.assert_close(pre2.logits, pre.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # tree_parents on a model without the kernels is ignored: the dense mask path still runs
-    _, cache3 = prefill(tiny_llama, prompt)
+    # a tree on a model without the kernels is ignored: the dense mask path still runs
+    cache3 = prefill(tiny_llama, prompt).cache
     mask = tree_attention_mask(ancestor_matrix(parents), C, torch.float32)
-    torch.testing.assert_close(tree_forward(tiny_llama, tok, pos, mask, cache3, tree_parents=parents), want)
+    got3 = tree_forward(tiny_llama, tok, pos, mask, cache3, tree=prepare_tree(parents, "cpu")).logits
+    torch.testing.assert_close(got3, want)
 
 
 def test_hf_chunk_after_cache_is_causal(tiny_llama):
@@ -385,7 +394,7 @@ def test_hf_chunk_after_cache_is_causal(tiny_llama):
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(2))
     want = tiny_llama(input_ids=ids).logits
     model = _with_kernels(tiny_llama, "reference")
-    _, cache = prefill(model, ids[:, :18])
+    cache = prefill(model, ids[:, :18]).cache
     with torch.inference_mode():
         got = model(input_ids=ids[:, 18:], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(got, want[:, 18:], atol=1e-5, rtol=1e-5)
@@ -394,7 +403,7 @@ def test_hf_chunk_after_cache_is_causal(tiny_llama):
 def _plain_greedy(model, prompt, steps):
     from decoder.forward import prefill
 
-    logits, cache = prefill(model, prompt)
+    logits, _, cache = prefill(model, prompt)
     out = [int(logits[0, -1].argmax())]
     with torch.inference_mode():
         while len(out) < steps:
@@ -405,12 +414,19 @@ def _plain_greedy(model, prompt, steps):
 
 def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
     """Greedy tree decoding at the tree_forward level; node tokens are the oracle's with prob. 0.7."""
-    from decoder.forward import ancestor_matrix, crop_cache, prefill, tree_attention_mask, tree_depths, tree_forward
-    from kernels.hf import compact_cache
+    from decoder.attention import prepare_tree
+    from decoder.cache import crop_cache
+    from decoder.forward import (
+        ancestor_matrix,
+        prefill,
+        tree_attention_mask,
+        tree_depths,
+        tree_forward,
+    )
 
     depths = tree_depths(parents)
     children = [[j for j, p in enumerate(parents) if p == i] for i in range(len(parents))]
-    logits, cache = prefill(model, prompt[:, :-1])
+    cache = prefill(model, prompt[:, :-1]).cache
     C, root, out, n_steps = prompt.shape[1] - 1, int(prompt[0, -1]), [], 0
     while len(out) < steps:
         n_steps += 1
@@ -421,10 +437,10 @@ def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
         ]
         pos = torch.tensor([depths]) + C
         if kernel_path:
-            logits = tree_forward(model, torch.tensor([tok]), pos, None, cache, tree_parents=parents)[0]
+            logits = tree_forward(model, torch.tensor([tok]), pos, None, cache, tree=prepare_tree(parents, "cpu")).logits[0]
         else:
             mask = tree_attention_mask(ancestor_matrix(parents), C, torch.float32)
-            logits = tree_forward(model, torch.tensor([tok]), pos, mask, cache)[0]
+            logits = tree_forward(model, torch.tensor([tok]), pos, mask, cache).logits[0]
         path, node = [0], 0
         while True:
             want = int(logits[node].argmax())
@@ -436,7 +452,10 @@ def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
             path.append(nxt)
             node = nxt
         if kernel_path:
-            compact_cache(cache, C, torch.tensor(path), backend="triton" if KERNELS_RUN_HERE else "reference")
+            layers = [layer for layer in cache.layers if layer.keys is not None]
+            kernels.kv_compact([layer.keys for layer in layers], [layer.values for layer in layers], C, torch.tensor(path),
+                       backend="triton" if KERNELS_RUN_HERE else "reference")
+            crop_cache(cache, C + len(path))
         else:
             idx = torch.tensor(path) + C
             with torch.inference_mode():
@@ -480,7 +499,7 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     tree kernels: generate(attention="kernels") passes the tree as parents (no dense mask) and
     compacts the cache with kv_compact; tokens stay those of plain greedy decoding."""
     utils = pytest.importorskip("test_decoder_utils")
-    import kernels.hf as hf
+    import decoder.attention as hf
     from decoder import OracleGuesser, PromptTokens, generate
 
     model = utils.tiny_model(family)
@@ -489,19 +508,21 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     ref = utils.reference(model, ids, n)
     hf.enable_tree_attention(model, "triton")
     calls = {"tree": 0, "compact": 0}
-    prepare_tree, compact_cache = hf.prepare_tree, hf.compact_cache
+    import kernels
+
+    prepare_tree, kv_compact = hf.prepare_tree, kernels.kv_compact
 
     def counted_prepare(parents, device):
         calls["tree"] += 1
         return prepare_tree(parents, device)
 
-    def counted_compact(cache, prefix_len, accepted, backend="auto", validate=True):
+    def counted_compact(keys, values, prefix_len, accepted, backend="auto", validate=True):
         calls["compact"] += 1
         assert validate is False  # the decoder skips the host-side index check on its hot path
-        return compact_cache(cache, prefix_len, accepted, backend="triton", validate=True)  # the test checks it
+        return kv_compact(keys, values, prefix_len, accepted, backend="triton", validate=True)  # the test checks it
 
     monkeypatch.setattr(hf, "prepare_tree", counted_prepare)
-    monkeypatch.setattr(hf, "compact_cache", counted_compact)
+    monkeypatch.setattr(kernels, "kv_compact", counted_compact)
     tree = utils.ppd_tree(3, [0, 4, 10, 16], seed=3)
     pt = PromptTokens.random(model, 3, ensemble=ensemble, top_k=4)
     oracle = OracleGuesser(torch.cat([ids, torch.tensor(ref)]), utils.V, 3, top_k=4, prompt_tokens=pt)
@@ -517,9 +538,9 @@ def test_models_the_kernels_cannot_serve_get_a_clear_answer():
     error, attention="auto" keeps the dense mask. Sliding windows: served while the keys fit."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    import kernels.hf as hf
+    import decoder.attention as hf
     from decoder import PromptTokens, generate
-    from decoder.step import _select_attention
+    from decoder.loop import select_attention
     from planner.errors import UserError
 
     utils = pytest.importorskip("test_decoder_utils")
@@ -533,7 +554,7 @@ def test_models_the_kernels_cannot_serve_get_a_clear_answer():
     with pytest.raises(UserError, match="softcapping"):
         generate(gemma, torch.tensor([3, 4, 5]), plan=utils.ppd_tree(2, [0, 3, 6], seed=5), guesser=pt,
                  max_new_tokens=4, attention="kernels")
-    _select_attention(gemma, "auto")  # off CUDA, and never for this model: stays as it was
+    select_attention(gemma, "auto")  # off CUDA, and never for this model: stays as it was
     assert gemma.config._attn_implementation != hf.ATTN_NAME
 
     mistral = utils.tiny_model("mistral")

@@ -9,7 +9,13 @@ from planner.candidate import tree_tau
 from planner.errors import UserError
 from planner.plan import SHARED_DIR
 from planner.ppd import (
-    _allocation, _knapsack, _state_options, evaluate, paper_trees, ppd_tree, stationary_distribution,
+    _allocation,
+    _knapsack,
+    _state_options,
+    evaluate,
+    paper_trees,
+    ppd_tree,
+    stationary_distribution,
     transition_matrix,
 )
 from planner.profile import LatencyProfile

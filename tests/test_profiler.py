@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from planner.cli import build_parser, main
 from planner.errors import UserError
 from planner.profile import load_profile
 from profiler import measure
-from profiler.cli import parse_batch_sizes
 from profiler.fit import fit_latency, interpolate, isotonic
 from profiler.lengths import parse_lengths
 from profiler.measure import default_input_lengths, median_rel_ci, profile_model
 from profiler.models import load_model, preset_names
+from workflows.cli import build_parser, main
+from workflows.cmd_profile import parse_batch_sizes
 
 torch.set_num_threads(1)
 
@@ -416,7 +416,7 @@ def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
 def test_runner_resets_to_the_prefix(small_model):
     from decoder.forward import prefill
 
-    _, cache = prefill(small_model.model, torch.arange(8)[None])
+    cache = prefill(small_model.model, torch.arange(8)[None]).cache
     runner = measure.Runner(small_model.model, cache, cuda_graphs=False)
     x = measure.make_tree_input(5, 1, 8, 128, torch.float32, "cpu", torch.Generator().manual_seed(0))
     assert x.mask.shape == (1, 1, 5, 13) and x.position_ids.tolist() == [[8, 9, 9, 9, 9]]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder import train_prompts as tp
 from decoder.prompt_tokens import PromptTokens, prompt_block_mask
+from training import prompts as tp
 
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -138,8 +138,13 @@ def test_training_lowers_loss_and_only_embeddings_change(tmp_path):
     ev = tp.evaluate(model, loaded, held, ranks=5, stride=2)
     acc = torch.tensor(ev["accuracy"])
     assert acc.shape == (3, 5) and (acc.sum(1) <= 1 + 1e-9).all()
-    ev0 = tp.evaluate(model, init, held, ranks=5, stride=2)
-    assert ev["top1"][0] > max(ev0["top1"][0] + 0.05, 4 / 64), (ev0["top1"], ev["top1"])  # chance is 1/64
+    # closer to the teacher on held-out windows than the initialisation: mean KL and top-5 over the
+    # distances (top-1 of a 40-step run on a 64-token toy moves by a few hits: too noisy to test)
+    wide = structured_windows(32, 32, seed=5)
+    ev, ev0 = tp.evaluate(model, loaded, wide, ranks=5, stride=2), tp.evaluate(model, init, wide, ranks=5, stride=2)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean(ev["kl"]) < 0.9 * mean(ev0["kl"]), (ev0["kl"], ev["kl"])
+    assert mean(ev["top5"]) > mean(ev0["top5"]) + 0.04 and mean(ev["top5"]) > 5 / 64, (ev0["top5"], ev["top5"])
 
 
 def test_evaluate_matches_brute_force():

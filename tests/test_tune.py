@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +12,22 @@ import pytest
 
 optuna = pytest.importorskip("optuna")
 
-from planner.accept import from_entry  # noqa: E402
-from planner.cli import main  # noqa: E402
+from planner.cost import predict, step_input_lengths  # noqa: E402
 from planner.errors import UserError  # noqa: E402
 from planner.plan import plan, predicted_speedup  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
 from planner.tree import load_tree  # noqa: E402
-from planner.tune import (Config, SearchSpace, Source, build_tree, effective_input_lengths, kv_bytes_per_token,  # noqa: E402
-                          open_storage, parse_accept_spec, predict, reference_points, tune)
+from workflows.cli import main  # noqa: E402
+from workflows.tune import (  # noqa: E402
+    Config,
+    SearchSpace,
+    build_tree,
+    kv_bytes_per_token,
+    open_storage,
+    parse_accept_spec,
+    predict_config,
+    tune,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PPD_ROWS = [[0.55, 0.12, 0.05, 0.03], [0.30, 0.10, 0.05, 0.03], [0.15, 0.07, 0.04, 0.02]]
@@ -66,13 +75,13 @@ def test_predict_matches_planner_and_counts_ensemble(inputs):
                 Config("medusa", f"{acc}:medusa-x", size=9),
                 Config("sequoia", f"{acc}:draft", size=7, max_depth=4)):
         tree = build_tree(cfg, space, profile)
-        p1 = predict(tree, profile, ept=1, draft_latency_s=0.002)
+        p1 = predict_config(tree, profile, space.source(cfg.source), replace(space, draft_latency_s=0.002))
         assert p1.speedup == pytest.approx(predicted_speedup(tree, profile, draft_latency_s=0.002 if cfg.method == "sequoia" else 0.0))
         assert p1.max_input_length == tree.max_input_length
         if cfg.method == "ppd":
             # E copies per prompt token: longer forward passes, same tokens per step, lower speedup
-            p3 = predict(tree, profile, ept=3)
-            lengths = effective_input_lengths(tree, 3)
+            p3 = predict(tree, profile, 3)
+            lengths = step_input_lengths(tree, 3)
             assert lengths == [1 + len(s.nodes) + 3 * sum(s.prompt_tokens) for s in tree.states]
             assert p3.tokens_per_step == pytest.approx(p1.tokens_per_step)
             assert p3.max_input_length > p1.max_input_length and p3.speedup < p1.speedup
@@ -250,7 +259,7 @@ def test_measured_objective_decodes_with_a_tiny_model(inputs):
     """End to end through the decoder: a random-weight tiny model, one short prompt, oracle guessers."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from planner.tune import MeasuredEvaluator
+    from workflows.measured import MeasuredEvaluator
 
     torch.set_num_threads(2)
     tmp, acc, prof = inputs
@@ -267,19 +276,18 @@ def test_measured_objective_decodes_with_a_tiny_model(inputs):
         assert 1.0 <= t.user_attrs["measured_tokens_per_step"] <= 1 + t.user_attrs["max_input_length"]
 
 
-def test_depth_oracle_uses_one_row_per_distance():
+def test_oracle_uses_one_row_per_distance():
     torch = pytest.importorskip("torch")
     from decoder import OracleGuesser
-    from planner.tune import _DepthOracle
 
     seq = torch.arange(100)
     rows = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
-    g = _DepthOracle(OracleGuesser(seq, 1000, 3, top_k=3), rows)
+    g = OracleGuesser(seq, 1000, 3, top_k=3, accuracy=rows)
     out = g.guess(None, 10, 3)  # distances 1..3 beyond position 10: true tokens 11, 12, 13
     assert out.shape == (3, 3) and g.top_k == 3 and g.num_distances == 3
     assert out[0, 0] == 11 and 11 not in out[0, 1:].tolist()  # distance 1: always rank 0
     assert out[1, 1] == 12 and 12 not in out[1, [0, 2]].tolist()  # distance 2: always rank 1
     assert 13 not in out[2].tolist()  # distance 3: never guessed
-    half = _DepthOracle(OracleGuesser(seq, 1000, 1, top_k=2, seed=1), torch.tensor([[0.5, 0.0]], dtype=torch.float64))
+    half = OracleGuesser(seq, 1000, 1, top_k=2, seed=1, accuracy=[[0.5, 0.0]])
     hits = sum(int(half.guess(None, 10, 1)[0, 0] == 11) for _ in range(2000))
     assert 900 < hits < 1100  # rank 0 with probability 0.5

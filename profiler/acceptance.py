@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoder.step import generate
+from decoder.loop import as_tree, generate
 from planner.errors import UserError
 from planner.tree import Tree, TreeState
 
@@ -24,9 +24,11 @@ def chain_plan(num_distances: int) -> Tree:
 
 
 def count_hits(guesses: torch.Tensor, emitted: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """guesses [S, D, K] made at step i for distances 1..D beyond the token emitted at step i;
-    emitted [S] one token per step. Returns hits [D, K] and totals [D]."""
-    S, D, K = guesses.shape
+    """guesses [G, D, K]: row i guesses distances 1..D beyond the token emitted at step i;
+    emitted [S] one token per step (G >= S - 1: the last step's guesses are never scored).
+    Returns hits [D, K] and totals [D]."""
+    G, D, K = guesses.shape
+    S = emitted.numel()
     hits = np.zeros((D, K), dtype=np.int64)
     totals = np.zeros(D, dtype=np.int64)
     for d in range(1, min(D, S - 1) + 1):
@@ -55,9 +57,12 @@ def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens
     for ids in tqdm(prompts, desc="accept", unit="prompt", disable=not progress):
         out = generate(model, ids, plan=plan, guesser=guesser, max_new_tokens=max_new_tokens,
                        record_guesses=True, eos_token_id=eos_token_id)
-        S = len(out.stats.guesses)
-        guesses = torch.stack([g for g in out.stats.guesses])  # [S, D, K]
-        h, t = count_hits(guesses, out.tokens[:S])
+        # step i's proposal holds the guesses made at step i - 1, for distances beyond the token
+        # step i - 1 emitted; the bootstrap step has none
+        made = out.stats.guesses[1:]
+        if not made:
+            continue
+        h, t = count_hits(torch.stack(made), out.tokens[: len(made) + 1])
         hits += h
         totals += t
         positions += int(out.tokens.numel())
@@ -73,7 +78,7 @@ def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens
         "model": getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", ""),
         "prompt_tokens": {"num_prompt_tokens": D, "ensemble": guesser.ensemble, "top_k": K,
                           **{k: v for k, v in getattr(guesser, "meta", {}).items() if isinstance(v, (str, int, float))}},
-        "source": "decoder.acceptance.measure_accuracy (greedy decoding)",
+        "source": "profiler.acceptance.measure_accuracy (greedy decoding)",
     }
 
 
@@ -124,12 +129,7 @@ def measure_transitions(model, prompts: list[torch.Tensor], plan: Tree, guesser,
     """Decode every prompt with `plan` and count state-to-state moves (the bootstrap step is not a state)."""
     from tqdm import tqdm
 
-    from decoder.buffers import build_plan_buffers
-    from decoder.step import _as_tree
-
-    tree, label = _as_tree(plan)
-    w = model.get_input_embeddings().weight
-    buffers = build_plan_buffers(tree, guesser, w.dtype, w.device, label)
+    tree, _ = as_tree(plan)
     states = sorted(st.state for st in tree.states)
     where = {s: i for i, s in enumerate(states)}
     S = len(states)
@@ -137,7 +137,7 @@ def measure_transitions(model, prompts: list[torch.Tensor], plan: Tree, guesser,
     visits = np.zeros(S, dtype=np.int64)
     tokens = np.zeros(S, dtype=np.int64)
     for ids in tqdm(prompts, desc="transitions", unit="prompt", disable=not progress):
-        out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=max_new_tokens, buffers=buffers,
+        out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=max_new_tokens,
                        **generate_kwargs)
         seq = [where[s] for s in out.stats.states if s >= 0]
         acc = [a for s, a in zip(out.stats.states, out.stats.accepted) if s >= 0]

@@ -1,7 +1,7 @@
 """`planner` command line: a thin layer over the library API.
 
-Each subcommand lives in the package that owns the work and exposes
-`add_arguments(parser)` and `run(args) -> int`. Those modules must import only light
+Each subcommand is a module `workflows.cmd_*` exposing `add_arguments(parser)` and
+`run(args) -> int`. Those modules must import only light
 dependencies at top level (no torch, optuna, matplotlib): `planner plan` has to start fast.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ from planner.errors import UserError
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "plan": ("planner.cmd_plan", "plan trees (medusa, sequoia, ppd) from acceptance statistics"),
-    "profile": ("profiler.cli", "measure forward latency versus input length on this machine"),
-    "accept": ("decoder.cli_accept", "measure a guesser's acceptance statistics on validation prompts"),
-    "decode": ("decoder.cli_decode", "decode prompts with a planned tree"),
-    "train-prompts": ("decoder.cli_train", "train PPD prompt tokens by distillation from the base model"),
-    "autotune": ("planner.cmd_autotune", "the main job: profile, measure, plan, verify by decoding, report"),
-    "tune": ("planner.cmd_tune", "Optuna search over planner and decoder knobs"),
-    "report": ("planner.cmd_report", "plots and tables from profiles, acceptance, trees and runs"),
+    "plan": ("workflows.cmd_plan", "plan trees (medusa, sequoia, ppd) from acceptance statistics"),
+    "profile": ("workflows.cmd_profile", "measure forward latency versus input length on this machine"),
+    "accept": ("workflows.cmd_accept", "measure a guesser's acceptance statistics on validation prompts"),
+    "decode": ("workflows.cmd_decode", "decode prompts with a planned tree"),
+    "train-prompts": ("workflows.cmd_train_prompts", "train PPD prompt tokens by distillation from the base model"),
+    "autotune": ("workflows.cmd_autotune", "the main job: profile, measure, plan, verify by decoding, report"),
+    "tune": ("workflows.cmd_tune", "Optuna search over planner and decoder knobs"),
+    "report": ("workflows.cmd_report", "plots and tables from profiles, acceptance, trees and runs"),
 }
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
-from planner.profile import LatencyProfile, load_profile, profile_from_json
+from planner.profile import LatencyProfile, load_profile
 from planner.tree import Tree, load_tree
 
 MAX_TABLE_ROWS = 80
@@ -114,7 +114,7 @@ def _length_grid(max_length: int) -> list[int]:
 
 
 def _ppd_prompt_tokens(accept) -> int:
-    from planner.tune import PLAN_DEFAULT_PROMPT_TOKENS
+    from workflows.tune import PLAN_DEFAULT_PROMPT_TOKENS
 
     d = accept.max_depth
     return PLAN_DEFAULT_PROMPT_TOKENS if d is None else min(PLAN_DEFAULT_PROMPT_TOKENS, d)
@@ -362,7 +362,7 @@ def fig_tree(tree: Tree, label: str, image: str) -> Section:
 def load_study(storage: str, study_name: str | None):
     import optuna
 
-    from planner.tune import open_storage
+    from workflows.tune import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     st = open_storage(storage)
@@ -492,9 +492,9 @@ def _save(section: Section, out_dir: Path) -> None:
 
 
 def _as_source(a):
-    """An acceptance spec string, a planner.tune.Source, or an Acceptance (methods guessed from its label)."""
+    """An acceptance spec string, a workflows.tune.Source, or an Acceptance (methods guessed from its label)."""
     from planner.accept import Acceptance
-    from planner.tune import Source, guess_methods, parse_accept_spec
+    from workflows.tune import Source, guess_methods, parse_accept_spec
 
     if isinstance(a, Source):
         return a
@@ -508,7 +508,7 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
     """Draw what the inputs allow into out_dir; returns the path of index.html.
 
     profiles: profile files (or LatencyProfile); accepts: acceptance specs '[METHOD[/eE]=]FILE[:NAME]'
-    (or planner.tune.Source, or Acceptance); trees: tree files (or Tree); run_dir: an autotune directory with
+    (or workflows.tune.Source, or Acceptance); trees: tree files (or Tree); run_dir: an autotune directory with
     summary.json; storage/study_name: an Optuna study.
     """
     out_dir = Path(out_dir)

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from planner.errors import UserError
-    from planner.report import write_report
+    from workflows.report import write_report
 
     if args.max_size < 1:
         raise UserError(f"--max-size must be at least 1, got {args.max_size}")

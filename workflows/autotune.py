@@ -1,6 +1,6 @@
 """The main job: profile this machine, measure acceptance, plan trees, verify them by decoding, report.
 
-    from planner.autotune import AutotuneSettings, autotune
+    from workflows.autotune import AutotuneSettings, autotune
     summary = autotune(AutotuneSettings())          # the built-in model on the best device
 
 Each step writes its file into the run folder (profile.json, accept.json, trees/, summary.json,
@@ -9,22 +9,21 @@ report/), so a run can be inspected, and later steps can be re-run from earlier 
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from planner.accept import Acceptance, load_acceptance
+from planner.cost import mean_input_length, predict, step_input_lengths
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
-from planner.plan import plan, predicted_speedup
+from planner.plan import plan
 from planner.profile import LatencyProfile, load_profile
 from planner.tree import Tree, save_tree
-from planner.tune import effective_input_lengths
+from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_QUESTIONS = REPO / ".." / "shared" / "data" / "mt_bench_questions.jsonl"
 BUILTIN_PROMPT_TOKENS = REPO / "models" / "builtin" / "prompt_tokens"
 METHODS = ("ppd", "medusa", "sequoia")
 
@@ -69,79 +68,17 @@ class Candidate:
     measured: dict = field(default_factory=dict)
 
 
-# ------------------------------------------------------------------ prompts
-
-
-def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
-    """First turns of the MT-bench questions held out of all training, split in two disjoint sets."""
-    from decoder.train_prompts import held_out_question
-
-    path = Path(questions_path)
-    if not path.is_file():
-        raise UserError(f"{path}: file not found (the MT-bench questions; give another with --questions)")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-            rows.append((int(q["question_id"]), str(q["turns"][0])))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
-            raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
-    held = [text for qid, text in rows if held_out_question(qid)]
-    if len(held) < n_accept + n_decode:
-        raise UserError(f"{path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
-    # Interleave so both sets span the categories (questions are grouped by category).
-    return held[0::2][:n_accept], held[1::2][:n_decode]
-
-
-def encode_prompts(tokenizer, texts: list[str]) -> list:
-    """The built-in model's chat format; other tokenizers get the same plain format."""
-    import torch
-
-    out = []
-    for t in texts:
-        ids = tokenizer(f"USER: {t.strip()} ASSISTANT:", add_special_tokens=False)["input_ids"]
-        bos = tokenizer.bos_token_id
-        out.append(torch.tensor(([bos] if bos is not None else []) + ids, dtype=torch.long))
-    return out
-
-
 # ------------------------------------------------------------------ planning
 
 
-def state_input_lengths(tree: Tree, ensemble: int) -> list[int]:
-    """Tokens in the decoder's forward pass for each state.
-
-    ppd: root + candidates + E slots per prompt token (`planner.tune.effective_input_lengths`).
-    medusa/sequoia run as static trees whose every node carries D prompt tokens (so the next
-    step can guess depth D): (1 + N)(1 + D E).
-    """
-    if tree.method == "ppd":
-        return effective_input_lengths(tree, ensemble)
-    st = tree.states[0]
-    return [(1 + len(st.nodes)) * (1 + st.depth * ensemble)]
-
-
-def _state_weights(tree: Tree) -> list[float]:
-    return [1.0] if len(tree.states) == 1 else [st.stationary_probability or 0.0 for st in tree.states]
-
-
 def real_input_length(tree: Tree, ensemble: int) -> float:
-    """Tokens in the decoder's forward pass, amortised over states."""
-    return float(sum(w * n for w, n in zip(_state_weights(tree), state_input_lengths(tree, ensemble))))
-
-
-def real_step_latency(tree: Tree, profile: LatencyProfile, ensemble: int) -> float:
-    """sum_s pi_s L(n_s) over the decoder's real input lengths."""
-    lengths = state_input_lengths(tree, ensemble)
-    return float(sum(w * profile.latency(n) for w, n in zip(_state_weights(tree), lengths)))
+    """Tokens in the decoder's forward pass with prompt-token guessers, amortised over states."""
+    return mean_input_length(tree, ensemble, static_prompt_tokens=True)
 
 
 def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
                     max_input_length: int) -> list[Candidate]:
     """Every size of `method` whose real forward pass fits `max_input_length`, with its prediction."""
-    l1 = float(profile.latency(1))
     out = []
     if method == "ppd":
         # The paper's shared budget gives a real size sweep (every state spends up to n tokens);
@@ -154,17 +91,17 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
         seen = set()
         for n, tree, variant in sized:
             sig = _signature(tree)
-            if sig in seen or max(state_input_lengths(tree, ensemble)) > max_input_length:
+            if sig in seen or max(step_input_lengths(tree, ensemble, static_prompt_tokens=True)) > max_input_length:
                 continue
             seen.add(sig)
-            out.append(_candidate(method, tree, n, profile, ensemble, l1, variant))
+            out.append(_candidate(method, tree, n, profile, ensemble, variant))
         return out
     depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
     for size in range(1, max_input_length):
         tree = plan(method, accept, size=size, max_depth=depth)
         if real_input_length(tree, ensemble) > max_input_length:
             break
-        out.append(_candidate(method, tree, size, profile, ensemble, l1))
+        out.append(_candidate(method, tree, size, profile, ensemble))
     return out
 
 
@@ -172,11 +109,10 @@ def _signature(tree: Tree) -> tuple:
     return tuple((st.state, tuple(st.nodes), tuple(st.prompt_tokens or ())) for st in tree.states)
 
 
-def _candidate(method, tree, size, profile, ensemble, l1, variant="") -> Candidate:
-    tau = tree.expected_tokens_per_step
-    step = real_step_latency(tree, profile, ensemble)
-    tree.predicted_speedup = tau * l1 / step
-    return Candidate(method, tree, size, real_input_length(tree, ensemble), tau, tau * l1 / step, variant)
+def _candidate(method, tree, size, profile, ensemble, variant="") -> Candidate:
+    pred = predict(tree, profile, ensemble, static_prompt_tokens=True)
+    tree.predicted_speedup = pred.speedup
+    return Candidate(method, tree, size, real_input_length(tree, ensemble), pred.tokens_per_step, pred.speedup, variant)
 
 
 def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[Candidate]]:
@@ -212,10 +148,9 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
 
     from tqdm import tqdm
 
-    from decoder import build_plan_buffers, generate, generate_plain
+    from decoder import generate, generate_plain
 
     w = model.get_input_embeddings().weight
-    buffers = [None if c is None else build_plan_buffers(c.tree, guesser, w.dtype, w.device, "autotune") for c in plans]
     times = [[[] for _ in prompts] for _ in plans]
     results = [{"tokens": 0, "steps": 0, "outputs": [], "states": []} for _ in plans]
     rng = random.Random(0)
@@ -231,7 +166,7 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
                     out = generate_plain(model, ids, max_new_tokens=max_new_tokens, phase_times=False)
                 else:
                     out = generate(model, ids, plan=plans[i].tree, guesser=guesser, max_new_tokens=max_new_tokens,
-                                   buffers=buffers[i], phase_times=False)
+                                   phase_times=False)
                 times[i][p].append(time.perf_counter() - t0)
                 if r == 0:
                     results[i]["tokens"] += int(out.tokens.numel())
@@ -276,72 +211,124 @@ def _default_out(device: str, model_name: str) -> Path:
     return REPO / "runs" / f"{stamp}-{device}-{model_name}"
 
 
+@dataclass
+class _Run:
+    """What the phases of one autotune run share."""
+
+    settings: AutotuneSettings
+    loaded: object  # profiler.models.LoadedModel
+    guesser: object  # PromptTokens
+    tokenizer: object
+    device: str
+    out_dir: Path
+    say: object  # print, or a no-op when quiet
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+
 def autotune(s: AutotuneSettings) -> dict:
-    import torch
-
-    from decoder import PromptTokens, measure_accuracy
-    from profiler.measure import profile_model
-    from profiler.models import default_device, dtype_name, load_model
-
+    """Profile, measure acceptance, plan every method, decode, write; returns the summary."""
     t_start = time.time()
+    run = _open_run(s)
+    accept_texts, decode_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
+    accept_ids, decode_ids = encode_prompts(run.tokenizer, accept_texts), encode_prompts(run.tokenizer, decode_texts)
+    profile_path, profile = _profile_phase(run)
+    accept_path, accept = _acceptance_phase(run, accept_ids)
+    candidates = _plan_phase(run, accept, profile)
+    chosen, tried = pick(candidates, s.neighbours)
+    plain, identical = _decode_phase(run, decode_ids, tried, chosen)
+    summary = _write_phase(run, chosen, tried, plain, identical, profile_path, accept_path)
+    summary["wall_s"] = time.time() - t_start
+    atomic_write_json(run.out_dir / "summary.json", summary)
+    run.say(format_table(summary))
+    if s.report:
+        _report_phase(run, summary, profile_path, accept_path)
+    run.say(f"run folder: {run.out_dir}  ({summary['wall_s']:.0f} s)")
+    return summary
+
+
+def _open_run(s: AutotuneSettings) -> _Run:
+    import torch
+    from transformers import AutoTokenizer
+
+    from decoder import PromptTokens
+    from profiler.models import default_device, load_model
+
     if s.threads:
         torch.set_num_threads(s.threads)
     device = s.device or default_device()
     loaded = load_model(s.model, device=device, dtype=s.dtype)
-    model = loaded.model
     pt_dir = s.prompt_tokens or (str(BUILTIN_PROMPT_TOKENS) if s.model == "builtin" else None)
     if pt_dir is None:
         raise UserError("--prompt-tokens: needed with --model other than builtin (train them with `planner train-prompts`)")
-    guesser = PromptTokens.load(pt_dir, model=model)
-    guesser = guesser.to(device=model.device, dtype=next(model.parameters()).dtype)
-    P, E = guesser.num_prompt_tokens, guesser.ensemble
+    guesser = PromptTokens.load(pt_dir, model=loaded.model)
+    guesser.source_dir = pt_dir
     if loaded.tokenizer_dir is None:
         raise UserError(f"--model {s.model}: no tokenizer files found; autotune decodes text prompts")
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     out_dir = Path(s.out) if s.out else _default_out(device, loaded.name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    accept_texts, decode_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
-    accept_ids, decode_ids = encode_prompts(tokenizer, accept_texts), encode_prompts(tokenizer, decode_texts)
     say = print if s.progress else (lambda *a, **k: None)
+    return _Run(s, loaded, guesser, tokenizer, device, out_dir, say)
 
-    # 1. profile
+
+def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
+    from profiler.measure import profile_model
+
+    s = run.settings
     if s.profile:
-        profile_path = Path(s.profile)
+        path = Path(s.profile)
     else:
-        say(f"[1/5] profiling {loaded.name} on {device}: input lengths 1..{s.max_input_length}, context {s.context_length}")
-        prof = profile_model(loaded, list(range(1, s.max_input_length + 1)), context_length=s.context_length,
+        run.say(f"[1/5] profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length}, "
+                f"context {s.context_length}")
+        prof = profile_model(run.loaded, list(range(1, s.max_input_length + 1)), context_length=s.context_length,
                              time_budget_s=s.profile_budget_s, progress=s.progress)
-        profile_path = atomic_write_json(out_dir / "profile.json", prof)
-    profile = load_profile(str(profile_path))
+        path = atomic_write_json(run.out_dir / "profile.json", prof)
+    profile = load_profile(str(path))
     if profile.max_input_length < s.max_input_length:
-        raise UserError(f"{profile_path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
+        raise UserError(f"{path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
+    return path, profile
 
-    # 2. acceptance
+
+def _acceptance_phase(run: _Run, accept_ids: list) -> tuple[Path, Acceptance]:
+    from profiler.acceptance import measure_accuracy
+
+    s = run.settings
     if s.accept:
-        accept_path = Path(s.accept)
+        path = Path(s.accept)
     else:
-        say(f"[2/5] measuring acceptance of {P} prompt tokens on {len(accept_ids)} held-out prompts")
-        acc_json = measure_accuracy(model, guesser, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress)
-        acc_json["source"] = f"planner autotune: {loaded.name}, prompt tokens {pt_dir}, {len(accept_ids)} held-out MT-bench prompts"
-        accept_path = atomic_write_json(out_dir / "accept.json", acc_json)
-    accept = load_acceptance(str(accept_path))
+        run.say(f"[2/5] measuring acceptance of {run.guesser.num_prompt_tokens} prompt tokens on {len(accept_ids)} "
+                "held-out prompts")
+        acc = measure_accuracy(run.model, run.guesser, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress)
+        acc["source"] = (f"planner autotune: {run.loaded.name}, prompt tokens {run.guesser.source_dir}, "
+                         f"{len(accept_ids)} held-out MT-bench prompts")
+        path = atomic_write_json(run.out_dir / "accept.json", acc)
+    return path, load_acceptance(str(path))
 
-    # 3. plan every size of every method and predict
-    say(f"[3/5] planning {', '.join(s.methods)} up to input length {s.max_input_length}")
+
+def _plan_phase(run: _Run, accept: Acceptance, profile: LatencyProfile) -> list[Candidate]:
+    s = run.settings
+    P, E = run.guesser.num_prompt_tokens, run.guesser.ensemble
+    run.say(f"[3/5] planning {', '.join(s.methods)} up to input length {s.max_input_length}")
     candidates = []
     for m in s.methods:
         candidates += plan_candidates(m, accept, profile, P, E, s.max_input_length)
     if not candidates:
         raise UserError(f"--max-input-length {s.max_input_length}: no plan fits (prompt tokens need {1 + P * E})")
-    chosen, tried = pick(candidates, s.neighbours)
+    return candidates
 
-    # 4. decode: plain and every plan tried, interleaved; outputs must equal plain greedy decoding
-    say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans, "
-        f"{s.rounds} rounds")
-    measure_decoding(model, decode_ids[:1], [None, chosen], guesser, 8, rounds=1, progress=False)  # warm-up
-    results = measure_decoding(model, decode_ids, [None] + tried, guesser, s.decode_tokens, s.rounds, s.progress)
+
+def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate], chosen: Candidate) -> tuple[dict, bool]:
+    """Plain decoding and every plan tried, interleaved; every output must equal plain greedy decoding."""
+    import torch
+
+    s = run.settings
+    run.say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans, "
+            f"{s.rounds} rounds")
+    measure_decoding(run.model, decode_ids[:1], [None, chosen], run.guesser, 8, rounds=1, progress=False)  # warm-up
+    results = measure_decoding(run.model, decode_ids, [None] + tried, run.guesser, s.decode_tokens, s.rounds, s.progress)
     plain = results[0]
     identical = True
     for c, r in zip(tried, results[1:]):
@@ -351,62 +338,70 @@ def autotune(s: AutotuneSettings) -> dict:
                       "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
                       "identical_to_greedy": same, "steps": r["steps"], "tokens": r["tokens"],
                       "state_frequencies": state_frequencies(c.tree, r["states"])}
+    return plain, identical
 
-    # 5. write
-    trees_dir = out_dir / "trees"
+
+def _row(c: Candidate, path: Path) -> dict:
+    return {
+        "method": c.method, "variant": c.variant, "size": c.size, "input_length": round(c.input_length, 3),
+        "planned_input_length": c.tree.max_input_length,
+        "predicted_tokens_per_step": c.predicted_tokens_per_step,
+        "measured_tokens_per_step": c.measured["tokens_per_step"],
+        "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
+        "measured_tokens_per_s": c.measured["tokens_per_s"],
+        "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": False, "tree": _shown(path),
+        "state_frequencies": c.measured["state_frequencies"],
+    }
+
+
+def _write_phase(run: _Run, chosen: Candidate, tried: list[Candidate], plain: dict, identical: bool,
+                 profile_path: Path, accept_path: Path) -> dict:
+    """Every tried tree into the run folder, the chosen one into trees/, and the summary."""
+    from profiler.models import dtype_name
+
+    s = run.settings
     rows = []
     for c in tried:
-        path = trees_dir / f"{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
-        c.tree.provenance.update({"accept": _shown(accept_path), "profile": _shown(profile_path), "autotune": _shown(out_dir)})
+        path = run.out_dir / "trees" / f"{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
+        c.tree.provenance.update({"accept": _shown(accept_path), "profile": _shown(profile_path),
+                                  "autotune": _shown(run.out_dir)})
         save_tree(c.tree, path)
-        rows.append({
-            "method": c.method, "variant": c.variant, "size": c.size, "input_length": round(c.input_length, 3),
-            "planned_input_length": c.tree.max_input_length,
-            "predicted_tokens_per_step": c.predicted_tokens_per_step,
-            "measured_tokens_per_step": c.measured["tokens_per_step"],
-            "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
-            "measured_tokens_per_s": c.measured["tokens_per_s"],
-            "identical_to_greedy": c.measured["identical_to_greedy"], "chosen": c is chosen, "tree": _shown(path),
-            "state_frequencies": c.measured["state_frequencies"],
-        })
-    chosen_path = Path(s.trees_dir) / f"autotune-{device}-{loaded.name}.json"
+        rows.append(_row(c, path) | {"chosen": c is chosen})
+    chosen_path = Path(s.trees_dir) / f"autotune-{run.device}-{run.loaded.name}.json"
     save_tree(chosen.tree, chosen_path)
-    best_measured = max(tried, key=lambda c: c.measured["speedup"])
     by_measured = sorted(tried, key=lambda c: -c.measured["speedup"])
-    summary = {
+    best = by_measured[0]
+    return {
         "chosen": _shown(chosen_path),
         "chosen_method": chosen.method,
         "chosen_size": chosen.size,
         "identical_to_greedy": identical,
         "plain": {"tokens": plain["tokens"], "seconds": plain["seconds"], "tokens_per_s": plain["tokens_per_s"]},
         "prediction_error": chosen.measured["tokens_per_step"] / chosen.predicted_tokens_per_step - 1,
-        "best_measured": {"method": best_measured.method, "size": best_measured.size,
-                          "measured_speedup": best_measured.measured["speedup"]},
+        "best_measured": {"method": best.method, "size": best.size, "measured_speedup": best.measured["speedup"]},
         "chosen_measured_rank": by_measured.index(chosen) + 1,  # 1 = the chosen plan was also measured fastest
-        "chosen_measured_vs_best": chosen.measured["speedup"] / best_measured.measured["speedup"],
+        "chosen_measured_vs_best": chosen.measured["speedup"] / best.measured["speedup"],
         "rows": rows,
         "profile": _shown(profile_path),
         "accept": _shown(accept_path),
-        "model": loaded.name,
-        "device": device,
-        "dtype": dtype_name(next(model.parameters()).dtype),
-        "prompt_tokens": {"dir": _shown(pt_dir), "P": P, "E": E},
+        "model": run.loaded.name,
+        "device": run.device,
+        "dtype": dtype_name(next(run.model.parameters()).dtype),
+        "prompt_tokens": {"dir": _shown(run.guesser.source_dir), "P": run.guesser.num_prompt_tokens,
+                          "E": run.guesser.ensemble},
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
         "wall_s": None,
     }
-    summary["wall_s"] = time.time() - t_start
-    atomic_write_json(out_dir / "summary.json", summary)
-    say(format_table(summary))
-    if s.report:
-        from planner.report import write_report
 
-        index = write_report(out_dir / "report", profiles=[str(profile_path)], accepts=[str(accept_path)],
-                             trees=[str(chosen_path)], run_dir=str(out_dir))
-        summary["report"] = _shown(index)
-        atomic_write_json(out_dir / "summary.json", summary)
-        say(f"report: {index}")
-    say(f"run folder: {out_dir}  ({summary['wall_s']:.0f} s)")
-    return summary
+
+def _report_phase(run: _Run, summary: dict, profile_path: Path, accept_path: Path) -> None:
+    from workflows.report import write_report
+
+    index = write_report(run.out_dir / "report", profiles=[str(profile_path)], accepts=[str(accept_path)],
+                         trees=[summary["chosen"]], run_dir=str(run.out_dir))
+    summary["report"] = _shown(index)
+    atomic_write_json(run.out_dir / "summary.json", summary)
+    run.say(f"report: {index}")
 
 
 def format_table(summary: dict) -> str:

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_positive(int), default=1, help="untimed passes per length before measuring")
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "tree"],
                    help="sdpa: dense 4D mask through PyTorch SDPA (default); tree: the project's tree-attention "
-                        "kernels (kernels.hf, Triton on CUDA), as the decoder runs them when switched on")
+                        "kernels (decoder.attention, Triton on CUDA), as the decoder runs them when switched on")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
@@ -119,7 +119,7 @@ def run(args) -> int:
         raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
     loaded = load_model(spec, device=device, dtype=args.dtype)
     if args.attention == "tree":
-        from kernels.hf import enable_tree_attention, unsupported_reason
+        from decoder.attention import enable_tree_attention, unsupported_reason
 
         reason = unsupported_reason(loaded.model)
         if reason:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from planner.accept import Acceptance, load_acceptance
+from planner.cost import Prediction, predict, step_input_lengths
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import METHODS, Tree, save_tree
@@ -299,34 +299,11 @@ def reference_points(space: SearchSpace, profile: LatencyProfile | None) -> list
 # evaluating one point
 
 
-@dataclass
-class Prediction:
-    """The planner's model for one tree on one profile, with ensemble size E."""
-
-    speedup: float  # tokens_per_step * L(1) / step_latency_s
-    tokens_per_step: float  # amortised over PPD states
-    step_latency_s: float  # amortised forward latency (+ draft steps for sequoia)
-    max_input_length: int  # tokens in the largest forward pass, each prompt token counted E times
-
-
-def effective_input_lengths(tree: Tree, ept: int = 1) -> list[int]:
-    """Forward-pass length of each state when every prompt token is E ensemble tokens."""
-    return [1 + len(st.nodes) + ept * sum(st.prompt_tokens or []) for st in tree.states]
-
-
-def predict(tree: Tree, profile: LatencyProfile, ept: int = 1, draft_latency_s: float = 0.0) -> Prediction:
-    """speedup = sum_s pi_s tau_s * L(1) / (sum_s pi_s L(n_s) + depth * t_draft)  (ALGORITHMS.md 3, 4).
-
-    Written out here (not only planner.plan.predicted_speedup) because the plan knows nothing of
-    E: with E ensemble copies a prompt token costs E input tokens. Tests check both agree at E=1.
-    """
-    pis = [1.0] if len(tree.states) == 1 else [st.stationary_probability or 0.0 for st in tree.states]
-    lengths = effective_input_lengths(tree, ept)
-    tau = float(sum(p * st.expected_tokens for p, st in zip(pis, tree.states)))
-    cost = float(sum(p * profile.latency(n) for p, n in zip(pis, lengths)))
-    if tree.method == "sequoia":
-        cost += tree.depth * draft_latency_s
-    return Prediction(tau * profile.latency(1) / cost, tau, cost, max(lengths))
+def predict_config(tree: Tree, profile: LatencyProfile, src: Source, space: SearchSpace) -> Prediction:
+    """The cost model (planner.cost) for one trial: E input tokens per prompt token; a draft
+    model's latency for sequoia, whose drafts come from one."""
+    draft = space.draft_latency_s if tree.method == "sequoia" else 0.0
+    return predict(tree, profile, src.ept, draft_latency_s=draft)
 
 
 def build_tree(cfg: Config, space: SearchSpace, profile: LatencyProfile | None) -> Tree:
@@ -383,13 +360,13 @@ def _evaluate(trial, space, profile, objective, memory, kv_per_token, evaluator,
     src = space.source(cfg.source)
     try:
         tree = build_tree(cfg, space, profile)
-        pred = predict(tree, profile, src.ept, space.draft_latency_s) if profile is not None else None
+        pred = predict_config(tree, profile, src, space) if profile is not None else None
     except UserError as e:
         trial.set_user_attr("infeasible", str(e))
         raise optuna.TrialPruned(str(e)) from None
     trial.set_user_attr("config", cfg.to_json())
     trial.set_user_attr("ept", src.ept)
-    trial.set_user_attr("max_input_length", max(effective_input_lengths(tree, src.ept)))
+    trial.set_user_attr("max_input_length", max(step_input_lengths(tree, src.ept)))
     trial.set_user_attr("expected_tokens_per_step", tree.expected_tokens_per_step)
     if pred is not None:
         trial.set_user_attr("predicted_speedup", pred.speedup)
@@ -403,7 +380,7 @@ def _evaluate(trial, space, profile, objective, memory, kv_per_token, evaluator,
         value = float(measured["tokens_per_s"])
     if memory is None:
         return value
-    return value, memory_value(max(effective_input_lengths(tree, src.ept)), memory, kv_per_token)
+    return value, memory_value(max(step_input_lengths(tree, src.ept)), memory, kv_per_token)
 
 
 def open_study(storage: str, study_name: str, directions: list[str], fingerprint: str, names: list[str]):
@@ -523,7 +500,7 @@ def _finish(study, space, profile, storage, names, trials_run, out) -> TuneResul
         tree = build_tree(cfg, space, profile)
         src = space.source(cfg.source)
         if profile is not None:
-            tree.predicted_speedup = predict(tree, profile, src.ept, space.draft_latency_s).speedup
+            tree.predicted_speedup = predict_config(tree, profile, src, space).speedup
         tree.settings = dict(tree.settings)
         tree.settings["tune"] = {
             "study_name": study.study_name, "storage": storage, "trial": best.number,
@@ -540,125 +517,3 @@ def _finish(study, space, profile, storage, names, trials_run, out) -> TuneResul
             tree.provenance.setdefault("profile", profile.source)
         path = save_tree(tree, out)
     return TuneResult(study.study_name, storage, _trial_summary(best, names), pareto, trials_run, len(done), path, reference)
-
-
-# ---------------------------------------------------------------------------------------------
-# the measured objective: real decoding
-
-SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"
-DEFAULT_PROMPTS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
-
-
-from decoder.cli_decode import read_prompts  # noqa: E402,F401  (one prompt reader for every command)
-
-
-class MeasuredEvaluator:
-    """Decodes validation prompts with each trial's tree; tokens per second over all prompts.
-
-    Guessers: PPD uses trained prompt tokens when `prompt_tokens_dir` is given (for sources whose
-    ensemble size E matches theirs); otherwise (and for
-    medusa/sequoia, which have no trained heads here) an oracle guesser that puts the model's own
-    token at distance d at rank r with the acceptance file's probability a_d[r], with real prompt-token
-    inputs for PPD so that every forward pass has its planned size. The oracle continuation is
-    plain decoding's output (same temperature and seed); at temperature > 0 the sampled outputs
-    diverge from it, so there the oracle measures cost more than acceptance.
-    """
-
-    def __init__(self, model_spec: str, prompts: list[str], *, max_new_tokens: int = 64, device: str | None = None,
-                 dtype: str | None = None, temperature: float = 0.0, prompt_tokens_dir: str | None = None,
-                 seed: int = 0, max_prompt_tokens_len: int = 256):
-        import torch
-
-        from profiler.models import load_model
-
-        loaded = load_model(model_spec, device=device, dtype=dtype)
-        self.model = loaded.model
-        self.temperature = temperature
-        self.max_new_tokens = max_new_tokens
-        self.seed = seed
-        self.prompt_tokens_dir = prompt_tokens_dir
-        self._trained = None  # PromptTokens loaded from prompt_tokens_dir on first use
-        vocab = self.model.get_input_embeddings().weight.shape[0]
-        self.vocab = vocab
-        dev = self.model.get_input_embeddings().weight.device
-        if loaded.tokenizer_dir:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir, local_files_only=True)
-            ids = [tok(p, return_tensors="pt").input_ids[0][:max_prompt_tokens_len] for p in prompts]
-        else:  # random-weight preset without a tokenizer: bytes folded into the vocabulary
-            ids = [torch.tensor([b % vocab for b in p.encode()][:max_prompt_tokens_len]) for p in prompts]
-        self.input_ids = [x.to(dev) for x in ids]
-        from decoder import generate_plain
-
-        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                      phase_times=False)
-                       for x in self.input_ids]
-        self.plain_tokens_per_s = _rate(self._plain)
-
-    def guesser(self, tree: Tree, src: Source, prompt_ids, plain_tokens):
-        import torch
-
-        from decoder import OracleGuesser, PromptTokens
-
-        if tree.method == "ppd" and self.prompt_tokens_dir:
-            if self._trained is None:
-                self._trained = PromptTokens.load(self.prompt_tokens_dir, self.model)
-            if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
-                return self._trained
-        K = src.accept.num_ranks
-        pt = None
-        if tree.method == "ppd":
-            pt = PromptTokens.random(self.model, tree.prompt_tokens_max, ensemble=src.ept, seed=self.seed, top_k=K)
-        depth = tree.prompt_tokens_max if tree.method == "ppd" else max(1, tree.depth)
-        seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
-        g = OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.accuracy[0].tolist(),
-                          seed=self.seed, prompt_tokens=pt)
-        return _DepthOracle(g, torch.as_tensor(src.accept.rows(depth), dtype=torch.float64))
-
-    def __call__(self, tree: Tree, cfg: Config, src: Source) -> dict:
-        from decoder import generate
-
-        outs = []
-        for x, plain in zip(self.input_ids, self._plain):
-            g = self.guesser(tree, src, x, plain.tokens)
-            kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
-            outs.append(generate(self.model, x, plan=tree, guesser=g, max_new_tokens=self.max_new_tokens,
-                                 temperature=self.temperature, verify_rule=cfg.verify, seed=self.seed, phase_times=False,
-                                 **kw))
-        tokens = sum(o.tokens.numel() for o in outs)
-        steps = sum(o.steps for o in outs)
-        rate = _rate(outs)
-        return {"tokens_per_s": rate, "tokens_per_step": tokens / max(1, steps),
-                "speedup": rate / self.plain_tokens_per_s if self.plain_tokens_per_s else None,
-                "plain_tokens_per_s": self.plain_tokens_per_s}
-
-
-class _DepthOracle:
-    """OracleGuesser with one accuracy row per distance (the decoder's takes one row for all),
-    so decoding sees the statistics the planner assumed. Delegates everything but `guess`."""
-
-    def __init__(self, oracle, rows):
-        self.oracle = oracle
-        self.rows = rows  # [D, K] float64
-
-    def __getattr__(self, name):
-        return getattr(self.oracle, name)
-
-    def guess(self, prompt_logits, next_root_pos: int, k: int):
-        import torch
-
-        o = self.oracle
-        pos = next_root_pos + torch.arange(1, k + 1)  # [k] distances 1..k beyond the next root
-        truth = o.sequence[pos.clamp(max=o.sequence.numel() - 1)]  # [k]
-        rows = self.rows[:k]  # [k, K]
-        probs = torch.cat([rows, (1 - rows.sum(1)).clamp(min=0)[:, None]], dim=1)  # [k, K+1]; K: truth not guessed
-        rank = torch.multinomial(probs, 1, generator=o.generator)[:, 0]  # [k]
-        offset = (torch.arange(o.top_k)[None, :] - rank[:, None]) % (o.top_k + 1)  # 0 where column == rank
-        return (truth[:, None] + offset) % o.vocab_size  # [k, K]
-
-
-def _rate(outs) -> float:
-    tokens = sum(o.tokens.numel() for o in outs)
-    seconds = sum(o.stats.total_s for o in outs)
-    return tokens / seconds if seconds > 0 else 0.0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.autotune import METHODS, AutotuneSettings
+from workflows.autotune import METHODS, AutotuneSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from planner.autotune import autotune
     from planner.errors import UserError
+    from workflows.autotune import autotune
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS]

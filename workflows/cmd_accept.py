@@ -8,8 +8,14 @@ import argparse
 import sys
 import time
 
-from decoder.cli_decode import DEFAULT_PROMPTS, add_model_arguments, encode, load_everything, read_prompts
 from planner.errors import UserError
+from workflows.inputs import (
+    DEFAULT_PROMPTS,
+    add_model_arguments,
+    encode,
+    load_everything,
+    read_prompts,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +38,7 @@ def run(args) -> int:
 
     tree = load_tree(args.plan) if args.plan else None
     texts = read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
-    from decoder.acceptance import measure_accuracy, measure_transitions
+    from profiler.acceptance import measure_accuracy, measure_transitions
 
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model

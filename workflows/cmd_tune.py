@@ -44,8 +44,9 @@ def run(args) -> int:
     from planner.errors import UserError
     from planner.profile import load_profile
     from planner.tree import METHODS
-    from planner.tune import (DEFAULT_PROMPTS, MeasuredEvaluator, SearchSpace, kv_bytes_per_token,
-                              parse_accept_spec, read_prompts, tune)
+    from workflows.inputs import DEFAULT_PROMPTS, read_prompts
+    from workflows.measured import MeasuredEvaluator
+    from workflows.tune import SearchSpace, kv_bytes_per_token, parse_accept_spec, tune
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS]

@@ -1,4 +1,5 @@
-"""Tree attention inside stock transformers models, through the attention-function registry.
+"""The decoder's adapter to the tree kernels: tree attention inside stock transformers models,
+through the attention-function registry.
 
 `enable_tree_attention(model)` registers the attention implementation "tree_triton" and switches
 the model to it; no model code is forked. A tree step then calls the model with
@@ -26,9 +27,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from decoder.forward import crop_cache
-from kernels.kv_compact import kv_compact
-from kernels.tree_attention import TreeMask, tree_attention, tree_mask
+from kernels import TreeMask, tree_attention, tree_mask
 
 ATTN_NAME = "tree_triton"
 BACKENDS = ("auto", "triton", "sdpa", "reference")
@@ -162,18 +161,3 @@ def enable_tree_attention(model, backend: str = "auto"):
 
 def uses_tree_attention(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ATTN_NAME
-
-
-def compact_cache(cache, prefix_len: int, accepted_idx: torch.Tensor, backend: str = "auto",
-                  validate: bool = True) -> int:
-    """Keep the accepted tree rows of a transformers cache: move them after the prefix in every
-    layer with one kv_compact launch, then crop. Returns the new cache length.
-
-    validate=False skips kv_compact's host-side check of the indices (a device sync); the decoder
-    passes it because a verified path is strictly increasing by construction."""
-    layers = [layer for layer in cache.layers if layer.keys is not None and layer.keys.numel()]  # skip lazy, empty layers
-    keys = [layer.keys for layer in layers]
-    values = [layer.values for layer in layers]
-    new_len = kv_compact(keys, values, prefix_len, accepted_idx, backend=backend, validate=validate)
-    crop_cache(cache, new_len)
-    return new_len

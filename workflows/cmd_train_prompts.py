@@ -63,10 +63,11 @@ def run(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from decoder import train_prompts as tp
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
     from profiler.models import load_model
+    from training import data
+    from training import prompts as tp
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -82,22 +83,22 @@ def run(args) -> int:
     if max_pos is not None and args.seq_len + args.prompt_tokens > max_pos:
         raise UserError(f"--seq-len {args.seq_len}: the model has {max_pos} positions")
 
-    data_dir = args.data_dir or tp.DEFAULT_DATA
+    data_dir = args.data_dir or data.DEFAULT_DATA
     corpus = None
     if args.data is None or args.val_data is None:
-        corpus = tp.load_corpus(data_dir)
+        corpus = data.load_corpus(data_dir)
     if args.data is not None:
-        train_texts = [t for f in args.data for t in tp.read_texts(f)]
+        train_texts = [t for f in args.data for t in data.read_texts(f)]
         data_desc = [str(f) for f in args.data]
     else:
         train_texts = corpus["web_train"] + corpus["chat_train"] * args.chat_repeat
         data_desc = {"dir": str(data_dir), "split": "web_train + chat_train", "chat_repeat": args.chat_repeat,
                      "sha256": corpus["sha256"]}
     if args.val_data is not None:
-        val_sets = {"val": [t for f in args.val_data for t in tp.read_texts(f)]}
+        val_sets = {"val": [t for f in args.val_data for t in data.read_texts(f)]}
     else:
         val_sets = {"web": corpus["web_val"], "chat": corpus["chat_val"]}
-    windows = tp.token_windows(tokenizer, train_texts, args.seq_len)
+    windows = data.token_windows(tokenizer, train_texts, args.seq_len)
     if windows.shape[0] == 0:
         raise UserError(f"training data: fewer than {args.seq_len} tokens; pass more text or a smaller --seq-len")
 
@@ -114,7 +115,7 @@ def run(args) -> int:
     t0 = time.time()
     report = {}
     for name, texts in val_sets.items():
-        w = tp.token_windows(tokenizer, texts, args.seq_len)[: args.eval_windows]
+        w = data.token_windows(tokenizer, texts, args.seq_len)[: args.eval_windows]
         if w.shape[0]:
             report[name] = tp.evaluate(model, result.prompt_tokens, w, device=device)
     if not report:

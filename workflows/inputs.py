@@ -1,0 +1,153 @@
+"""Inputs shared by the commands that run a model: model and guesser options, prompt files,
+prompt formatting.
+
+Light imports only at top level: torch and transformers load inside the functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from planner.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO / ".." / "shared"
+DEFAULT_QUESTIONS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
+DEFAULT_PROMPTS = DEFAULT_QUESTIONS  # the prompts decode and accept read by default
+BUILTIN_PROMPT_TOKENS = REPO / "models" / "builtin" / "prompt_tokens"
+
+
+def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
+    """First turns of the MT-bench questions held out of all training, split in two disjoint sets."""
+    from training.data import held_out_question
+
+    path = Path(questions_path)
+    if not path.is_file():
+        raise UserError(f"{path}: file not found (the MT-bench questions; give another with --questions)")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            rows.append((int(q["question_id"]), str(q["turns"][0])))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+            raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
+    held = [text for qid, text in rows if held_out_question(qid)]
+    if len(held) < n_accept + n_decode:
+        raise UserError(f"{path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
+    # Interleave so both sets span the categories (questions are grouped by category).
+    return held[0::2][:n_accept], held[1::2][:n_decode]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="preset name, a local Hugging Face model directory, or a config.json "
+                        "(default: 'builtin' if models/builtin exists, else 'tiny')")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"], help="default: bf16 on GPU, fp32 on CPU")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt-tokens", metavar="DIR", default=None,
+                   help="trained prompt tokens (prompt_tokens.safetensors + .json; default for --model builtin: "
+                        "models/builtin/prompt_tokens when present)")
+    g.add_argument("--random-prompt-tokens", type=int, metavar="P", default=None,
+                   help="untrained prompt tokens: P random vocabulary embeddings (output is still exact; few accepted)")
+    p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
+    p.add_argument("--top-k-guesses", type=int, default=10, help="guesses per distance (ranks a plan may use)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSONL with 'turns' (MT-bench; first turn), 'text' or 'prompt' per line, or a .txt with one "
+                        "prompt per line (default ../shared/data/mt_bench_questions.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def read_prompts(path, limit: int | None = None) -> list[str]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: file not found (a prompts file: JSONL or one prompt per line)") from None
+    except (IsADirectoryError, UnicodeDecodeError, OSError) as e:
+        raise UserError(f"{path}: cannot read as text ({type(e).__name__})") from None
+    out = []
+    jsonl = path.suffix in (".jsonl", ".json")
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        if not jsonl:
+            out.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: line {i + 1}: not valid JSON ({e.msg})") from None
+        value = None
+        if isinstance(row, dict):
+            turns = row.get("turns")
+            value = turns[0] if isinstance(turns, list) and turns else row.get("text", row.get("prompt"))
+        if not isinstance(value, str):
+            raise UserError(f"{path}: line {i + 1}: expected an object with 'turns', 'text' or 'prompt' (a string)")
+        out.append(value)
+    if limit is not None:
+        out = out[:limit]
+    if not out:
+        raise UserError(f"{path}: no prompts")
+    return out
+
+
+def load_everything(args, need_tree_depth: int | None = None):
+    """-> (loaded model, tokenizer or None, guesser). Random prompt tokens default to `need_tree_depth`."""
+    import torch
+
+    from decoder.prompt_tokens import PromptTokens
+    from profiler.models import default_model_spec, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UserError("--num-prompts: expected a positive integer")
+    if args.ensemble < 1 or args.top_k_guesses < 1:
+        raise UserError("--ensemble and --top-k-guesses: expected positive integers")
+    spec = args.model or default_model_spec()
+    loaded = load_model(spec, device=args.device, dtype=args.dtype)
+    model = loaded.model
+    pt_dir = args.prompt_tokens
+    if pt_dir is None and args.random_prompt_tokens is None and spec == "builtin" and (BUILTIN_PROMPT_TOKENS / "prompt_tokens.json").is_file():
+        pt_dir = str(BUILTIN_PROMPT_TOKENS)
+    if pt_dir is not None:
+        guesser = PromptTokens.load(pt_dir, model=model, top_k=args.top_k_guesses)
+    else:
+        P = args.random_prompt_tokens or need_tree_depth
+        if not P or P < 1:
+            raise UserError("--prompt-tokens DIR or --random-prompt-tokens P: the guesser is needed")
+        guesser = PromptTokens.random(model, P, ensemble=args.ensemble, top_k=args.top_k_guesses)
+    guesser.source_dir = pt_dir  # None: random, untrained
+    tokenizer = None
+    if loaded.tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    return loaded, tokenizer, guesser
+
+
+def encode(tokenizer, texts: list[str], vocab_size: int) -> list:
+    """Chat-formatted token ids (the autotune's format); without a tokenizer, UTF-8 bytes mod vocab."""
+    import torch
+
+    if tokenizer is not None:
+        return encode_prompts(tokenizer, texts)
+    return [torch.tensor([b % vocab_size for b in t.encode()] or [0], dtype=torch.long) for t in texts]
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list:
+    """The built-in model's chat format; other tokenizers get the same plain format."""
+    import torch
+
+    out = []
+    for t in texts:
+        ids = tokenizer(f"USER: {t.strip()} ASSISTANT:", add_special_tokens=False)["input_ids"]
+        bos = tokenizer.bos_token_id
+        out.append(torch.tensor(([bos] if bos is not None else []) + ids, dtype=torch.long))
+    return out
