@@ -70,14 +70,10 @@ def from_entry(entry, label: str = "acceptance", source: dict | None = None) -> 
     rows = entry[key] if has_acc else [entry[key]]
     if not isinstance(rows, list) or not rows:
         raise UserError(f"{label}: field '{key}' must be a non-empty list")
-    width = None
     for d, row in enumerate(rows):
         name = f"{key}[{d}]" if has_acc else key
         if not isinstance(row, list) or not row:
             raise UserError(f"{label}: field '{name}' must be a non-empty list of numbers")
-        if width is not None and len(row) != width:
-            raise UserError(f"{label}: field '{name}' has {len(row)} ranks, earlier rows have {width}")
-        width = len(row)
         for r, x in enumerate(row):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                 raise UserError(f"{label}: field '{name}[{r}]' must be a number, got {x!r}")
@@ -86,12 +82,24 @@ def from_entry(entry, label: str = "acceptance", source: dict | None = None) -> 
         total = float(sum(row))
         if total > 1.0 + ROW_SUM_TOLERANCE:
             raise UserError(f"{label}: field '{name}' sums to {total:.4f}, expected at most 1")
+    # Real matrices are ragged (the PPD authors' Vicuna-13B rows have 10, 10 and 5 ranks): a rank a
+    # row does not list has probability 0.
+    width = max(len(row) for row in rows)
+    matrix = np.zeros((len(rows), width))
+    for d, row in enumerate(rows):
+        matrix[d, : len(row)] = row
+    # Rows within the tolerance above 1 are rounding: scale them to 1, so that no path probability
+    # exceeds its parent's and every downstream model stays a probability model.
+    sums = matrix.sum(axis=1, keepdims=True)
+    matrix = np.where(sums > 1.0, matrix / np.maximum(sums, 1.0), matrix)
     src = dict(source or {})
     src.setdefault("label", label)
     for k in ("source", "kind"):
         if k in entry and isinstance(entry[k], str):
             src[k] = entry[k]
-    return Acceptance(np.asarray(rows, dtype=np.float64), positional=has_pos, source=src)
+    if isinstance(entry.get("guesser"), dict):  # how the measured guesser feeds trees (planner.cost.Guessing)
+        src["guesser"] = dict(entry["guesser"])
+    return Acceptance(matrix, positional=has_pos, source=src)
 
 
 def _split_spec(spec: str) -> tuple[str, str | None]:

@@ -1,28 +1,80 @@
-"""The cost model: what a step of a planned tree costs on a measured latency profile, and the
-predicted speedup over plain decoding (ALGORITHMS.md sections 3 and 4).
+"""The cost model: one function for what a decoding step costs, used by plan, tune, autotune and export.
 
-    speedup = sum_s pi_s tau_s * L(1) / (sum_s pi_s L(n_s) + draft cost)
+A step of a tree in state s costs
 
-n_s is the number of tokens the decoder really feeds in state s: the root, the candidates, and
-every prompt-token input (E ensemble copies each). PPD trees list their prompt tokens per node;
-static trees (medusa, sequoia) decoded with prompt tokens carry D of them on every node, so that
-the next step can guess depth D: (1 + N)(1 + D E) tokens.
+    step_s = L(n_s) + overhead(n_s) + draft cost
+
+- n_s: the tokens the decoder really feeds (`input_lengths`): the root, the candidates and, for
+  prompt-token guessers, every prompt-token input (E ensemble copies each). PPD trees list their
+  prompt tokens per node; static trees (medusa, sequoia) decoded with prompt tokens carry D of
+  them on every node so the next step can guess depth D: (1 + N)(1 + D E) tokens.
+- L(n): the measured forward latency (planner/profile.py).
+- overhead(n): the decoder's own work outside the forward pass (verification, KV compaction,
+  guessing), measured by the profiler as a line in n; 0 when the profile has none.
+- draft cost: a drafter's passes before the step (draft LM or chain: one per tree level;
+  ParallelSpec: one for the whole tree), each `draft_s`.
+
+Plain decoding is the same step with n = 1 and no drafter, so
+
+    speedup = sum_s pi_s tau_s * step_s(plain) / sum_s pi_s step_s
+
+(ALGORITHMS.md sections 3 and 4).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import Tree
+
+DRAFT_PASSES = ("depth", "one")
+
+
+@dataclass(frozen=True)
+class Guessing:
+    """How a guesser turns a tree into the decoder's step: extra input tokens and drafting work."""
+
+    prompt_tokens: bool = False  # PPD-style: static trees carry `depth` prompt tokens on every node
+    ensemble: int = 1  # input tokens per prompt token (E)
+    draft_s: float = 0.0  # one drafter pass
+    draft_passes: str = "depth"  # "depth": one pass per tree level; "one": a single pass (ParallelSpec)
+
+    def __post_init__(self):
+        if not isinstance(self.ensemble, int) or self.ensemble < 1:
+            raise UserError(f"ensemble size must be an integer >= 1, got {self.ensemble!r}")
+        if not (isinstance(self.draft_s, (int, float)) and math.isfinite(self.draft_s) and self.draft_s >= 0):
+            raise UserError(f"draft latency must be a finite number >= 0 seconds, got {self.draft_s!r}")
+        if self.draft_passes not in DRAFT_PASSES:
+            raise UserError(f"draft passes: expected one of {', '.join(DRAFT_PASSES)}, got {self.draft_passes!r}")
+
+    def draft_cost(self, depth):
+        """Seconds of drafting before a step whose tree is `depth` deep (scalar or array)."""
+        depth = np.asarray(depth, dtype=np.float64)
+        passes = depth if self.draft_passes == "depth" else np.minimum(depth, 1.0)
+        out = passes * self.draft_s
+        return float(out) if out.ndim == 0 else out
+
+    def input_length(self, tree_tokens, depth):
+        """Forward length of a static tree of `tree_tokens` (root + candidates) and `depth` (arrays welcome)."""
+        if not self.prompt_tokens:
+            return tree_tokens
+        return np.asarray(tree_tokens) * (1 + np.asarray(depth) * self.ensemble)
+
+
+PPD_GUESSING = Guessing(prompt_tokens=True)
 
 
 @dataclass(frozen=True)
 class Prediction:
     """The planner's model for one tree on one profile."""
 
-    speedup: float  # tokens_per_step * L(1) / step_latency_s
+    speedup: float  # tokens_per_step * plain step / step_s
     tokens_per_step: float  # amortised over PPD states
-    step_latency_s: float  # amortised forward latency (+ draft cost)
+    step_latency_s: float  # amortised step cost (forward + overhead + drafting)
     max_input_length: int  # tokens in the largest forward pass
 
 
@@ -31,41 +83,56 @@ def state_weights(tree: Tree) -> list[float]:
     return [1.0] if len(tree.states) == 1 else [st.stationary_probability or 0.0 for st in tree.states]
 
 
-def step_input_lengths(tree: Tree, ensemble: int = 1, static_prompt_tokens: bool = False) -> list[int]:
-    """Tokens in the forward pass of each state.
-
-    ppd: 1 + N + E * (prompt tokens). Static trees: 1 + N, or (1 + N)(1 + D E) when they run with
-    prompt-token guessers (`static_prompt_tokens`), which put D prompt tokens on every node.
-    """
+def input_lengths(tree: Tree, guessing: Guessing = Guessing()) -> list[int]:
+    """Tokens in the forward pass of each state (see the module docstring)."""
     if tree.method == "ppd":
-        return [1 + len(st.nodes) + ensemble * sum(st.prompt_tokens or []) for st in tree.states]
+        return [1 + len(st.nodes) + guessing.ensemble * sum(st.prompt_tokens or []) for st in tree.states]
     st = tree.states[0]
-    if static_prompt_tokens:
-        return [(1 + len(st.nodes)) * (1 + st.depth * ensemble)]
-    return [1 + len(st.nodes)]
+    return [int(guessing.input_length(1 + len(st.nodes), st.depth))]
 
 
-def mean_input_length(tree: Tree, ensemble: int = 1, static_prompt_tokens: bool = False) -> float:
+def mean_input_length(tree: Tree, guessing: Guessing = Guessing()) -> float:
     """Tokens per forward pass, amortised over states."""
-    lengths = step_input_lengths(tree, ensemble, static_prompt_tokens)
-    return float(sum(w * n for w, n in zip(state_weights(tree), lengths)))
+    return float(sum(w * n for w, n in zip(state_weights(tree), input_lengths(tree, guessing))))
 
 
-def step_latency(tree: Tree, profile: LatencyProfile, ensemble: int = 1, static_prompt_tokens: bool = False) -> float:
-    """sum_s pi_s L(n_s)."""
-    lengths = step_input_lengths(tree, ensemble, static_prompt_tokens)
-    return float(sum(w * profile.latency(n) for w, n in zip(state_weights(tree), lengths)))
+def step_cost(profile: LatencyProfile, n, depth=0, guessing: Guessing = Guessing()):
+    """Seconds of one step feeding n tokens after a `depth`-deep draft (scalars or arrays)."""
+    return profile.latency(n) + profile.overhead(n) + guessing.draft_cost(depth)
 
 
-def predict(tree: Tree, profile: LatencyProfile, ensemble: int = 1, static_prompt_tokens: bool = False,
-            draft_latency_s: float = 0.0) -> Prediction:
-    """The predicted speedup; a draft model's latency is paid once per tree level (depth passes)."""
+def plain_step(profile: LatencyProfile) -> float:
+    """One step of plain decoding: one token, no drafter."""
+    return float(step_cost(profile, 1))
+
+
+def step_latency(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guessing()) -> float:
+    """sum_s pi_s step_s."""
+    lengths = input_lengths(tree, guessing)
+    return float(sum(w * step_cost(profile, n, st.depth, guessing)
+                     for w, n, st in zip(state_weights(tree), lengths, tree.states)))
+
+
+def predict(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guessing()) -> Prediction:
     tau = float(sum(w * st.expected_tokens for w, st in zip(state_weights(tree), tree.states)))
-    cost = step_latency(tree, profile, ensemble, static_prompt_tokens) + tree.depth * draft_latency_s
-    lengths = step_input_lengths(tree, ensemble, static_prompt_tokens)
-    return Prediction(tau * profile.latency(1) / cost, tau, cost, max(lengths))
+    cost = step_latency(tree, profile, guessing)
+    return Prediction(tau * plain_step(profile) / cost, tau, cost, max(input_lengths(tree, guessing)))
 
 
-def predicted_speedup(tree: Tree, profile: LatencyProfile, draft_latency_s: float = 0.0) -> float:
-    """`predict` on the plan's own input lengths (each prompt token once)."""
-    return predict(tree, profile, draft_latency_s=draft_latency_s).speedup
+def predicted_speedup(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guessing()) -> float:
+    return predict(tree, profile, guessing).speedup
+
+
+def default_guessing(method: str, accept=None, **overrides) -> Guessing:
+    """The guessing an acceptance file describes (its 'guesser' record, written by `planner accept`),
+    else PPD prompt tokens for ppd plans and for files measured on prompt tokens, else heads
+    (Medusa heads: the tree's own tokens only). `overrides` replace single fields."""
+    fields = {}
+    record = (accept.source.get("guesser") if accept is not None else None) or {}
+    if isinstance(record, dict):
+        fields = {k: record[k] for k in ("prompt_tokens", "ensemble", "draft_s", "draft_passes") if k in record}
+    if "prompt_tokens" not in fields:
+        names = " ".join(str(accept.source.get(k, "")) for k in ("kind", "label", "name")).lower() if accept else ""
+        fields["prompt_tokens"] = method == "ppd" or "ppd" in names
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return Guessing(**fields)

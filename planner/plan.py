@@ -6,7 +6,9 @@ With a profile and no size, the size (ppd: input length) maximising predicted sp
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +21,28 @@ from planner.candidate import (
     sequoia_tree,
     sort_nodes,
 )
-from planner.cost import predicted_speedup, step_latency
+from planner.cost import (
+    Guessing,
+    default_guessing,
+    input_lengths,
+    mean_input_length,
+    plain_step,
+    predicted_speedup,
+    step_cost,
+    step_latency,
+)
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import Tree, TreeState
 
 METHODS = ("medusa", "sequoia", "ppd")
 POSITIONAL_DEFAULT_DEPTH = 8  # a positional vector allows any depth; deeper than 8 rarely pays
+# Bounds on what a user can type: far above any useful tree (the best trees of the published
+# matrices stop near 64-256 tokens) and small enough that the searches' arrays fit in memory.
+MAX_SIZE = 4096  # candidates (medusa, sequoia: the DP is [depth, size, size])
+MAX_INPUT_LENGTH = 8192  # tokens per forward pass
+MAX_PROMPT_TOKENS = 16  # ppd: P
+MAX_DEPTH = 64
 SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"  # ../shared/data/... from the repo
 
 
@@ -44,7 +61,7 @@ def _check_size(name: str, value: int | None, lo: int = 1) -> None:
         raise UserError(f"{name} must be an integer >= {lo}, got {value!r}")
 
 
-def _profile_cap(profile: LatencyProfile, what: str) -> int:
+def _profile_cap(profile: LatencyProfile) -> int:
     if profile.input_lengths[0] > 1:
         raise UserError(
             f"{profile.source.get('file', 'profile')}: needs L(1) for the speedup, profile starts at input length {profile.input_lengths[0]}"
@@ -62,71 +79,94 @@ def _curve_row(size, input_length, tau, latency_s, speedup, **extra) -> dict:
 def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth: int | None = None,
          input_length: int | None = None, prompt_tokens: int = 3, profile: LatencyProfile | None = None,
          max_size: int = 64, max_input_length: int | None = None, improved: bool = True,
-         per_state_budgets: bool = True, draft_latency_s: float = 0.0,
-         progress: Callable | None = None) -> Tree:
+         per_state_budgets: bool = True, guessing: Guessing | None = None, draft_latency_s: float | None = None,
+         time_budget_s: float | None = None, progress: Callable | None = None) -> Tree:
     """Plan a tree. size/input_length given: that tree. None with a profile: the best by predicted speedup.
 
+    guessing: how the guesser feeds the tree (planner.cost.Guessing); default from the acceptance
+    file (`default_guessing`), with `draft_latency_s` as its drafter pass when given.
+    time_budget_s: ppd's size sweep stops there (coarse to fine, so a cut sweep still spans the range).
     progress: optional wrapper for iterables (e.g. tqdm) used by the size searches.
     """
     if method not in METHODS:
         raise UserError(f"unknown method {method!r}, expected one of {', '.join(METHODS)}")
-    _check_size("size", size)
-    _check_size("max depth", max_depth)
-    _check_size("input length", input_length)
-    _check_size("prompt tokens", prompt_tokens)
-    _check_size("max size", max_size)
-    _check_size("max input length", max_input_length)
-    if draft_latency_s < 0:
-        raise UserError(f"draft latency must be >= 0, got {draft_latency_s}")
+    for name, value in (("size", size), ("max depth", max_depth), ("input length", input_length),
+                        ("prompt tokens", prompt_tokens), ("max size", max_size), ("max input length", max_input_length)):
+        _check_size(name, value)
+    _check_bound("size", size, MAX_SIZE)
+    _check_bound("max size", max_size, MAX_SIZE)
+    _check_bound("prompt tokens", prompt_tokens, MAX_PROMPT_TOKENS)
+    _check_bound("max depth", max_depth, MAX_DEPTH)
+    _check_bound("input length", input_length, MAX_INPUT_LENGTH)
+    if guessing is None:
+        guessing = default_guessing(method, accept, draft_s=draft_latency_s)
+    elif draft_latency_s is not None:
+        raise UserError("give the draft latency inside `guessing` or as draft_latency_s, not both")
     progress = progress or (lambda it, **_: it)
     if method == "ppd":
-        if size is not None:
-            raise UserError("ppd takes --input-length (tokens per forward pass), not --size")
-        if max_depth is not None:
-            raise UserError("ppd trees of state s reach depth s <= P: set --prompt-tokens, not --max-depth")
-        tree = _plan_ppd(accept, input_length, prompt_tokens, profile, max_input_length, improved,
-                         per_state_budgets, progress)
+        tree = _plan_ppd(accept, input_length, prompt_tokens, profile, max_input_length, improved, per_state_budgets,
+                         guessing, time_budget_s, progress, size, max_depth)
     else:
-        if input_length is not None:
-            raise UserError(f"{method} takes --size (candidates; input length = size + 1), not --input-length")
-        depth = max_depth or default_max_depth(accept)
-        if accept.max_depth is not None and depth > accept.max_depth:
-            raise UserError(f"{accept.label}: max depth {depth} asked, the acceptance covers distances 1..{accept.max_depth}")
-        rows = accept.rows(depth)
-        if method == "medusa":
-            tree = _plan_medusa(rows, size, depth, profile, max_size, draft_latency_s)
-        else:
-            tree = _plan_sequoia(rows, size, depth, profile, max_size, draft_latency_s)
+        tree = _plan_static(method, accept, size, max_depth, input_length, profile, max_size, guessing)
+    if not any(st.nodes for st in tree.states) and method != "ppd":
+        raise UserError(f"{accept.label}: the best {method} tree has no candidates (plain decoding is predicted "
+                        "fastest); give --size N to plan a tree anyway")
     if profile is not None:
-        tree.predicted_speedup = predicted_speedup(tree, profile, draft_latency_s)
-        tree.settings["draft_latency_s"] = draft_latency_s
+        tree.predicted_speedup = predicted_speedup(tree, profile, guessing)
+        tree.settings["guessing"] = asdict(guessing)
     tree.provenance["acceptance"] = dict(accept.source)
     if profile is not None:
         tree.provenance["profile"] = {k: v for k, v in profile.source.items() if isinstance(v, (str, int, float))}
     return tree
 
 
-def _plan_medusa(rows, size, depth, profile, max_size, draft_latency_s) -> Tree:
+def _check_bound(name: str, value: int | None, bound: int) -> None:
+    if value is not None and value > bound:
+        raise UserError(f"{name} {value} is above the largest this planner handles ({bound})")
+
+
+def _plan_static(method, accept, size, max_depth, input_length, profile, max_size, guessing) -> Tree:
+    if input_length is not None:
+        raise UserError(f"{method} takes --size (candidates; input length = size + 1), not --input-length")
+    depth = max_depth or default_max_depth(accept)
+    if accept.max_depth is not None and depth > accept.max_depth:
+        raise UserError(f"{accept.label}: max depth {depth} asked, the acceptance covers distances 1..{accept.max_depth}")
+    rows = accept.rows(depth)
+    if method == "medusa":
+        return _plan_medusa(rows, size, depth, profile, max_size, guessing)
+    return _plan_sequoia(rows, size, depth, profile, max_size, guessing)
+
+
+def _fitting_sizes(profile: LatencyProfile, guessing: Guessing, sizes: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """Which (size, depth) trees run a forward pass inside the profiled range."""
+    return guessing.input_length(1 + sizes, depths) <= _profile_cap(profile)
+
+
+def _plan_medusa(rows, size, depth, profile, max_size, guessing) -> Tree:
     settings = {"max_depth": depth}
     if size is not None:
         nodes, probs = best_paths(rows, size, depth)
         return _single("medusa", nodes, 1.0 + probs.sum(), settings | {"size": size})
     if profile is None:
         raise UserError("medusa needs --size N, or --profile FILE to choose the size")
-    cap = min(max_size, _profile_cap(profile, "medusa") - 1, num_paths(rows.shape[1], depth))
+    cap = min(max_size, _profile_cap(profile) - 1, num_paths(rows.shape[1], depth))
     nodes, probs = best_paths(rows, cap, depth)  # every prefix is the best tree of its size
     tau = 1.0 + np.concatenate([[0.0], np.cumsum(probs)])
     depths = np.maximum.accumulate(np.array([0] + [len(p) for p in nodes]))
     n = np.arange(cap + 1)
-    lat = profile.latency(1 + n) + depths * draft_latency_s
-    speed = tau * profile.latency(1) / lat
+    fits = _fitting_sizes(profile, guessing, n, depths)
+    cap = int(np.nonzero(fits)[0].max())  # sizes only grow the forward pass: the fitting ones are a prefix
+    n, tau, depths = n[: cap + 1], tau[: cap + 1], depths[: cap + 1]
+    real = guessing.input_length(1 + n, depths)
+    lat = step_cost(profile, real, depths, guessing)
+    speed = tau * plain_step(profile) / lat
     best = int(np.argmax(speed))
     tree = _single("medusa", nodes[:best], tau[best], settings | {"size": best, "max_size": max_size})
-    tree.size_curve = [_curve_row(k, 1 + k, tau[k], lat[k], speed[k]) for k in range(1, cap + 1)]
+    tree.size_curve = [_curve_row(k, real[k], tau[k], lat[k], speed[k]) for k in range(1, cap + 1)]
     return tree
 
 
-def _plan_sequoia(rows, size, depth, profile, max_size, draft_latency_s) -> Tree:
+def _plan_sequoia(rows, size, depth, profile, max_size, guessing) -> Tree:
     settings = {"max_depth": depth}
     if size is not None:
         nodes = sequoia_tree(rows, size, depth)
@@ -134,65 +174,114 @@ def _plan_sequoia(rows, size, depth, profile, max_size, draft_latency_s) -> Tree
         return _single("sequoia", nodes, tau, settings | {"size": size})
     if profile is None:
         raise UserError("sequoia needs --size N, or --profile FILE to choose the size")
-    cap = min(max_size, _profile_cap(profile, "sequoia") - 1, num_paths(rows.shape[1], depth))
+    cap = min(max_size, _profile_cap(profile) - 1, num_paths(rows.shape[1], depth))
     table = sequoia_table(rows, cap, depth)  # [D+1, cap+1], every (depth limit, size)
-    n = np.arange(cap + 1)
-    lat = profile.latency(1 + n)[None, :] + np.arange(depth + 1)[:, None] * draft_latency_s  # [D+1, cap+1]
-    speed = np.where(np.isfinite(table), table * profile.latency(1) / lat, -np.inf)
+    n = np.arange(cap + 1)[None, :]
+    d = np.arange(depth + 1)[:, None]
+    real = np.broadcast_to(guessing.input_length(1 + n, d), table.shape)  # [D+1, cap+1]
+    fits = real <= _profile_cap(profile)
+    lat = step_cost(profile, np.where(fits, real, 1), np.broadcast_to(d, table.shape), guessing)
+    speed = np.where(np.isfinite(table) & fits, table * plain_step(profile) / lat, -np.inf)
     best_d = speed.argmax(axis=0)  # per size, the depth limit that pays best
-    best_n = int(np.argmax(speed[best_d, n]))
-    d = int(best_d[best_n])
-    nodes = sequoia_tree(rows, best_n, d)
-    tree = _single("sequoia", nodes, table[d, best_n], settings | {"size": best_n, "depth": d, "max_size": max_size})
+    sizes = [k for k in range(cap + 1) if np.isfinite(speed[best_d[k], k])]
+    best_n = max(sizes, key=lambda k: speed[best_d[k], k])
+    d_best = int(best_d[best_n])
+    nodes = sequoia_tree(rows, best_n, d_best)
+    tree = _single("sequoia", nodes, table[d_best, best_n],
+                   settings | {"size": best_n, "depth": d_best, "max_size": max_size})
     tree.size_curve = [
-        _curve_row(k, 1 + k, table[best_d[k], k], lat[best_d[k], k], speed[best_d[k], k], depth=int(best_d[k]))
-        for k in range(1, cap + 1)
+        _curve_row(k, real[best_d[k], k], table[best_d[k], k], lat[best_d[k], k], speed[best_d[k], k], depth=int(best_d[k]))
+        for k in sizes if k > 0
     ]
     return tree
 
 
-def _plan_ppd(accept, input_length, P, profile, max_input_length, improved, per_state_budgets, progress) -> Tree:
-    from planner.ppd import _check, _state_options, ppd_tree
+def _plan_ppd(accept, input_length, P, profile, max_input_length, improved, per_state_budgets, guessing,
+              time_budget_s, progress, size, max_depth) -> Tree:
+    from planner.ppd import _check, ppd_tree
 
+    if size is not None:
+        raise UserError("ppd takes --input-length (tokens per forward pass), not --size")
+    if max_depth is not None:
+        raise UserError("ppd trees of state s reach depth s <= P: set --prompt-tokens, not --max-depth")
     if input_length is not None:
-        if profile is not None and input_length > _profile_cap(profile, "ppd"):
+        if profile is not None and input_length > _profile_cap(profile):
             raise UserError(f"input length {input_length} exceeds the profiled range 1..{profile.max_input_length}")
         return ppd_tree(accept, input_length, P, improved=improved, profile=profile,
                         per_state_budgets=per_state_budgets and profile is not None)
     if profile is None:
         raise UserError("ppd needs --input-length N, or --profile FILE to choose it")
-    cap = _profile_cap(profile, "ppd")
-    cap = min(cap, max_input_length) if max_input_length else cap
+    cap = min(_profile_cap(profile), max_input_length or MAX_INPUT_LENGTH)
     _check(accept, cap, P)
-    options_all = [_state_options(accept, s, cap - 1, P) for s in range(P + 1)]
-    curve, best, best_speed = [], None, -np.inf
-    for N in progress(range(1, cap + 1), desc="input lengths", unit="N"):
-        opts = [_slice_options(o, N - 1) for o in options_all]
-        tree = ppd_tree(accept, N, P, improved=improved, options=opts)
-        lat = step_latency(tree, profile)
-        speed = tree.expected_tokens_per_step * profile.latency(1) / lat
-        curve.append(_curve_row(N - 1, N, tree.expected_tokens_per_step, lat, speed))
-        if speed > best_speed:
-            best, best_speed = tree, speed
+    best, curve, swept = _ppd_sweep(accept, P, profile, cap, improved, guessing, time_budget_s, progress)
     if improved and per_state_budgets:
-        # start the throughput iteration from the best shared budget, let states spend up to cap
-        from planner.ppd import (
-            PPDResult,
-            improve,
-            stationary_distribution,
-            transition_matrix,
-        )
-
-        M = transition_matrix(best.states, accept, P)
-        start = PPDResult(best.states, M, stationary_distribution(M), best.expected_tokens_per_step)
-        res = improve(accept, start, options_all, P, cap, latency=profile.latency)
-        tree = Tree("ppd", res.states, res.tau, prompt_tokens_max=P, settings=dict(best.settings))
-        if predicted_speedup(tree, profile) > best_speed:
-            tree.settings.update(construction="policy-iteration+per-state-budgets", policy_iterations=res.iterations)
-            best = tree
-    best.settings.update(max_input_length=cap, chosen_input_length=best.max_input_length)
+        best = _ppd_per_state(accept, P, profile, cap, guessing, best)
+    best.settings.update(max_input_length=cap, chosen_input_length=best.max_input_length,
+                         swept_input_lengths=swept, guessing=asdict(guessing))
     best.size_curve = curve
     return best
+
+
+def _ppd_sweep(accept, P, profile, cap, improved, guessing, time_budget_s, progress):
+    """The shared budget N at every input length (coarse to fine, so that a sweep the time budget
+    cuts short still spans 1..cap); keeps trees whose real forward pass fits the profile."""
+    import time
+
+    from planner.ppd import _state_options, ppd_tree
+
+    options_all = [_state_options(accept, s, cap - 1, P) for s in range(P + 1)]
+    curve, best, best_speed, swept = [], None, -np.inf, 0
+    deadline = time.monotonic() + (time_budget_s if time_budget_s is not None else math.inf)
+    for N in progress(_coarse_to_fine(range(1, cap + 1)), desc="input lengths", unit="N"):
+        if swept >= 2 and best is not None and time.monotonic() > deadline:
+            break
+        swept += 1
+        tree = ppd_tree(accept, N, P, improved=improved, options=[_slice_options(o, N - 1) for o in options_all])
+        if max(input_lengths(tree, guessing)) > cap:
+            continue
+        lat = step_latency(tree, profile, guessing)
+        speed = tree.expected_tokens_per_step * plain_step(profile) / lat
+        curve.append(_curve_row(N - 1, mean_input_length(tree, guessing), tree.expected_tokens_per_step, lat, speed,
+                                planned_input_length=N))
+        if speed > best_speed:
+            best, best_speed = tree, speed
+    if best is None:
+        raise UserError(f"ppd: no tree fits the profiled range 1..{cap} with E = {guessing.ensemble} "
+                        "inputs per prompt token")
+    curve.sort(key=lambda r: r["planned_input_length"])
+    return best, curve, swept
+
+
+def _ppd_per_state(accept, P, profile, cap, guessing, best: Tree) -> Tree:
+    """Start the throughput iteration from the best shared budget; let every state spend up to cap."""
+    from planner.ppd import PPDResult, _state_options, improve, stationary_distribution, transition_matrix
+
+    options_all = [_state_options(accept, s, cap - 1, P) for s in range(P + 1)]
+    M = transition_matrix(best.states, accept, P)
+    start = PPDResult(best.states, M, stationary_distribution(M), best.expected_tokens_per_step)
+    res = improve(accept, start, options_all, P, cap, cost=lambda n: step_cost(profile, n), ensemble=guessing.ensemble)
+    tree = Tree("ppd", res.states, res.tau, prompt_tokens_max=P, settings=dict(best.settings))
+    if predicted_speedup(tree, profile, guessing) > predicted_speedup(best, profile, guessing):
+        tree.settings.update(construction="policy-iteration+per-state-budgets", policy_iterations=res.iterations)
+        return tree
+    return best
+
+
+def _coarse_to_fine(values) -> list[int]:
+    """Ends first, then midpoints level by level."""
+    values = list(values)
+    m = len(values)
+    order = [m - 1, 0][: min(m, 2)]
+    level = [(0, m - 1)]
+    while level:
+        nxt = []
+        for lo, hi in level:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                order.append(mid)
+                nxt += [(lo, mid), (mid, hi)]
+        level = nxt
+    return [values[i] for i in order]
 
 
 def _slice_options(opts, c_max: int):

@@ -30,6 +30,7 @@ import numpy as np
 
 from planner.accept import Acceptance
 from planner.candidate import best_paths, num_paths, sort_nodes
+from planner.cost import step_cost
 from planner.errors import UserError
 from planner.tree import Tree, TreeState
 
@@ -193,19 +194,20 @@ def _prompt_counts(opts: _StateOptions, alloc: _Allocation, c: int, p: int, P: i
     return ks[::-1]
 
 
-def _choose(opts: _StateOptions, alloc: _Allocation, max_n: int, step_value=None, g: float = 0.0,
-            latency=None, current=None):
-    """Best (c, p) with 1 + c + p <= max_n for tau[c] + alloc.value[c, p] - g * L(1 + c + p).
+def _choose(opts: _StateOptions, alloc: _Allocation, max_n: int, g: float = 0.0, cost=None, current=None,
+            ensemble: int = 1):
+    """Best (c, p) whose forward of n = 1 + c + E p tokens fits max_n, for tau[c] + alloc.value[c, p] - g * cost(n).
 
-    Ties keep `current` (policy iteration must not cycle on ties), else prefer smaller inputs.
+    cost: seconds of a step of n real tokens (None: every step costs the same, the average-reward
+    chain). Ties keep `current` (policy iteration must not cycle on ties), else prefer smaller inputs.
     """
     C, B = alloc.value.shape[0] - 1, alloc.value.shape[1] - 1
     c = np.arange(C + 1)[:, None]
     p = np.arange(B + 1)[None, :]
-    n = 1 + c + p
+    n = 1 + c + ensemble * p
     J = opts.tau[:, None] + alloc.value
-    if latency is not None:
-        J = J - g * latency(np.minimum(n, max_n).astype(np.float64))
+    if cost is not None:
+        J = J - g * cost(np.minimum(n, max_n).astype(np.float64))
     J = np.where(n <= max_n, J, NEG)
     flat = int(np.argmax(J))  # smallest c, then smallest p, among ties
     best = (flat // (B + 1), flat % (B + 1))
@@ -277,8 +279,9 @@ def paper_trees(accept: Acceptance, input_length: int, prompt_tokens: int = 3, o
 
 
 def improve(accept: Acceptance, start: PPDResult, options, prompt_tokens: int, max_n: int,
-            latency=None) -> PPDResult:
-    """Policy iteration from `start`: average reward (latency None) or throughput (latency = L)."""
+            cost=None, ensemble: int = 1) -> PPDResult:
+    """Policy iteration from `start`: average reward (cost None) or throughput, with cost(n) the
+    seconds of a step of n real tokens (prompt tokens counted E times) and max_n a cap on n."""
     P = prompt_tokens
     best = current = start
     choice = [(len(st.nodes), st.input_length - 1 - len(st.nodes)) for st in start.states]
@@ -286,13 +289,11 @@ def improve(accept: Acceptance, start: PPDResult, options, prompt_tokens: int, m
     it = 0
     for it in range(1, MAX_ITERATIONS + 1):
         reward = np.array([st.expected_tokens for st in current.states])
-        n = np.array([st.input_length for st in current.states], dtype=np.float64)
-        cost = np.ones(P + 1) if latency is None else latency(n)
-        g, h = evaluate(current.M, reward, cost)
+        g, h = evaluate(current.M, reward, _state_costs(current.states, cost, ensemble))
         states, choice_new = [], []
         for s, opts in enumerate(options):
             alloc = _allocation(opts, h, P)
-            cp = _choose(opts, alloc, max_n, g=g, latency=latency, current=choice[s])
+            cp = _choose(opts, alloc, max_n, g=g, cost=cost, current=choice[s], ensemble=ensemble)
             choice_new.append(cp)
             states.append(_build_state(s, opts, alloc, *cp, P))
         key_new = _policy_key(states)
@@ -300,7 +301,7 @@ def improve(accept: Acceptance, start: PPDResult, options, prompt_tokens: int, m
             break
         choice, key = choice_new, key_new
         current = _finish(states, accept, P, it)
-        if _objective(current, latency) > _objective(best, latency) + 1e-12:
+        if _objective(current, cost, ensemble) > _objective(best, cost, ensemble) + 1e-12:
             best = current
     best.iterations = it
     return best
@@ -310,11 +311,18 @@ def _policy_key(states: list[TreeState]):
     return tuple((tuple(st.nodes), tuple(st.prompt_tokens)) for st in states)
 
 
-def _objective(r: PPDResult, latency) -> float:
-    if latency is None:
+def _state_costs(states: list[TreeState], cost, ensemble: int) -> np.ndarray:
+    """Seconds per step of each state (1 each without a cost model)."""
+    if cost is None:
+        return np.ones(len(states))
+    n = np.array([1 + len(st.nodes) + ensemble * sum(st.prompt_tokens) for st in states], dtype=np.float64)
+    return np.asarray(cost(n), dtype=np.float64)
+
+
+def _objective(r: PPDResult, cost, ensemble: int) -> float:
+    if cost is None:
         return r.tau
-    n = np.array([st.input_length for st in r.states], float)
-    return r.tau / float(r.pi @ latency(n))
+    return r.tau / float(r.pi @ _state_costs(r.states, cost, ensemble))
 
 
 def ppd_tree(accept: Acceptance, input_length: int, prompt_tokens: int = 3, improved: bool = True,
@@ -334,7 +342,7 @@ def ppd_tree(accept: Acceptance, input_length: int, prompt_tokens: int = 3, impr
         result = improve(accept, paper, options, P, input_length)
         how = "policy-iteration"
         if profile is not None and per_state_budgets:
-            result = improve(accept, result, options, P, input_length, latency=profile.latency)
+            result = improve(accept, result, options, P, input_length, cost=lambda n: step_cost(profile, n))
             how = "policy-iteration+per-state-budgets"
     return Tree(
         method="ppd",

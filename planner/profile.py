@@ -17,12 +17,27 @@ import numpy as np
 from planner.errors import UserError
 from planner.jsonio import read_json
 
+DECREASE_TOLERANCE = 0.05  # measured medians may dip by noise; a profile that falls by more is wrong
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """The decoder's own work per step outside the forward pass: fixed_s + per_token_s * n."""
+
+    fixed_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def __call__(self, n):
+        out = self.fixed_s + self.per_token_s * np.asarray(n, dtype=np.float64)
+        return float(out) if np.ndim(out) == 0 else out
+
 
 @dataclass(frozen=True)
 class LatencyProfile:
     input_lengths: np.ndarray  # [M] int, strictly increasing
-    latency_s: np.ndarray  # [M] float, seconds per forward pass
+    latency_s: np.ndarray  # [M] float, seconds per forward pass, non-decreasing
     source: dict = field(default_factory=dict)
+    overhead: Overhead = Overhead()  # measured by the profiler ("decoder_overhead"); 0 when absent
 
     @property
     def max_input_length(self) -> int:
@@ -68,12 +83,41 @@ def profile_from_json(data, label: str = "profile", source: dict | None = None) 
         raise UserError(f"{label}: '{prefix}input_lengths' and '{prefix}latency_s' differ in length")
     if np.any(np.diff(n) <= 0):
         raise UserError(f"{label}: field '{prefix}input_lengths' must be strictly increasing")
+    lat = _non_decreasing(n, lat, label, prefix)
     src = dict(source or {})
     src.setdefault("file", label)
     for k in ("device", "model", "dtype", "context_length", "batch_size"):
         if k in data:
             src[k] = data[k]
-    return LatencyProfile(n, lat, src)
+    return LatencyProfile(n, lat, src, _overhead(data.get("decoder_overhead"), label))
+
+
+def _non_decreasing(n: np.ndarray, lat: np.ndarray, label: str, prefix: str) -> np.ndarray:
+    """A forward pass over more tokens is never faster: dips within the noise tolerance are
+    levelled (running maximum, as the profiler's isotonic fit does); a real decrease is an error
+    (it would make big trees look free)."""
+    peak = np.maximum.accumulate(lat)
+    bad = np.nonzero(lat < peak * (1 - DECREASE_TOLERANCE))[0]
+    if len(bad):
+        i = int(bad[0])
+        j = int(np.argmax(lat[:i] >= peak[i]))
+        raise UserError(f"{label}: field '{prefix}latency_s[{i}]' = {lat[i]:.6g} s at input length {n[i]} is "
+                        f"below {lat[j]:.6g} s at input length {n[j]}: latency must not decrease with input length")
+    return peak
+
+
+def _overhead(obj, label: str) -> Overhead:
+    if obj is None:
+        return Overhead()
+    if not isinstance(obj, dict):
+        raise UserError(f"{label}: field 'decoder_overhead' must be an object with 'fixed_s' and 'per_token_s'")
+    vals = {}
+    for key in ("fixed_s", "per_token_s"):
+        x = obj.get(key)
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise UserError(f"{label}: field 'decoder_overhead.{key}' must be a number >= 0, got {x!r}")
+        vals[key] = float(x)
+    return Overhead(**vals)
 
 
 def load_profile(path: str) -> LatencyProfile:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import UserError
+from profiler import registry
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,13 +36,15 @@ class LoadedModel:
     tokenizer_dir: str | None
 
 
+DEFAULT_MODEL = "smollm2-135m"  # the default of profile, accept, train-prompts, decode and autotune
+
+
 def preset_names() -> list[str]:
-    return sorted([p.stem for p in PRESET_DIR.glob("*.json")] + ["builtin"])
+    return sorted(set([p.stem for p in PRESET_DIR.glob("*.json")] + ["builtin"] + list(registry.MODELS)))
 
 
 def default_model_spec() -> str:
-    """The built-in trained model when its checkpoint is there, else the random-weight `tiny`."""
-    return "builtin" if (BUILTIN_DIR / "config.json").is_file() else "tiny"
+    return DEFAULT_MODEL
 
 
 def default_device() -> str:
@@ -74,8 +77,19 @@ def config_hash(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _resolve(spec: str) -> tuple[str, str, Path]:
-    """spec -> (name, source, path): path is a directory (with config.json) or a config file."""
+def _resolve(spec: str, weights: bool = True) -> tuple[str, str, Path]:
+    """spec -> (name, source, path): path is a directory (with config.json) or a config file.
+
+    A registry model (smollm2-135m) resolves to its converted directory in the cache; when its
+    package is missing and the caller needs no weights (profiling), to its architecture preset.
+    """
+    if spec in registry.MODELS:
+        try:
+            return spec, "dir", registry.model_dir(spec)
+        except UserError:
+            if weights or not (PRESET_DIR / f"{spec}.json").is_file():
+                raise
+            return spec, "preset", PRESET_DIR / f"{spec}.json"
     if spec == "builtin":
         if not (BUILTIN_DIR / "config.json").is_file():
             raise UserError(f"preset 'builtin': {BUILTIN_DIR}/config.json not found (train it with scripts/train_builtin.py)")
@@ -138,16 +152,18 @@ def _fill_cheaply(model, std: float) -> None:
                 flat[k * NOISE_BLOCK:].copy_(block[: flat.numel() - k * NOISE_BLOCK].to(p.dtype))
 
 
-def load_model(spec: str, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Build or load `spec` (preset name, model directory, or config.json) on `device`.
+def load_model(spec: str, device: str | None = None, dtype: str | None = None, weights: bool = True) -> LoadedModel:
+    """Build or load `spec` (registry model, preset name, model directory, or config.json) on `device`.
 
     device "meta" builds shapes only (no memory, no fill): used to check big presets cheaply.
+    weights=False: random weights will do (latency profiles), so a registry model whose package
+    is missing falls back to its architecture.
     """
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    name, source, path = _resolve(spec)
+    name, source, path = _resolve(spec, weights)
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine")

@@ -9,7 +9,7 @@ import pytest
 
 from planner.accept import load_acceptance
 from planner.errors import UserError
-from planner.plan import plan, predicted_speedup
+from planner.plan import plan
 from planner.profile import load_profile
 from planner.tree import save_tree
 from workflows.cli import main
@@ -86,7 +86,7 @@ def test_full_report(inputs):
         if r["method"] == "medusa":
             prof = load_profile(pa if r["profile"].startswith("gpu-a") else pb)
             t = plan("medusa", load_acceptance(f"{acc}:medusa-x"), profile=prof, max_size=16)
-            assert r["predicted_speedup"] == pytest.approx(predicted_speedup(t, prof), abs=1e-4)
+            assert r["predicted_speedup"] == pytest.approx(t.predicted_speedup, abs=1e-4)
             assert r["input_length"] == t.max_input_length
     tps = [r for r in sections["tokens_per_step.png"]["table"] if r["method"] == "medusa"]
     for r in tps:

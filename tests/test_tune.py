@@ -12,9 +12,9 @@ import pytest
 
 optuna = pytest.importorskip("optuna")
 
-from planner.cost import predict, step_input_lengths  # noqa: E402
+from planner.cost import Guessing, default_guessing, input_lengths, predict, predicted_speedup  # noqa: E402
 from planner.errors import UserError  # noqa: E402
-from planner.plan import plan, predicted_speedup  # noqa: E402
+from planner.plan import plan  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
 from planner.tree import load_tree  # noqa: E402
 from workflows.cli import main  # noqa: E402
@@ -75,13 +75,16 @@ def test_predict_matches_planner_and_counts_ensemble(inputs):
                 Config("medusa", f"{acc}:medusa-x", size=9),
                 Config("sequoia", f"{acc}:draft", size=7, max_depth=4)):
         tree = build_tree(cfg, space, profile)
-        p1 = predict_config(tree, profile, space.source(cfg.source), replace(space, draft_latency_s=0.002))
-        assert p1.speedup == pytest.approx(predicted_speedup(tree, profile, draft_latency_s=0.002 if cfg.method == "sequoia" else 0.0))
-        assert p1.max_input_length == tree.max_input_length
+        src = space.source(cfg.source)
+        p1 = predict_config(tree, profile, src, replace(space, draft_latency_s=0.002))
+        draft = 0.002 if cfg.method == "sequoia" else None  # only sequoia's drafts come from a draft model
+        g = default_guessing(cfg.method, src.accept, draft_s=draft)
+        assert p1.speedup == pytest.approx(predicted_speedup(tree, profile, g))
+        assert p1.max_input_length == max(input_lengths(tree, g))
         if cfg.method == "ppd":
             # E copies per prompt token: longer forward passes, same tokens per step, lower speedup
-            p3 = predict(tree, profile, 3)
-            lengths = step_input_lengths(tree, 3)
+            p3 = predict(tree, profile, Guessing(prompt_tokens=True, ensemble=3))
+            lengths = input_lengths(tree, Guessing(prompt_tokens=True, ensemble=3))
             assert lengths == [1 + len(s.nodes) + 3 * sum(s.prompt_tokens) for s in tree.states]
             assert p3.tokens_per_step == pytest.approx(p1.tokens_per_step)
             assert p3.max_input_length > p1.max_input_length and p3.speedup < p1.speedup
@@ -95,7 +98,7 @@ def test_best_is_at_least_planner_plan(inputs):
     res = tune(space, profile, trials=9, storage=str(tmp / "s.db"), study_name="g", out=tmp / "best.json",
                seed=1, progress=False)
     # independent: the planner's own automatic choice per method, with its defaults
-    auto = {m: predicted_speedup(plan(m, src.accept, profile=profile, max_size=24), profile)
+    auto = {m: plan(m, src.accept, profile=profile, max_size=24).predicted_speedup
             for m in space.methods for src in space.sources_for(m)}
     assert res.best["values"][0] >= max(auto.values()) - 1e-12
     assert sorted(r["params"]["method"] for r in res.reference) == sorted(auto)

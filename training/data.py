@@ -46,11 +46,27 @@ def chat_text(question_turns: list[str], answer_turns: list[str]) -> str:
     return "".join(f"USER: {q.strip()} ASSISTANT: {a.strip()}</s>" for q, a in zip(question_turns, answer_turns))
 
 
-def load_corpus(data_dir: Path) -> dict:
-    """The shared data dir split: {'web_train', 'web_val', 'chat_train', 'chat_val': list[str], 'sha256': {...}}.
+def template_chat(tokenizer):
+    """A chat formatter from the tokenizer's chat template (SmolLM2's turns), or `chat_text` when it
+    has none (the built-in model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return chat_text
+
+    def fmt(question_turns: list[str], answer_turns: list[str]) -> str:
+        messages = []
+        for q, a in zip(question_turns, answer_turns):
+            messages += [{"role": "user", "content": q.strip()}, {"role": "assistant", "content": a.strip()}]
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    return fmt
+
+
+def load_corpus(data_dir: Path, chat_format=chat_text, self_answers: Path | None = None) -> dict:
+    """The shared data dir split: {'web_train', 'web_val', 'chat_train', 'chat_val', 'chat_self': list[str], 'sha256': {...}}.
 
     Web documents with index % 20 == 0 are validation; chat = MT-bench question + Vicuna answer
-    in `chat_text` format, held out by `held_out_question`.
+    formatted by `chat_format`, held out by `held_out_question`. `self_answers`: a JSONL of the
+    target's own answers (scripts/self_distill.py) to training questions: 'chat_self'.
     """
     import hashlib
 
@@ -62,18 +78,23 @@ def load_corpus(data_dir: Path) -> dict:
     for qid in sorted(answers):
         if qid not in questions:
             continue
-        text = chat_text(questions[qid], answers[qid])
+        text = chat_format(questions[qid], answers[qid])
         (chat_val if held_out_question(qid) else chat_train).append(text)
-    sha = {
-        name: hashlib.sha256((data_dir / name).read_bytes()).hexdigest()
-        for name in (WEB_FILE, ANSWERS_FILE, QUESTIONS_FILE)
-    }
+    files = [data_dir / WEB_FILE, data_dir / ANSWERS_FILE, data_dir / QUESTIONS_FILE]
+    chat_self = []
+    if self_answers is not None:
+        for r in read_jsonl(self_answers):
+            if held_out_question(int(r["question_id"])):
+                raise UserError(f"{self_answers}: question {r['question_id']} is held out and must not be trained on")
+            chat_self.append(chat_format(r["turns"], r["answers"]))
+        files.append(Path(self_answers))
     return {
         "web_train": [t for i, t in enumerate(web) if i % 20 != 0],
         "web_val": [t for i, t in enumerate(web) if i % 20 == 0],
         "chat_train": chat_train,
         "chat_val": chat_val,
-        "sha256": sha,
+        "chat_self": chat_self,
+        "sha256": {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files},
     }
 
 
@@ -104,3 +125,20 @@ def token_windows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
         ids.extend(enc)
     n = len(ids) // seq_len
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def default_texts(tokenizer, data_dir: Path, chat_repeat: int, self_answers: Path | None = None) -> tuple[list[str], dict, dict]:
+    """The default training mix and held-out sets for a target with this tokenizer.
+
+    Training: web text + MT-bench chat in the target's chat format, the chat repeated
+    `chat_repeat` times (the target serves chat), and the target's own answers (self-distilled,
+    repeated likewise) when given. Held out: web validation documents and the held-out questions'
+    chat. Returns (train_texts, {name: held-out texts}, a description for the training record).
+    """
+    corpus = load_corpus(data_dir, template_chat(tokenizer), self_answers)
+    train = corpus["web_train"] + (corpus["chat_train"] + corpus["chat_self"]) * chat_repeat
+    desc = {"dir": str(data_dir), "split": "web_train + (chat_train + chat_self) x chat_repeat",
+            "chat_repeat": chat_repeat, "self_answers": None if self_answers is None else str(self_answers),
+            "chat_format": "chat template" if getattr(tokenizer, "chat_template", None) else "USER/ASSISTANT",
+            "sha256": corpus["sha256"]}
+    return train, {"web": corpus["web_val"], "chat": corpus["chat_val"]}, desc

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from planner.accept import Acceptance, load_acceptance
-from planner.cost import mean_input_length, predict, step_input_lengths
+from planner.cost import Guessing, input_lengths, mean_input_length, predict
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
 from planner.plan import plan
@@ -73,7 +73,7 @@ class Candidate:
 
 def real_input_length(tree: Tree, ensemble: int) -> float:
     """Tokens in the decoder's forward pass with prompt-token guessers, amortised over states."""
-    return mean_input_length(tree, ensemble, static_prompt_tokens=True)
+    return mean_input_length(tree, Guessing(prompt_tokens=True, ensemble=ensemble))
 
 
 def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
@@ -86,12 +86,13 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
         # is one more plan, usually equal in speed to the best of the sweep or better.
         sized = [(n, plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
                  for n in range(1 + prompt_tokens, max_input_length + 1)]
-        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length)
+        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length,
+                    guessing=Guessing(prompt_tokens=True, ensemble=ensemble))
         sized.append((auto.max_input_length, auto, "per-state budgets"))
         seen = set()
         for n, tree, variant in sized:
             sig = _signature(tree)
-            if sig in seen or max(step_input_lengths(tree, ensemble, static_prompt_tokens=True)) > max_input_length:
+            if sig in seen or max(input_lengths(tree, Guessing(prompt_tokens=True, ensemble=ensemble))) > max_input_length:
                 continue
             seen.add(sig)
             out.append(_candidate(method, tree, n, profile, ensemble, variant))
@@ -110,7 +111,7 @@ def _signature(tree: Tree) -> tuple:
 
 
 def _candidate(method, tree, size, profile, ensemble, variant="") -> Candidate:
-    pred = predict(tree, profile, ensemble, static_prompt_tokens=True)
+    pred = predict(tree, profile, Guessing(prompt_tokens=True, ensemble=ensemble))
     tree.predicted_speedup = pred.speedup
     return Candidate(method, tree, size, real_input_length(tree, ensemble), pred.tokens_per_step, pred.speedup, variant)
 

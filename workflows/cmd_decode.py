@@ -63,8 +63,7 @@ def run(args) -> int:
 
     from decoder.loop import generate, generate_plain
 
-    need = tree.prompt_tokens_max if tree.method == "ppd" else tree.depth
-    loaded, tokenizer, guesser = load_everything(args, need_tree_depth=need)
+    loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
     w = model.get_input_embeddings().weight
     guesser.check(tree, args.plan)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin", help="builtin, a preset name, or a Hugging Face model directory")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (default), builtin, a preset name, or a Hugging Face model directory")
     p.add_argument("--prompt-tokens", type=int, default=3, help="P: distances guessed beyond the next token")
     p.add_argument("--ensemble", type=int, default=1, help="E: copies of each prompt token, logits averaged")
     p.add_argument("--steps", type=int, default=300)
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-data", type=Path, nargs="+", default=None,
                    help="held-out text for the accuracy report (default: the shared data dir's validation split)")
     p.add_argument("--chat-repeat", type=int, default=4, help="weight of the chat text in the default mix")
+    p.add_argument("--self-answers", type=Path, default=None, metavar="JSONL",
+                   help="the target's own answers to training questions (scripts/self_distill.py); default: "
+                        "models/<model>/self_distill.jsonl when it ships")
     p.add_argument("--eval-windows", type=int, default=48, help="held-out windows per split for the report")
 
 
@@ -54,6 +58,26 @@ def _check(args) -> None:
         raise UserError(f"--lr: must be positive, got {args.lr}")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory")
+
+
+def _texts(args, tokenizer, model_name: str) -> tuple[list[str], dict, object]:
+    """--data / --val-data files, else the default mix for this model (its self-distilled answers
+    when they ship: models/<model>/self_distill.jsonl)."""
+    from training import data
+    from workflows.inputs import SHIPPED_DIR
+
+    if args.data is not None and args.val_data is not None:
+        val = {"val": [t for f in args.val_data for t in data.read_texts(f)]}
+        return [t for f in args.data for t in data.read_texts(f)], val, [str(f) for f in args.data]
+    answers = args.self_answers
+    if answers is None and (SHIPPED_DIR / model_name / "self_distill.jsonl").is_file():
+        answers = SHIPPED_DIR / model_name / "self_distill.jsonl"
+    train, val, desc = data.default_texts(tokenizer, args.data_dir or data.DEFAULT_DATA, args.chat_repeat, answers)
+    if args.data is not None:
+        train, desc = [t for f in args.data for t in data.read_texts(f)], [str(f) for f in args.data]
+    if args.val_data is not None:
+        val = {"val": [t for f in args.val_data for t in data.read_texts(f)]}
+    return train, val, desc
 
 
 def run(args) -> int:
@@ -83,21 +107,7 @@ def run(args) -> int:
     if max_pos is not None and args.seq_len + args.prompt_tokens > max_pos:
         raise UserError(f"--seq-len {args.seq_len}: the model has {max_pos} positions")
 
-    data_dir = args.data_dir or data.DEFAULT_DATA
-    corpus = None
-    if args.data is None or args.val_data is None:
-        corpus = data.load_corpus(data_dir)
-    if args.data is not None:
-        train_texts = [t for f in args.data for t in data.read_texts(f)]
-        data_desc = [str(f) for f in args.data]
-    else:
-        train_texts = corpus["web_train"] + corpus["chat_train"] * args.chat_repeat
-        data_desc = {"dir": str(data_dir), "split": "web_train + chat_train", "chat_repeat": args.chat_repeat,
-                     "sha256": corpus["sha256"]}
-    if args.val_data is not None:
-        val_sets = {"val": [t for f in args.val_data for t in data.read_texts(f)]}
-    else:
-        val_sets = {"web": corpus["web_val"], "chat": corpus["chat_val"]}
+    train_texts, val_sets, data_desc = _texts(args, tokenizer, model_name)
     windows = data.token_windows(tokenizer, train_texts, args.seq_len)
     if windows.shape[0] == 0:
         raise UserError(f"training data: fewer than {args.seq_len} tokens; pass more text or a smaller --seq-len")

@@ -15,7 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO / ".." / "shared"
 DEFAULT_QUESTIONS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
 DEFAULT_PROMPTS = DEFAULT_QUESTIONS  # the prompts decode and accept read by default
-BUILTIN_PROMPT_TOKENS = REPO / "models" / "builtin" / "prompt_tokens"
+SHIPPED_DIR = REPO / "models"  # models/<model name>/<guesser kind>: what ships with the repository
+
+
+def shipped(model_name: str, kind: str) -> Path | None:
+    """The guesser shipped for a named model (builtin, smollm2-135m): models/<name>/<kind>, kind
+    prompt_tokens, parallelspec or draft_lm; None when nothing ships for it."""
+    d = SHIPPED_DIR / model_name / kind
+    return d if d.is_dir() else None
 
 
 def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
@@ -43,14 +50,14 @@ def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="preset name, a local Hugging Face model directory, or a config.json "
-                        "(default: 'builtin' if models/builtin exists, else 'tiny')")
+                   help="smollm2-135m (default), builtin (the project's 2.4 M toy model), a preset name, a local "
+                        "Hugging Face model directory, or a config.json")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"], help="default: bf16 on GPU, fp32 on CPU")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt-tokens", metavar="DIR", default=None,
-                   help="trained prompt tokens (prompt_tokens.safetensors + .json; default for --model builtin: "
-                        "models/builtin/prompt_tokens when present)")
+                   help="trained prompt tokens (prompt_tokens.safetensors + .json; default: the ones shipped for "
+                        "the model, models/<model>/prompt_tokens)")
     g.add_argument("--random-prompt-tokens", type=int, metavar="P", default=None,
                    help="untrained prompt tokens: P random vocabulary embeddings (output is still exact; few accepted)")
     p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
@@ -97,11 +104,10 @@ def read_prompts(path, limit: int | None = None) -> list[str]:
     return out
 
 
-def load_everything(args, need_tree_depth: int | None = None):
-    """-> (loaded model, tokenizer or None, guesser). Random prompt tokens default to `need_tree_depth`."""
+def load_everything(args):
+    """-> (loaded model, tokenizer or None, guesser)."""
     import torch
 
-    from decoder.prompt_tokens import PromptTokens
     from profiler.models import default_model_spec, load_model
 
     if args.threads:
@@ -112,24 +118,34 @@ def load_everything(args, need_tree_depth: int | None = None):
         raise UserError("--ensemble and --top-k-guesses: expected positive integers")
     spec = args.model or default_model_spec()
     loaded = load_model(spec, device=args.device, dtype=args.dtype)
-    model = loaded.model
-    pt_dir = args.prompt_tokens
-    if pt_dir is None and args.random_prompt_tokens is None and spec == "builtin" and (BUILTIN_PROMPT_TOKENS / "prompt_tokens.json").is_file():
-        pt_dir = str(BUILTIN_PROMPT_TOKENS)
-    if pt_dir is not None:
-        guesser = PromptTokens.load(pt_dir, model=model, top_k=args.top_k_guesses)
-    else:
-        P = args.random_prompt_tokens or need_tree_depth
-        if not P or P < 1:
-            raise UserError("--prompt-tokens DIR or --random-prompt-tokens P: the guesser is needed")
-        guesser = PromptTokens.random(model, P, ensemble=args.ensemble, top_k=args.top_k_guesses)
-    guesser.source_dir = pt_dir  # None: random, untrained
+    guesser = _prompt_tokens(args, loaded, spec)
     tokenizer = None
     if loaded.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     return loaded, tokenizer, guesser
+
+
+def _prompt_tokens(args, loaded, spec: str):
+    """Trained prompt tokens (--prompt-tokens, else those shipped for a named model), or random
+    ones only when asked for (--random-prompt-tokens): never a silent fallback."""
+    from decoder.prompt_tokens import PromptTokens
+
+    pt_dir = args.prompt_tokens
+    if pt_dir is None and args.random_prompt_tokens is None:
+        default = shipped(spec, "prompt_tokens") if spec == loaded.name else None
+        if default is None:
+            raise UserError(f"--model {spec}: no prompt tokens ship for it; pass --prompt-tokens DIR (train them with "
+                            "`planner train-prompts`) or --random-prompt-tokens P (untrained, output still exact)")
+        pt_dir = str(default)
+    if pt_dir is not None:
+        guesser = PromptTokens.load(pt_dir, model=loaded.model, top_k=args.top_k_guesses)
+    else:
+        guesser = PromptTokens.random(loaded.model, args.random_prompt_tokens, ensemble=args.ensemble,
+                                      top_k=args.top_k_guesses)
+    guesser.source_dir = pt_dir  # None: random, untrained
+    return guesser
 
 
 def encode(tokenizer, texts: list[str], vocab_size: int) -> list:
@@ -142,12 +158,20 @@ def encode(tokenizer, texts: list[str], vocab_size: int) -> list:
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list:
-    """The built-in model's chat format; other tokenizers get the same plain format."""
+    """Each text as a user turn of the model's chat template (SmolLM2: its system prompt and
+    <|im_start|> turns), ending where the assistant's answer starts. A tokenizer without a chat
+    template (the built-in model) gets the format it was trained on, "USER: ... ASSISTANT:"."""
     import torch
 
     out = []
     for t in texts:
-        ids = tokenizer(f"USER: {t.strip()} ASSISTANT:", add_special_tokens=False)["input_ids"]
-        bos = tokenizer.bos_token_id
-        out.append(torch.tensor(([bos] if bos is not None else []) + ids, dtype=torch.long))
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": t.strip()}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            bos = tokenizer.bos_token_id
+            ids = ([bos] if bos is not None else []) + tokenizer(f"USER: {t.strip()} ASSISTANT:",
+                                                                 add_special_tokens=False)["input_ids"]
+        out.append(torch.tensor(list(ids), dtype=torch.long))
     return out

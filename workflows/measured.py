@@ -10,6 +10,7 @@ cost more than acceptance.
 """
 from __future__ import annotations
 
+from planner.cost import default_guessing
 from planner.tree import Tree
 from workflows.tune import Config, Source
 
@@ -45,10 +46,11 @@ class MeasuredEvaluator:
             if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
                 return self._trained
         K = src.accept.num_ranks
-        pt = None
-        if tree.method == "ppd":
-            pt = PromptTokens.random(self.model, tree.prompt_tokens_max, ensemble=src.ept, seed=self.seed, top_k=K)
         depth = tree.prompt_tokens_max if tree.method == "ppd" else max(1, tree.depth)
+        pt = None
+        if default_guessing(tree.method, src.accept, ensemble=src.ept).prompt_tokens:
+            # the forward pass carries the prompt-token inputs the planner costed
+            pt = PromptTokens.random(self.model, depth, ensemble=src.ept, seed=self.seed, top_k=K)
         seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
         return OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.rows(depth), seed=self.seed,
                              prompt_tokens=pt)

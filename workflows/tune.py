@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from planner.accept import Acceptance, load_acceptance
-from planner.cost import Prediction, predict, step_input_lengths
+from planner.cost import Guessing, Prediction, default_guessing, input_lengths, predict
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import METHODS, Tree, save_tree
@@ -299,11 +299,16 @@ def reference_points(space: SearchSpace, profile: LatencyProfile | None) -> list
 # evaluating one point
 
 
+def trial_guessing(method: str, src: Source, space: SearchSpace) -> Guessing:
+    """How the trial's guesser feeds its tree: E input tokens per prompt token (prompt-token
+    guessers), a draft model's pass per level for sequoia, whose drafts come from one."""
+    draft = space.draft_latency_s if method == "sequoia" else None
+    return default_guessing(method, src.accept, ensemble=src.ept, draft_s=draft)
+
+
 def predict_config(tree: Tree, profile: LatencyProfile, src: Source, space: SearchSpace) -> Prediction:
-    """The cost model (planner.cost) for one trial: E input tokens per prompt token; a draft
-    model's latency for sequoia, whose drafts come from one."""
-    draft = space.draft_latency_s if tree.method == "sequoia" else 0.0
-    return predict(tree, profile, src.ept, draft_latency_s=draft)
+    """The cost model (planner.cost) for one trial."""
+    return predict(tree, profile, trial_guessing(tree.method, src, space))
 
 
 def build_tree(cfg: Config, space: SearchSpace, profile: LatencyProfile | None) -> Tree:
@@ -316,8 +321,7 @@ def build_tree(cfg: Config, space: SearchSpace, profile: LatencyProfile | None) 
         kw.update(prompt_tokens=cfg.prompt_tokens, per_state_budgets=cfg.per_state_budgets)
         if cfg.input_length is not None:
             kw["input_length"] = cfg.input_length
-    if cfg.method == "sequoia":
-        kw["draft_latency_s"] = space.draft_latency_s
+    kw["guessing"] = trial_guessing(cfg.method, src, space)
     return plan(cfg.method, src.accept, **kw)
 
 
@@ -366,7 +370,8 @@ def _evaluate(trial, space, profile, objective, memory, kv_per_token, evaluator,
         raise optuna.TrialPruned(str(e)) from None
     trial.set_user_attr("config", cfg.to_json())
     trial.set_user_attr("ept", src.ept)
-    trial.set_user_attr("max_input_length", max(step_input_lengths(tree, src.ept)))
+    longest = max(input_lengths(tree, trial_guessing(tree.method, src, space)))
+    trial.set_user_attr("max_input_length", longest)
     trial.set_user_attr("expected_tokens_per_step", tree.expected_tokens_per_step)
     if pred is not None:
         trial.set_user_attr("predicted_speedup", pred.speedup)
@@ -380,7 +385,7 @@ def _evaluate(trial, space, profile, objective, memory, kv_per_token, evaluator,
         value = float(measured["tokens_per_s"])
     if memory is None:
         return value
-    return value, memory_value(max(step_input_lengths(tree, src.ept)), memory, kv_per_token)
+    return value, memory_value(longest, memory, kv_per_token)
 
 
 def open_study(storage: str, study_name: str, directions: list[str], fingerprint: str, names: list[str]):
