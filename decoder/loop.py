@@ -196,8 +196,14 @@ def _start_target(model, ids: torch.Tensor, want_hidden: bool) -> tuple[_Target,
 
 
 def _check_window(target: _Target, session: GuessSession, max_new_tokens: int) -> None:
-    windows = [layer.sliding_window for layer in getattr(target.cache, "layers", []) if getattr(layer, "is_sliding", False)]
+    """The whole run must fit the model's positions (and a sliding window, which compaction cannot cross)."""
     T = target.context_length + 1
+    longest = T + max_new_tokens + session.max_input_length
+    max_pos = getattr(target.model.config, "max_position_embeddings", None)
+    if max_pos is not None and longest > max_pos:
+        raise UserError(f"model: prompt ({T}) + max_new_tokens ({max_new_tokens}) + step input "
+                        f"({session.max_input_length}) exceeds the model's {max_pos} positions")
+    windows = [layer.sliding_window for layer in getattr(target.cache, "layers", []) if getattr(layer, "is_sliding", False)]
     if windows and T + max_new_tokens + session.max_input_length >= min(windows):
         raise UserError(f"model: sliding window of {min(windows)} tokens: prompt ({T}) + max_new_tokens ({max_new_tokens}) "
                         f"+ step input ({session.max_input_length}) must stay below it (KV compaction keeps the whole context)")

@@ -23,8 +23,10 @@ from decoder.guesser import DistanceGuesser
 from decoder.layout import prompt_block_mask  # noqa: F401  (re-exported: the mask lives with the layouts)
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
+from planner.tree import MAX_PROMPT_TOKENS
 
 WEIGHTS_NAME = "prompt_tokens.safetensors"
+MAX_ENSEMBLE = 16  # E copies per prompt token
 CONFIG_NAME = "prompt_tokens.json"
 FORMAT = "tree-planner/prompt-tokens"
 
@@ -41,8 +43,9 @@ class PromptTokens(DistanceGuesser, nn.Module):
 
     def __init__(self, num_prompt_tokens: int, ensemble: int, hidden_size: int, top_k: int = 10, meta: dict | None = None):
         super().__init__()
-        if num_prompt_tokens < 1 or ensemble < 1:
-            raise UserError(f"prompt tokens: need num_prompt_tokens >= 1 and ensemble >= 1, got {num_prompt_tokens}, {ensemble}")
+        if not (1 <= num_prompt_tokens <= MAX_PROMPT_TOKENS and 1 <= ensemble <= MAX_ENSEMBLE):
+            raise UserError(f"prompt tokens: need num_prompt_tokens in 1..{MAX_PROMPT_TOKENS} and ensemble in "
+                            f"1..{MAX_ENSEMBLE}, got {num_prompt_tokens}, {ensemble}")
         self.num_prompt_tokens = num_prompt_tokens
         self.ensemble = ensemble
         self.hidden_size = hidden_size
@@ -101,9 +104,9 @@ class PromptTokens(DistanceGuesser, nn.Module):
         cfg = read_json(cfg_path)
         if not isinstance(cfg, dict):
             raise UserError(f"{cfg_path}: expected a JSON object")
-        for key in ("num_prompt_tokens", "ensemble", "hidden_size"):
-            if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or cfg[key] < 1:
-                raise UserError(f"{cfg_path}: field '{key}' must be a positive integer")
+        for key, top in (("num_prompt_tokens", MAX_PROMPT_TOKENS), ("ensemble", MAX_ENSEMBLE), ("hidden_size", 1 << 16)):
+            if not isinstance(cfg.get(key), int) or isinstance(cfg.get(key), bool) or not 1 <= cfg[key] <= top:
+                raise UserError(f"{cfg_path}: field '{key}' must be an integer in 1..{top}, got {cfg.get(key)!r}")
         try:
             tensors = load(w_path.read_bytes())
         except FileNotFoundError:

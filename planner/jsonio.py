@@ -30,11 +30,30 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write to a temporary file in the same directory, then rename over the target."""
+def writable_target(path: str | os.PathLike) -> Path:
+    """The file an output path names: a symbolic link is followed; anything that exists and is
+    not a regular file (a directory, /dev/full, a pipe) is refused, so it is never replaced."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    target = path.resolve() if path.is_symlink() else path
+    if target.exists() and not target.is_file():
+        kind = "a directory" if target.is_dir() else "not a regular file"
+        raise UserError(f"{path}: is {kind}; give a file name to write")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise UserError(f"{path}: {target.parent} is not a directory")
+    return target
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write to a temporary file in the same directory, then rename over the target (a regular file or nothing)."""
+    path = writable_target(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{path}: cannot create its directory ({e.strerror})") from None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write there ({e.strerror})") from None
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; outputs should look like any other file
         with os.fdopen(fd, "wb") as f:
@@ -42,11 +61,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            raise UserError(f"{path}: cannot write ({e.strerror or e}); nothing written") from None
         raise
     return path
 

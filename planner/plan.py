@@ -33,16 +33,11 @@ from planner.cost import (
 )
 from planner.errors import UserError
 from planner.profile import LatencyProfile
-from planner.tree import Tree, TreeState
+from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, Tree, TreeState
 
 METHODS = ("medusa", "sequoia", "ppd")
 POSITIONAL_DEFAULT_DEPTH = 8  # a positional vector allows any depth; deeper than 8 rarely pays
-# Bounds on what a user can type: far above any useful tree (the best trees of the published
-# matrices stop near 64-256 tokens) and small enough that the searches' arrays fit in memory.
-MAX_SIZE = 4096  # candidates (medusa, sequoia: the DP is [depth, size, size])
-MAX_INPUT_LENGTH = 8192  # tokens per forward pass
-MAX_PROMPT_TOKENS = 16  # ppd: P
-MAX_DEPTH = 64
+
 SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"  # ../shared/data/... from the repo
 
 

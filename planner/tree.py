@@ -22,6 +22,13 @@ METHODS = ("medusa", "sequoia", "ppd")
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
 
 Path_ = tuple[int, ...]
+# Bounds on what a user can type or a file can say: far above any useful tree (the best trees of
+# the published matrices stop near 64-256 tokens) and small enough that the searches' arrays and
+# the decoder's buffers fit in memory.
+MAX_SIZE = 4096  # candidates (medusa, sequoia: the DP is [depth, size, size])
+MAX_INPUT_LENGTH = 8192  # tokens per forward pass
+MAX_PROMPT_TOKENS = 16  # ppd: P
+MAX_DEPTH = 64
 
 
 @dataclass
@@ -150,20 +157,20 @@ def tree_from_json(data, label: str = "tree") -> Tree:
                 raise UserError(f"{label}: missing field '{f}.{key}'")
         if not _is_int(s["state"]) or s["state"] < 0:
             raise UserError(f"{label}: field '{f}.state' must be a non-negative integer")
-        if not _is_int(s["input_length"]) or s["input_length"] < 1:
-            raise UserError(f"{label}: field '{f}.input_length' must be a positive integer")
+        if not _is_int(s["input_length"]) or not 1 <= s["input_length"] <= MAX_INPUT_LENGTH:
+            raise UserError(f"{label}: field '{f}.input_length' must be an integer in 1..{MAX_INPUT_LENGTH}")
         if not _is_num(s["expected_tokens"]):
             raise UserError(f"{label}: field '{f}.expected_tokens' must be a number")
-        if not isinstance(s["nodes"], list):
-            raise UserError(f"{label}: field '{f}.nodes' must be a list of rank paths")
+        if not isinstance(s["nodes"], list) or len(s["nodes"]) > MAX_SIZE:
+            raise UserError(f"{label}: field '{f}.nodes' must be a list of at most {MAX_SIZE} rank paths")
         nodes = []
         for j, p in enumerate(s["nodes"]):
-            if not isinstance(p, list) or not p or not all(_is_int(r) and r >= 0 for r in p):
-                raise UserError(f"{label}: field '{f}.nodes[{j}]' must be a non-empty list of ranks >= 0")
+            if not isinstance(p, list) or not 0 < len(p) <= MAX_DEPTH or not all(_is_int(r) and 0 <= r < MAX_SIZE for r in p):
+                raise UserError(f"{label}: field '{f}.nodes[{j}]' must be a list of 1..{MAX_DEPTH} ranks in 0..{MAX_SIZE - 1}")
             nodes.append(tuple(p))
         pt = s.get("prompt_tokens")
-        if pt is not None and (not isinstance(pt, list) or not all(_is_int(k) and k >= 0 for k in pt)):
-            raise UserError(f"{label}: field '{f}.prompt_tokens' must be a list of integers >= 0")
+        if pt is not None and (not isinstance(pt, list) or not all(_is_int(k) and 0 <= k <= MAX_PROMPT_TOKENS for k in pt)):
+            raise UserError(f"{label}: field '{f}.prompt_tokens' must be a list of integers in 0..{MAX_PROMPT_TOKENS}")
         pi = s.get("stationary_probability")
         if pi is not None and not (_is_num(pi) and 0 <= pi <= 1 + 1e-9):
             raise UserError(f"{label}: field '{f}.stationary_probability' must be a number in [0, 1]")
@@ -172,8 +179,8 @@ def tree_from_json(data, label: str = "tree") -> Tree:
             raise UserError(f"{label}: field '{f}.transitions' must be a list of numbers")
         states.append(TreeState(s["state"], nodes, float(s["expected_tokens"]), s["input_length"], pt, pi, tr))
     pmax = data.get("prompt_tokens_max")
-    if pmax is not None and (not _is_int(pmax) or pmax < 1):
-        raise UserError(f"{label}: field 'prompt_tokens_max' must be a positive integer")
+    if pmax is not None and (not _is_int(pmax) or not 1 <= pmax <= MAX_PROMPT_TOKENS):
+        raise UserError(f"{label}: field 'prompt_tokens_max' must be an integer in 1..{MAX_PROMPT_TOKENS}, got {pmax!r}")
     sp = data.get("predicted_speedup")
     if sp is not None and not _is_num(sp):
         raise UserError(f"{label}: field 'predicted_speedup' must be a number")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from planner.errors import UserError
 
 DEFAULT_LENGTHS_SPEC = "1:32,36:128:4,136:256:8"  # dense where the knees are, 72 points
+MAX_INPUT_LENGTH = 65536  # tokens in one forward pass; the model and memory checks come later (measure.check_lengths)
+MAX_POINTS = 4096  # lengths in one profile: each is warmed up and timed several times
 
 
 def parse_lengths(spec: str) -> list[int]:
@@ -22,10 +24,14 @@ def parse_lengths(spec: str) -> list[int]:
                 f"--input-lengths: cannot parse '{part}' in '{spec}' (expected positive integers N, "
                 "START:STOP or START:STOP:STEP with STOP >= START, comma-separated)"
             )
-        if len(nums) == 1:
-            out.add(nums[0])
-        else:
-            out.update(range(nums[0], nums[1] + 1, nums[2] if len(nums) == 3 else 1))
+        top = nums[1] if len(nums) > 1 else nums[0]
+        if top > MAX_INPUT_LENGTH:
+            raise UserError(f"--input-lengths: {top} in '{part}' is above the largest forward pass this tool "
+                            f"measures ({MAX_INPUT_LENGTH} tokens)")
+        rng = range(nums[0], top + 1, nums[2] if len(nums) == 3 else 1)
+        if len(out) + len(rng) > MAX_POINTS:
+            raise UserError(f"--input-lengths: '{spec}' asks for more than {MAX_POINTS} lengths; use a STEP")
+        out.update(rng)
     return sorted(out)
 
 

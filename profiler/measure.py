@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoder.cache import crop_cache
 from decoder.forward import (
     ancestor_matrix,
     prefill,
@@ -38,7 +39,9 @@ from profiler.models import LoadedModel, config_hash, dtype_name
 TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4
 
 
-def check_lengths(input_lengths: list[int], context_length: int, max_positions: int | None) -> None:
+def check_lengths(input_lengths: list[int], context_length: int, max_positions: int | None, model=None,
+                  batch_size: int = 1, device=None) -> None:
+    """Every length must fit the model's positions and, with `model`, this machine's memory."""
     if context_length < 1:
         raise UserError(f"--context-length: must be at least 1, got {context_length}")
     if max_positions is not None and context_length + max(input_lengths) > max_positions:
@@ -47,6 +50,41 @@ def check_lengths(input_lengths: list[int], context_length: int, max_positions: 
             f"(context {context_length} + {max(input_lengths)} > max_position_embeddings {max_positions}; "
             f"longest allowed {max_positions - context_length})"
         )
+    if model is not None:
+        need = forward_bytes(model, max(input_lengths), context_length, batch_size)
+        free = available_bytes(torch.device(device) if device is not None else next(model.parameters()).device)
+        if free is not None and need > 0.8 * free:
+            raise UserError(f"--input-lengths/--context-length/--batch-size: a forward over {max(input_lengths)} tokens "
+                            f"after {context_length} at batch {batch_size} needs about {need / 2**30:.1f} GiB, "
+                            f"{free / 2**30:.1f} GiB are free")
+
+
+def forward_bytes(model, n: int, context_length: int, batch_size: int = 1) -> int:
+    """Rough peak memory of one forward over n new tokens: fp32 logits, the KV cache, activations."""
+    cfg = model.config.get_text_config()
+    item = next(model.parameters()).element_size()
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = 2 * cfg.num_hidden_layers * (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim * item
+    logits = n * cfg.vocab_size * 4
+    activations = n * (cfg.hidden_size * 8 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3) * item
+    scores = heads * n * (context_length + n) * 4  # one layer's attention scores at a time
+    return batch_size * (logits + (context_length + n) * kv + activations + scores)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on the device (CPU: MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def median_rel_ci(samples: list[float]) -> float:
@@ -282,10 +320,12 @@ def profile_model(
     target_rel_ci: float = 0.02,
     warmup: int = 1,
     seed: int = 0,
+    overhead: bool = True,
 ) -> dict:
     """Measure forward latency at every input length and batch size; returns the profile JSON object.
 
-    `model` is a LoadedModel or a bare transformers model. Out of memory at a length drops that
+    `model` is a LoadedModel or a bare transformers model. overhead: also measure the decoder's
+    own per-step work outside the forward pass (profiler/overhead.py), which the cost model adds. Out of memory at a length drops that
     length and all longer ones for that batch size; Ctrl-C stops measuring. In both cases the
     points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
     point re-raises KeyboardInterrupt).
@@ -326,6 +366,14 @@ def profile_model(
                 "min_repeats": min_repeats, "max_repeats": max_repeats, "target_rel_ci": target_rel_ci,
                 "warmup": warmup, "cuda_graphs": cuda_graphs, "seed": seed, "load_avg_1m": [load_start, _load()]}
     result = _profile_json(st, loaded, out_series, settings)
+    if overhead and not interrupted and batch_sizes[0] == 1:
+        from profiler.overhead import measure_overhead
+
+        result["decoder_overhead"] = measure_overhead(hf, max(out_series[0]["input_lengths"]))
+    return _mark_incomplete(result, series, stopped)
+
+
+def _mark_incomplete(result: dict, series: list[Series], stopped: list[dict]) -> dict:
     if stopped:
         result["incomplete"] = stopped
     unmeasured = {s.batch_size: s.unmeasured for s in series if s.unmeasured}
@@ -341,7 +389,7 @@ def _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, m
     if cuda_graphs and device.type != "cuda":
         raise UserError("--cuda-graphs: needs a CUDA device")
     lengths = sorted(set(int(n) for n in input_lengths))
-    check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None))
+    check_lengths(lengths, context_length, getattr(hf.config, "max_position_embeddings", None), hf, 1, device)
     # Time-based bar: the run is bounded by the budget, and how many samples a length needs is unknown.
     bar = tqdm(total=round(time_budget_s, 1), disable=not progress, dynamic_ncols=True,
                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
@@ -489,3 +537,24 @@ def _load() -> float | None:
 def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def warm_up_shapes(model, prompts: list[torch.Tensor], input_lengths) -> None:
+    """One untimed pass at every shape a timed decoding run will meet: each prompt's prefill and a
+    tree step of every input length (the first forward at a new shape can cost many times a
+    warm one on the CPU), so that no timing pays a first-call cost."""
+    dev = model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    vocab = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    cache = None
+    for T in sorted({int(p.numel()) for p in prompts}):
+        cache = prefill(model, torch.randint(0, vocab, (1, max(T - 1, 1)), generator=gen).to(dev)).cache
+    if cache is None:
+        return
+    C = cache.get_seq_length()
+    for n in sorted({int(n) for n in input_lengths}):
+        x = make_tree_input(n, 1, C, vocab, dtype, dev, gen)
+        Runner(model, cache, False).forward(x)
+        crop_cache(cache, C)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,11 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None) -> None:
+    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?|meta", str(device)):
+        raise UserError(f"--device: expected cpu, cuda or cuda:N, got '{device}'")
 
 
 def resolve_dtype(dtype: str | None, device: str):
@@ -163,6 +169,7 @@ def load_model(spec: str, device: str | None = None, dtype: str | None = None, w
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    check_device(device)
     name, source, path = _resolve(spec, weights)
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():

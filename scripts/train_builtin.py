@@ -98,7 +98,7 @@ def make_config(vocab_size: int):
     return config
 
 
-def token_stream(tokenizer, texts: list[str]) -> "torch.Tensor":
+def token_stream(tokenizer, texts: list[str]) -> "torch.Tensor":  # noqa: F821
     """All texts as one id stream [N], each text starting with <s> (and chat turns ending in </s>)."""
     import torch
 

@@ -7,6 +7,7 @@ from scipy.stats import chisquare
 from test_decoder_utils import static_tree, tiny_model
 
 from decoder import PromptTokens, generate, generate_plain
+from planner.errors import UserError
 
 torch.set_num_threads(1)
 
@@ -104,7 +105,10 @@ def test_typical_acceptance_emits_supported_tokens(model):
         out = generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, seed=seed,
                        verify_rule="typical", temperature=1.0)
         assert out.tokens.numel() == 6 and int(out.tokens.max()) < VOCAB
-    # at temperature 0 every rule is greedy
+    # at temperature 0 every rule is greedy: asking for a sampling rule there is refused, not ignored
+    for rule in ("typical", "lossless"):
+        with pytest.raises(UserError, match=f"verify rule '{rule}' samples, but temperature is 0"):
+            generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule=rule)
     ref = generate_plain(model, torch.tensor([1, 2]), 6).tokens
-    out = generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule="typical")
+    out = generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule="greedy")
     assert torch.equal(out.tokens, ref)

@@ -38,15 +38,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, help="results JSON (default: print a summary only)")
 
 
+FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "eps": "--eps", "delta": "--delta",
+         "verify rule": "--verify"}
+
+
+def check_sampling(args) -> None:
+    """The sampling options as the decoder will see them, before any model loads."""
+    from decoder.verify import Sampling
+
+    try:
+        Sampling(args.temperature, args.top_k, args.top_p, getattr(args, "verify", "auto"), getattr(args, "eps", 0.09),
+                 getattr(args, "delta", 0.3))
+    except UserError as e:
+        field, _, rest = str(e).partition(": ")
+        raise UserError(f"{FLAGS.get(field, field)}: {rest}") from None
+
+
 def _check(args) -> None:
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens: expected a positive integer")
-    if args.temperature < 0:
-        raise UserError("--temperature: expected a number >= 0")
-    if not 0 < args.top_p <= 1:
-        raise UserError("--top-p: expected a number in (0, 1]")
-    if args.top_k < 0:
-        raise UserError("--top-k: expected an integer >= 0")
+    check_sampling(args)
 
 
 def run(args) -> int:
@@ -62,6 +73,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from decoder.loop import generate, generate_plain
+    from profiler.compare import classify
 
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
@@ -78,14 +90,15 @@ def run(args) -> int:
         for text, ids in tqdm(list(zip(texts, prompts)), desc="decode", unit="prompt", disable=args.no_progress):
             out = generate(model, ids, plan=tree, guesser=guesser, verify_rule=args.verify, eps=args.eps,
                            delta=args.delta, **gen_kw)
-            row = {"prompt": text, "prompt_length": int(ids.numel()), "tokens": out.tokens.tolist(),
+            row = {"prompt": text, "prompt_length": int(ids.numel()), "prompt_ids": ids.tolist(), "tokens": out.tokens.tolist(),
                    "steps": out.steps, "stats": out.stats.to_json()}
             if tokenizer is not None:
                 row["text"] = tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
             if args.compare_plain:
                 plain = generate_plain(model, ids, **gen_kw)
                 row["plain"] = {"tokens": plain.tokens.tolist(), "steps": plain.steps, "summary": plain.stats.summary()}
-                row["identical_to_plain"] = plain.tokens.tolist() == row["tokens"]
+                row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"])
+                row["identical_to_plain"] = row["comparison"]["status"] == "identical"
             if args.print_text:
                 print(f"--- {text[:60]!r}\n{row.get('text', row['tokens'])}")
             results.append(row)
@@ -126,6 +139,9 @@ def _summary(results: list[dict], plain: bool) -> dict:
         s["plain_tokens_per_s"] = p_tokens / p_seconds if p_seconds > 0 else None
         s["speedup"] = (s["tokens_per_s"] / s["plain_tokens_per_s"]) if s["tokens_per_s"] and s["plain_tokens_per_s"] else None
         s["identical_to_plain"] = all(r["identical_to_plain"] for r in results)
+        from profiler.compare import summarize
+
+        s.update(summarize([r["comparison"]["status"] for r in results]))  # near ties (bf16 rounding) apart from mismatches
     return s
 
 

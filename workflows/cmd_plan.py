@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 
 DESCRIPTION = """\
@@ -64,8 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="medusa/sequoia: largest size tried without --size (default 64)")
     h.add_argument("--max-input-length", type=int, metavar="N",
                    help="ppd: largest input length tried without --input-length (default: the profile's)")
-    h.add_argument("--draft-latency", type=float, default=0.0, metavar="S",
-                   help="seconds per draft step, added depth times to each step (sequoia with a draft model)")
+    h.add_argument("--guesser", default="auto", choices=GUESSERS,
+                   help="how the guesser feeds the tree, for the cost of a step: heads (the tree's tokens only, e.g. "
+                        "Medusa heads), prompt-tokens (PPD: static trees carry depth prompt tokens on every node), "
+                        "draft (a draft model: one pass per tree level), parallelspec (one drafter pass per step); "
+                        "auto: what the acceptance file records, else prompt-tokens for ppd or a ppd-named file")
+    h.add_argument("--ensemble", type=int, default=None, metavar="E",
+                   help="input tokens per prompt token (PPD ensemble; default from the acceptance file, else 1)")
+    h.add_argument("--draft-latency", type=float, default=None, metavar="S",
+                   help="seconds per drafter pass, paid per tree level (draft) or once per step (parallelspec)")
+    h.add_argument("--time-budget", type=float, default=30.0, metavar="S",
+                   help="ppd: seconds for the size sweep with --profile (coarse to fine; default 30)")
     x = p.add_argument_group("ppd construction")
     x.add_argument("--paper", action="store_true",
                    help="the PPD paper's heuristic only (no policy iteration, one shared budget)")
@@ -77,13 +87,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from planner.accept import load_acceptance
     from planner.errors import UserError
-    from planner.jsonio import atomic_write_json
+    from planner.jsonio import atomic_write_json, writable_target
     from planner.plan import plan
     from planner.profile import load_profile
     from planner.tree import validate_tree
 
+    if args.output:
+        writable_target(args.output)  # before minutes of planning, not after
     accept = load_acceptance(args.accept)
     profile = load_profile(args.profile) if args.profile else None
+    if not (math.isfinite(args.time_budget) and args.time_budget > 0):
+        raise UserError(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
+    guessing = _guessing(args, accept)
     for name in ("size", "max_depth", "input_length", "prompt_tokens", "max_size", "max_input_length"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -99,7 +114,8 @@ def run(args) -> int:
         args.method, accept, size=args.size, max_depth=args.max_depth, input_length=args.input_length,
         prompt_tokens=args.prompt_tokens, profile=profile, max_size=args.max_size,
         max_input_length=args.max_input_length, improved=not args.paper,
-        per_state_budgets=not args.shared_budget, draft_latency_s=args.draft_latency, progress=progress,
+        per_state_budgets=not args.shared_budget, guessing=guessing, time_budget_s=args.time_budget,
+        progress=progress,
     )
     tree.provenance["command"] = "planner plan " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:])
     tree.provenance["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -115,6 +131,19 @@ def run(args) -> int:
     if not args.quiet:
         print(summary(tree, label), file=sys.stderr)
     return 0
+
+
+GUESSERS = ("auto", "heads", "prompt-tokens", "draft", "parallelspec")
+
+
+def _guessing(args, accept):
+    from planner.cost import default_guessing
+
+    fields = {"ensemble": args.ensemble, "draft_s": args.draft_latency}
+    if args.guesser != "auto":
+        fields["prompt_tokens"] = args.guesser == "prompt-tokens"
+        fields["draft_passes"] = "one" if args.guesser == "parallelspec" else "depth"
+    return default_guessing(args.method, accept, **fields)
 
 
 def _version() -> str:

@@ -90,6 +90,19 @@ def _check_writable(opt: str, path: Path) -> None:
         raise UserError(f"{opt} {path}: cannot write there")
 
 
+def _select_path(model, attention: str) -> None:
+    """The attention path to time: auto is the decoder's own choice (the Triton tree kernels on
+    CUDA for models they serve, the dense mask elsewhere), so a profile times what decoding runs."""
+    from decoder.loop import select_attention
+
+    if attention == "sdpa":
+        return
+    try:
+        select_attention(model, "kernels" if attention == "tree" else "auto")
+    except UserError as e:
+        raise UserError(f"--attention {attention}: {str(e).split(': ', 1)[-1]}; profile with --attention sdpa") from None
+
+
 def run(args) -> int:
     from profiler.models import default_model_spec, preset_names
 
@@ -113,19 +126,12 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     spec = args.model or default_model_spec()
     device = args.device
-    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device: expected cpu, cuda or cuda:N, got '{device}'")
     if args.cuda_graphs and device == "cpu":
         raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
-    loaded = load_model(spec, device=device, dtype=args.dtype)
-    if args.attention == "tree":
-        from decoder.attention import enable_tree_attention, unsupported_reason
-
-        reason = unsupported_reason(loaded.model)
-        if reason:
-            raise UserError(f"--attention tree: {reason}; profile with --attention sdpa")
-        enable_tree_attention(loaded.model)
-    check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None))
+    loaded = load_model(spec, device=device, dtype=args.dtype, weights=False)
+    _select_path(loaded.model, args.attention)
+    check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None),
+                  loaded.model, max(batch_sizes))
     print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "
           f"{next(loaded.model.parameters()).device}: {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
           f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)

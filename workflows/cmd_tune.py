@@ -57,8 +57,11 @@ def run(args) -> int:
                             ("--max-new-tokens", args.max_new_tokens, 1)):
         if value < lo:
             raise UserError(f"{name} must be at least {lo}, got {value}")
-    if args.temperature < 0 or args.draft_latency_ms < 0:
-        raise UserError("--temperature and --draft-latency-ms must be >= 0")
+    import math
+
+    for name, value in (("--temperature", args.temperature), ("--draft-latency-ms", args.draft_latency_ms)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UserError(f"{name}: expected a finite number >= 0, got {value}")
     sources = [parse_accept_spec(a) for a in args.accept]
     profile = load_profile(args.profile) if args.profile else None
     space = SearchSpace(sources, methods=methods, max_size=args.max_size, max_prompt_tokens=args.max_prompt_tokens,

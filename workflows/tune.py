@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from planner.accept import Acceptance, load_acceptance
 from planner.cost import Guessing, Prediction, default_guessing, input_lengths, predict
 from planner.errors import UserError
+from planner.plan import MAX_PROMPT_TOKENS, MAX_SIZE
 from planner.profile import LatencyProfile
 from planner.tree import METHODS, Tree, save_tree
 
@@ -164,6 +166,12 @@ class SearchSpace:
     draft_latency_s: float = 0.0  # sequoia: one draft step's latency, paid depth times
 
     def __post_init__(self):
+        for name in ("temperature", "draft_latency_s"):
+            x = getattr(self, name)
+            if not (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0):
+                raise UserError(f"{name.replace('_s', '').replace('_', ' ')}: expected a finite number >= 0, got {x!r}")
+        if self.max_size > MAX_SIZE or self.max_prompt_tokens > MAX_PROMPT_TOKENS:
+            raise UserError(f"search space: max size at most {MAX_SIZE}, max prompt tokens at most {MAX_PROMPT_TOKENS}")
         self.methods = tuple(m for m in self.methods if self.sources_for(m))
         if not self.methods:
             raise UserError("--accept: no acceptance file describes any of the methods searched")

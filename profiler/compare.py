@@ -1,0 +1,49 @@
+"""Is a decoder's output the target's greedy output? Identical, a near tie, or a real mismatch.
+
+In fp32 tree decoding is token-identical to plain decoding. In bf16/fp16 the tree's forward
+(other shapes, other kernels, another summation order) may round a logit differently from the
+plain forward; where the target's top two logits are closer than that rounding, either token is
+the target's greedy choice within the dtype's resolution. Such a difference is a near tie, not a
+bug; anything else is a mismatch. Compare against plain decoding in the same dtype and cache path
+(decoder.generate_plain), then classify the first difference here.
+"""
+from __future__ import annotations
+
+import torch
+
+RELATIVE_ROUNDING_STEPS = 4  # a gap within a few units of the dtype's rounding at the logits' size is a tie
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (or one ends early), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def classify(model, prompt_ids: torch.Tensor, reference: list[int], other: list[int]) -> dict:
+    """{'status': 'identical' | 'near_tie' | 'mismatch', ...} of `other` against `reference`
+    (plain greedy decoding of the same prompt). At the first difference: the target's top-2 logit
+    gap there and the dtype's resolution at that logit's size."""
+    i = first_difference(reference, other)
+    if i is None:
+        return {"status": "identical"}
+    if i >= len(reference) or i >= len(other):
+        return {"status": "mismatch", "position": i, "reason": "one output ends early"}
+    dev = model.get_input_embeddings().weight.device
+    ids = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(reference[:i], dtype=torch.long)]).to(dev)
+    logits = model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()  # [V]
+    top = logits.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    dtype = next(model.parameters()).dtype
+    resolution = RELATIVE_ROUNDING_STEPS * torch.finfo(dtype).eps * max(abs(float(top.values[0])), 1.0)
+    near = gap <= resolution and int(other[i]) in top.indices.tolist()
+    return {"status": "near_tie" if near else "mismatch", "position": i, "top2_gap": gap, "resolution": resolution,
+            "reference_token": int(reference[i]), "other_token": int(other[i])}
+
+
+def summarize(statuses: list[str]) -> dict:
+    return {"identical": statuses.count("identical"), "near_ties": statuses.count("near_tie"),
+            "mismatches": statuses.count("mismatch")}
