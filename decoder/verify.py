@@ -45,7 +45,7 @@ class Sampling:
         if self.mode not in RULES:
             raise UserError(f"verify rule: expected one of {', '.join(RULES)}, got {self.mode!r}")
         if self.mode in ("typical", "lossless") and self.temperature == 0:
-            raise UserError(f"verify rule '{self.mode}' samples, but temperature is 0, where every rule is greedy: "
+            raise UserError(f"verify rule: '{self.mode}' samples, but temperature is 0, where every rule is greedy; "
                             "give a temperature > 0, or the rule greedy (or auto)")
 
     @property

@@ -107,7 +107,7 @@ def test_typical_acceptance_emits_supported_tokens(model):
         assert out.tokens.numel() == 6 and int(out.tokens.max()) < VOCAB
     # at temperature 0 every rule is greedy: asking for a sampling rule there is refused, not ignored
     for rule in ("typical", "lossless"):
-        with pytest.raises(UserError, match=f"verify rule '{rule}' samples, but temperature is 0"):
+        with pytest.raises(UserError, match=f"verify rule: '{rule}' samples, but temperature is 0"):
             generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule=rule)
     ref = generate_plain(model, torch.tensor([1, 2]), 6).tokens
     out = generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule="greedy")
