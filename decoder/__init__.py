@@ -21,6 +21,8 @@ _EXPORTS = {
     "Proposal": "decoder.guesser",
     "StepOutcome": "decoder.guesser",
     "OracleGuesser": "decoder.oracle",
+    "DraftModelGuesser": "decoder.draft",
+    "PromptLookupGuesser": "decoder.lookup",
     "plan_layout": "decoder.layout",
 }
 

@@ -144,18 +144,66 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout,
                    torch.tensor([last], dtype=torch.long, device=tokens.device))
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)): what is left of the target's distribution after a rejected draw from q.
+    When nothing is left (p <= q everywhere, so the rejection had probability 0), p itself."""
+    r = (p - q).clamp_min(0)
+    total = float(r.sum())
+    return r / total if total > 0 else p
+
+
+def without(q: torch.Tensor, x: int) -> torch.Tensor:
+    """q with token x removed and renormalised: the next sibling's draw, sampling without replacement."""
+    q = q.clone()
+    q[x] = 0.0
+    total = float(q.sum())
+    return q / total if total > 0 else q
+
+
+def verify_sampled(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator,
+                   draft_probs: torch.Tensor) -> Verdict:
+    """Sampled drafts (SpecInfer / Sequoia): node u's children were drawn from q_u without
+    replacement, in rank order. Accept child x with probability min(1, p(x) / q(x)); on rejection
+    p <- norm(max(p - q, 0)) and q loses x (renormalised) for the next sibling; if every child is
+    rejected, the token comes from what is left of p. The output distribution is the target's
+    (tests/test_draft_sampling.py checks it by exact enumeration and shows wrong rules fail).
+    """
+    toks = tokens.cpu().tolist()
+    u, path = 0, [0]
+    while True:
+        p = probabilities(logits[u], s).double().cpu()  # [V] the target at u
+        q = draft_probs[u].double().cpu()  # [V] the draft at u, before any draw
+        moved = False
+        for c in buf.children[u].tolist():
+            if c < 0:
+                break
+            x = toks[c]
+            ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else float("inf")
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, ratio):
+                u, moved = c, True
+                path.append(c)
+                break
+            p, q = residual(p, q), without(q, x)
+        if not moved:
+            last = int(torch.multinomial(p, 1, generator=generator)) if float(p.sum()) > 0 else int(logits[u].argmax())
+            break
+    emitted = [toks[i] for i in path[1:]] + [last]
+    return Verdict(torch.tensor(path, dtype=torch.long, device=tokens.device), path, emitted,
+                   torch.tensor([last], dtype=torch.long, device=tokens.device))
+
+
 def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator=None,
            draft_probs: torch.Tensor | None = None) -> Verdict:
     """logits [num_tree, V], tokens [num_tree] (root first). draft_probs [num_tree, V]: the draft
     distribution each node's children were sampled from (sampled drafts); None: deterministic guesses."""
     rule = s.rule
-    if draft_probs is not None and rule != "greedy":
-        raise NotImplementedError("verification of sampled drafts")
     if rule == "greedy":
         return verify_greedy(logits, tokens, buf)
     if rule == "typical":
         return verify_typical(logits, tokens, buf, s, generator)
     if rule == "lossless":
+        if draft_probs is not None:
+            return verify_sampled(logits, tokens, buf, s, generator, draft_probs)
         return verify_lossless(logits, tokens, buf, s, generator)
     raise ValueError(f"unknown verification rule {rule!r}")
 

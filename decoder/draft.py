@@ -1,0 +1,221 @@
+"""Draft-model guessing: a small causal LM with the target's tokenizer proposes a token tree.
+
+    guesser = DraftModelGuesser(draft_model)          # any Hugging Face causal LM, same vocabulary
+    out = generate(target, ids, plan="trees/sequoia-draft.json", guesser=guesser)   # plan=None: a chain
+
+The tree's shape comes from the plan (medusa or sequoia trees over draft ranks; no plan: a chain
+of `depth` tokens, classic speculative decoding). Each step the drafter runs one pass per tree
+level over its own KV cache: first the tokens it has not seen yet (the last step's accepted leaf,
+if any, and the root), then the nodes of each level that have children, as a tree with a dense
+mask. A node's children are its rank-ordered guesses: at temperature 0 (and for typical
+acceptance) the top-k tokens of the drafter's distribution q; for lossless sampling, tokens drawn
+from q without replacement, in order, with q handed to verification (decoder.verify.verify_sampled).
+After verification the drafter's cache keeps exactly the accepted tokens it has fed (KV compaction,
+as the target's), so it always equals a prefill of the accepted text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoder.cache import compact_cache
+from decoder.forward import ancestor_matrix, prefill, tree_depths
+from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.layout import layout_for
+from decoder.verify import Sampling
+from planner.errors import UserError
+from planner.tree import Tree
+
+
+def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
+    """A chain of `depth` rank-0 guesses (speculative decoding's draft of `depth` tokens)."""
+    return tuple((0,) * d for d in range(1, depth + 1))
+
+
+def plan_nodes(plan: Tree | None, depth: int, label: str) -> tuple[tuple[int, ...], ...]:
+    """The static tree a drafter fills: the plan's (medusa or sequoia), or a chain of `depth`."""
+    if plan is None:
+        return chain_nodes(depth)
+    if plan.method == "ppd":
+        raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; drafters run medusa or sequoia trees "
+                        "(planner plan medusa|sequoia --accept <the drafter's acceptance>)")
+    nodes = tuple(plan.states[0].nodes)
+    if not nodes:
+        raise UserError(f"{label}: the {plan.method} tree has no candidates")
+    return nodes
+
+
+def contiguous(nodes) -> bool:
+    """Every sibling rank r > 0 has its rank r - 1 sibling: the first k draws of sampling without replacement."""
+    present = set(nodes)
+    return all(p[-1] == 0 or p[:-1] + (p[-1] - 1,) in present for p in nodes)
+
+
+@dataclass
+class TreeShape:
+    """A static tree's structure, host side: parents, levels and rank-ordered children."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    parents: list[int]  # tree index of each token's parent (root: -1)
+    depth: list[int]
+    children: list[list[int]]  # per tree index, children in rank order
+    ancestors: torch.Tensor  # [num_tree, num_tree] bool, a token and its ancestors
+
+    @classmethod
+    def of(cls, nodes) -> "TreeShape":
+        index = {(): 0}
+        parents = [-1]
+        for i, p in enumerate(nodes):
+            parents.append(index[p[:-1]])
+            index[p] = i + 1
+        children: list[list[int]] = [[] for _ in parents]
+        for i in sorted(range(1, len(parents)), key=lambda i: nodes[i - 1][-1]):
+            children[parents[i]].append(i)
+        return cls(tuple(nodes), parents, tree_depths(parents), children, ancestor_matrix(parents))
+
+    def level(self, d: int) -> list[int]:
+        """Tree indices at depth d that have children (leaves are never fed to the drafter)."""
+        return [u for u in range(len(self.parents)) if self.depth[u] == d and self.children[u]]
+
+
+def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
+    they were sampled (without replacement) rather than taken as the top-k.
+
+    q is the drafter's distribution at the target's temperature, without top-k / top-p: any q is
+    lossless as long as verification uses the same one, and a full support always has k tokens.
+    """
+    if not sampled:
+        return logits.float().topk(k).indices, None
+    q = torch.softmax(logits.float() / s.temperature, dim=-1)  # [V]
+    return torch.multinomial(q.cpu(), k, replacement=False, generator=gen).to(logits.device), q
+
+
+class DraftModelGuesser:
+    """A draft LM (any Hugging Face causal LM with the target's vocabulary) that proposes trees.
+
+    top_k: ranks a plan may use per node; depth: the chain length when no plan is given.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, draft_model, top_k: int = 8, depth: int = 4, label: str = "draft model"):
+        if top_k < 1 or depth < 1:
+            raise UserError(f"{label}: top_k and depth must be at least 1")
+        self.draft_model = draft_model.eval()
+        self.top_k = top_k
+        self.depth = depth
+        self.label = label
+
+    @property
+    def num_distances(self) -> int:
+        return self.depth
+
+    def check(self, plan: Tree | None, label: str = "plan") -> None:
+        nodes = plan_nodes(plan, self.depth, label)
+        ranks = max(r for p in nodes for r in p)
+        if ranks >= self.top_k:
+            raise UserError(f"{label}: the plan uses rank {ranks}, the draft guesser gives top-{self.top_k} per node")
+
+    def begin(self, model, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
+        vocab = model.get_input_embeddings().weight.shape[0]
+        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
+                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        nodes = plan_nodes(plan, self.depth, ctx.label)
+        sampled = ctx.sampling.rule == "lossless"
+        if sampled and not contiguous(nodes):
+            raise UserError(f"{ctx.label}: lossless sampling with a draft model needs contiguous sibling ranks "
+                            "(a sequoia tree): a child is the next draw without replacement")
+        return DraftSession(self.draft_model, nodes, prompt_ids, ctx, sampled)
+
+
+class DraftSession:
+    def __init__(self, draft_model, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
+        self.model, self.ctx, self.sampled = draft_model, ctx, sampled
+        self.shape = TreeShape.of(nodes)
+        self.layout = layout_for(nodes, max(r for p in nodes for r in p) + 1, ctx.dtype, ctx.device)
+        self.max_input_length = self.layout.input_length
+        ids = prompt_ids.reshape(-1)
+        self.cache = prefill(draft_model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(draft_model)
+        self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
+        self.slots: dict[int, int] = {}  # tree index -> its row in the drafter's cache, this step
+        self.base = 0  # cache length after the step's first pass (context + unseen + root)
+
+    @torch.inference_mode()
+    def propose(self, root: torch.Tensor) -> Proposal:
+        sh = self.shape
+        V = self.model.get_input_embeddings().weight.shape[0]
+        tokens = torch.zeros(len(sh.parents), dtype=torch.long, device=root.device)  # [num_tree], root first
+        tokens[0] = root[0]
+        q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
+        logits = {0: self._first_pass(root)}  # tree index -> drafter logits [V] at that node
+        self.slots = {0: self.base - 1}
+        for d in range(max(sh.depth)):
+            for u in sh.level(d):
+                kids = sh.children[u]
+                toks, q = draft_children(logits[u], len(kids), self.ctx.sampling, self.sampled, self.ctx.generator)
+                tokens[kids] = toks
+                if q is not None:
+                    q_all[u] = q
+            fed = sh.level(d + 1)
+            if fed:
+                logits.update(self._level_pass(fed, tokens))
+        return Proposal(self.layout, tokens[1:], draft_probs=q_all)
+
+    def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
+        """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
+        C = self.cache.get_seq_length()
+        ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
+        ids = torch.cat([ids, root])[None]  # [1, m]
+        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.unseen = []
+        self.base = self.cache.get_seq_length()
+        return out.logits[0, -1]
+
+    def _level_pass(self, fed: list[int], tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+        """One drafter pass over the nodes `fed` of one level: each sees the context and its fed ancestors."""
+        sh = self.shape
+        L = self.cache.get_seq_length()
+        dev = tokens.device
+        anc = sh.ancestors
+        visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
+        visible[:, : self.base] = True  # context, unseen tokens and the root
+        for i, u in enumerate(fed):
+            for a, slot in self.slots.items():
+                if a != 0 and anc[u, a]:
+                    visible[i, slot] = True
+            visible[i, L + i] = True
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        root_pos = self.base - 1
+        pos = torch.tensor([[root_pos + sh.depth[u] for u in fed]], device=dev)
+        out = self.model(input_ids=tokens[fed][None], position_ids=pos, attention_mask=mask[None, None].to(dev),
+                         past_key_values=self.cache, use_cache=True)
+        for i, u in enumerate(fed):
+            self.slots[u] = L + i
+        return {u: out.logits[0, i] for i, u in enumerate(fed)}
+
+    def commit(self, outcome: StepOutcome) -> None:
+        """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
+        path = outcome.verdict.nodes  # tree indices, root first
+        fed = [u for u in path[1:] if u in self.slots]  # a prefix of the path: every fed node but the last has a child
+        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
+        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
+        toks = outcome.proposal.tokens.tolist()
+        self.unseen = [toks[u - 1] for u in path[1 + len(fed):]]
+
+
+def _empty_cache(draft_model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=draft_model.config)
+
+
+def _cache_device(cache):
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            return layer.keys.device
+    return torch.device("cpu")
