@@ -1,0 +1,109 @@
+"""The target's outputs on training windows, computed once and cached: what drafters distil from.
+
+For every position t of every window: the target's last hidden state f_t (after the final norm,
+the feature EAGLE-style drafters read and regress) and the top-k of its next-token distribution
+(ids and probabilities; the rest of the mass is not stored). Drafters train against these for
+many epochs, so the target runs over the data once. Chunks of windows are written as they finish
+(safetensors, fp16 features), so an interrupted run keeps them and the next run continues.
+
+Cache: <cache dir>/teacher/<key>/, key = hash of the target's config, the windows and the options.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from planner.jsonio import atomic_write_bytes
+from profiler.registry import cache_dir
+
+CHUNK = 32  # windows per file
+
+
+@dataclass
+class TeacherData:
+    tokens: torch.Tensor  # [N, T] long
+    top_ids: torch.Tensor  # [N, T, k] int32: the target's k likeliest next tokens at each position
+    top_probs: torch.Tensor  # [N, T, k] fp16, their probabilities
+    hidden: torch.Tensor | None  # [N, T, H] fp16 last hidden states, when asked
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def subset(self, rows: torch.Tensor) -> "TeacherData":
+        return TeacherData(self.tokens[rows], self.top_ids[rows], self.top_probs[rows],
+                           None if self.hidden is None else self.hidden[rows])
+
+
+def _key(model, windows: torch.Tensor, k: int, hidden: bool) -> str:
+    from profiler.models import config_hash
+
+    h = hashlib.sha256()
+    h.update(config_hash(model.config).encode())
+    h.update(windows.numpy().tobytes())
+    h.update(f"k={k} hidden={hidden} dtype={next(model.parameters()).dtype}".encode())
+    return h.hexdigest()[:20]
+
+
+@torch.inference_mode()
+def _chunk(model, x: torch.Tensor, k: int, hidden: bool, batch_size: int) -> dict:
+    ids, probs, feats = [], [], []
+    dev = model.get_input_embeddings().weight.device
+    for b in range(0, x.shape[0], batch_size):
+        out = model(input_ids=x[b: b + batch_size].to(dev), output_hidden_states=hidden)
+        top = torch.softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, T, k]
+        ids.append(top.indices.int().cpu())
+        probs.append(top.values.half().cpu())
+        if hidden:
+            feats.append(out.hidden_states[-1].half().cpu())
+    chunk = {"tokens": x.cpu(), "top_ids": torch.cat(ids), "top_probs": torch.cat(probs)}
+    if hidden:
+        chunk["hidden"] = torch.cat(feats)
+    return chunk
+
+
+def teacher_data(model, windows: torch.Tensor, k: int = 32, hidden: bool = True, batch_size: int = 4,
+                 progress: bool = True, root: Path | None = None) -> TeacherData:
+    """The target's top-k and (optionally) features on windows [N, T], from the cache when there."""
+    from safetensors.torch import load, save
+    from tqdm import tqdm
+
+    folder = (root or cache_dir() / "teacher") / _key(model, windows, k, hidden)
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = []
+    t0 = time.time()
+    starts = range(0, windows.shape[0], CHUNK)
+    for i in tqdm(starts, desc=f"teacher outputs (cache {folder.name})", unit="chunk", disable=not progress):
+        f = folder / f"part-{i // CHUNK:05d}.safetensors"
+        if f.is_file():
+            parts.append(load(f.read_bytes()))
+            continue
+        part = _chunk(model, windows[i: i + CHUNK], k, hidden, batch_size)
+        atomic_write_bytes(f, save({n: t.contiguous() for n, t in part.items()}))
+        parts.append(part)
+    data = TeacherData(torch.cat([p["tokens"] for p in parts]).long(), torch.cat([p["top_ids"] for p in parts]),
+                       torch.cat([p["top_probs"] for p in parts]),
+                       torch.cat([p["hidden"] for p in parts]) if hidden else None)
+    data.wall_s = time.time() - t0
+    return data
+
+
+def frequent_vocab(data: TeacherData, size: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most (top-1 counts, then top-k mass), sorted by id:
+    a drafter's restricted LM head."""
+    V = int(data.top_ids.max()) + 1
+    counts = torch.bincount(data.top_ids[..., 0].reshape(-1).long(), minlength=V).double()
+    mass = torch.zeros(V, dtype=torch.float64).index_add_(0, data.top_ids.reshape(-1).long(),
+                                                          data.top_probs.reshape(-1).double())
+    score = counts + 1e-3 * mass  # ties (and never-top-1 tokens) by probability mass
+    return score.topk(min(size, V)).indices.sort().values
+
+
+def coverage(data: TeacherData, head_ids: torch.Tensor) -> float:
+    """Fraction of positions whose greedy next token the restricted head can propose."""
+    keep = torch.zeros(int(max(int(data.top_ids.max()), int(head_ids.max()))) + 1, dtype=torch.bool)
+    keep[head_ids] = True
+    return float(keep[data.top_ids[..., 0].long()].float().mean())
