@@ -113,6 +113,26 @@ def step_latency(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guess
                      for w, n, st in zip(state_weights(tree), lengths, tree.states)))
 
 
+def padded_step_latency(tree: Tree, profile: LatencyProfile, batch_size: int,
+                        guessing: Guessing = Guessing()) -> float:
+    """E[step_s] for `batch_size` sequences whose inputs are padded to the longest in the batch.
+
+    Each sequence is in state s with probability pi_s, independently of the others (stationarity,
+    an approximation for PPD: neighbouring steps of one sequence are correlated, different
+    sequences are not). With states sorted by input length and W_i = sum of pi over the first i,
+    the longest input is state i's with probability W_i^b - W_{i-1}^b, and the step then costs
+    step_cost(profile_b, n_i, depth_i). A single-state tree (medusa, sequoia) pads nothing: its
+    value is `step_latency`. The profile must be the one measured at this batch size.
+    """
+    lengths = input_lengths(tree, guessing)
+    order = sorted(range(len(tree.states)), key=lambda i: (lengths[i], tree.states[i].depth))
+    weights = np.array(state_weights(tree))[order]
+    cum = np.cumsum(weights / weights.sum())
+    p_longest = np.diff(np.concatenate([[0.0], cum ** batch_size]))
+    costs = [step_cost(profile, lengths[i], tree.states[i].depth, guessing) for i in order]
+    return float(np.dot(p_longest, costs))
+
+
 def predict(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guessing()) -> Prediction:
     tau = float(sum(w * st.expected_tokens for w, st in zip(state_weights(tree), tree.states)))
     cost = step_latency(tree, profile, guessing)

@@ -8,3 +8,8 @@ class UserError(Exception):
 def where(path, field: str | None = None) -> str:
     """'FILE' or 'FILE: field' prefix for error messages."""
     return f"{path}: {field}" if field else f"{path}"
+
+
+class PlainIsFastest(UserError):
+    """The planner predicts plain decoding at least as fast as any tree (a schedule may say "no
+    speculation" there; a single plan refuses to write an empty tree)."""

@@ -31,7 +31,7 @@ from planner.cost import (
     step_cost,
     step_latency,
 )
-from planner.errors import UserError
+from planner.errors import PlainIsFastest, UserError
 from planner.profile import LatencyProfile
 from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, Tree, TreeState
 
@@ -104,7 +104,7 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
     else:
         tree = _plan_static(method, accept, size, max_depth, input_length, profile, max_size, guessing)
     if not any(st.nodes for st in tree.states) and method != "ppd":
-        raise UserError(f"{accept.label}: the best {method} tree has no candidates (plain decoding is predicted "
+        raise PlainIsFastest(f"{accept.label}: the best {method} tree has no candidates (plain decoding is predicted "
                         "fastest); give --size N to plan a tree anyway")
     if profile is not None:
         tree.predicted_speedup = predicted_speedup(tree, profile, guessing)

@@ -4,6 +4,8 @@ The profiler writes a richer file (see profiler/ and the README); the planner ne
   {"input_lengths": [...], "latency_s": [...]}
 and, when present, the fitted model {"fit": {"kind": "piecewise_linear",
 "input_lengths": [...], "latency_s": [...]}} which it prefers over the raw medians.
+A file measured at several batch sizes lists them in "series" (`load_batch_profiles`);
+`load_profile` reads the top level, which the profiler fills with the first series.
 """
 from __future__ import annotations
 
@@ -69,11 +71,14 @@ def _numbers(obj, label: str, field_name: str, integer: bool = False) -> np.ndar
     return np.asarray(obj, dtype=np.int64 if integer else np.float64)
 
 
-def profile_from_json(data, label: str = "profile", source: dict | None = None) -> LatencyProfile:
+def profile_from_json(data, label: str = "profile", source: dict | None = None,
+                      field_prefix: str = "") -> LatencyProfile:
+    """field_prefix names where `data` sits in its file (e.g. "series[2].") for error messages."""
     if not isinstance(data, dict):
-        raise UserError(f"{label}: expected a JSON object with 'input_lengths' and 'latency_s'")
+        where = f"field '{field_prefix.rstrip('.')}' must be" if field_prefix else "expected"
+        raise UserError(f"{label}: {where} a JSON object with 'input_lengths' and 'latency_s'")
     body = data.get("fit") if isinstance(data.get("fit"), dict) else data
-    prefix = "fit." if body is not data else ""
+    prefix = field_prefix + ("fit." if body is not data else "")
     for key in ("input_lengths", "latency_s"):
         if key not in body:
             raise UserError(f"{label}: missing field '{prefix}{key}'")
@@ -89,7 +94,7 @@ def profile_from_json(data, label: str = "profile", source: dict | None = None) 
     for k in ("device", "model", "dtype", "context_length", "batch_size"):
         if k in data:
             src[k] = data[k]
-    return LatencyProfile(n, lat, src, _overhead(data.get("decoder_overhead"), label))
+    return LatencyProfile(n, lat, src, _overhead(data.get("decoder_overhead"), label, field_prefix))
 
 
 def _non_decreasing(n: np.ndarray, lat: np.ndarray, label: str, prefix: str) -> np.ndarray:
@@ -106,16 +111,16 @@ def _non_decreasing(n: np.ndarray, lat: np.ndarray, label: str, prefix: str) -> 
     return peak
 
 
-def _overhead(obj, label: str) -> Overhead:
+def _overhead(obj, label: str, field_prefix: str = "") -> Overhead:
     if obj is None:
         return Overhead()
     if not isinstance(obj, dict):
-        raise UserError(f"{label}: field 'decoder_overhead' must be an object with 'fixed_s' and 'per_token_s'")
+        raise UserError(f"{label}: field '{field_prefix}decoder_overhead' must be an object with 'fixed_s' and 'per_token_s'")
     vals = {}
     for key in ("fixed_s", "per_token_s"):
         x = obj.get(key)
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-            raise UserError(f"{label}: field 'decoder_overhead.{key}' must be a number >= 0, got {x!r}")
+            raise UserError(f"{label}: field '{field_prefix}decoder_overhead.{key}' must be a number >= 0, got {x!r}")
         vals[key] = float(x)
     return Overhead(**vals)
 
@@ -124,3 +129,51 @@ def load_profile(path: str) -> LatencyProfile:
     data = read_json(path)
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
     return profile_from_json(data, label=str(path), source={"file": str(path), "sha256": digest})
+
+
+# Fields of a profiler file that describe every series (the series themselves carry only their numbers).
+SHARED_FIELDS = ("device", "model", "dtype", "context_length")
+
+
+def load_batch_profiles(path) -> dict[int, LatencyProfile]:
+    """One LatencyProfile per batch size, sorted by batch size.
+
+    A profiler file measured at several batch sizes keeps each one as an entry of the list
+    "series" ({"batch_size", "input_lengths", "latency_s", "fit"}); L_b(n) is then the forward
+    latency of b rows of n new tokens each. A file without "series" is one profile, at its own
+    "batch_size" (default 1). The file's "decoder_overhead" (measured at batch size 1) applies
+    to every series that has none of its own: a lower bound at larger batch sizes.
+    """
+    data = read_json(path)
+    label = str(path)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    source = {"file": label, "sha256": digest}
+    if not isinstance(data, dict):
+        raise UserError(f"{label}: expected a JSON object (a latency profile)")
+    series = data.get("series")
+    if series is None:
+        b = _batch_size(data.get("batch_size", 1), label, "batch_size")
+        return {b: profile_from_json(dict(data, batch_size=b), label=label, source=source)}
+    if not isinstance(series, list) or not series:
+        raise UserError(f"{label}: field 'series' must be a non-empty list of per-batch-size profiles")
+    _overhead(data.get("decoder_overhead"), label)  # a bad shared field is named where it is
+    out: dict[int, LatencyProfile] = {}
+    for i, entry in enumerate(series):
+        f = f"series[{i}]"
+        if not isinstance(entry, dict):
+            raise UserError(f"{label}: field '{f}' must be an object with 'batch_size', 'input_lengths' and 'latency_s'")
+        if "batch_size" not in entry:
+            raise UserError(f"{label}: missing field '{f}.batch_size'")
+        b = _batch_size(entry["batch_size"], label, f"{f}.batch_size")
+        if b in out:
+            raise UserError(f"{label}: field '{f}.batch_size' repeats batch size {b}")
+        merged = {k: data[k] for k in SHARED_FIELDS + ("decoder_overhead",) if k in data}
+        merged.update(entry)
+        out[b] = profile_from_json(merged, label=label, source=source, field_prefix=f + ".")
+    return dict(sorted(out.items()))
+
+
+def _batch_size(x, label: str, field_name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise UserError(f"{label}: field '{field_name}' must be an integer >= 1, got {x!r}")
+    return x

@@ -5,6 +5,12 @@ A tree file holds one tree per decoder state (medusa/sequoia: a single state 0; 
 root implicit (Medusa-choices convention), listed parents first. The JSON Schema is
 trees/schema.json; `load_tree` validates structure and meaning and raises UserError with a
 one-line message.
+
+An optional "schedule" holds one tree per batch-size range (planned with a latency profile per
+batch size, planner/batch.py): [{"batch_sizes": [lo, hi], "tree": {...} | null, ...}], ranges
+inclusive, contiguous from 1; null is plain decoding; above the last range the last entry
+applies. The top-level tree is the batch-size-1 entry's, so readers that know no schedule
+decode batch size 1 as planned. `Tree.for_batch(b)` picks the entry.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ MAX_SIZE = 4096  # candidates (medusa, sequoia: the DP is [depth, size, size])
 MAX_INPUT_LENGTH = 8192  # tokens per forward pass
 MAX_PROMPT_TOKENS = 16  # ppd: P
 MAX_DEPTH = 64
+MAX_BATCH_SIZE = 1 << 20  # a bound on what a schedule range may name
+LAYOUTS = ("packed", "padded")  # batched decoding without padding (EMS-SD) or padded to the longest
 
 
 @dataclass
@@ -80,6 +88,7 @@ class Tree:
     size_curve: list[dict] | None = None  # with a profile: one row per size tried
     settings: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
+    schedule: list[ScheduleEntry] | None = None  # per batch-size range; None: this tree at every batch size
 
     def state(self, s: int) -> TreeState:
         for st in self.states:
@@ -95,6 +104,24 @@ class Tree:
     def depth(self) -> int:
         return max(st.depth for st in self.states)
 
+    def for_batch(self, batch_size: int) -> Tree | None:
+        """The tree for a batch of `batch_size` sequences; None = plain decoding.
+
+        Without a schedule: this tree at every batch size. Above the last range: the last entry.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch size must be an integer >= 1, got {batch_size!r}")
+        if not self.schedule:
+            return self
+        for entry in self.schedule:
+            if entry.batch_sizes[0] <= batch_size <= entry.batch_sizes[1]:
+                return entry.tree
+        return self.schedule[-1].tree
+
+    def shape(self) -> tuple:
+        """What decoding depends on (nodes and prompt tokens per state), to tell trees apart."""
+        return self.method, tuple((st.state, tuple(st.nodes), tuple(st.prompt_tokens or ())) for st in self.states)
+
     def to_json(self) -> dict:
         d: dict[str, Any] = {
             "format": FORMAT,
@@ -109,8 +136,34 @@ class Tree:
         d["states"] = [s.to_json() for s in self.states]
         if self.size_curve is not None:
             d["size_curve"] = self.size_curve
+        if self.schedule is not None:
+            d["schedule"] = [e.to_json() for e in self.schedule]
         d["settings"] = self.settings
         d["provenance"] = self.provenance
+        return d
+
+
+@dataclass
+class ScheduleEntry:
+    """One batch-size range of a schedule and the tree to decode it with (None: plain decoding).
+
+    The predictions are the batched model's (planner/batch.py) at the lowest planned batch size
+    of the range; `points` holds one row per planned batch size inside it.
+    """
+
+    batch_sizes: tuple[int, int]  # inclusive
+    tree: Tree | None
+    predicted_speedup: float | None = None  # per sequence, over batched plain decoding
+    predicted_tokens_per_step: float | None = None  # E[tau] per sequence
+    layout: str | None = None  # LAYOUTS
+    points: list[dict] | None = None
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"batch_sizes": list(self.batch_sizes),
+                             "tree": None if self.tree is None else self.tree.to_json()}
+        for key in ("predicted_speedup", "predicted_tokens_per_step", "layout", "points"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
 
@@ -193,9 +246,43 @@ def tree_from_json(data, label: str = "tree") -> Tree:
         size_curve=data.get("size_curve"),
         settings=data.get("settings", {}) or {},
         provenance=data.get("provenance", {}) or {},
+        schedule=_schedule_from_json(data["schedule"], label) if data.get("schedule") is not None else None,
     )
     validate_tree(tree, label)
     return tree
+
+
+def _schedule_from_json(obj, label: str) -> list[ScheduleEntry]:
+    if not isinstance(obj, list) or not obj:
+        raise UserError(f"{label}: field 'schedule' must be a non-empty list of batch-size ranges")
+    entries = []
+    for i, e in enumerate(obj):
+        f = f"schedule[{i}]"
+        if not isinstance(e, dict):
+            raise UserError(f"{label}: field '{f}' must be an object with 'batch_sizes' and 'tree'")
+        for key in ("batch_sizes", "tree"):
+            if key not in e:
+                raise UserError(f"{label}: missing field '{f}.{key}'")
+        bs = e["batch_sizes"]
+        if (not isinstance(bs, list) or len(bs) != 2 or not all(_is_int(x) and 1 <= x <= MAX_BATCH_SIZE for x in bs)
+                or bs[0] > bs[1]):
+            raise UserError(f"{label}: field '{f}.batch_sizes' must be [lo, hi], integers 1 <= lo <= hi <= {MAX_BATCH_SIZE}, got {bs!r}")
+        sub = e["tree"]
+        if isinstance(sub, dict) and "schedule" in sub:
+            raise UserError(f"{label}: field '{f}.tree' must not hold a schedule of its own")
+        tree = None if sub is None else tree_from_json(sub, f"{label}: {f}.tree")
+        for key in ("predicted_speedup", "predicted_tokens_per_step"):
+            if e.get(key) is not None and not (_is_num(e[key]) and e[key] > 0):
+                raise UserError(f"{label}: field '{f}.{key}' must be a positive number, got {e[key]!r}")
+        layout = e.get("layout")
+        if layout is not None and layout not in LAYOUTS:
+            raise UserError(f"{label}: field '{f}.layout' is {layout!r}, expected one of {', '.join(LAYOUTS)}")
+        points = e.get("points")
+        if points is not None and (not isinstance(points, list) or not all(isinstance(p, dict) for p in points)):
+            raise UserError(f"{label}: field '{f}.points' must be a list of objects")
+        entries.append(ScheduleEntry((bs[0], bs[1]), tree, e.get("predicted_speedup"),
+                                     e.get("predicted_tokens_per_step"), layout, points))
+    return entries
 
 
 def validate_tree(tree: Tree, label: str = "tree") -> None:
@@ -243,3 +330,31 @@ def validate_tree(tree: Tree, label: str = "tree") -> None:
         want = set(range(tree.prompt_tokens_max + 1))
         if seen_states != want:
             raise UserError(f"{label}: field 'states': ppd needs states 0..{tree.prompt_tokens_max}, found {sorted(seen_states)}")
+    if tree.schedule is not None:
+        validate_schedule(tree, label)
+
+
+def validate_schedule(tree: Tree, label: str = "tree") -> None:
+    """Ranges contiguous from batch size 1, one guesser (method) throughout, no nested schedules,
+    and the top-level tree equal to the batch-size-1 entry's (what schedule-unaware readers decode)."""
+    if not tree.schedule:
+        raise UserError(f"{label}: field 'schedule' must be a non-empty list of batch-size ranges")
+    expect_lo = 1
+    for i, e in enumerate(tree.schedule):
+        f = f"schedule[{i}]"
+        lo, hi = e.batch_sizes
+        if lo != expect_lo or hi < lo:
+            raise UserError(f"{label}: field '{f}.batch_sizes' = [{lo}, {hi}]: ranges must be ascending, "
+                            f"non-overlapping and contiguous from 1 (this one should start at {expect_lo})")
+        expect_lo = hi + 1
+        if e.tree is None:
+            continue
+        if e.tree.schedule is not None:
+            raise UserError(f"{label}: field '{f}.tree' must not hold a schedule of its own")
+        if e.tree.method != tree.method:
+            raise UserError(f"{label}: field '{f}.tree.method' is {e.tree.method!r}, the file's method is {tree.method!r}")
+        validate_tree(e.tree, f"{label}: {f}.tree")
+    first = tree.schedule[0].tree
+    if first is not None and first.shape() != tree.shape():
+        raise UserError(f"{label}: field 'schedule[0].tree' differs from the top-level tree, "
+                        "which must be the batch-size-1 entry's")

@@ -20,9 +20,11 @@ SUBCOMMANDS = {
     "accept": ("workflows.cmd_accept", "measure a guesser's acceptance statistics on validation prompts"),
     "decode": ("workflows.cmd_decode", "decode prompts with a planned tree"),
     "train-prompts": ("workflows.cmd_train_prompts", "train PPD prompt tokens by distillation from the base model"),
+    "train-drafter": ("workflows.cmd_train_drafter", "train a ParallelSpec drafter or a draft LM by distillation from the target"),
     "autotune": ("workflows.cmd_autotune", "the main job: profile, measure, plan, verify by decoding, report"),
     "tune": ("workflows.cmd_tune", "Optuna search over planner and decoder knobs"),
     "report": ("workflows.cmd_report", "plots and tables from profiles, acceptance, trees and runs"),
+    "export": ("workflows.cmd_export", "write a plan as vLLM, SGLang, TensorRT-LLM or transformers settings"),
 }
 
 

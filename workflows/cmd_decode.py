@@ -14,6 +14,7 @@ from workflows.inputs import (
     add_model_arguments,
     encode,
     load_everything,
+    parse_guesser,
     read_prompts,
 )
 
@@ -21,7 +22,9 @@ from workflows.inputs import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plan", required=True, metavar="TREE", help="tree file from `planner plan` (or autotune)")
+    p.add_argument("--plan", default=None, metavar="TREE",
+                   help="tree file from `planner plan` (or autotune); needed by --guesser ppd, optional for the "
+                        "others (default: a chain as deep as the drafter guesses, lookup: 4 tokens)")
     add_model_arguments(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); overrides --prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -62,10 +65,14 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)
-    from planner.jsonio import atomic_write_json
+    from planner.jsonio import atomic_write_json, writable_target
     from planner.tree import load_tree
 
-    tree = load_tree(args.plan)  # bad plans fail before the model loads
+    tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
+    if tree is None and parse_guesser(args.guesser)[0] == "ppd":
+        raise UserError("--plan: needed with --guesser ppd (plan one with `planner plan ppd` or take trees/autotune-*.json)")
+    if args.output:
+        writable_target(args.output)
     texts = args.prompt or read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
     if args.prompt and args.num_prompts:
         texts = texts[: args.num_prompts]
@@ -78,9 +85,13 @@ def run(args) -> int:
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
     w = model.get_input_embeddings().weight
-    guesser.check(tree, args.plan)
-    layouts = guesser.layouts(tree, w.dtype, w.device)
+    guesser.check(tree, args.plan or "plan")
+    lengths = step_lengths(guesser, tree, w)
     prompts = encode(tokenizer, texts, w.shape[0])
+    if args.compare_plain:  # speed is compared: no timed run may pay a first call at a new shape
+        from profiler.measure import warm_up_shapes
+
+        warm_up_shapes(model, prompts, set(lengths["real"].values()) | {1})
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed)
     results = []
@@ -107,16 +118,17 @@ def run(args) -> int:
     summary = _summary(results, args.compare_plain)
     doc = {
         "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
-        "plan": str(args.plan), "method": tree.method,
-        "prompt_tokens": {"dir": guesser.source_dir, "P": guesser.num_prompt_tokens, "E": guesser.ensemble,
-                          "top_k": guesser.top_k, "random": guesser.source_dir is None},
+        "plan": args.plan, "method": tree.method if tree is not None else "chain",
+        "guesser": guesser_record(args.guesser, guesser),
         "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed},
-        "real_input_length_by_state": {str(s): b.input_length for s, b in layouts.states.items()},
-        "planned_input_length_by_state": {str(s): b.planned_input_length for s, b in layouts.states.items()},
+        "real_input_length_by_state": lengths["real"],
+        "planned_input_length_by_state": lengths["planned"],
         "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start,
     }
-    print(_format(summary, tree.method))
+    if parse_guesser(args.guesser)[0] == "ppd":
+        doc["prompt_tokens"] = doc["guesser"]  # the field earlier tools read
+    print(_format(summary, doc["method"]))
     if args.output:
         atomic_write_json(args.output, doc)
         print(f"wrote {args.output}")
@@ -124,6 +136,26 @@ def run(args) -> int:
         print("planner decode: interrupted; results so far kept", file=sys.stderr)
         return 130
     return 0
+
+
+def step_lengths(guesser, tree, w) -> dict:
+    """Forward lengths per state: the decoder's real ones and the plan's count."""
+    if hasattr(guesser, "layouts") and getattr(guesser, "input_embeddings", lambda: None)() is not None:
+        layouts = guesser.layouts(tree, w.dtype, w.device)
+        return {"real": {str(s): b.input_length for s, b in layouts.states.items()},
+                "planned": {str(s): b.planned_input_length for s, b in layouts.states.items()}}
+    n = 1 + (len(tree.states[0].nodes) if tree is not None else getattr(guesser, "num_distances", 4))
+    return {"real": {"0": n}, "planned": {"0": n}}
+
+
+def guesser_record(spec: str, guesser) -> dict:
+    kind, _ = parse_guesser(spec)
+    rec = {"kind": kind, "dir": getattr(guesser, "source_dir", None), "top_k": getattr(guesser, "top_k", None)}
+    if kind == "ppd":
+        rec.update(P=guesser.num_prompt_tokens, E=guesser.ensemble, random=guesser.source_dir is None)
+    if kind in ("parallelspec", "chain"):
+        rec.update(num_masks=guesser.num_masks, mode=guesser.mode)
+    return rec
 
 
 def _summary(results: list[dict], plain: bool) -> dict:

@@ -25,6 +25,13 @@ distance), or FILE:NAME to pick entry NAME of a collection such as
 profile (--profile): {"input_lengths": [...], "latency_s": [...]} or a profiler output file
 (its "fit" is used). Without --size (ppd: --input-length) the size maximising predicted
 speedup = tau * L(1) / step latency is chosen and the curve is stored as "size_curve".
+
+batch sizes (--batch-sizes 1,2,4,8 with a profile measured at those batch sizes, its "series"):
+one plan per batch size, for b sequences decoded together, the best tree on L_b (or none where
+plain decoding is predicted fastest); neighbours with the same tree merge into ranges, written
+as the tree file's "schedule" (the top-level tree stays the batch-size-1 plan). --layout packed
+(default): EMS-SD, no padding, each sequence advances by its own accepted length; padded:
+inputs padded to the longest tree and every KV row advanced by the batch maximum.
 """
 
 EPILOG = """\
@@ -33,6 +40,7 @@ examples:
   planner plan sequoia --accept acc.json --size 128 --max-depth 10 -o trees/sequoia.json
   planner plan ppd --accept ../shared/data/published_acceptance.json:ppd-vicuna-7b --input-length 120 -o trees/ppd.json
   planner plan ppd --accept ...:ppd-vicuna-7b --profile profiles/a100.json -o trees/ppd-a100.json
+  planner plan medusa --accept ...:medusa-vicuna-7b --profile profiles/a100-b1-16.json --batch-sizes 1,2,4,8,16 -o trees/medusa-batched.json
 
 The output follows trees/schema.json: "expected_tokens_per_step" is the amortised tau under the
 independence model, "states" holds one tree per state ("nodes" are rank paths, parents first).
@@ -76,6 +84,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per drafter pass, paid per tree level (draft) or once per step (parallelspec)")
     h.add_argument("--time-budget", type=float, default=30.0, metavar="S",
                    help="ppd: seconds for the size sweep with --profile (coarse to fine; default 30)")
+    b = p.add_argument_group("batch sizes (EMS-SD)")
+    b.add_argument("--batch-sizes", metavar="B1,B2,...",
+                   help="plan per batch size with --profile's series for these batch sizes; writes a schedule")
+    b.add_argument("--layout", choices=LAYOUT_CHOICES, default=None,
+                   help="packed (default: no padding, EMS-SD) or padded (inputs to the longest tree, KV by the "
+                        "batch maximum)")
+    b.add_argument("--kv-latency", type=float, default=None, metavar="S",
+                   help="padded: seconds per step per KV position per row, to price the padded KV cache "
+                        "(default 0: not priced, the profile measures one context length)")
+    b.add_argument("--new-tokens", type=int, default=None, metavar="G",
+                   help="padded: tokens generated per sequence, for the KV growth (default 128)")
     x = p.add_argument_group("ppd construction")
     x.add_argument("--paper", action="store_true",
                    help="the PPD paper's heuristic only (no policy iteration, one shared budget)")
@@ -89,13 +108,15 @@ def run(args) -> int:
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json, writable_target
     from planner.plan import plan
-    from planner.profile import load_profile
+    from planner.profile import load_batch_profiles, load_profile
     from planner.tree import validate_tree
 
     if args.output:
         writable_target(args.output)  # before minutes of planning, not after
+    batch_sizes = _batch_options(args)
     accept = load_acceptance(args.accept)
-    profile = load_profile(args.profile) if args.profile else None
+    profile = load_profile(args.profile) if args.profile and batch_sizes is None else None
+    profiles = load_batch_profiles(args.profile) if batch_sizes is not None else None
     if not (math.isfinite(args.time_budget) and args.time_budget > 0):
         raise UserError(f"--time-budget: expected a positive number of seconds, got {args.time_budget}")
     guessing = _guessing(args, accept)
@@ -104,19 +125,20 @@ def run(args) -> int:
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     progress = None
-    if not args.quiet and profile is not None:
+    if not args.quiet and (profile is not None or profiles is not None):
         from tqdm import tqdm
 
         def progress(it, **kw):
             return tqdm(it, leave=False, file=sys.stderr, **kw)
 
-    tree = plan(
-        args.method, accept, size=args.size, max_depth=args.max_depth, input_length=args.input_length,
-        prompt_tokens=args.prompt_tokens, profile=profile, max_size=args.max_size,
-        max_input_length=args.max_input_length, improved=not args.paper,
-        per_state_budgets=not args.shared_budget, guessing=guessing, time_budget_s=args.time_budget,
-        progress=progress,
-    )
+    kwargs = dict(size=args.size, max_depth=args.max_depth, input_length=args.input_length,
+                  prompt_tokens=args.prompt_tokens, max_size=args.max_size, max_input_length=args.max_input_length,
+                  improved=not args.paper, per_state_budgets=not args.shared_budget, time_budget_s=args.time_budget,
+                  progress=progress)
+    if batch_sizes is None:
+        tree = plan(args.method, accept, profile=profile, guessing=guessing, **kwargs)
+    else:
+        tree = _plan_batched(args, accept, profiles, batch_sizes, guessing, kwargs)
     tree.provenance["command"] = "planner plan " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:])
     tree.provenance["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tree.provenance["tool"] = "tree-planner " + _version()
@@ -130,7 +152,62 @@ def run(args) -> int:
         print(json.dumps(tree.to_json(), indent=1))
     if not args.quiet:
         print(summary(tree, label), file=sys.stderr)
+        for line in schedule_lines(tree):
+            print(line, file=sys.stderr)
     return 0
+
+
+LAYOUT_CHOICES = ("packed", "padded")
+
+
+def _batch_options(args) -> list[int] | None:
+    """--batch-sizes as a list (None without it); the batch options need it, and it needs a profile."""
+    from planner.errors import UserError
+    from planner.tree import MAX_BATCH_SIZE
+
+    if args.batch_sizes is None:
+        for name in ("layout", "kv_latency", "new_tokens"):
+            if getattr(args, name) is not None:
+                raise UserError(f"--{name.replace('_', '-')} needs --batch-sizes")
+        return None
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(not 1 <= b <= MAX_BATCH_SIZE for b in sizes):
+        raise UserError(f"--batch-sizes: expected comma-separated integers in 1..{MAX_BATCH_SIZE}, got {args.batch_sizes!r}")
+    if not args.profile:
+        raise UserError("--batch-sizes needs --profile FILE (a latency series per batch size)")
+    return sorted(set(sizes))
+
+
+def _plan_batched(args, accept, profiles, batch_sizes, guessing, kwargs):
+    from planner.batch import ContextCost, plan_schedule, tree_with_schedule
+
+    layout = args.layout or "packed"
+    context = ContextCost(args.kv_latency or 0.0, args.new_tokens if args.new_tokens is not None else 128)
+    entries = plan_schedule(args.method, accept, profiles, batch_sizes, guessing, layout, context, **kwargs)
+    tree = tree_with_schedule(entries)
+    tree.settings.update(batch_sizes=batch_sizes, layout=layout)
+    if layout == "padded":
+        tree.settings.update(kv_latency_s=context.kv_s_per_token, new_tokens=context.new_tokens)
+    return tree
+
+
+def schedule_lines(tree) -> list[str]:
+    """One line per batch-size range of the tree's schedule (none without one)."""
+    out = []
+    for i, e in enumerate(tree.schedule or []):
+        lo, hi = e.batch_sizes
+        span = f"{lo}+" if i == len(tree.schedule) - 1 else (f"{lo}" if lo == hi else f"{lo}-{hi}")
+        if e.tree is None:
+            what = "plain decoding (no speculation predicted faster)"
+        else:
+            what = (f"{sum(len(st.nodes) for st in e.tree.states)} candidates, depth {e.tree.depth}, "
+                    f"input length {e.tree.max_input_length}, tau {e.predicted_tokens_per_step:.3f}, "
+                    f"predicted speedup {e.predicted_speedup:.3f}x")
+        out.append(f"  batch {span}: {what} ({e.layout})")
+    return out
 
 
 GUESSERS = ("auto", "heads", "prompt-tokens", "draft", "parallelspec")

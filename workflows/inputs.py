@@ -60,6 +60,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the model, models/<model>/prompt_tokens)")
     g.add_argument("--random-prompt-tokens", type=int, metavar="P", default=None,
                    help="untrained prompt tokens: P random vocabulary embeddings (output is still exact; few accepted)")
+    p.add_argument("--guesser", default="ppd", metavar="KIND[:PATH]",
+                   help="what proposes the candidates: ppd[:DIR] (PPD prompt tokens, default), draft[:DIR] (a draft "
+                        "LM: the project's draft_lm directory or any Hugging Face model directory), parallelspec[:DIR] "
+                        "(the ParallelSpec drafter), chain[:DIR] (the same drafter, one token per pass), lookup "
+                        "(prompt lookup, no model). Without a path: the one shipped for the model, models/<model>/...")
     p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
     p.add_argument("--top-k-guesses", type=int, default=10, help="guesses per distance (ranks a plan may use)")
     p.add_argument("--prompts", default=None, metavar="FILE",
@@ -118,13 +123,59 @@ def load_everything(args):
         raise UserError("--ensemble and --top-k-guesses: expected positive integers")
     spec = args.model or default_model_spec()
     loaded = load_model(spec, device=args.device, dtype=args.dtype)
-    guesser = _prompt_tokens(args, loaded, spec)
+    guesser = make_guesser(args, loaded, spec)
     tokenizer = None
     if loaded.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     return loaded, tokenizer, guesser
+
+
+GUESSER_KINDS = ("ppd", "draft", "parallelspec", "chain", "lookup")
+SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
+
+
+def parse_guesser(spec: str) -> tuple[str, str | None]:
+    kind, _, path = str(spec).partition(":")
+    if kind not in GUESSER_KINDS:
+        raise UserError(f"--guesser {spec}: expected KIND[:PATH] with KIND one of {', '.join(GUESSER_KINDS)}")
+    if kind == "lookup" and path:
+        raise UserError("--guesser lookup takes no path (prompt lookup has no model)")
+    return kind, path or None
+
+
+def make_guesser(args, loaded, spec: str):
+    """The guesser --guesser names, with its files (a path, else the ones shipped for a named model)."""
+    kind, path = parse_guesser(getattr(args, "guesser", "ppd"))
+    if kind != "ppd" and (args.prompt_tokens or args.random_prompt_tokens):
+        raise UserError(f"--prompt-tokens / --random-prompt-tokens belong to --guesser ppd, not {kind}")
+    if kind == "ppd":
+        if path:
+            args.prompt_tokens = path
+        return _prompt_tokens(args, loaded, spec)
+    if kind == "lookup":
+        from decoder.lookup import PromptLookupGuesser
+
+        g = PromptLookupGuesser()
+        g.source_dir = None
+        return g
+    if path is None:
+        found = shipped(spec, SHIPPED_KIND[kind]) if spec == loaded.name else None
+        if found is None:
+            raise UserError(f"--guesser {kind}: no {SHIPPED_KIND[kind]} ships for model {spec}; give {kind}:DIR "
+                            "(train one with `planner train-drafter`)")
+        path = str(found)
+    if kind == "draft":
+        from decoder.draft import DraftModelGuesser, load_draft_model
+
+        g = DraftModelGuesser(load_draft_model(path, loaded.model), top_k=args.top_k_guesses, label=path)
+    else:
+        from decoder.parallel import ParallelDrafter
+
+        g = ParallelDrafter.load(path, mode="chain" if kind == "chain" else "parallel", top_k=args.top_k_guesses)
+    g.source_dir = path
+    return g
 
 
 def _prompt_tokens(args, loaded, spec: str):

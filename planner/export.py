@@ -1,0 +1,388 @@
+"""Serving engines' speculative-decoding settings from a plan (../shared/notes/EXPORT.md).
+
+Pure functions: a plan (a Tree, with its batch-size schedule when it has one) and the draft
+length per batch-size range (`DraftRange`: chains planned by planner.batch.plan_chain_schedule,
+or the trees' depths when no acceptance and profile are at hand) become an `Export`: the
+engine's own settings, one note per thing the engine cannot express, and the measured basis.
+workflows/cmd_export.py reads the inputs and writes the files.
+
+What each engine takes (keys read from the engines' sources and docs, late 2026):
+- vllm: the --speculative-config JSON object: method, model, num_speculative_tokens (> 0, the
+  largest K), num_speculative_tokens_per_batch_size [[first, last, K], ...] (inclusive,
+  ascending from 1; K = 0 turns speculation off; beyond the last range the last K). Current
+  vLLM verifies chains only.
+- sglang: --speculative-num-steps S, --speculative-eagle-topk K, --speculative-num-draft-tokens N
+  (nodes verified, root included; N = S + 1 when K = 1); per batch size --speculative-adaptive
+  with --speculative-adaptive-config FILE, keyed by the lowest batch size of each range as a
+  string, {"1": {"candidate_steps": [S]}, ...} (EAGLE/EAGLE3 with topk 1 only).
+- trtllm: speculative_config with decoding_type, speculative_model, max_draft_len,
+  max_total_draft_tokens and draft_len_schedule {highest batch size of a range: K} (the
+  smallest key maps to max_draft_len; above the largest key 0), or one EAGLE-2 dynamic tree
+  (use_dynamic_tree, dynamic_tree_max_topK; max_draft_len <= max_total_draft_tokens <=
+  topK * max_draft_len).
+- hf (transformers assisted generation, batch size 1): the assistant's generation config,
+  num_assistant_tokens with num_assistant_tokens_schedule "constant" (the planned length, not
+  the heuristic's), or prompt lookup: prompt_lookup_num_tokens (+ max_matching_ngram_size).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+
+from planner.errors import UserError
+from planner.tree import ScheduleEntry, Tree
+
+FORMAT = "tree-planner/export"
+VERSION = 1
+ENGINES = ("vllm", "sglang", "trtllm", "hf")
+# our method name -> the engine's
+ENGINE_METHODS = {
+    "vllm": {"ngram": "ngram", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft_model",
+             "mtp": "mtp", "mlp_speculator": "mlp_speculator", "suffix": "suffix"},
+    "sglang": {"eagle": "EAGLE", "eagle3": "EAGLE3", "draft_model": "STANDALONE", "ngram": "NGRAM"},
+    "trtllm": {"eagle": "Eagle", "eagle3": "Eagle3", "mtp": "MTP", "ngram": "NGram", "draft_model": "DraftTarget",
+               "medusa": "Medusa"},
+    "hf": {"draft_model": "assistant model", "ngram": "prompt lookup"},
+}
+NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model", "mlp_speculator"})
+DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
+TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
+SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
+DEFAULT_MAX_BATCH_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class DraftRange:
+    """A batch-size range [lo, hi] (inclusive) and its draft length (0: no speculation)."""
+
+    lo: int
+    hi: int
+    k: int
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    engine: str
+    method: str  # one of ENGINE_METHODS[engine], our spelling
+    draft_model: str | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+    adaptive_config_path: str = "adaptive.json"  # sglang: where the adaptive config file goes
+    yaml_path: str | None = None  # trtllm: the engine-ready YAML written, if any
+    chains_planned: bool = True  # False: the draft lengths are the plan's tree depths
+
+
+@dataclass
+class Export:
+    engine: str
+    settings: dict  # the engine's own objects by name, e.g. {"speculative_config": {...}}
+    command_line: str
+    notes: list[str] = field(default_factory=list)
+    basis: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "engine": self.engine, **self.settings,
+                "command_line": self.command_line, "notes": list(self.notes), "basis": self.basis}
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def check_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise UserError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    return engine
+
+
+def resolve_method(engine: str, plan_method: str, requested: str | None, draft_model: str | None) -> str:
+    """The engine's drafting method: the one asked for, else the plan's own where an engine has it."""
+    known = ENGINE_METHODS[check_engine(engine)]
+    method = requested or ("draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan_method))
+    if method is None:
+        raise UserError(f"--method: a {plan_method} plan has no {engine} equivalent; give one of {', '.join(known)}")
+    if method not in known:
+        raise UserError(f"--method: {engine} takes one of {', '.join(known)}, got {method!r}")
+    if method in NEEDS_MODEL and not draft_model and engine != "hf":
+        raise UserError(f"--method {method} on {engine} needs --draft-model PATH (the drafter's weights)")
+    return method
+
+
+def ranges_from_schedule(entries: list[ScheduleEntry], max_batch_size: int) -> list[DraftRange]:
+    """Draft lengths from a chain schedule (depth of each range's chain; None: 0), the last range
+    stretched to max_batch_size (above the last planned batch size the last entry applies)."""
+    return _stretch([DraftRange(e.batch_sizes[0], e.batch_sizes[1], 0 if e.tree is None else e.tree.depth)
+                     for e in entries], max_batch_size)
+
+
+def ranges_from_depths(plan: Tree, max_batch_size: int) -> list[DraftRange]:
+    """Fallback without acceptance and profile: each range's tree depth (not planned as a chain)."""
+    entries = plan.schedule or [ScheduleEntry((1, 1), plan)]
+    return _stretch([DraftRange(e.batch_sizes[0], e.batch_sizes[1], 0 if e.tree is None else e.tree.depth)
+                     for e in entries], max_batch_size)
+
+
+def _stretch(ranges: list[DraftRange], max_batch_size: int) -> list[DraftRange]:
+    merged: list[DraftRange] = []
+    for r in ranges:
+        if merged and merged[-1].k == r.k:
+            merged[-1] = DraftRange(merged[-1].lo, r.hi, r.k)
+        else:
+            merged.append(r)
+    last = merged[-1]
+    merged[-1] = DraftRange(last.lo, max(last.hi, max_batch_size), last.k)
+    return merged
+
+
+def tree_knobs(tree: Tree) -> tuple[int, int, int]:
+    """(depth, top-k, candidates) of a plan, the largest over its states: top-k is the highest
+    rank used + 1, as run-time trees expand the top-k guesses of every node."""
+    depth = max(st.depth for st in tree.states)
+    topk = max((max(p) + 1 for st in tree.states for p in st.nodes), default=1)
+    return depth, topk, max(len(st.nodes) for st in tree.states)
+
+
+def is_chain(tree: Tree) -> bool:
+    return all(all(r == 0 for p in st.nodes for r in p) for st in tree.states)
+
+
+# ---------------------------------------------------------------- engines
+
+
+def build(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, basis: dict, notes: list[str]) -> Export:
+    """The engine's closest setting; `notes` (what the inputs lacked) come first."""
+    builder = {"vllm": _vllm, "sglang": _sglang, "trtllm": _trtllm, "hf": _hf}[check_engine(opts.engine)]
+    out = builder(plan, ranges, opts)
+    out.notes = list(notes) + _common_notes(plan, opts) + out.notes
+    out.basis = basis
+    return out
+
+
+def _common_notes(plan: Tree, opts: ExportOptions) -> list[str]:
+    if plan.method != "ppd":
+        return []
+    return [f"ppd prompt tokens dropped: {opts.engine} has no prompt-token guesser; its {opts.method} drafter "
+            "replaces it and the draft lengths use the plan's acceptance statistics"]
+
+
+def _positive(ranges: list[DraftRange], engine: str) -> int:
+    k_max = max(r.k for r in ranges)
+    if k_max == 0:
+        raise UserError(f"plain decoding is predicted fastest at every batch size: {engine} has no speculative "
+                        "setting to write")
+    return k_max
+
+
+def _one_chain(opts: ExportOptions) -> str:
+    return "the best chain at batch size 1" if opts.chains_planned else "the tree's depth as the draft length"
+
+
+def _tree_note(plan: Tree, opts: ExportOptions, what: str) -> list[str]:
+    if all(is_chain(e.tree) for e in (plan.schedule or [ScheduleEntry((1, 1), plan)]) if e.tree is not None):
+        return []
+    how = ("the best chain per batch-size range, planned as a chain under the same cost model" if opts.chains_planned
+           else "each range's tree depth as its draft length")
+    return [f"tree dropped: {opts.engine} {what}; wrote {how}"]
+
+
+def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
+    cfg: dict = {"method": ENGINE_METHODS["vllm"][opts.method]}
+    if opts.draft_model:
+        cfg["model"] = opts.draft_model
+    cfg["num_speculative_tokens"] = _positive(ranges, "vllm")
+    if len(ranges) > 1:
+        cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
+    if opts.method == "ngram":
+        cfg.update({k: v for k, v in (("prompt_lookup_min", opts.ngram_min), ("prompt_lookup_max", opts.ngram_max))
+                    if v is not None})
+    notes = _tree_note(plan, opts, "verifies chains only (tree attention removed)")
+    line = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
+    return Export("vllm", {"speculative_config": cfg}, line, notes)
+
+
+def _sglang(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
+    args = ["--speculative-algorithm", ENGINE_METHODS["sglang"][opts.method]]
+    if opts.draft_model:
+        args += ["--speculative-draft-model-path", opts.draft_model]
+    notes: list[str] = []
+    adaptive = None
+    if len(ranges) > 1 and opts.method in SCHEDULE_METHODS["sglang"]:
+        k_max = _positive(ranges, "sglang")
+        k0 = ranges[0].k or k_max  # the initial steps snap to a candidate; 0 is not a start
+        args += ["--speculative-num-steps", str(k0), "--speculative-eagle-topk", "1",
+                 "--speculative-num-draft-tokens", str(k0 + 1), "--speculative-adaptive",
+                 "--speculative-adaptive-config", opts.adaptive_config_path]
+        adaptive = {str(r.lo): {"candidate_steps": [r.k]} for r in ranges}
+        notes += _tree_note(plan, opts, "adaptive mode runs chains only (topk 1)")
+        if any(r.k == 0 for r in ranges):
+            notes.append("candidate_steps [0] (no speculation) needs a recent SGLang build; older ones take steps >= 1")
+    else:
+        if len(ranges) > 1:
+            notes.append("per-batch-size draft lengths dropped: SGLang's adaptive mode needs EAGLE or EAGLE3; "
+                         "wrote the batch-size-1 setting for every batch size")
+        args += _sglang_static(plan, ranges, opts, notes)
+    settings = {"server_args": args, "adaptive_config": adaptive}
+    return Export("sglang", settings, " ".join(shlex.quote(a) for a in args), notes)
+
+
+def _sglang_static(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, notes: list[str]) -> list[str]:
+    tree = plan.for_batch(1)
+    if tree is not None and opts.method in TREE_METHODS["sglang"] and not is_chain(tree):
+        depth, topk, n = tree_knobs(tree)
+        notes.append(f"tree shape dropped: SGLang picks the {n} candidates at run time from the top {topk} "
+                     f"guesses over {depth} steps")
+        return ["--speculative-num-steps", str(depth), "--speculative-eagle-topk", str(topk),
+                "--speculative-num-draft-tokens", str(n + 1)]
+    k = ranges[0].k
+    if k == 0:
+        raise UserError("plain decoding is predicted fastest at batch size 1: sglang has no speculative setting to write")
+    if tree is not None and not is_chain(tree):
+        notes.append(f"tree dropped: SGLang {opts.method} drafts a chain; wrote {_one_chain(opts)}")
+    return ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
+
+
+def _trtllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
+    cfg: dict = {"decoding_type": ENGINE_METHODS["trtllm"][opts.method]}
+    if opts.draft_model:
+        cfg["speculative_model"] = opts.draft_model
+    notes: list[str] = []
+    if len(ranges) > 1 and opts.method in SCHEDULE_METHODS["trtllm"]:
+        cfg.update(_trtllm_schedule(ranges, notes))
+        notes += _tree_note(plan, opts, "varies the draft length of chains per batch size")
+    else:
+        if len(ranges) > 1:
+            notes.append(f"per-batch-size draft lengths dropped: {cfg['decoding_type']} takes no draft_len_schedule; "
+                         "wrote the batch-size-1 setting for every batch size")
+        cfg.update(_trtllm_static(plan, ranges, opts, notes))
+    where = shlex.quote(opts.yaml_path) if opts.yaml_path else "SPEC.yaml  # a YAML file holding speculative_config"
+    line = f"--extra_llm_api_options {where}"
+    return Export("trtllm", {"speculative_config": cfg}, line, notes)
+
+
+def _trtllm_schedule(ranges: list[DraftRange], notes: list[str]) -> dict:
+    """draft_len_schedule keyed by each range's highest batch size; trailing K = 0 ranges are the
+    implicit 0 above the largest key. The smallest key must map to max_draft_len."""
+    k_first = ranges[0].k
+    if k_first == 0:
+        raise UserError("plain decoding is predicted fastest at batch size 1 but not above: TensorRT-LLM's "
+                        "draft_len_schedule must start at max_draft_len, so it cannot express this plan")
+    if any(r.k > k_first for r in ranges):
+        notes.append(f"draft lengths above {k_first} at larger batch sizes clamped to {k_first}: the smallest "
+                     "draft_len_schedule key must map to max_draft_len")
+    last = max(i for i, r in enumerate(ranges) if r.k > 0)
+    schedule = {r.hi: min(r.k, k_first) for r in ranges[: last + 1]}
+    return {"max_draft_len": k_first, "max_total_draft_tokens": k_first, "draft_len_schedule": schedule}
+
+
+def _trtllm_static(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, notes: list[str]) -> dict:
+    tree = plan.for_batch(1)
+    if tree is not None and opts.method in TREE_METHODS["trtllm"] and not is_chain(tree):
+        depth, topk, n = tree_knobs(tree)
+        total = min(max(n, depth), topk * depth)
+        if total != n:
+            notes.append(f"tree size {n} clamped to {total}: TensorRT-LLM needs max_draft_len <= "
+                         "max_total_draft_tokens <= topK * max_draft_len")
+        notes.append(f"tree shape dropped: TensorRT-LLM grows an EAGLE-2 dynamic tree of {total} tokens from the top "
+                     f"{topk} guesses per level (static eagle_choices are gone)")
+        return {"max_draft_len": depth, "max_total_draft_tokens": total, "use_dynamic_tree": True,
+                "dynamic_tree_max_topK": topk}
+    k = ranges[0].k
+    if k == 0:
+        raise UserError("plain decoding is predicted fastest at batch size 1: trtllm has no speculative setting to write")
+    if tree is not None and not is_chain(tree):
+        notes.append(f"tree dropped: TensorRT-LLM {opts.method} drafts a chain; wrote {_one_chain(opts)}")
+    return {"max_draft_len": k, "max_total_draft_tokens": k}
+
+
+def _hf(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
+    k = ranges[0].k
+    if k == 0:
+        raise UserError("plain decoding is predicted fastest at batch size 1: assisted generation would be slower")
+    notes = []
+    if len(ranges) > 1 or plan.schedule:
+        notes.append("batch sizes above 1 dropped: transformers assisted generation decodes one sequence")
+    tree = plan.for_batch(1)
+    if tree is not None and not is_chain(tree):
+        notes.append(f"tree dropped: transformers drafts a chain; wrote {_one_chain(opts)}")
+    if opts.method == "ngram":
+        cfg = {"prompt_lookup_num_tokens": k}
+        if opts.ngram_max is not None:
+            cfg["max_matching_ngram_size"] = opts.ngram_max
+        line = "model.generate(..., " + ", ".join(f"{a}={b}" for a, b in cfg.items()) + ")"
+    else:
+        cfg = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
+        line = "assistant_model.generation_config.update(" + ", ".join(f"{a}={b!r}" for a, b in cfg.items()) + ")"
+    return Export("hf", {"generation_config": cfg}, line, notes)
+
+
+# ---------------------------------------------------------------- basis and YAML
+
+
+def basis(plan: Tree, plan_file: str, ranges: list[DraftRange], chains: list[ScheduleEntry] | None,
+          sources: dict) -> dict:
+    """What the export rests on: inputs, and per planned batch size the plan's and the chain's predictions."""
+    chain_points = {p["batch_size"]: p for e in (chains or []) for p in (e.points or [])}
+    rows = []
+    for e in plan.schedule or [ScheduleEntry((1, 1), plan, plan.predicted_speedup)]:
+        points = e.points or [{"batch_size": e.batch_sizes[0], "speedup": e.predicted_speedup}]
+        for p in points:
+            b = p["batch_size"]
+            row = {"batch_size": b, "draft_length": next(r.k for r in ranges if r.lo <= b <= r.hi),
+                   "plan_tree": _describe(e.tree), "plan_predicted_speedup": p.get("speedup")}
+            if b in chain_points:
+                row["chain_predicted_speedup"] = chain_points[b]["speedup"]
+            rows.append(row)
+    layout = plan.schedule[0].layout if plan.schedule else None
+    tree = plan.for_batch(1) or plan
+    return {"plan": {"file": plan_file, "method": plan.method, "layout": layout},
+            "draft_lengths": "chains planned per batch size under the plan's cost model" if chains else
+                             "the plan's tree depths (no acceptance and profile to plan chains with)",
+            **sources, "per_batch_size": rows,
+            "tree_at_batch_size_1": [{"state": st.state, "nodes": [list(p) for p in st.nodes]} for st in tree.states]}
+
+
+def _describe(tree: Tree | None) -> str:
+    if tree is None:
+        return "plain decoding"
+    depth, topk, n = tree_knobs(tree)
+    return f"{tree.method}: {n} candidates, depth {depth}, top-{topk}"
+
+
+def to_yaml(obj: dict, comments: list[str] = (), indent: int = 0) -> str:
+    """A small YAML writer for the settings above: nested mappings of scalars and flat lists
+    (scalars in JSON spelling, which YAML reads alike); comments go first, one per line."""
+    lines = [f"# {c}" for c in comments]
+    lines += _yaml_lines(obj, indent)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_lines(obj: dict, indent: int) -> list[str]:
+    pad = " " * indent
+    out = []
+    for key, value in obj.items():
+        if isinstance(value, dict):
+            out.append(f"{pad}{key}:")
+            out += _yaml_lines(value, indent + 2)
+        else:
+            out.append(f"{pad}{key}: {json.dumps(value)}")
+    return out
+
+
+def basis_lines(b: dict) -> list[str]:
+    """The basis as one-line comments (YAML output)."""
+    plan = b.get("plan", {})
+    lines = [f"basis: plan {plan.get('file')} ({plan.get('method')}, layout {plan.get('layout') or 'none'}); "
+             f"draft lengths: {b.get('draft_lengths')}"]
+    for kind in ("acceptance", "profile"):
+        if b.get(kind):
+            lines.append(f"basis {kind}: {json.dumps(b[kind], sort_keys=True)}")
+    for row in b.get("per_batch_size", []):
+        text = f"basis batch size {row['batch_size']}: draft length {row['draft_length']}; plan {row['plan_tree']}"
+        if row.get("plan_predicted_speedup") is not None:
+            text += f", predicted {row['plan_predicted_speedup']:.3f}x"
+        if row.get("chain_predicted_speedup") is not None:
+            text += f"; chain predicted {row['chain_predicted_speedup']:.3f}x"
+        lines.append(text)
+    lines.append(f"basis tree at batch size 1: {json.dumps(b.get('tree_at_batch_size_1'))}")
+    return lines
