@@ -23,63 +23,163 @@ def chain_plan(num_distances: int) -> Tree:
     return Tree("ppd", states, 1.0, prompt_tokens_max=P, settings={"purpose": "acceptance measurement"})
 
 
-def count_hits(guesses: torch.Tensor, emitted: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def count_hits(guesses: torch.Tensor, emitted: torch.Tensor, conditional: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """guesses [G, D, K]: row i guesses distances 1..D beyond the token emitted at step i;
     emitted [S] one token per step (G >= S - 1: the last step's guesses are never scored).
-    Returns hits [D, K] and totals [D]."""
+    Returns hits [D, K] and totals [D].
+
+    conditional: a row counts at distance d only when its rank-0 guesses at distances 1..d-1 were
+    right, so accuracy[d][r] is P(rank r right at d | the rank-0 path to d right), the factor a
+    path's probability takes under the planner's product model. Guesses at consecutive distances
+    are not independent (a wrong guess is followed by wrong ones more often), so unconditional
+    counts make deep trees look worse than they decode along their main path.
+    """
     G, D, K = guesses.shape
     S = emitted.numel()
     hits = np.zeros((D, K), dtype=np.int64)
     totals = np.zeros(D, dtype=np.int64)
+    alive = torch.ones(max(S - 1, 0), dtype=torch.bool)  # rows whose rank-0 chain is right so far
     for d in range(1, min(D, S - 1) + 1):
-        eq = guesses[: S - d, d - 1, :] == emitted[d:, None]  # [S-d, K]
-        hits[d - 1] += eq.sum(0).numpy()
-        totals[d - 1] += S - d
+        rows = S - d
+        eq = guesses[:rows, d - 1, :] == emitted[d:, None]  # [rows, K]
+        keep = alive[:rows] if conditional else torch.ones(rows, dtype=torch.bool)
+        hits[d - 1] += eq[keep].sum(0).numpy()
+        totals[d - 1] += int(keep.sum())
+        alive = alive[:rows] & eq[:, 0]
     return hits, totals
 
 
-def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens: int = 64, progress: bool = False,
-                     eos_token_id=None, allow_empty: bool = False) -> dict:
-    """Decode each prompt greedily with root-only steps; returns the acceptance JSON (planner/accept.py).
+def comb_nodes(depth: int, width: int) -> list[tuple[int, ...]]:
+    """The rank-0 chain of `depth` with `width` ranked guesses at every level: the tree whose
+    guesses are the rows a[d][r] of a drafter's acceptance."""
+    return [(0,) * d + (r,) for d in range(depth) for r in range(width)]
 
-    allow_empty: return zero rows (accuracy 0) instead of an error when a distance has no data
-    (callers that merge counts over several calls).
+
+class Measuring:
+    """Root-only target steps while the wrapped guesser proposes its comb tree each step: its
+    guesses are recorded (Proposal.guesses [D, K]) and its proposal's wall time is the drafting cost."""
+
+    def __init__(self, inner, depth: int, width: int):
+        self.inner, self.depth, self.width = inner, depth, width
+        self.needs_hidden = inner.needs_hidden
+        self.times: list[float] = []
+
+    def check(self, plan, label: str = "plan") -> None:
+        pass
+
+    def begin(self, model, plan, prompt_ids, ctx):
+        from decoder.layout import layout_for
+
+        nodes = comb_nodes(self.depth, self.width)
+        tree = Tree("medusa", [TreeState(0, nodes, 1.0, 1 + len(nodes))], 1.0)
+        return _MeasuringSession(self, self.inner.begin(model, tree, prompt_ids, ctx),
+                                 layout_for((), 1, ctx.dtype, ctx.device), ctx.device)
+
+
+class _MeasuringSession:
+    def __init__(self, owner: Measuring, inner, root_only, device):
+        self.owner, self.inner, self.root_only, self.device = owner, inner, root_only, device
+        self.max_input_length = 1
+        self.last = None
+
+    def propose(self, root):
+        import time
+
+        from decoder.guesser import Proposal
+
+        t0 = time.perf_counter()
+        p = self.inner.propose(root)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.owner.times.append(time.perf_counter() - t0)
+        self.last = p
+        return Proposal(self.root_only, root.new_empty(0), guesses=self._guesses(p))
+
+    def _guesses(self, p) -> torch.Tensor:
+        """[D, K] from the comb's tokens (or the guesser's own per-distance rows); -1 where none."""
+        D, K = self.owner.depth, self.owner.width
+        if p.guesses is not None:
+            g = p.guesses[:D, :K]
+        else:
+            g = torch.full((D * K,), -1, dtype=torch.long, device=p.tokens.device)
+            g[: p.tokens.numel()] = p.tokens[: D * K]
+            g = g.view(D, K)
+        out = torch.full((D, K), -1, dtype=torch.long, device=g.device)
+        out[: g.shape[0], : g.shape[1]] = g
+        return out
+
+    def commit(self, outcome):
+        from decoder.guesser import StepOutcome
+
+        self.inner.commit(StepOutcome(self.last, outcome.verdict, outcome.logits, outcome.hidden, outcome.context_length))
+
+
+def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens: int = 64, progress: bool = False,
+                     eos_token_id=None, allow_empty: bool = False, conditional: bool = True, depth: int | None = None,
+                     width: int | None = None) -> dict:
+    """Decode each prompt greedily with root-only target steps, recording the guesser's guesses for
+    distances 1..D beyond each root; returns the acceptance JSON (planner/accept.py), with how the
+    guesser feeds trees ("guesser": planner.cost.Guessing's fields, the drafter's measured pass time).
+
+    PPD prompt tokens ride along every root (their logits are the guesses); any other guesser
+    proposes its comb tree (`comb_nodes`) each step through `Measuring`, which is not verified.
+    allow_empty: zero rows instead of an error when a distance has no data (callers that merge).
     """
     from tqdm import tqdm
 
-    if guesser.input_embeddings() is None:
-        raise UserError("measure_accuracy: the guesser has no prompt tokens to measure")
-    D, K = guesser.num_distances, guesser.top_k
-    plan = chain_plan(D)
+    ppd = getattr(guesser, "input_embeddings", lambda: None)() is not None
+    D = depth or guesser.num_distances
+    K = width or getattr(guesser, "top_k", 1)
+    runner = guesser if ppd else Measuring(guesser, D, K)
+    plan = chain_plan(D) if ppd else None
     hits = np.zeros((D, K), dtype=np.int64)
     totals = np.zeros(D, dtype=np.int64)
     positions = 0
     for ids in tqdm(prompts, desc="accept", unit="prompt", disable=not progress):
-        out = generate(model, ids, plan=plan, guesser=guesser, max_new_tokens=max_new_tokens,
+        out = generate(model, ids, plan=plan, guesser=runner, max_new_tokens=max_new_tokens,
                        record_guesses=True, eos_token_id=eos_token_id)
-        # step i's proposal holds the guesses made at step i - 1, for distances beyond the token
-        # step i - 1 emitted; the bootstrap step has none
-        made = out.stats.guesses[1:]
+        # step i's proposal holds the guesses for distances beyond step i's root, which is the
+        # token step i - 1 emitted; PPD's bootstrap step has none (its guesses come a step late)
+        made = [g for g in out.stats.guesses if g is not None]
         if not made:
             continue
-        h, t = count_hits(torch.stack(made), out.tokens[: len(made) + 1])
+        emitted = torch.cat([ids[-1:].cpu(), out.tokens]) if not ppd else out.tokens
+        h, t = count_hits(torch.stack(made), emitted[: len(made) + 1], conditional)
         hits += h
         totals += t
         positions += int(out.tokens.numel())
-    if totals.min() == 0 and not allow_empty:
+    # A deeper distance with no row whose rank-0 path was right has an undefined conditional; it is
+    # recorded as 0, which changes no prediction (every path to it has probability 0 already).
+    if (totals[0] == 0 or (not conditional and totals.min() == 0)) and not allow_empty:
         raise UserError(f"measure_accuracy: {positions} positions decoded, too few to measure distance {int(np.argmin(totals)) + 1}")
-    cfg = model.config
     return {
         "accuracy": np.divide(hits, totals[:, None], out=np.zeros(hits.shape), where=totals[:, None] > 0).tolist(),
         "counts": hits.tolist(),
         "totals": totals.tolist(),
+        "conditional": conditional,
         "positions": positions,
         "prompts": len(prompts),
-        "model": getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", ""),
-        "prompt_tokens": {"num_prompt_tokens": D, "ensemble": guesser.ensemble, "top_k": K,
-                          **{k: v for k, v in getattr(guesser, "meta", {}).items() if isinstance(v, (str, int, float))}},
+        "model": getattr(model.config, "name_or_path", "") or getattr(model.config, "model_type", ""),
+        "guesser": guessing_record(guesser, runner, D),
         "source": "profiler.acceptance.measure_accuracy (greedy decoding)",
     }
+
+
+def guessing_record(guesser, runner, depth: int) -> dict:
+    """How the guesser feeds trees (planner.cost.Guessing fields) and what it is."""
+    import statistics
+
+    if getattr(guesser, "input_embeddings", lambda: None)() is not None:
+        return {"kind": "ppd", "prompt_tokens": True, "ensemble": guesser.ensemble, "top_k": guesser.top_k,
+                "num_prompt_tokens": guesser.num_distances,
+                **{k: v for k, v in getattr(guesser, "meta", {}).items() if isinstance(v, (str, int, float))}}
+    kind = type(guesser).__name__
+    one_pass = getattr(guesser, "mode", None) == "parallel" or kind == "PromptLookupGuesser"
+    propose_s = statistics.median(runner.times) if runner.times else 0.0
+    return {"kind": kind, "prompt_tokens": False, "ensemble": 1, "top_k": getattr(guesser, "top_k", 1),
+            "draft_passes": "one" if one_pass else "depth",
+            # a comb of `depth` levels took `depth` passes (one for a parallel drafter or lookup)
+            "draft_s": propose_s if one_pass else propose_s / depth, "propose_s_median": propose_s}
 
 
 @dataclass

@@ -22,12 +22,13 @@ def _prompts(n, seed=0):
     return [torch.randint(1, V, (int(t),), generator=g) for t in torch.randint(1, 12, (n,), generator=g)]
 
 
+@pytest.mark.parametrize("conditional", [False, True])
 @pytest.mark.parametrize("ensemble", [1, 2])
-def test_accuracy_counts_equal_brute_force(model, ensemble):
+def test_accuracy_counts_equal_brute_force(model, ensemble, conditional):
     P, K, n = 3, 4, 12
     pt = PromptTokens.random(model, P, ensemble=ensemble, seed=5, top_k=K)
     prompts = _prompts(3, seed=ensemble)
-    got = measure_accuracy(model, pt, prompts, max_new_tokens=n)
+    got = measure_accuracy(model, pt, prompts, max_new_tokens=n, conditional=conditional, allow_empty=True)
     hits = np.zeros((P, K), dtype=int)
     totals = np.zeros(P, dtype=int)
     embed = model.get_input_embeddings()
@@ -44,7 +45,11 @@ def test_accuracy_counts_equal_brute_force(model, ensemble):
                     logits = logits + model(inputs_embeds=seq[None]).logits[0, -P:]
             guesses = (logits / ensemble).topk(K, dim=-1).indices  # [P, K]
             for d in range(1, P + 1):
-                if i + d < n:
+                # conditional: only while the rank-0 guesses at distances 1..d-1 were right
+                if i + d >= n:
+                    continue
+                path_ok = all(int(guesses[e - 1, 0]) == cont[i + e] for e in range(1, d))
+                if path_ok or not conditional:
                     totals[d - 1] += 1
                     hits[d - 1] += (guesses[d - 1] == cont[i + d]).numpy()
     assert got["counts"] == hits.tolist()

@@ -112,3 +112,25 @@ def test_prompt_lookup_decoding_equals_generate_and_accepts_repeats():
     assert not loops or sum(out.stats.accepted) > 0
     with pytest.raises(UserError, match="one chain"):
         generate(target, ids, plan=static_tree("medusa", 6, 2), guesser=PromptLookupGuesser(), max_new_tokens=4)
+
+
+def test_acceptance_of_drafters_is_measured_along_their_chain():
+    from decoder.parallel import ParallelDrafter, arch_of
+    from planner.accept import from_entry
+    from planner.cost import default_guessing
+    from profiler.acceptance import measure_accuracy
+
+    target = tiny_model("llama", seed=1)
+    prompts = _prompts()
+    same = measure_accuracy(target, DraftModelGuesser(tiny_model("llama", seed=1), top_k=3, depth=3), prompts,
+                            max_new_tokens=20)
+    assert [row[0] for row in same["accuracy"]] == [1.0, 1.0, 1.0]  # the target as its own drafter
+    assert same["guesser"]["draft_passes"] == "depth" and same["guesser"]["draft_s"] > 0
+    g = default_guessing("sequoia", from_entry(same))
+    assert (g.prompt_tokens, g.draft_passes) == (False, "depth") and g.draft_s == same["guesser"]["draft_s"]
+    ps = ParallelDrafter(arch_of(target.config), num_masks=2, top_k=3)
+    got = measure_accuracy(target, ps, prompts, max_new_tokens=20)
+    assert len(got["accuracy"]) == 3 and got["guesser"]["draft_passes"] == "one"
+    look = measure_accuracy(target, PromptLookupGuesser(num_tokens=3), [torch.tensor([5, 6, 7, 8] * 4)],
+                            max_new_tokens=20, depth=3, width=1)
+    assert len(look["accuracy"]) == 3 and len(look["accuracy"][0]) == 1

@@ -61,7 +61,7 @@ def run(args) -> int:
     acc.update({"prompts": len(done), "model": loaded.name, "config_hash": loaded.config_hash,
                 "source": f"planner accept: {loaded.name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} greedy tokens each", "wall_s": time.time() - t0})
-    acc["prompt_tokens"]["dir"] = guesser.source_dir  # None: random, untrained
+    acc["guesser"]["dir"] = guesser.source_dir  # ppd: None is random, untrained
     from_entry({"accuracy": acc["accuracy"]}, label=args.output)  # what we write, the planner can read
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
@@ -76,13 +76,17 @@ def run(args) -> int:
 
 
 def _merge(parts: list[dict]) -> dict:
+    import statistics
+
     import numpy as np
 
     counts = sum(np.array(p["counts"]) for p in parts)
     totals = sum(np.array(p["totals"]) for p in parts)
-    if totals.min() == 0:
-        raise UserError("too few positions decoded to measure every distance; raise --max-new-tokens")
+    if totals[0] == 0:
+        raise UserError("too few positions decoded to measure distance 1; raise --max-new-tokens")
     out = dict(parts[0])
-    out.update({"accuracy": (counts / totals[:, None]).tolist(), "counts": counts.tolist(), "totals": totals.tolist(),
+    out.update({"accuracy": np.divide(counts, totals[:, None], out=np.zeros(counts.shape), where=totals[:, None] > 0).tolist(), "counts": counts.tolist(), "totals": totals.tolist(),
                 "positions": sum(p["positions"] for p in parts)})
+    if "draft_s" in out["guesser"]:  # the drafter's pass time: the median over prompts
+        out["guesser"] = dict(out["guesser"], draft_s=statistics.median(p["guesser"]["draft_s"] for p in parts))
     return out
