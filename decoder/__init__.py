@@ -13,8 +13,8 @@ import importlib
 _EXPORTS = {
     "generate": "decoder.loop",
     "generate_plain": "decoder.loop",
-    "GenerateOutput": "decoder.loop",
-    "DecodeStats": "decoder.loop",
+    "GenerateOutput": "decoder.output",
+    "DecodeStats": "decoder.output",
     "PromptTokens": "decoder.prompt_tokens",
     "prompt_block_mask": "decoder.layout",
     "Guesser": "decoder.guesser",

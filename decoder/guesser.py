@@ -147,17 +147,30 @@ class DistanceGuesser:
         table = self.input_embeddings()
         if table is not None:
             table = table.detach().to(device=ctx.device, dtype=ctx.dtype)  # [P*E, hidden]
-        return DistanceSession(self, self.layouts(plan, ctx.dtype, ctx.device), table, ctx.device)
+        return DistanceSession(self, self.layouts(plan, ctx.dtype, ctx.device), table, ctx.device, ctx.dtype)
 
 
 class DistanceSession:
     """Starts with the bootstrap step (root only, all prompt tokens), so the first real step has guesses."""
 
-    def __init__(self, guesser: DistanceGuesser, plan: PlanLayout, table: torch.Tensor | None, device):
-        self.guesser, self.plan, self.table, self.device = guesser, plan, table, device
+    def __init__(self, guesser: DistanceGuesser, plan: PlanLayout, table: torch.Tensor | None, device, dtype):
+        self.guesser, self.plan, self.table, self.device, self.dtype = guesser, plan, table, device, dtype
         self.layout = plan.bootstrap
         self.guesses: torch.Tensor | None = None  # [k, K] for the current layout's depths
         self.max_input_length = plan.max_input_length
+
+    def switch(self, plan: Tree | None) -> None:
+        """Another tree from now on (a batch's schedule changed with its size); None: plain steps.
+        Guesses made for the old tree may not reach the new one's depth, so it starts with its
+        bootstrap step (root and all prompt tokens), as after the prefill."""
+        if plan is None:
+            self.plan = None
+            self.layout = layout_for((), 1, self.dtype, self.device)
+        else:
+            self.plan = self.guesser.layouts(plan, self.dtype, self.device)
+            self.layout = self.plan.bootstrap
+            self.max_input_length = max(self.max_input_length, self.plan.max_input_length)
+        self.guesses = None
 
     def propose(self, root: torch.Tensor) -> Proposal:
         lay = self.layout
@@ -175,4 +188,5 @@ class DistanceSession:
             self.guesses = self.guesser.guess(prompt_logits, outcome.context_length, k).to(self.device)
         else:
             self.guesses = None
-        self.layout = self.plan.next(k)
+        if self.plan is not None:
+            self.layout = self.plan.next(k)

@@ -12,7 +12,7 @@ timings compare like with like. Batch size 1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,59 +25,10 @@ from decoder.guesser import (
     Proposal,
     StepOutcome,
 )
+from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, Verdict, verify
 from planner.errors import UserError
 from planner.tree import Tree, load_tree
-
-PHASES = ("prepare", "forward", "verify", "cache", "guess")  # guess: the session's commit (PPD: its next guesses)
-
-
-@dataclass
-class DecodeStats:
-    """Per-step records. state -1 is the bootstrap step; accepted counts candidates (tokens = accepted + 1)."""
-
-    states: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    emitted: list[int] = field(default_factory=list)  # after EOS / max_new_tokens truncation
-    input_lengths: list[int] = field(default_factory=list)  # real forward length (prompt tokens x E)
-    planned_input_lengths: list[int] = field(default_factory=list)  # the plan's count
-    times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
-    guesses: list[torch.Tensor | None] | None = None  # record_guesses: the [k, K] guesses each step's proposal used
-    prefill_s: float = 0.0
-    total_s: float = 0.0
-
-    def summary(self) -> dict:
-        steps = len(self.states)
-        tokens = sum(self.emitted)
-        out = {
-            "steps": steps,
-            "tokens": tokens,
-            "tokens_per_step": tokens / steps if steps else 0.0,
-            "mean_input_length": sum(self.input_lengths) / steps if steps else 0.0,
-            "prefill_s": self.prefill_s,
-            "total_s": self.total_s,
-            "tokens_per_s": tokens / self.total_s if self.total_s > 0 else None,
-        }
-        out.update({f"{p}_s": sum(self.times[p]) if self.times[p] or not steps else None for p in PHASES})
-        return out
-
-    def to_json(self) -> dict:
-        return {
-            "states": self.states,
-            "accepted": self.accepted,
-            "emitted": self.emitted,
-            "input_lengths": self.input_lengths,
-            "planned_input_lengths": self.planned_input_lengths,
-            "times": self.times,
-            "summary": self.summary(),
-        }
-
-
-@dataclass
-class GenerateOutput:
-    tokens: torch.Tensor  # [T_new] long, new tokens only
-    steps: int  # forward passes of the base model after the prefill
-    stats: DecodeStats
 
 
 @dataclass
@@ -112,7 +63,7 @@ def as_tree(plan) -> tuple[Tree | None, str]:
 def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, verify_rule: str = "auto", eps: float = 0.09, delta: float = 0.3,
              eos_token_id=None, seed: int = 0, record_guesses: bool = False, progress: bool = False,
-             attention: str = "auto", phase_times: bool = True) -> GenerateOutput:
+             attention: str = "auto", phase_times: bool = True, layout: str = "packed"):
     """Decode with a plan (a tree file path or a loaded Tree; None for guessers that need none) and
     a guesser (PromptTokens, OracleGuesser, a draft model, ...; decoder/guesser.py).
 
@@ -121,16 +72,38 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
     4D mask through the model's own attention), "kernels" or "dense". Enabling the kernels
     switches the model to the "tree_triton" attention implementation, which keeps using SDPA for
     every call that is not a tree step.
+    input_ids: one prompt (1-D, or [1, T]) -> a GenerateOutput; a list of prompts of any lengths ->
+    one GenerateOutput per prompt, in order, decoded together in `layout` "packed" (EMS-SD, no
+    padding) or "padded" (the vanilla baseline); see decoder/batch.py.
     phase_times: split each step into PHASES. On a GPU that costs five device syncs per step, which
     stall the launch queue; pass False for deployment-speed timing (total_s stays exact, the
     phase lists stay empty on CUDA; on the CPU, where work is synchronous, they are always kept).
     """
-    select_attention(model, attention)
     tree, label = as_tree(plan)
     guesser.check(tree, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
+    if isinstance(input_ids, (list, tuple)):
+        return _generate_batch(model, input_ids, tree, guesser, max_new_tokens, sampling, eos_token_id, seed, layout, label)
+    select_attention(model, attention)
     return decode(model, input_ids, tree, guesser, max_new_tokens, sampling, eos_token_id=eos_token_id, seed=seed,
                   record_guesses=record_guesses, progress=progress, phase_times=phase_times, label=label)
+
+
+def _generate_batch(model, prompts, tree, guesser, max_new_tokens, sampling, eos_token_id, seed, layout, label):
+    from decoder.batch import decode_batch
+
+    if tree is not None and tree.schedule:
+        for entry in tree.schedule:
+            if entry.tree is not None:
+                guesser.check(entry.tree, label)
+    device = model.get_input_embeddings().weight.device
+    ids = [_ids_1d(p, device) for p in prompts]
+    with torch.inference_mode():
+        outs, stats = decode_batch(model, ids, tree, guesser, max_new_tokens, sampling, _eos_set(model, eos_token_id),
+                                   seed, layout, label)
+    for o in outs:
+        o.batch = stats
+    return outs
 
 
 def generate_plain(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -248,15 +221,6 @@ def _commit_target(target: _Target, verdict: Verdict) -> None:
     target.root = verdict.root
 
 
-def _truncate(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bool]:
-    """The emitted tokens up to the first EOS and at most `room` of them; whether decoding stops."""
-    for i, tok in enumerate(tokens):
-        if tok in eos:
-            tokens = tokens[: i + 1]
-            return tokens[:room], True
-    return tokens[:room], len(tokens) >= room
-
-
 @torch.inference_mode()
 def decode(model, input_ids, plan: Tree | None, guesser, max_new_tokens: int, sampling: Sampling, *, eos_token_id=None,
            seed: int = 0, record_guesses: bool = False, progress: bool = False, phase_times: bool = True,
@@ -307,7 +271,7 @@ def _step(target: _Target, session: GuessSession, sampling: Sampling, gen, clock
     _commit_target(target, verdict)
     clock.lap("cache")
     outcome = StepOutcome(proposal, verdict, logits, hidden, target.context_length)
-    kept, stop = _truncate(verdict.emitted, eos, room)
+    kept, stop = truncate(verdict.emitted, eos, room)
     if not stop:  # the last step's commit would only prepare guesses nobody reads
         session.commit(outcome)
     clock.lap("guess")

@@ -132,6 +132,28 @@ class TreeInput:
     position_ids: torch.Tensor
     mask: torch.Tensor
     parents: list[int]
+    segments: object = None  # packed layout: decoder.batch.PackedSegments (one row, b sequences)
+
+
+def packed_input(x: TreeInput, batch_size: int, context_length: int) -> TreeInput:
+    """The same b trees packed into one row after b contexts of C tokens (EMS-SD's layout)."""
+    from decoder.batch import PackedSegments
+
+    b, n = x.input_ids.shape
+    C = context_length
+    block = x.mask[0, 0, :, C:]  # [n, n] additive, the tree among its own tokens
+    seg = PackedSegments([(i * C, C) for i in range(b)], [n] * b, [block] * b, b * C)
+    return TreeInput(x.input_ids.reshape(1, b * n), x.position_ids.reshape(1, b * n), None, x.parents, seg)
+
+
+def pack_cache(cache) -> None:
+    """A [b, H, C, d] cache of b equal-length contexts as one row [1, H, b C, d] (segment i = rows i C ..)."""
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        b, H, C, d = layer.keys.shape
+        layer.keys = layer.keys.permute(1, 0, 2, 3).reshape(1, H, b * C, d)
+        layer.values = layer.values.permute(1, 0, 2, 3).reshape(1, H, b * C, d)
 
 
 def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dtype, device, gen) -> TreeInput:
@@ -181,7 +203,10 @@ class Runner:
             layer.keys, layer.values = k, v
 
     def forward(self, x: TreeInput) -> None:
-        if self.kernel_path:  # the decoder's kernel path: the tree as parents, no dense mask
+        if x.segments is not None:  # packed batch: per-sequence attention (decoder.batch)
+            self.model(input_ids=x.input_ids, position_ids=x.position_ids, past_key_values=self.cache, use_cache=True,
+                       packed_segments=x.segments)
+        elif self.kernel_path:  # the decoder's kernel path: the tree as parents, no dense mask
             from decoder.attention import prepare_tree
 
             tree = prepare_tree(x.parents, x.input_ids.device)
@@ -298,6 +323,7 @@ class _Settings:
     timer: Timer
     t_start: float
     bar: object
+    layout: str = "padded"  # batch rows ("padded": b rectangular rows) or one packed row (EMS-SD)
     n_samples: int = 0
 
     def tick(self, b: int) -> None:
@@ -321,11 +347,13 @@ def profile_model(
     warmup: int = 1,
     seed: int = 0,
     overhead: bool = True,
+    layout: str = "padded",
 ) -> dict:
     """Measure forward latency at every input length and batch size; returns the profile JSON object.
 
     `model` is a LoadedModel or a bare transformers model. overhead: also measure the decoder's
-    own per-step work outside the forward pass (profiler/overhead.py), which the cost model adds. Out of memory at a length drops that
+    own per-step work outside the forward pass (profiler/overhead.py), which the cost model adds;
+    layout: batch rows "padded" (rectangular) or "packed" (one row, EMS-SD). Out of memory at a length drops that
     length and all longer ones for that batch size; Ctrl-C stops measuring. In both cases the
     points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
     point re-raises KeyboardInterrupt).
@@ -337,6 +365,8 @@ def profile_model(
         time_budget_s = 120.0 if device.type == "cuda" else 15.0
     st = _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci,
                warmup, seed, time_budget_s, progress)
+    attn_before = getattr(hf.config, "_attn_implementation", None)
+    st.layout = _layout(hf, layout, cuda_graphs)
     lengths, bar = st.lengths, st.bar
     batch_sizes = [int(b) for b in batch_sizes]
     load_start = _load()
@@ -353,8 +383,23 @@ def profile_model(
     finally:
         bar.close()
     stopped = _stops(series, batch_sizes, interrupted)
-    out_series = [j for j in (s.to_json() for s in series) if j is not None]
-    if not out_series or out_series[0]["batch_size"] != batch_sizes[0]:
+    out_series = _measured(series, batch_sizes, stopped, interrupted, context_length)
+    settings = dict(batch_sizes=batch_sizes, input_lengths_requested=lengths, time_budget_s=time_budget_s,
+                    min_repeats=min_repeats, max_repeats=max_repeats, target_rel_ci=target_rel_ci, warmup=warmup,
+                    cuda_graphs=cuda_graphs, seed=seed, load_avg_1m=[load_start, _load()])
+    if getattr(hf.config, "_attn_implementation", None) != attn_before:
+        hf.set_attn_implementation(attn_before)  # the packed layout switched it for the measurement
+    result = _profile_json(st, loaded, out_series, settings)
+    if overhead and not interrupted and batch_sizes[0] == 1:
+        result["decoder_overhead"] = _overhead(hf, out_series[0])
+    return _mark_incomplete(result, series, stopped)
+
+
+def _measured(series: list[Series], batch_sizes: list[int], stopped: list[dict], interrupted: bool,
+              context_length: int) -> list[dict]:
+    """The measured series; nothing for the first batch size means no profile (Ctrl-C re-raises)."""
+    out = [j for j in (s.to_json() for s in series) if j is not None]
+    if not out or out[0]["batch_size"] != batch_sizes[0]:
         if interrupted:
             raise KeyboardInterrupt
         stop = stopped[0] if stopped else {}
@@ -362,15 +407,13 @@ def profile_model(
             f"out of memory at input length {stop.get('input_length')} (batch size {stop.get('batch_size')}, context "
             f"{context_length}); nothing measured for the first batch size, so no profile written"
         )
-    settings = {"batch_sizes": batch_sizes, "input_lengths_requested": lengths, "time_budget_s": time_budget_s,
-                "min_repeats": min_repeats, "max_repeats": max_repeats, "target_rel_ci": target_rel_ci,
-                "warmup": warmup, "cuda_graphs": cuda_graphs, "seed": seed, "load_avg_1m": [load_start, _load()]}
-    result = _profile_json(st, loaded, out_series, settings)
-    if overhead and not interrupted and batch_sizes[0] == 1:
-        from profiler.overhead import measure_overhead
+    return out
 
-        result["decoder_overhead"] = measure_overhead(hf, max(out_series[0]["input_lengths"]))
-    return _mark_incomplete(result, series, stopped)
+
+def _overhead(hf, first_series: dict) -> dict:
+    from profiler.overhead import measure_overhead
+
+    return measure_overhead(hf, max(first_series["input_lengths"]))
 
 
 def _mark_incomplete(result: dict, series: list[Series], stopped: list[dict]) -> dict:
@@ -396,6 +439,20 @@ def _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, m
     return _Settings(hf, device, lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci, warmup,
                      next(hf.parameters()).dtype, hf.config.get_text_config().vocab_size,
                      torch.Generator().manual_seed(seed), random.Random(seed), Timer(device), time.time(), bar)
+
+
+def _layout(hf, layout: str, cuda_graphs: bool) -> str:
+    """padded: b rectangular rows (L_b(n) as the vanilla batch runs it); packed: one row of b
+    sequences with per-sequence attention, as decoder.batch's EMS-SD layout runs it."""
+    if layout not in ("padded", "packed"):
+        raise UserError(f"--layout: expected padded or packed, got {layout!r}")
+    if layout == "packed":
+        if cuda_graphs:
+            raise UserError("--layout packed: not with --cuda-graphs (per-sequence attention loops on the host)")
+        from decoder.batch import enable_packed_attention
+
+        enable_packed_attention(hf)
+    return layout
 
 
 def _stops(series: list[Series], batch_sizes: list[int], interrupted: bool) -> list[dict]:
@@ -432,9 +489,11 @@ def _measure_batch(st: _Settings, s: Series, deadline: float) -> None:
         s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
         _free(st.device)
         return
+    if st.layout == "packed":
+        pack_cache(cache)
     runner = Runner(st.hf, cache, st.cuda_graphs)
     inputs: dict[int, TreeInput] = {}
-    st.bar.set_description(f"profiling b={b}")
+    st.bar.set_description(f"profiling b={b}{' packed' if st.layout == 'packed' else ''}")
     active = _first_round(st, s, runner, inputs, deadline)
     _later_rounds(st, s, runner, inputs, active, deadline)
     del runner, cache, inputs
@@ -465,6 +524,8 @@ def _first_round(st: _Settings, s: Series, runner: Runner, inputs: dict, deadlin
         try:
             inputs[n] = _guarded(lambda: make_tree_input(n, s.batch_size, st.context_length, st.vocab, st.dtype,
                                                          st.device, st.gen))
+            if st.layout == "packed":
+                inputs[n] = packed_input(inputs[n], s.batch_size, st.context_length)
             _guarded(lambda: runner.warm(n, inputs[n], st.warmup))
             s.samples[n] = [_guarded(lambda: st.timer(runner.sample_fn(n, inputs[n])))]
             st.tick(s.batch_size)
@@ -512,6 +573,7 @@ def _profile_json(st: _Settings, loaded, out_series: list[dict], settings: dict)
         "config_hash": loaded.config_hash if loaded else config_hash(cfg),
         "dtype": dtype_name(st.dtype),
         "context_length": st.context_length,
+        "layout": st.layout,
         "versions": _versions(st.device),
         "threads": torch.get_num_threads(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -283,7 +283,7 @@ def test_greedy_verification_reads_the_device_once_and_matches_brute_force(monke
 
 
 def test_phase_times_off_changes_nothing_on_the_cpu(model):
-    from decoder.loop import DecodeStats
+    from decoder.output import DecodeStats
 
     ids = _prompts(3, seed=40)[2]
     tree = PLANS[5][1]

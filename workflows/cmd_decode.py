@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=0.09, help="typical acceptance: hard threshold")
     p.add_argument("--delta", type=float, default=0.3, help="typical acceptance: entropy-scaled threshold")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="decode the prompts B at a time, each accepting its own tokens per step (default 1)")
+    p.add_argument("--layout", default="packed", choices=["packed", "padded"],
+                   help="with --batch-size > 1: packed (EMS-SD: no padding of inputs or cache, default) or padded "
+                        "(the vanilla baseline: inputs padded to the longest tree, caches advance by the longest path)")
     p.add_argument("--compare-plain", action="store_true", help="also decode plainly (same cache path) and compare")
     p.add_argument("--print", dest="print_text", action="store_true", help="print each decoded text")
     p.add_argument("-o", "--output", default=None, help="results JSON (default: print a summary only)")
@@ -60,6 +65,8 @@ def check_sampling(args) -> None:
 def _check(args) -> None:
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens: expected a positive integer")
+    if not 1 <= args.batch_size <= 1024:
+        raise UserError(f"--batch-size: expected an integer in 1..1024, got {args.batch_size}")
     check_sampling(args)
 
 
@@ -79,8 +86,7 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from decoder.loop import generate, generate_plain
-    from profiler.compare import classify
+    from decoder.loop import generate
 
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
@@ -98,21 +104,15 @@ def run(args) -> int:
     interrupted = False
     t_start = time.time()
     try:
-        for text, ids in tqdm(list(zip(texts, prompts)), desc="decode", unit="prompt", disable=args.no_progress):
-            out = generate(model, ids, plan=tree, guesser=guesser, verify_rule=args.verify, eps=args.eps,
-                           delta=args.delta, **gen_kw)
-            row = {"prompt": text, "prompt_length": int(ids.numel()), "prompt_ids": ids.tolist(), "tokens": out.tokens.tolist(),
-                   "steps": out.steps, "stats": out.stats.to_json()}
-            if tokenizer is not None:
-                row["text"] = tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
-            if args.compare_plain:
-                plain = generate_plain(model, ids, **gen_kw)
-                row["plain"] = {"tokens": plain.tokens.tolist(), "steps": plain.steps, "summary": plain.stats.summary()}
-                row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"])
-                row["identical_to_plain"] = row["comparison"]["status"] == "identical"
-            if args.print_text:
-                print(f"--- {text[:60]!r}\n{row.get('text', row['tokens'])}")
-            results.append(row)
+        for batch in tqdm(_batches(list(zip(texts, prompts)), args.batch_size), desc="decode", unit="batch",
+                          disable=args.no_progress):
+            ids_b = [ids for _, ids in batch]
+            outs = generate(model, ids_b if args.batch_size > 1 else ids_b[0], plan=tree, guesser=guesser,
+                            verify_rule=args.verify, eps=args.eps, delta=args.delta, layout=args.layout, **gen_kw)
+            outs = outs if isinstance(outs, list) else [outs]
+            plains = _plain(model, ids_b, args, gen_kw) if args.compare_plain else [None] * len(batch)
+            for (text, ids), out, plain in zip(batch, outs, plains):
+                results.append(_row(args, model, tokenizer, text, ids, out, plain, len(batch)))
     except KeyboardInterrupt:
         interrupted = True  # keep what is done; report and write it
     summary = _summary(results, args.compare_plain)
@@ -138,6 +138,41 @@ def run(args) -> int:
     return 0
 
 
+def _batches(items: list, size: int) -> list[list]:
+    return [items[i: i + size] for i in range(0, len(items), size)]
+
+
+def _plain(model, ids_b: list, args, gen_kw) -> list:
+    """Plain decoding of the same prompts through the same path (batched the same way)."""
+    from decoder.guesser import PlainGuesser
+    from decoder.loop import generate, generate_plain
+
+    if len(ids_b) == 1:
+        return [generate_plain(model, ids_b[0], **gen_kw)]
+    return generate(model, ids_b, plan=None, guesser=PlainGuesser(), layout=args.layout, **gen_kw)
+
+
+def _row(args, model, tokenizer, text: str, ids, out, plain, batch_len: int) -> dict:
+    """One prompt's record. wall_share_s: its share of its batch's time (the whole time unbatched),
+    so that summed over prompts it is the run's wall time."""
+    from profiler.compare import classify
+
+    row = {"prompt": text, "prompt_length": int(ids.numel()), "prompt_ids": ids.tolist(), "tokens": out.tokens.tolist(),
+           "steps": out.steps, "stats": out.stats.to_json(), "wall_share_s": out.stats.total_s / batch_len}
+    if out.batch is not None:
+        row["batch"] = out.batch.summary()
+    if tokenizer is not None:
+        row["text"] = tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
+    if plain is not None:
+        row["plain"] = {"tokens": plain.tokens.tolist(), "steps": plain.steps, "summary": plain.stats.summary(),
+                        "wall_share_s": plain.stats.total_s / batch_len}
+        row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"])
+        row["identical_to_plain"] = row["comparison"]["status"] == "identical"
+    if args.print_text:
+        print(f"--- {text[:60]!r}\n{row.get('text', row['tokens'])}")
+    return row
+
+
 def step_lengths(guesser, tree, w) -> dict:
     """Forward lengths per state: the decoder's real ones and the plan's count."""
     if hasattr(guesser, "layouts") and getattr(guesser, "input_embeddings", lambda: None)() is not None:
@@ -161,13 +196,13 @@ def guesser_record(spec: str, guesser) -> dict:
 def _summary(results: list[dict], plain: bool) -> dict:
     tokens = sum(len(r["tokens"]) for r in results)
     steps = sum(r["steps"] for r in results)
-    seconds = sum(r["stats"]["summary"]["total_s"] for r in results)
+    seconds = sum(r["wall_share_s"] for r in results)
     s = {"prompts": len(results), "tokens": tokens, "steps": steps,
          "tokens_per_step": tokens / steps if steps else 0.0,
          "tokens_per_s": tokens / seconds if seconds > 0 else None}
     if plain and results:
         p_tokens = sum(len(r["plain"]["tokens"]) for r in results)
-        p_seconds = sum(r["plain"]["summary"]["total_s"] for r in results)
+        p_seconds = sum(r["plain"]["wall_share_s"] for r in results)
         s["plain_tokens_per_s"] = p_tokens / p_seconds if p_seconds > 0 else None
         s["speedup"] = (s["tokens_per_s"] / s["plain_tokens_per_s"]) if s["tokens_per_s"] and s["plain_tokens_per_s"] else None
         s["identical_to_plain"] = all(r["identical_to_plain"] for r in results)

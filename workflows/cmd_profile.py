@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="sdpa", choices=["sdpa", "tree"],
                    help="sdpa: dense 4D mask through PyTorch SDPA (default); tree: the project's tree-attention "
                         "kernels (decoder.attention, Triton on CUDA), as the decoder runs them when switched on")
+    p.add_argument("--layout", default="padded", choices=["padded", "packed"],
+                   help="with --batch-size > 1: padded (b rectangular rows, default) or packed (one row of b "
+                        "sequences with per-sequence attention: EMS-SD's layout, decoder.batch)")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
@@ -150,6 +153,7 @@ def run(args) -> int:
         loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
         cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,
         max_repeats=args.max_repeats, target_rel_ci=args.target_ci, warmup=args.warmup, seed=args.seed,
+        layout=args.layout,
     )
     out = Path(args.output) if args.output else Path("profiles") / f"{device_slug(profile)}-{loaded.name}.json"
     try:
