@@ -80,13 +80,15 @@ def test_held_out_prompts_are_disjoint_and_held_out(tmp_path):
 
 
 def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
-    s = AutotuneSettings(out=str(tmp_path / "run"), trees_dir=str(tmp_path / "trees"), accept_prompts=1,
+    s = AutotuneSettings(model="builtin", guessers=("ppd", "lookup"), out=str(tmp_path / "run"),
+                         trees_dir=str(tmp_path / "trees"), accept_prompts=1,
                          decode_prompts=1, accept_tokens=16, decode_tokens=12, max_input_length=10,
                          context_length=32, profile_budget_s=2.0, rounds=1, report=False, progress=False, threads=1)
     summary = autotune(s)
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["identical_to_greedy"] is True and summary["identical_to_greedy"] is True
-    assert {r["method"] for r in saved["rows"]} == {"ppd", "medusa", "sequoia"}
+    assert {(r["guesser"], r["method"]) for r in saved["rows"]} == {("ppd", "ppd"), ("ppd", "medusa"), ("ppd", "sequoia"),
+                                                                   ("lookup", "chain")}
     for r in saved["rows"]:
         for key in ("method", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
                     "predicted_speedup", "measured_speedup"):
@@ -97,5 +99,5 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
     assert len(chosen) == 1
     assert chosen[0]["predicted_speedup"] == max(r["predicted_speedup"] for r in saved["rows"])
     assert load_tree(saved["chosen"]).method == chosen[0]["method"]
-    for name in ("profile.json", "accept.json"):
+    for name in ("profile.json", "accept-ppd.json", "accept-lookup.json"):
         assert (tmp_path / "run" / name).is_file()

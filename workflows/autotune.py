@@ -15,135 +15,61 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from planner.accept import Acceptance, load_acceptance
-from planner.cost import Guessing, input_lengths, mean_input_length, predict
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
-from planner.plan import plan
 from planner.profile import LatencyProfile, load_profile
 from planner.tree import Tree, save_tree
-from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+from workflows.candidates import METHODS, Candidate, drafter_candidates, pick, plan_candidates, real_input_length  # noqa: F401
+from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
 REPO = Path(__file__).resolve().parents[1]
-BUILTIN_PROMPT_TOKENS = REPO / "models" / "builtin" / "prompt_tokens"
-METHODS = ("ppd", "medusa", "sequoia")
+GUESSERS = ("ppd", "draft", "parallelspec", "chain", "lookup")
+SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
 
 
 @dataclass
 class AutotuneSettings:
-    model: str = "builtin"
-    prompt_tokens: str | None = None  # a PromptTokens directory; default: the built-in model's
+    model: str = "smollm2-135m"
+    guessers: tuple[str, ...] = ("auto",)  # auto: every guesser shipped for the model, and prompt lookup
+    guesser_dirs: dict = field(default_factory=dict)  # kind -> directory, instead of the shipped one
     device: str | None = None
     dtype: str | None = None
     out: str | None = None  # run folder; default runs/<date>-<device>-<model>
     questions: str = str(DEFAULT_QUESTIONS)
-    accept_prompts: int = 8  # held-out prompts to measure acceptance on
-    decode_prompts: int = 8  # other held-out prompts to decode
-    accept_tokens: int = 96  # greedy tokens per prompt when measuring acceptance
-    decode_tokens: int = 64  # new tokens per prompt when decoding
+    accept_prompts: int = 4  # held-out prompts to measure acceptance on
+    decode_prompts: int = 4  # other held-out prompts to decode
+    accept_tokens: int = 64  # greedy tokens per prompt when measuring acceptance
+    decode_tokens: int = 48  # new tokens per prompt when decoding
     max_input_length: int = 64  # largest forward pass planned and profiled
     context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
-    methods: tuple[str, ...] = METHODS
-    neighbours: int = 2  # sizes either side of the chosen one that are also decoded
-    rounds: int = 3  # decoding repeats; each (plan, prompt) time is the median
+    methods: tuple[str, ...] = METHODS  # ppd guesser's tree families
+    neighbours: int = 1  # sizes either side of the chosen one that are also decoded
+    sweep: int = 4  # extra sizes of the chosen (guesser, method) spread over its range
+    rounds: int = 2  # decoding repeats; each (plan, prompt) time is the median
     threads: int | None = None  # CPU threads for torch (default: torch's choice)
     profile: str | None = None  # reuse a profile file instead of measuring
-    accept: str | None = None  # reuse an acceptance file instead of measuring
+    accept: str | None = None  # reuse a ppd acceptance file instead of measuring
     profile_budget_s: float = 40.0
     trees_dir: str = str(REPO / "trees")
     report: bool = True
     progress: bool = True
 
-
-@dataclass
-class Candidate:
-    """One plan the autotune considers: its tree and the model's prediction for this machine."""
-
-    method: str
-    tree: Tree
-    size: int  # candidates (medusa/sequoia) or planned input length (ppd)
-    input_length: float  # real forward length in the decoder (amortised over states for ppd)
-    predicted_tokens_per_step: float
-    predicted_speedup: float
-    variant: str = ""  # ppd: "shared budget" (the paper's) or "per-state budgets" (hardware-aware)
-    measured: dict = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------ planning
-
-
-def real_input_length(tree: Tree, ensemble: int) -> float:
-    """Tokens in the decoder's forward pass with prompt-token guessers, amortised over states."""
-    return mean_input_length(tree, Guessing(prompt_tokens=True, ensemble=ensemble))
-
-
-def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
-                    max_input_length: int) -> list[Candidate]:
-    """Every size of `method` whose real forward pass fits `max_input_length`, with its prediction."""
-    out = []
-    if method == "ppd":
-        # The paper's shared budget gives a real size sweep (every state spends up to n tokens);
-        # the planner's hardware-aware tree (each state spends what the latency curve says pays)
-        # is one more plan, usually equal in speed to the best of the sweep or better.
-        sized = [(n, plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
-                 for n in range(1 + prompt_tokens, max_input_length + 1)]
-        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length,
-                    guessing=Guessing(prompt_tokens=True, ensemble=ensemble))
-        sized.append((auto.max_input_length, auto, "per-state budgets"))
-        seen = set()
-        for n, tree, variant in sized:
-            sig = _signature(tree)
-            if sig in seen or max(input_lengths(tree, Guessing(prompt_tokens=True, ensemble=ensemble))) > max_input_length:
-                continue
-            seen.add(sig)
-            out.append(_candidate(method, tree, n, profile, ensemble, variant))
-        return out
-    depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
-    for size in range(1, max_input_length):
-        tree = plan(method, accept, size=size, max_depth=depth)
-        if real_input_length(tree, ensemble) > max_input_length:
-            break
-        out.append(_candidate(method, tree, size, profile, ensemble))
-    return out
-
-
-def _signature(tree: Tree) -> tuple:
-    return tuple((st.state, tuple(st.nodes), tuple(st.prompt_tokens or ())) for st in tree.states)
-
-
-def _candidate(method, tree, size, profile, ensemble, variant="") -> Candidate:
-    pred = predict(tree, profile, Guessing(prompt_tokens=True, ensemble=ensemble))
-    tree.predicted_speedup = pred.speedup
-    return Candidate(method, tree, size, real_input_length(tree, ensemble), pred.tokens_per_step, pred.speedup, variant)
-
-
-def pick(candidates: list[Candidate], neighbours: int) -> tuple[Candidate, list[Candidate]]:
-    """The best predicted candidate overall, plus: the best of every other method and the
-    `neighbours` sizes either side of the chosen one in its own method (to check the choice)."""
-    best = max(candidates, key=lambda c: c.predicted_speedup)
-    same = sorted((c for c in candidates if c.method == best.method), key=lambda c: (c.input_length, c.size))
-    i = same.index(best)
-    chosen_and_near = same[max(0, i - neighbours): i + neighbours + 1]
-    step = max(1, len(same) // 8)  # and a coarse sweep of the chosen method, to see the curve's shape
-    sweep = same[::step]
-    others = []
-    for m in dict.fromkeys(c.method for c in candidates):
-        if m != best.method:
-            others.append(max((c for c in candidates if c.method == m), key=lambda c: c.predicted_speedup))
-    tried = list({id(c): c for c in chosen_and_near + sweep + others}.values())
-    tried.sort(key=lambda c: (c.method != best.method, c.method, c.size))
-    return best, tried
+    @property
+    def prompt_tokens(self) -> str | None:
+        return self.guesser_dirs.get("ppd")
 
 
 # ------------------------------------------------------------------ measuring
 
 
-def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max_new_tokens: int, rounds: int = 2,
+def measure_decoding(model, prompts, plans: list[Candidate | None], guessers, max_new_tokens: int, rounds: int = 2,
                      progress: bool = True) -> list[dict]:
     """Decode every prompt with every plan (None: plain decoding), interleaved.
 
     Plans run in a shuffled order per prompt and round, so a slow spell of the machine (clock
     changes, another process) spreads over all of them instead of biasing one; each (plan, prompt)
-    time is the median over rounds. Returns per plan: tokens, steps, seconds, outputs.
+    time is the median over rounds. guessers: one guesser for every plan, or {kind: guesser} for
+    plans that name their guesser. Returns per plan: tokens, steps, seconds, outputs.
     """
     import random
 
@@ -166,7 +92,8 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guesser, max
                 if plans[i] is None:
                     out = generate_plain(model, ids, max_new_tokens=max_new_tokens, phase_times=False)
                 else:
-                    out = generate(model, ids, plan=plans[i].tree, guesser=guesser, max_new_tokens=max_new_tokens,
+                    g = guessers[plans[i].guesser] if isinstance(guessers, dict) else guessers
+                    out = generate(model, ids, plan=plans[i].tree, guesser=g, max_new_tokens=max_new_tokens,
                                    phase_times=False)
                 times[i][p].append(time.perf_counter() - t0)
                 if r == 0:
@@ -218,7 +145,7 @@ class _Run:
 
     settings: AutotuneSettings
     loaded: object  # profiler.models.LoadedModel
-    guesser: object  # PromptTokens
+    guessers: dict  # kind -> guesser
     tokenizer: object
     device: str
     out_dir: Path
@@ -230,22 +157,22 @@ class _Run:
 
 
 def autotune(s: AutotuneSettings) -> dict:
-    """Profile, measure acceptance, plan every method, decode, write; returns the summary."""
+    """Profile, measure every guesser's acceptance, plan every guesser's trees, decode, write; returns the summary."""
     t_start = time.time()
     run = _open_run(s)
     accept_texts, decode_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
     accept_ids, decode_ids = encode_prompts(run.tokenizer, accept_texts), encode_prompts(run.tokenizer, decode_texts)
     profile_path, profile = _profile_phase(run)
-    accept_path, accept = _acceptance_phase(run, accept_ids)
-    candidates = _plan_phase(run, accept, profile)
-    chosen, tried = pick(candidates, s.neighbours)
-    plain, identical = _decode_phase(run, decode_ids, tried, chosen)
-    summary = _write_phase(run, chosen, tried, plain, identical, profile_path, accept_path)
+    accepts = _acceptance_phase(run, accept_ids)
+    candidates = _plan_phase(run, accepts, profile)
+    chosen, tried = pick(candidates, s.neighbours, s.sweep)
+    plain, identical = _decode_phase(run, decode_ids, tried)
+    summary = _write_phase(run, chosen, tried, plain, identical, profile_path, accepts)
     summary["wall_s"] = time.time() - t_start
     atomic_write_json(run.out_dir / "summary.json", summary)
     run.say(format_table(summary))
     if s.report:
-        _report_phase(run, summary, profile_path, accept_path)
+        _report_phase(run, summary, profile_path, accepts)
     run.say(f"run folder: {run.out_dir}  ({summary['wall_s']:.0f} s)")
     return summary
 
@@ -254,25 +181,50 @@ def _open_run(s: AutotuneSettings) -> _Run:
     import torch
     from transformers import AutoTokenizer
 
-    from decoder import PromptTokens
     from profiler.models import default_device, load_model
 
     if s.threads:
         torch.set_num_threads(s.threads)
     device = s.device or default_device()
     loaded = load_model(s.model, device=device, dtype=s.dtype)
-    pt_dir = s.prompt_tokens or (str(BUILTIN_PROMPT_TOKENS) if s.model == "builtin" else None)
-    if pt_dir is None:
-        raise UserError("--prompt-tokens: needed with --model other than builtin (train them with `planner train-prompts`)")
-    guesser = PromptTokens.load(pt_dir, model=loaded.model)
-    guesser.source_dir = pt_dir
     if loaded.tokenizer_dir is None:
         raise UserError(f"--model {s.model}: no tokenizer files found; autotune decodes text prompts")
+    guessers = _load_guessers(s, loaded)
     tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     out_dir = Path(s.out) if s.out else _default_out(device, loaded.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = print if s.progress else (lambda *a, **k: None)
-    return _Run(s, loaded, guesser, tokenizer, device, out_dir, say)
+    return _Run(s, loaded, guessers, tokenizer, device, out_dir, say)
+
+
+def _load_guessers(s: AutotuneSettings, loaded) -> dict:
+    """Every guesser to compare: the ones asked for (auto: all shipped for the model, and lookup)."""
+    from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens
+    from decoder.draft import load_draft_model
+    from decoder.parallel import ParallelDrafter
+
+    kinds = GUESSERS if "auto" in s.guessers else s.guessers
+    bad = [k for k in kinds if k not in GUESSERS]
+    if bad:
+        raise UserError(f"--guessers: expected a subset of {', '.join(GUESSERS)} (or auto), got {', '.join(bad)}")
+    out = {}
+    for kind in kinds:
+        path = s.guesser_dirs.get(kind) or (str(shipped(loaded.name, SHIPPED_KIND[kind]) or "") if kind in SHIPPED_KIND else "")
+        if kind in SHIPPED_KIND and not path:
+            if "auto" in s.guessers and kind != "ppd":
+                continue  # nothing ships for this model: compare the others
+            raise UserError(f"--guessers {kind}: no {SHIPPED_KIND[kind]} ships for model {loaded.name}; give its directory")
+        if kind == "ppd":
+            g = PromptTokens.load(path, model=loaded.model)
+        elif kind == "draft":
+            g = DraftModelGuesser(load_draft_model(path, loaded.model), top_k=4, depth=6, label=path)
+        elif kind in ("parallelspec", "chain"):
+            g = ParallelDrafter.load(path, mode="chain" if kind == "chain" else "parallel")
+        else:
+            g = PromptLookupGuesser(num_tokens=6)
+        g.source_dir = path or None
+        out[kind] = g
+    return out
 
 
 def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
@@ -283,7 +235,7 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
         path = Path(s.profile)
     else:
         run.say(f"[1/5] profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length}, "
-                f"context {s.context_length}")
+                f"context {s.context_length}, and the decoder's own per-step work")
         prof = profile_model(run.loaded, list(range(1, s.max_input_length + 1)), context_length=s.context_length,
                              time_budget_s=s.profile_budget_s, progress=s.progress)
         path = atomic_write_json(run.out_dir / "profile.json", prof)
@@ -293,35 +245,47 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     return path, profile
 
 
-def _acceptance_phase(run: _Run, accept_ids: list) -> tuple[Path, Acceptance]:
+MEASURE_SHAPE = {"draft": (6, 4), "chain": (None, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
+
+
+def _acceptance_phase(run: _Run, accept_ids: list) -> dict[str, tuple[Path, Acceptance]]:
+    """Each guesser's acceptance on held-out prompts (root-only decoding, its comb of guesses)."""
     from profiler.acceptance import measure_accuracy
 
     s = run.settings
-    if s.accept:
-        path = Path(s.accept)
-    else:
-        run.say(f"[2/5] measuring acceptance of {run.guesser.num_prompt_tokens} prompt tokens on {len(accept_ids)} "
-                "held-out prompts")
-        acc = measure_accuracy(run.model, run.guesser, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress)
-        acc["source"] = (f"planner autotune: {run.loaded.name}, prompt tokens {run.guesser.source_dir}, "
-                         f"{len(accept_ids)} held-out MT-bench prompts")
-        path = atomic_write_json(run.out_dir / "accept.json", acc)
-    return path, load_acceptance(str(path))
+    out = {}
+    for kind, g in run.guessers.items():
+        if kind == "ppd" and s.accept:
+            out[kind] = (Path(s.accept), load_acceptance(s.accept))
+            continue
+        run.say(f"[2/5] acceptance of {kind} ({g.source_dir or 'no model'}) on {len(accept_ids)} held-out prompts")
+        depth, width = MEASURE_SHAPE.get(kind, (None, None))
+        acc = measure_accuracy(run.model, g, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress,
+                               depth=depth, width=width)
+        acc["source"] = f"planner autotune: {run.loaded.name}, {kind} {g.source_dir}, {len(accept_ids)} held-out prompts"
+        acc["guesser"]["dir"] = _shown(g.source_dir) if g.source_dir else None
+        path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
+        out[kind] = (path, load_acceptance(str(path)))
+    return out
 
 
-def _plan_phase(run: _Run, accept: Acceptance, profile: LatencyProfile) -> list[Candidate]:
+def _plan_phase(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
     s = run.settings
-    P, E = run.guesser.num_prompt_tokens, run.guesser.ensemble
-    run.say(f"[3/5] planning {', '.join(s.methods)} up to input length {s.max_input_length}")
+    run.say(f"[3/5] planning {', '.join(accepts)} up to input length {s.max_input_length}")
     candidates = []
-    for m in s.methods:
-        candidates += plan_candidates(m, accept, profile, P, E, s.max_input_length)
+    for kind, (_, accept) in accepts.items():
+        g = run.guessers[kind]
+        if kind == "ppd":
+            for m in s.methods:
+                candidates += plan_candidates(m, accept, profile, g.num_prompt_tokens, g.ensemble, s.max_input_length)
+        else:
+            candidates += drafter_candidates(kind, accept, profile, s.max_input_length)
     if not candidates:
-        raise UserError(f"--max-input-length {s.max_input_length}: no plan fits (prompt tokens need {1 + P * E})")
+        raise UserError(f"--max-input-length {s.max_input_length}: no plan fits")
     return candidates
 
 
-def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate], chosen: Candidate) -> tuple[dict, bool]:
+def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate]) -> tuple[dict, bool]:
     """Plain decoding and every plan tried, interleaved; every output must equal plain greedy decoding
     (in bf16 a difference at a near tie of the target's top two logits is reported apart: profiler.compare)."""
     from profiler.compare import classify, summarize
@@ -331,7 +295,7 @@ def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate], chosen: C
     run.say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans, "
             f"{s.rounds} rounds")
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, tried))
-    results = measure_decoding(run.model, decode_ids, [None] + tried, run.guesser, s.decode_tokens, s.rounds, s.progress)
+    results = measure_decoding(run.model, decode_ids, [None] + tried, run.guessers, s.decode_tokens, s.rounds, s.progress)
     plain = results[0]
     identical = True
     for c, r in zip(tried, results[1:]):
@@ -352,15 +316,20 @@ def _step_lengths(run: _Run, tried: list[Candidate]) -> set[int]:
     w = run.model.get_input_embeddings().weight
     lengths = {1}
     for c in tried:
-        layouts = run.guesser.layouts(c.tree, w.dtype, w.device)
-        lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
+        g = run.guessers[c.guesser]
+        if c.guesser == "ppd":
+            layouts = g.layouts(c.tree, w.dtype, w.device)
+            lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
+        else:
+            lengths.add(1 + len(c.tree.states[0].nodes))
     return lengths
 
 
 def _row(c: Candidate, path: Path) -> dict:
     return {
-        "method": c.method, "variant": c.variant, "size": c.size, "input_length": round(c.input_length, 3),
-        "planned_input_length": c.tree.max_input_length,
+        "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size,
+        "input_length": round(c.input_length, 3), "planned_input_length": c.tree.max_input_length,
+        "draft_s": c.guessing.draft_s, "draft_passes": c.guessing.draft_passes,
         "predicted_tokens_per_step": c.predicted_tokens_per_step,
         "measured_tokens_per_step": c.measured["tokens_per_step"],
         "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
@@ -372,49 +341,46 @@ def _row(c: Candidate, path: Path) -> dict:
 
 
 def _write_phase(run: _Run, chosen: Candidate, tried: list[Candidate], plain: dict, identical: bool,
-                 profile_path: Path, accept_path: Path) -> dict:
+                 profile_path: Path, accepts: dict) -> dict:
     """Every tried tree into the run folder, the chosen one into trees/, and the summary."""
     from profiler.models import dtype_name
 
     s = run.settings
     rows = []
     for c in tried:
-        path = run.out_dir / "trees" / f"{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
-        c.tree.provenance.update({"accept": _shown(accept_path), "profile": _shown(profile_path),
-                                  "autotune": _shown(run.out_dir)})
-        save_tree(c.tree, path)
-        rows.append(_row(c, path) | {"chosen": c is chosen})
+        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
+        c.tree.provenance.update({"accept": _shown(accepts[c.guesser][0]), "profile": _shown(profile_path),
+                                  "autotune": _shown(run.out_dir), "guesser_dir": _shown(run.guessers[c.guesser].source_dir)
+                                  if run.guessers[c.guesser].source_dir else None})
+        save_tree(c.tree, run.out_dir / "trees" / name)
+        rows.append(_row(c, run.out_dir / "trees" / name) | {"chosen": c is chosen})
     chosen_path = Path(s.trees_dir) / f"autotune-{run.device}-{run.loaded.name}.json"
     save_tree(chosen.tree, chosen_path)
     by_measured = sorted(tried, key=lambda c: -c.measured["speedup"])
     best = by_measured[0]
     return {
-        "chosen": _shown(chosen_path),
-        "chosen_method": chosen.method,
-        "chosen_size": chosen.size,
-        "identical_to_greedy": identical,  # no mismatch (near ties, if any, are counted per row)
+        "chosen": _shown(chosen_path), "chosen_guesser": chosen.guesser, "chosen_method": chosen.method,
+        "chosen_size": chosen.size, "identical_to_greedy": identical,  # no mismatch (near ties counted per row)
         "plain": {"tokens": plain["tokens"], "seconds": plain["seconds"], "tokens_per_s": plain["tokens_per_s"]},
         "prediction_error": chosen.measured["tokens_per_step"] / chosen.predicted_tokens_per_step - 1,
-        "best_measured": {"method": best.method, "size": best.size, "measured_speedup": best.measured["speedup"]},
+        "best_measured": {"guesser": best.guesser, "method": best.method, "size": best.size,
+                          "measured_speedup": best.measured["speedup"]},
         "chosen_measured_rank": by_measured.index(chosen) + 1,  # 1 = the chosen plan was also measured fastest
         "chosen_measured_vs_best": chosen.measured["speedup"] / best.measured["speedup"],
-        "rows": rows,
-        "profile": _shown(profile_path),
-        "accept": _shown(accept_path),
-        "model": run.loaded.name,
-        "device": run.device,
-        "dtype": dtype_name(next(run.model.parameters()).dtype),
-        "prompt_tokens": {"dir": _shown(run.guesser.source_dir), "P": run.guesser.num_prompt_tokens,
-                          "E": run.guesser.ensemble},
+        "rows": rows, "profile": _shown(profile_path),
+        "accept": {k: _shown(p) for k, (p, _) in accepts.items()},
+        "guessers": {k: _shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
+        "model": run.loaded.name, "device": run.device, "dtype": dtype_name(next(run.model.parameters()).dtype),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
         "wall_s": None,
     }
 
 
-def _report_phase(run: _Run, summary: dict, profile_path: Path, accept_path: Path) -> None:
+def _report_phase(run: _Run, summary: dict, profile_path: Path, accepts: dict) -> None:
     from workflows.report import write_report
 
-    index = write_report(run.out_dir / "report", profiles=[str(profile_path)], accepts=[str(accept_path)],
+    specs = [str(p) for k, (p, _) in accepts.items() if k == "ppd"]  # the size curves of the ppd families
+    index = write_report(run.out_dir / "report", profiles=[str(profile_path)], accepts=specs,
                          trees=[summary["chosen"]], run_dir=str(run.out_dir))
     summary["report"] = _shown(index)
     atomic_write_json(run.out_dir / "summary.json", summary)
@@ -422,15 +388,17 @@ def _report_phase(run: _Run, summary: dict, profile_path: Path, accept_path: Pat
 
 
 def format_table(summary: dict) -> str:
-    head = f"{'method':8} {'size':>5} {'n_real':>7} {'tok/step pred':>13} {'meas':>6} {'speedup pred':>12} {'meas':>6}  same"
+    head = (f"{'guesser':12} {'method':8} {'size':>5} {'n_real':>7} {'tok/step pred':>13} {'meas':>6} "
+            f"{'speedup pred':>12} {'meas':>6}  same")
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         mark = " *" if r["chosen"] else ""
         method = r["method"] + ("+" if r.get("variant") == "per-state budgets" else "")
+        same = "yes" if r["identical_to_greedy"] else ("tie" if not r.get("mismatches") else "NO")
         lines.append(
-            f"{method:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
+            f"{r['guesser']:12} {method:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
             f"{r['measured_tokens_per_step']:>6.2f} {r['predicted_speedup']:>12.2f} {r['measured_speedup']:>6.2f}  "
-            f"{'yes' if r['identical_to_greedy'] else 'NO'}{mark}"
+            f"{same}{mark}"
         )
     p = summary["plain"]
     lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s; * = chosen ({summary['chosen']}); "

@@ -1,16 +1,25 @@
-"""`planner autotune`: the main job on the built-in model (or --model PATH --prompt-tokens DIR)."""
+"""`planner autotune`: the main job on SmolLM2-135M-Instruct (or --model DIR with its guessers)."""
 from __future__ import annotations
 
 import argparse
 
-from workflows.autotune import METHODS, AutotuneSettings
+from workflows.autotune import GUESSERS, METHODS, AutotuneSettings
+
+MAX_PROMPTS = 40  # held-out MT-bench questions: 16, split between acceptance and decoding
+MAX_TOKENS = 4096
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = AutotuneSettings()
-    p.add_argument("--model", default=d.model, help="'builtin' (default), a preset name or a local model directory")
-    p.add_argument("--prompt-tokens", default=None, metavar="DIR",
-                   help="trained PPD prompt tokens (default: the built-in model's)")
+    p.add_argument("--model", default=d.model,
+                   help="smollm2-135m (default), builtin (the 2.4 M toy), a preset name or a local model directory")
+    p.add_argument("--guessers", default="auto",
+                   help=f"comma-separated subset of {','.join(GUESSERS)}, or auto (default): every guesser shipped "
+                        "for the model, and prompt lookup")
+    p.add_argument("--prompt-tokens", default=None, metavar="DIR", help="PPD prompt tokens (default: shipped for the model)")
+    p.add_argument("--draft", default=None, metavar="DIR", help="a draft LM (default: models/<model>/draft_lm)")
+    p.add_argument("--parallelspec", default=None, metavar="DIR",
+                   help="a ParallelSpec drafter, also run as a chain (default: models/<model>/parallelspec)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"])
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/<date>-<device>-<model>)")
@@ -22,36 +31,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-length", type=int, default=d.max_input_length,
                    help="largest forward pass planned (and profiled)")
     p.add_argument("--context-length", type=int, default=d.context_length, help="KV-cache length for the profile")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of ppd,medusa,sequoia")
+    p.add_argument("--methods", default=",".join(METHODS), help="PPD's tree families: a subset of ppd,medusa,sequoia")
     p.add_argument("--neighbours", type=int, default=d.neighbours, help="sizes either side of the chosen one to decode")
+    p.add_argument("--sweep", type=int, default=d.sweep, help="sizes of the chosen method spread over its range (0: none)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="decoding repeats (median per plan and prompt)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
-    p.add_argument("--accept", default=None, help="reuse this acceptance file instead of measuring")
+    p.add_argument("--accept", default=None, help="reuse this PPD acceptance file instead of measuring")
     p.add_argument("--profile-budget", type=float, default=d.profile_budget_s, help="seconds of profiling")
     p.add_argument("--no-report", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true")
 
 
-def run(args) -> int:
+def _check(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    import math
+
     from planner.errors import UserError
-    from workflows.autotune import autotune
+    from planner.tree import MAX_INPUT_LENGTH
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
+    if not methods or any(m not in METHODS for m in methods):
         raise UserError(f"--methods: expected a comma-separated subset of {','.join(METHODS)}, got {args.methods!r}")
-    for name in ("accept_prompts", "decode_prompts", "accept_tokens", "decode_tokens", "max_input_length", "context_length", "rounds"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}: must be a positive integer")
-    if args.neighbours < 0:
-        raise UserError("--neighbours: must be >= 0")
+    guessers = tuple(g.strip() for g in args.guessers.split(",") if g.strip())
+    if not guessers or any(g not in GUESSERS + ("auto",) for g in guessers):
+        raise UserError(f"--guessers: expected auto or a comma-separated subset of {','.join(GUESSERS)}, got {args.guessers!r}")
+    for name, top in (("accept_prompts", MAX_PROMPTS), ("decode_prompts", MAX_PROMPTS), ("accept_tokens", MAX_TOKENS),
+                      ("decode_tokens", MAX_TOKENS), ("max_input_length", MAX_INPUT_LENGTH),
+                      ("context_length", 32768), ("rounds", 100)):
+        if not 1 <= getattr(args, name) <= top:
+            raise UserError(f"--{name.replace('_', '-')}: must be an integer in 1..{top}, got {getattr(args, name)}")
+    if args.neighbours < 0 or args.sweep < 0:
+        raise UserError("--neighbours and --sweep: must be >= 0")
+    if not (math.isfinite(args.profile_budget) and args.profile_budget > 0):
+        raise UserError(f"--profile-budget: expected a positive number of seconds, got {args.profile_budget}")
+    return methods, guessers
+
+
+def run(args) -> int:
+    from workflows.autotune import autotune
+
+    methods, guessers = _check(args)
+    dirs = {k: v for k, v in (("ppd", args.prompt_tokens), ("draft", args.draft), ("parallelspec", args.parallelspec),
+                               ("chain", args.parallelspec)) if v}
     s = AutotuneSettings(
-        model=args.model, prompt_tokens=args.prompt_tokens, device=args.device, dtype=args.dtype, out=args.out,
+        model=args.model, guessers=guessers, guesser_dirs=dirs, device=args.device, dtype=args.dtype, out=args.out,
         questions=args.questions, accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts,
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
-        context_length=args.context_length, methods=methods, neighbours=args.neighbours, profile=args.profile,
-        accept=args.accept, rounds=args.rounds, threads=args.threads, profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
+        context_length=args.context_length, methods=methods, neighbours=args.neighbours, sweep=args.sweep,
+        profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,
+        profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
     )
     summary = autotune(s)
     return 0 if summary["identical_to_greedy"] else 1

@@ -76,6 +76,7 @@ def run(args) -> int:
     from planner.tree import load_tree
 
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
+    args.guesser = args.guesser or _recorded_guesser(tree) or "ppd"
     if tree is None and parse_guesser(args.guesser)[0] == "ppd":
         raise UserError("--plan: needed with --guesser ppd (plan one with `planner plan ppd` or take trees/autotune-*.json)")
     if args.output:
@@ -136,6 +137,14 @@ def run(args) -> int:
         print("planner decode: interrupted; results so far kept", file=sys.stderr)
         return 130
     return 0
+
+
+def _recorded_guesser(tree) -> str | None:
+    """The guesser a plan was made for (autotune writes it into the tree file), as KIND[:DIR]."""
+    if tree is None or not isinstance(tree.settings.get("guesser"), str):
+        return None
+    kind, where = tree.settings["guesser"], tree.provenance.get("guesser_dir")
+    return f"{kind}:{where}" if isinstance(where, str) and kind != "lookup" else kind
 
 
 def _batches(items: list, size: int) -> list[list]:

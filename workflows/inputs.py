@@ -60,11 +60,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "the model, models/<model>/prompt_tokens)")
     g.add_argument("--random-prompt-tokens", type=int, metavar="P", default=None,
                    help="untrained prompt tokens: P random vocabulary embeddings (output is still exact; few accepted)")
-    p.add_argument("--guesser", default="ppd", metavar="KIND[:PATH]",
+    p.add_argument("--guesser", default=None, metavar="KIND[:PATH]",
                    help="what proposes the candidates: ppd[:DIR] (PPD prompt tokens, default), draft[:DIR] (a draft "
                         "LM: the project's draft_lm directory or any Hugging Face model directory), parallelspec[:DIR] "
                         "(the ParallelSpec drafter), chain[:DIR] (the same drafter, one token per pass), lookup "
-                        "(prompt lookup, no model). Without a path: the one shipped for the model, models/<model>/...")
+                        "(prompt lookup, no model). Without a path: the one shipped for the model, models/<model>/...; "
+                        "decode's default: the guesser the plan was made for (autotune records it), else ppd")
     p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
     p.add_argument("--top-k-guesses", type=int, default=10, help="guesses per distance (ranks a plan may use)")
     p.add_argument("--prompts", default=None, metavar="FILE",
@@ -147,7 +148,7 @@ def parse_guesser(spec: str) -> tuple[str, str | None]:
 
 def make_guesser(args, loaded, spec: str):
     """The guesser --guesser names, with its files (a path, else the ones shipped for a named model)."""
-    kind, path = parse_guesser(getattr(args, "guesser", "ppd"))
+    kind, path = parse_guesser(getattr(args, "guesser", None) or "ppd")
     if kind != "ppd" and (args.prompt_tokens or args.random_prompt_tokens):
         raise UserError(f"--prompt-tokens / --random-prompt-tokens belong to --guesser ppd, not {kind}")
     if kind == "ppd":

@@ -1,0 +1,133 @@
+"""The plans autotune weighs: for every guesser, the trees (or chains) the planner offers, each with
+its predicted tokens per step and speedup from the one cost model (planner.cost).
+
+- ppd (PPD prompt tokens): the paper's shared-budget sweep, the planner's per-state-budget tree,
+  and medusa / sequoia trees carrying prompt tokens on every node;
+- draft (a draft LM): chains of gamma tokens (speculative decoding), and the medusa / sequoia
+  trees the planner sizes for the drafter's pass time (one pass per level);
+- parallelspec (one drafter pass for every distance): medusa trees up to depth K + 1, and chains;
+- chain (the same drafter, one token per pass, EAGLE-style): chains;
+- lookup (prompt lookup, near-zero cost): chains.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.accept import Acceptance
+from planner.candidate import tree_tau
+from planner.cost import Guessing, default_guessing, input_lengths, mean_input_length, predict
+from planner.errors import PlainIsFastest, UserError
+from planner.plan import plan
+from planner.profile import LatencyProfile
+from planner.tree import Tree, TreeState
+
+METHODS = ("ppd", "medusa", "sequoia")
+MAX_CHAIN = 8
+
+
+@dataclass
+class Candidate:
+    """One plan autotune considers: its guesser, its tree and the model's prediction for this machine."""
+
+    method: str  # ppd, medusa, sequoia or chain
+    tree: Tree
+    size: int  # candidates (medusa/sequoia/chain) or planned input length (ppd)
+    input_length: float  # real forward length in the decoder (amortised over states for ppd)
+    predicted_tokens_per_step: float
+    predicted_speedup: float
+    variant: str = ""  # ppd: "shared budget" (the paper's) or "per-state budgets" (hardware-aware)
+    guesser: str = "ppd"  # ppd, draft, parallelspec, chain, lookup
+    guessing: Guessing = field(default_factory=Guessing)
+    measured: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.guesser}/{self.method}-{self.size}{'+' if self.variant == 'per-state budgets' else ''}"
+
+
+def real_input_length(tree: Tree, ensemble: int) -> float:
+    """Tokens in the decoder's forward pass with prompt-token guessers, amortised over states."""
+    return mean_input_length(tree, Guessing(prompt_tokens=True, ensemble=ensemble))
+
+
+def _candidate(method, tree, size, profile, guessing: Guessing, guesser: str, variant="") -> Candidate:
+    pred = predict(tree, profile, guessing)
+    tree.predicted_speedup = pred.speedup
+    tree.settings = dict(tree.settings, guesser=guesser)
+    return Candidate(method, tree, size, mean_input_length(tree, guessing), pred.tokens_per_step, pred.speedup,
+                     variant, guesser, guessing)
+
+
+def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, prompt_tokens: int, ensemble: int,
+                    max_input_length: int) -> list[Candidate]:
+    """PPD prompt tokens: every size of `method` whose real forward pass fits `max_input_length`."""
+    g = Guessing(prompt_tokens=True, ensemble=ensemble)
+    out = []
+    if method == "ppd":
+        # The paper's shared budget gives a real size sweep (every state spends up to n tokens);
+        # the planner's hardware-aware tree (each state spends what the latency curve says pays)
+        # is one more plan, usually equal in speed to the best of the sweep or better.
+        sized = [(n, plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
+                 for n in range(1 + prompt_tokens, max_input_length + 1)]
+        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length,
+                    guessing=g)
+        sized.append((auto.max_input_length, auto, "per-state budgets"))
+        seen = set()
+        for n, tree, variant in sized:
+            if tree.shape() in seen or max(input_lengths(tree, g)) > max_input_length:
+                continue
+            seen.add(tree.shape())
+            out.append(_candidate(method, tree, n, profile, g, "ppd", variant))
+        return out
+    depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
+    for size in range(1, max_input_length):
+        tree = plan(method, accept, size=size, max_depth=depth)
+        if real_input_length(tree, ensemble) > max_input_length:
+            break
+        out.append(_candidate(method, tree, size, profile, g, "ppd"))
+    return out
+
+
+def chain_tree(accept: Acceptance, depth: int) -> Tree:
+    """A chain of `depth` rank-0 guesses (speculative decoding's draft), tau from the acceptance."""
+    nodes = [(0,) * d for d in range(1, depth + 1)]
+    tau = tree_tau(accept.rows(depth), nodes)
+    return Tree("medusa", [TreeState(0, nodes, tau, 1 + depth)], tau, settings={"chain": depth})
+
+
+def drafter_candidates(kind: str, accept: Acceptance, profile: LatencyProfile, max_input_length: int,
+                       max_depth: int | None = None) -> list[Candidate]:
+    """Chains of 1..depth, and for tree-capable drafters the medusa (and, for a draft LM, sequoia)
+    trees the planner sizes for the drafter's measured pass time."""
+    g = default_guessing("medusa", accept)
+    deepest = min(max_depth or MAX_CHAIN, accept.max_depth or MAX_CHAIN, max_input_length - 1)
+    out = [_candidate("chain", chain_tree(accept, d), d, profile, g, kind) for d in range(1, deepest + 1)]
+    methods = {"draft": ("medusa", "sequoia"), "parallelspec": ("medusa",)}.get(kind, ())
+    for method in methods:
+        try:
+            tree = plan(method, accept, profile=profile, max_size=max_input_length - 1, max_depth=deepest, guessing=g)
+        except PlainIsFastest:
+            continue
+        out.append(_candidate(method, tree, len(tree.states[0].nodes), profile, g, kind, "sized by the planner"))
+    return out
+
+
+def pick(candidates: list[Candidate], neighbours: int, sweep: int = 8) -> tuple[Candidate, list[Candidate]]:
+    """The best predicted candidate overall, plus: the best of every other (guesser, method) and the
+    `neighbours` sizes either side of the chosen one in its own (guesser, method) (to check the choice)."""
+    if not candidates:
+        raise UserError("autotune: no plan fits the profiled range")
+    best = max(candidates, key=lambda c: c.predicted_speedup)
+    same = sorted((c for c in candidates if (c.guesser, c.method) == (best.guesser, best.method)),
+                  key=lambda c: (c.input_length, c.size))
+    i = same.index(best)
+    chosen_and_near = same[max(0, i - neighbours): i + neighbours + 1]
+    # and a coarse sweep of the chosen method, to see the curve's shape
+    sweep = same[:: max(1, len(same) // sweep)] if sweep > 0 else []
+    others = []
+    for key in dict.fromkeys((c.guesser, c.method) for c in candidates):
+        if key != (best.guesser, best.method):
+            others.append(max((c for c in candidates if (c.guesser, c.method) == key), key=lambda c: c.predicted_speedup))
+    tried = list({id(c): c for c in chosen_and_near + sweep + others}.values())
+    tried.sort(key=lambda c: ((c.guesser, c.method) != (best.guesser, best.method), c.guesser, c.method, c.size))
+    return best, tried
