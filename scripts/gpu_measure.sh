@@ -10,11 +10,16 @@
 #   profiles   planner profile, Llama-2-7B fp16 random weights, contexts 256 and 1024,
 #              input lengths 1..512, dense mask and kernel path (4 x 90 s budget)
 #   repeat     the context-256 dense profile again, to see how stable a profile is
-#   autotune   planner autotune on the GPU (built-in model)
+#   smollm2    planner profile, SmolLM2-135M's architecture (random weights: latency only) bf16,
+#              context 256, input lengths 1..512, with and without CUDA graphs, then the
+#              planner's choice on it with the CPU-measured acceptance of every guesser
+#   batch      planner profile at batch sizes 1..64, padded and packed, SmolLM2's architecture and
+#              Llama-2-7B bf16, and the per-batch-size schedule and exports from them
+#   autotune   planner autotune on the GPU (built-in model: SmolLM2's 93 MB package does not fit a call)
 # Everything lands in OUT_DIR with the device name in the file names; copy what you keep into
 # profiles/ and bench/results/ and quote it in the README.
 set -euo pipefail
-stage=${1:?usage: gpu_measure.sh kernels|flex|profiles|repeat|autotune [OUT_DIR]}
+stage=${1:?usage: gpu_measure.sh kernels|flex|profiles|repeat|smollm2|batch|autotune [OUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -37,6 +42,27 @@ case "$stage" in
   repeat)
     python3 -m planner profile --model llama-2-7b --dtype fp16 --context-length 256 \
       --input-lengths "$lengths" --time-budget 90 --no-progress -o "$out/$gpu-llama-2-7b-ctx256-sdpa-repeat.json" ;;
-  autotune) python3 -m planner autotune --out "$out/autotune-$gpu-builtin" --quiet ;;
-  *) echo "gpu_measure.sh: unknown stage '$stage' (kernels, flex, profiles, repeat, autotune)" >&2; exit 2 ;;
+  smollm2)
+    for graphs in "" "--cuda-graphs"; do
+      tag=$([ -n "$graphs" ] && echo graphs || echo eager)
+      python3 -m planner profile --model smollm2-135m --dtype bf16 --context-length 256 --input-lengths "$lengths" \
+        --time-budget 90 --no-progress $graphs -o "$out/$gpu-smollm2-135m-ctx256-$tag.json"
+    done
+    for acc in reports/autotune-cpu-smollm2-135m/accept-*.json; do
+      [ -f "$acc" ] || continue
+      kind=$(basename "$acc" .json | sed 's/^accept-//')
+      method=$([ "$kind" = ppd ] && echo ppd || echo medusa)
+      python3 -m planner plan "$method" --accept "$acc" --profile "$out/$gpu-smollm2-135m-ctx256-eager.json" -q \
+        -o "$out/$gpu-smollm2-135m-$kind.json" || true
+    done ;;
+  batch)
+    for model in smollm2-135m llama-2-7b; do
+      for layout in padded packed; do
+        python3 -m planner profile --model "$model" --dtype bf16 --context-length 256 --input-lengths 1:16,20:64:4 \
+          --batch-size 1,2,4,8,16,32,64 --layout "$layout" --time-budget 120 --no-progress \
+          -o "$out/$gpu-$model-batch-$layout.json"
+      done
+    done ;;
+  autotune) python3 -m planner autotune --model builtin --out "$out/autotune-$gpu-builtin" --quiet ;;
+  *) echo "gpu_measure.sh: unknown stage '$stage' (kernels, flex, profiles, repeat, smollm2, batch, autotune)" >&2; exit 2 ;;
 esac

