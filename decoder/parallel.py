@@ -106,9 +106,9 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
             w = w[self.head_ids]
         return hidden.to(w.dtype) @ w.T
 
-    def token_ids(self, ranks: torch.Tensor) -> torch.Tensor:
-        """Head positions -> vocabulary ids."""
-        return self.head_ids[ranks] if self.head_ids.numel() else ranks
+    def token_ids(self, ranks: torch.Tensor, full: bool = False) -> torch.Tensor:
+        """Head positions -> vocabulary ids (the full head's positions are the ids)."""
+        return self.head_ids[ranks] if self.head_ids.numel() and not full else ranks
 
     # ------------------------------------------------------------------ guesser protocol
 

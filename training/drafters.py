@@ -151,7 +151,8 @@ def evaluate_parallel(drafter, data: TeacherData, K: int | None = None, starts_e
         mask = torch.zeros(1, 1, *vis.shape).masked_fill_(~vis[None, None], torch.finfo(torch.float32).min)
         hidden = drafter.run(torch.cat([real, masks], 1), pos[None], mask)[0]
         slot_rows = torch.cat([starts[:, None], (T - 1) + torch.arange(starts.numel())[:, None] * K + torch.arange(K)], 1)
-        guesses = drafter.token_ids(drafter.logits(hidden[slot_rows], full=full_head).float().topk(ranks, -1).indices)
+        guesses = drafter.token_ids(drafter.logits(hidden[slot_rows], full=full_head).float().topk(ranks, -1).indices,
+                                    full=full_head)
         truth_pos = starts[:, None] + 1 + torch.arange(1, K + 2)  # target position of the greedy token at distance d
         ok = truth_pos < T
         greedy = data.top_ids[i, (truth_pos - 1).clamp(max=T - 1), 0].long()  # teacher at t-1 predicts token t
