@@ -2,6 +2,7 @@
 (tree attention, KV compaction, verification floor, decoder step dense vs kernels) on the CPU
 under the Triton interpreter and fails when a kernel or the kernel step disagrees with its
 reference."""
+import json
 import os
 import subprocess
 import sys
@@ -21,3 +22,15 @@ def test_bench_kernels_smoke(tmp_path):
     assert "smoke: ok" in r.stdout
     assert "## Decoder step" in r.stdout
     assert list(tmp_path.iterdir()) == []  # smoke writes nothing
+
+
+def test_bench_batch_smoke(tmp_path):
+    """The batch benchmark runs end to end on a tiny model and every output equals single greedy decoding."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--batch-sizes", "1,2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "batch.json").read_text())
+    assert {(row["layout"], row["batch_size"]) for row in result["rows"]} == {(lay, b) for lay in ("packed", "padded")
+                                                                            for b in (1, 2)}
+    assert all(row["identical_to_single_greedy"] for row in result["rows"])
+    assert (tmp_path / "batch.md").is_file()

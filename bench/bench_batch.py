@@ -1,0 +1,207 @@
+"""Batched decoding on this machine: EMS-SD (packed, no padding) against the vanilla padded layout,
+predicted against measured, at b = 1, 2, 4, 8, in one run.
+
+    python bench/bench_batch.py                     # SmolLM2-135M, its shipped PPD prompt tokens
+    python bench/bench_batch.py --smoke             # a tiny random model, seconds (the test suite runs it)
+
+Steps: profile L_b(n) for both layouts (planner profile's measurement); measure the prompt tokens'
+acceptance on held-out prompts; plan a tree per batch size and layout (planner.batch.plan_schedule,
+the one cost model); then decode the held-out prompts b at a time with plain decoding and the
+planned tree, both layouts, interleaved over rounds after a warm-up (median per configuration);
+check every output against single-sequence greedy decoding; count padding against the model's
+E[tau_max] - E[tau]. Writes bench/results/batch.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYOUTS = ("packed", "padded")
+
+
+def _machine() -> dict:
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.machine())
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _setup(args):
+    import torch
+
+    from decoder import PromptTokens
+    from profiler.models import load_model
+
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        loaded = load_model("tiny", device="cpu")
+        guesser = PromptTokens.random(loaded.model, 2, top_k=4)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 1000, (int(t),), generator=g) for t in (5, 9, 3, 12, 7, 4, 10, 6)]
+        return loaded, guesser, prompts, prompts[:2]
+    from transformers import AutoTokenizer
+
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
+
+    loaded = load_model(args.model, device="cpu", dtype="fp32")
+    guesser = PromptTokens.load(str(shipped(loaded.name, "prompt_tokens")), model=loaded.model)
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    accept_texts, decode_texts = held_out_prompts(str(DEFAULT_QUESTIONS), 4, 8)
+    return loaded, guesser, encode_prompts(tok, decode_texts), encode_prompts(tok, accept_texts)
+
+
+def _profiles(loaded, args, out: Path) -> dict:
+    from planner.jsonio import atomic_write_json
+    from planner.profile import load_batch_profiles
+    from profiler.measure import profile_model
+
+    files = {}
+    for layout in LAYOUTS:
+        prof = profile_model(loaded, list(range(1, args.max_input_length + 1)), context_length=args.context,
+                             batch_sizes=args.batch_sizes, time_budget_s=args.profile_budget, layout=layout,
+                             progress=False, overhead=layout == "packed")
+        if layout == "padded":  # one overhead line for both: the decoder's work per sequence is the same
+            prof["decoder_overhead"] = json.loads(files["packed"].read_text())["decoder_overhead"]
+        files[layout] = atomic_write_json(out / f"batch-profile-{layout}.json", prof)
+    return {layout: load_batch_profiles(str(p)) for layout, p in files.items()}
+
+
+def _decode(model, prompts, tree, guesser, b, layout, n):
+    """Decode the prompts b at a time; (tokens, steps, seconds, outputs, padded inputs, cache holes)."""
+    from decoder import generate
+    from decoder.guesser import PlainGuesser
+
+    g = guesser if tree is not None else PlainGuesser()
+    tokens = steps = 0
+    pad_in = holes = 0
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), b):
+        batch = prompts[i: i + b]
+        res = generate(model, batch, plan=tree, guesser=g, max_new_tokens=n, layout=layout)
+        outs += [r.tokens.tolist() for r in res]
+        tokens += sum(r.tokens.numel() for r in res)
+        steps += sum(r.steps for r in res)
+        st = res[0].batch.summary()
+        pad_in += st["padded_input_tokens"]
+        holes += st["cache_holes"]
+    return {"tokens": tokens, "steps": steps, "seconds": time.perf_counter() - t0, "outputs": outs,
+            "padded_inputs": pad_in, "cache_holes": holes}
+
+
+def run(args) -> dict:
+    from decoder import generate_plain
+    from planner.accept import from_entry
+    from planner.batch import plan_schedule
+    from planner.cost import Guessing
+    from profiler.acceptance import measure_accuracy
+    from profiler.measure import warm_up_shapes
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded, guesser, prompts, accept_prompts = _setup(args)
+    model = loaded.model
+    t_start = time.time()
+    profiles = _profiles(loaded, args, out)
+    accept = from_entry(measure_accuracy(model, guesser, accept_prompts, max_new_tokens=args.tokens))
+    guessing = Guessing(prompt_tokens=True, ensemble=guesser.ensemble)
+    greedy = [generate_plain(model, p, max_new_tokens=args.tokens).tokens.tolist() for p in prompts]
+    rows = []
+    for layout in LAYOUTS:
+        sched = plan_schedule("ppd", accept, profiles[layout], args.batch_sizes, guessing, layout=layout,
+                              prompt_tokens=guesser.num_prompt_tokens, max_input_length=args.max_input_length)
+        for b in args.batch_sizes:
+            tree = next(e.tree for e in sched if e.batch_sizes[0] <= b <= e.batch_sizes[1])
+            warm_up_shapes(model, prompts, range(1, args.max_input_length + 1))
+            for warm in (None, tree):  # batched shapes too: one untimed pass of the first batch each
+                _decode(model, prompts[:b], warm, guesser, b, layout, 4)
+            runs = {"plain": [], "tree": []}
+            for _ in range(args.rounds):  # interleaved: a slow spell hits both alike
+                runs["plain"].append(_decode(model, prompts, None, guesser, b, layout, args.tokens))
+                runs["tree"].append(_decode(model, prompts, tree, guesser, b, layout, args.tokens))
+            rows.append(_row(layout, b, tree, runs, greedy, accept, profiles[layout][b], guessing))
+            print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}), file=sys.stderr)
+    result = {"machine": _machine(), "model": loaded.name, "batch_sizes": args.batch_sizes, "tokens": args.tokens,
+              "prompts": len(prompts), "rounds": args.rounds, "context_profiled": args.context,
+              "acceptance": accept.accuracy.tolist(), "rows": rows, "wall_s": round(time.time() - t_start, 1)}
+    _write(out, result)
+    return result
+
+
+def _row(layout, b, tree, runs, greedy, accept, profile, guessing) -> dict:
+    from planner.batch import predict_batch
+
+    med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
+    t, p = runs["tree"][0], runs["plain"][0]
+    pred = predict_batch(tree, accept, profile, b, guessing, layout)
+    return {
+        "layout": layout, "batch_size": b,
+        "tree": None if tree is None else {"method": tree.method, "max_input_length": tree.max_input_length},
+        "plain_tokens_per_s": p["tokens"] / med["plain"], "tree_tokens_per_s": t["tokens"] / med["tree"],
+        "measured_speedup": (t["tokens"] / med["tree"]) / (p["tokens"] / med["plain"]),
+        "predicted_speedup": pred.speedup,
+        "measured_tokens_per_step": t["tokens"] / max(t["steps"], 1), "predicted_tokens_per_step": pred.tokens_per_step,
+        "predicted_padding_per_step": pred.padding_per_step, "predicted_padding_ratio": pred.padding_ratio,
+        "measured_cache_holes": t["cache_holes"], "measured_padded_inputs": t["padded_inputs"],
+        # cache slots padded per sequence and step: sum_i (tau_max - tau_i) over sequence-steps
+        "measured_padding_per_step": t["cache_holes"] / max(t["steps"], 1),
+        "identical_to_single_greedy": t["outputs"] == greedy and p["outputs"] == greedy,
+    }
+
+
+def _write(out: Path, result: dict) -> None:
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    atomic_write_json(out / "batch.json", result)
+    m = result["machine"]
+    lines = ["# Batched decoding: EMS-SD (packed) vs the padded baseline", "",
+             f"{result['model']}, CPU {m['cpu']} ({m['threads']} threads, torch {m['torch']}, load {m['load_avg_1m']}), "
+             f"{result['prompts']} held-out prompts x {result['tokens']} new tokens, medians of {result['rounds']} "
+             f"interleaved rounds; the tree per batch size and layout is the planner's (planner.batch.plan_schedule on "
+             f"profiles measured in the same run). Speedups are per sequence, over batched plain decoding in the same layout.", "",
+             "| layout | b | tree (max input) | plain tok/s | tree tok/s | speedup pred | meas | tokens/step pred | meas "
+             "| padding/step pred | meas | identical |", "|" + "---|" * 12]
+    for r in result["rows"]:
+        tree = "plain" if r["tree"] is None else f"{r['tree']['method']} ({r['tree']['max_input_length']})"
+        lines.append(f"| {r['layout']} | {r['batch_size']} | {tree} | {r['plain_tokens_per_s']:.1f} | "
+                     f"{r['tree_tokens_per_s']:.1f} | {r['predicted_speedup']:.2f} | {r['measured_speedup']:.2f} | "
+                     f"{r['predicted_tokens_per_step']:.2f} | {r['measured_tokens_per_step']:.2f} | "
+                     f"{r['predicted_padding_per_step'] if r['layout'] == 'padded' else 0:.2f} | "
+                     f"{r['measured_padding_per_step']:.2f} | {'yes' if r['identical_to_single_greedy'] else 'NO'} |")
+    lines.append("")
+    lines.append(f"Wall time {result['wall_s']} s.")
+    atomic_write_bytes(out / "batch.md", ("\n".join(lines) + "\n").encode())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch-sizes", default="1,2,4,8")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--max-input-length", type=int, default=24)
+    p.add_argument("--profile-budget", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args()
+    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.smoke:
+        args.tokens, args.rounds, args.profile_budget, args.max_input_length = 8, 1, 3.0, 12
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
