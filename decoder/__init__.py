@@ -23,6 +23,11 @@ _EXPORTS = {
     "OracleGuesser": "decoder.oracle",
     "DraftModelGuesser": "decoder.draft",
     "PromptLookupGuesser": "decoder.lookup",
+    "MTADGuesser": "decoder.mtad",
+    "generate_mtad": "decoder.mtad",
+    "generate_pearl": "decoder.pearl",
+    "PearlOutput": "decoder.pearl",
+    "PearlStats": "decoder.pearl",
     "plan_layout": "decoder.layout",
 }
 

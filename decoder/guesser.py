@@ -45,6 +45,9 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [num_tree, V] q at each tree token (its children's draw); None: deterministic guesses
     extra_embeds: torch.Tensor | None = None  # [n - num_tree, hidden] inputs after the tree tokens (PPD prompt tokens)
     guesses: torch.Tensor | None = None  # [D, K] per-distance guesses, when the guesser has them (acceptance counting)
+    # a verification rule of the proposal's own, (logits [num_tree, V], tokens [num_tree], sampling,
+    # generator) -> Verdict: MTAD's joint acceptance; None: the run's rule (decoder.verify.verify)
+    rule: object = None
 
 
 @dataclass

@@ -266,7 +266,11 @@ def _step(target: _Target, session: GuessSession, sampling: Sampling, gen, clock
     clock.lap("prepare")
     logits, hidden = _score(target, args)
     clock.lap("forward")
-    verdict = verify(logits[: proposal.layout.num_tree], tree_ids, proposal.layout, sampling, gen, proposal.draft_probs)
+    tree_logits = logits[: proposal.layout.num_tree]
+    if proposal.rule is not None:
+        verdict = proposal.rule(tree_logits, tree_ids, sampling, gen)
+    else:
+        verdict = verify(tree_logits, tree_ids, proposal.layout, sampling, gen, proposal.draft_probs)
     clock.lap("verify")
     _commit_target(target, verdict)
     clock.lap("cache")

@@ -42,6 +42,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --batch-size > 1: packed (EMS-SD: no padding of inputs or cache, default) or padded "
                         "(the vanilla baseline: inputs padded to the longest tree, caches advance by the longest path)")
     p.add_argument("--compare-plain", action="store_true", help="also decode plainly (same cache path) and compare")
+    p.add_argument("--mtad", default=None, metavar="W,GAMMA,TAU",
+                   help="MTAD (not lossless above temperature 0): the --guesser draft model beam-samples W beams of "
+                        "GAMMA tokens, the target accepts the longest prefix whose joint ratio p~/q~ >= TAU in [0, 1]; "
+                        "the warp is --temperature/--top-k/--top-p (the paper: --top-k 20 --top-p 0.9); the summary "
+                        "adds perplexity and distinct-n")
+    p.add_argument("--max-perplexity-ratio", type=float, default=None, metavar="R",
+                   help="with --mtad and --compare-plain: flag whether perplexity <= R x plain sampling's")
+    p.add_argument("--pearl", action="store_true",
+                   help="PEARL (with --guesser draft[:DIR]): the drafter drafts while the target verifies, each in "
+                        "its own thread with half of --threads (or its own CUDA stream); lossless")
+    p.add_argument("--gamma", type=int, default=4,
+                   help="with --pearl: the window, tokens drafted per round (default 4)")
+    p.add_argument("--pearl-serial", action="store_true",
+                   help="with --pearl: run the two jobs one after the other (same output), booking max(draft, verify)")
     p.add_argument("--print", dest="print_text", action="store_true", help="print each decoded text")
     p.add_argument("-o", "--output", default=None, help="results JSON (default: print a summary only)")
 
@@ -68,6 +82,40 @@ def _check(args) -> None:
     if not 1 <= args.batch_size <= 1024:
         raise UserError(f"--batch-size: expected an integer in 1..1024, got {args.batch_size}")
     check_sampling(args)
+    _check_mtad(args)
+    _check_pearl(args)
+
+
+def _check_pearl(args) -> None:
+    """--pearl: a draft model, a chain of --gamma, batch size 1, lossless."""
+    if not getattr(args, "pearl", False):
+        return
+    if parse_guesser(args.guesser or "ppd")[0] != "draft" or getattr(args, "mtad", None):
+        raise UserError(f"--pearl: needs --guesser draft[:DIR] (a draft model) and no --mtad, "
+                        f"got {args.guesser or 'ppd'}")
+    if args.plan or args.batch_size != 1 or args.verify == "typical" or args.gamma < 1:
+        raise UserError("--pearl: drafts a chain of --gamma >= 1 tokens for one prompt at a time, losslessly; "
+                        "drop --plan, --batch-size and --verify typical")
+
+
+def _check_mtad(args) -> None:
+    """--mtad W,GAMMA,TAU: a draft model, no plan, batch size 1, its own verification rule."""
+    from planner.mtad import MTADSettings
+
+    args.mtad_settings = MTADSettings.parse(args.mtad) if getattr(args, "mtad", None) else None
+    ratio = getattr(args, "max_perplexity_ratio", None)
+    if args.mtad_settings is None:
+        if ratio is not None:
+            raise UserError("--max-perplexity-ratio: needs --mtad")
+        return
+    if parse_guesser(args.guesser or "ppd")[0] != "draft":
+        raise UserError(f"--mtad: needs --guesser draft[:DIR] (a draft model), got {args.guesser or 'ppd'}")
+    if args.plan:
+        raise UserError("--mtad: drafts a chain of GAMMA tokens; drop --plan")
+    if args.batch_size != 1 or args.verify != "auto":
+        raise UserError("--mtad: decodes at --batch-size 1 with its own joint acceptance rule (no --verify)")
+    if ratio is not None and not (ratio > 0 and args.compare_plain):
+        raise UserError("--max-perplexity-ratio: expected a number > 0, with --compare-plain (the reference perplexity)")
 
 
 def run(args) -> int:
@@ -92,13 +140,17 @@ def run(args) -> int:
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
     w = model.get_input_embeddings().weight
+    if args.mtad_settings is not None:
+        from decoder.mtad import MTADGuesser, generate_mtad
+
+        guesser = MTADGuesser(guesser.draft_model, args.mtad_settings.width, args.mtad_settings.gamma, guesser.label)
     guesser.check(tree, args.plan or "plan")
     lengths = step_lengths(guesser, tree, w)
     prompts = encode(tokenizer, texts, w.shape[0])
     if args.compare_plain:  # speed is compared: no timed run may pay a first call at a new shape
         from profiler.measure import warm_up_shapes
 
-        warm_up_shapes(model, prompts, set(lengths["real"].values()) | {1})
+        warm_up_shapes(model, prompts, {1, args.gamma} if args.pearl else set(lengths["real"].values()) | {1})
     gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed)
     results = []
@@ -108,8 +160,13 @@ def run(args) -> int:
         for batch in tqdm(_batches(list(zip(texts, prompts)), args.batch_size), desc="decode", unit="batch",
                           disable=args.no_progress):
             ids_b = [ids for _, ids in batch]
-            outs = generate(model, ids_b if args.batch_size > 1 else ids_b[0], plan=tree, guesser=guesser,
-                            verify_rule=args.verify, eps=args.eps, delta=args.delta, layout=args.layout, **gen_kw)
+            if args.pearl:
+                outs = _pearl(model, guesser, ids_b[0], args, gen_kw)
+            elif args.mtad_settings is not None:
+                outs = generate_mtad(model, ids_b[0], guesser, tau_acc=args.mtad_settings.tau_acc, **gen_kw)
+            else:
+                outs = generate(model, ids_b if args.batch_size > 1 else ids_b[0], plan=tree, guesser=guesser,
+                                verify_rule=args.verify, eps=args.eps, delta=args.delta, layout=args.layout, **gen_kw)
             outs = outs if isinstance(outs, list) else [outs]
             plains = _plain(model, ids_b, args, gen_kw) if args.compare_plain else [None] * len(batch)
             for (text, ids), out, plain in zip(batch, outs, plains):
@@ -117,6 +174,10 @@ def run(args) -> int:
     except KeyboardInterrupt:
         interrupted = True  # keep what is done; report and write it
     summary = _summary(results, args.compare_plain)
+    if args.pearl:
+        summary.update(_pearl_summary(results))
+    if args.mtad_settings is not None:
+        summary.update(_mtad_quality(args, model, guesser, results))
     doc = {
         "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
         "plan": args.plan, "method": tree.method if tree is not None else "chain",
@@ -129,6 +190,14 @@ def run(args) -> int:
     }
     if parse_guesser(args.guesser)[0] == "ppd":
         doc["prompt_tokens"] = doc["guesser"]  # the field earlier tools read
+    if args.mtad_settings is not None:
+        doc["method"] = "mtad"
+        doc["mtad"] = {"width": args.mtad_settings.width, "gamma": args.mtad_settings.gamma,
+                       "tau_acc": args.mtad_settings.tau_acc,
+                       "lossless": args.temperature == 0 and args.mtad_settings.tau_acc > 0}  # greedy there
+    if args.pearl:
+        doc["method"] = "pearl"
+        doc["pearl"] = {"gamma": args.gamma, "concurrent": not args.pearl_serial}
     print(_format(summary, doc["method"]))
     if args.output:
         atomic_write_json(args.output, doc)
@@ -139,12 +208,47 @@ def run(args) -> int:
     return 0
 
 
+def _pearl(model, guesser, ids, args, gen_kw):
+    """PEARL with the draft model the guesser loaded (CPU threads: --threads split between the sides)."""
+    from decoder.pearl import generate_pearl
+
+    return generate_pearl(model, guesser.draft_model, ids, args.gamma, concurrent=not args.pearl_serial, **gen_kw)
+
+
+def _pearl_summary(results: list[dict]) -> dict:
+    """Rounds (one target forward each: decode's steps), modes A / B, mean tokens per round."""
+    rounds = sum(r["stats"]["summary"]["rounds"] for r in results)
+    tokens = sum(len(r["tokens"]) for r in results)
+    return {"rounds": rounds, "mode_a": sum(r["stats"]["summary"]["mode_a"] for r in results),
+            "mode_b": sum(r["stats"]["summary"]["mode_b"] for r in results),
+            "mean_tokens_per_round": tokens / rounds if rounds else 0.0}
+
+
 def _recorded_guesser(tree) -> str | None:
     """The guesser a plan was made for (autotune writes it into the tree file), as KIND[:DIR]."""
     if tree is None or not isinstance(tree.settings.get("guesser"), str):
         return None
     kind, where = tree.settings["guesser"], tree.provenance.get("guesser_dir")
     return f"{kind}:{where}" if isinstance(where, str) and kind != "lookup" else kind
+
+
+def _mtad_quality(args, model, guesser, results: list[dict]) -> dict:
+    """Perplexity (under the target and the drafter, raw distributions) and distinct-n of the MTAD
+    texts and, with --compare-plain, of plain sampling's over the same prompts."""
+    import torch
+
+    from decoder.mtad import text_quality
+
+    prompts = [torch.tensor(r["prompt_ids"]) for r in results]
+    out = text_quality(model, prompts, [r["tokens"] for r in results], guesser.draft_model).to_json()
+    if args.compare_plain and results:
+        plain = text_quality(model, prompts, [r["plain"]["tokens"] for r in results], guesser.draft_model).to_json()
+        out.update({f"plain_{k}": v for k, v in plain.items() if k != "tokens"})
+        if out["perplexity"] and plain["perplexity"]:
+            out["perplexity_ratio"] = out["perplexity"] / plain["perplexity"]
+            if args.max_perplexity_ratio is not None:
+                out["within_perplexity_cap"] = out["perplexity_ratio"] <= args.max_perplexity_ratio
+    return out
 
 
 def _batches(items: list, size: int) -> list[list]:
@@ -228,4 +332,8 @@ def _format(s: dict, method: str) -> str:
         line += f", {s['tokens_per_s']:.1f} tokens/s"
     if "speedup" in s and s["speedup"]:
         line += f"; plain {s['plain_tokens_per_s']:.1f} tokens/s, speedup {s['speedup']:.2f}x, identical: {s['identical_to_plain']}"
+    if s.get("perplexity") is not None:
+        line += f"; perplexity {s['perplexity']:.2f}"
+        if s.get("plain_perplexity") is not None:
+            line += f" (plain {s['plain_perplexity']:.2f})"
     return line + ")"

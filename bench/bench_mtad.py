@@ -1,0 +1,406 @@
+"""MTAD on this machine: speed against perplexity of beam-sampled drafts with joint acceptance, next
+to plain sampling and lossless speculative decoding with the same drafter, and the planner's choice
+under a perplexity cap, in one run.
+
+    python bench/bench_mtad.py --draft models/smollm2-135m/draft_lm    # SmolLM2-135M, the trained draft LM
+    python bench/bench_mtad.py --draft first-layers:4 --quick          # untrained: the target's first 4 layers
+    python bench/bench_mtad.py --smoke --out /tmp/mtad                 # a tiny random model, seconds
+
+Steps, after a warm-up of every shape:
+ 1. calibrate on held-out MT-bench prompts (set A): plain sampling and MTAD at every grid point give
+    the walks D_j per (W, gamma) and the produced-text perplexity per point and for plain sampling;
+ 2. time the target's forward L(n), n = 1..gamma_max + 1, the decoder's own work per plain step, and
+    one drafter beam step at W rows (t_d(W): cache reorder, forward, warp, Gumbel-top-W) at the
+    prompts' context;
+ 3. plan: planner.mtad.choose, predicted speedup per point, the chosen point under
+    --max-perplexity-ratio R (perplexity <= R x plain sampling's), the Pareto front;
+ 4. evaluate on the other held-out prompts (set B), interleaved per prompt with one seed per prompt
+    for every method: plain sampling, lossless speculative decoding (a chain of --sd-gamma drafter
+    tokens, temperature > 0) and MTAD at every grid point: tokens/step, tokens/s, perplexity under
+    the target and the drafter (raw distributions), distinct-n;
+ 5. write bench/results/mtad.{json,md,png} (--smoke writes only with --out).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GRIDS = {  # (widths, gammas, taus)
+    "full": ((2, 4), (2, 3, 4, 5), (0.05, 0.1, 0.3, 0.9)),
+    "quick": ((2, 4), (2, 4), (0.1, 0.9)),
+    "smoke": ((2,), (2,), (0.1, 0.9)),
+}
+
+
+def _machine() -> dict:
+    import torch
+
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.machine()
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def _draft(spec: str | None, target):
+    from decoder.draft import build_draft_lm, load_draft_model
+    from planner.errors import UserError
+
+    if spec is None:
+        spec = str(ROOT / "models" / "smollm2-135m" / "draft_lm")
+        if not Path(spec).is_dir():
+            raise UserError(f"--draft: {spec} does not exist yet; give --draft DIR or --draft first-layers:N")
+    if spec.startswith("first-layers:"):
+        return build_draft_lm(target, int(spec.partition(":")[2])), f"{spec} (untrained)"
+    return load_draft_model(spec, target), spec
+
+
+def _smoke_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _setup(args):
+    """-> (target name, target, draft, draft label, calibration prompts, evaluation prompts)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        target = _smoke_model()
+        draft, label = _draft(args.draft or "first-layers:1", target)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 500, (int(t),), generator=g) for t in (5, 9)]
+        return "smoke (random 2-layer Llama)", target, draft, label, prompts[:1], prompts[1:]
+    from transformers import AutoTokenizer
+
+    from profiler.models import load_model
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+
+    loaded = load_model(args.model, device="cpu", dtype="fp32")
+    draft, label = _draft(args.draft, loaded.model)
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    calib, evaluate = held_out_prompts(str(DEFAULT_QUESTIONS), args.calib_prompts, args.num_prompts)
+    return loaded.name, loaded.model, draft, label, encode_prompts(tok, calib), encode_prompts(tok, evaluate)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+def _run(kind: str, target, draft, ids, args, seed: int, settings=None, n: int | None = None):
+    """One decode; kind plain | speculative | mtad."""
+    from decoder import DraftModelGuesser, generate, generate_plain
+    from decoder.mtad import MTADGuesser, generate_mtad
+
+    kw = dict(max_new_tokens=n or args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=seed)
+    if kind == "plain":
+        return generate_plain(target, ids, **kw)
+    if kind == "speculative":
+        return generate(target, ids, None, DraftModelGuesser(draft, depth=args.sd_gamma), **kw)
+    return generate_mtad(target, ids, MTADGuesser(draft, settings.width, settings.gamma), tau_acc=settings.tau_acc, **kw)
+
+
+def _warm_up(target, draft, prompts, points, args) -> None:
+    from profiler.measure import warm_up_shapes
+
+    gmax = max(p.gamma for p in points)
+    if not args.smoke:
+        warm_up_shapes(target, prompts, range(1, max(gmax, args.sd_gamma) + 2))
+    _run("plain", target, draft, prompts[0], args, 0, n=4)
+    _run("speculative", target, draft, prompts[0], args, 0, n=4)
+    for p in {(p.width, p.gamma): p for p in points}.values():
+        _run("mtad", target, draft, prompts[0], args, 0, p, n=4)
+
+
+def _calibrate(target, draft, prompts, points, args) -> dict:
+    """Walks per (W, gamma), perplexity per point and of plain sampling, on the calibration prompts."""
+    import numpy as np
+
+    from decoder.mtad import perplexity
+
+    walks, outputs = {}, {p: [] for p in points}
+    plain, overhead = [], []
+    for i, ids in enumerate(prompts):
+        out = _run("plain", target, draft, ids, args, i)
+        plain.append(out.tokens.tolist())
+        t = out.stats.times
+        overhead += [sum(t[k][j] for k in t if k != "forward") for j in range(len(t["forward"]))]
+        for p in points:
+            out = _run("mtad", target, draft, ids, args, i, p)
+            outputs[p].append(out.tokens.tolist())
+            walks.setdefault((p.width, p.gamma), []).extend(out.walks)
+    return {"walks": {k: np.array(v, dtype=np.float64) for k, v in walks.items()},
+            "perplexity": {p: perplexity(target, prompts, o) for p, o in outputs.items()},
+            "plain_perplexity": perplexity(target, prompts, plain),
+            "overhead_s": statistics.median(overhead) if overhead else 0.0}
+
+
+def _evaluate(target, draft, prompts, points, args) -> list[dict]:
+    """Every method on every prompt, interleaved per prompt (a slow spell hits all alike)."""
+    from decoder.mtad import text_quality
+
+    methods = [("plain", None), ("speculative", None)] + [("mtad", p) for p in points]
+    runs = {m: {"tokens": 0, "steps": 0, "seconds": 0.0, "outputs": []} for m in methods}
+    for i, ids in enumerate(prompts):
+        for kind, p in methods:
+            out = _run(kind, target, draft, ids, args, 1000 + i, p)
+            r = runs[(kind, p)]
+            r["tokens"] += out.tokens.numel()
+            r["steps"] += out.steps
+            r["seconds"] += out.stats.total_s
+            r["outputs"].append(out.tokens.tolist())
+    rows = []
+    for (kind, p), r in runs.items():
+        q = text_quality(target, prompts, r["outputs"], draft).to_json()
+        rows.append({"method": kind, "name": p.name if p else kind, "settings": _settings(p), "tokens": r["tokens"],
+                     "tokens_per_step": r["tokens"] / max(r["steps"], 1), "tokens_per_s": r["tokens"] / r["seconds"],
+                     **q})
+    plain_tps, plain_ppl = rows[0]["tokens_per_s"], rows[0]["perplexity"]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / plain_tps
+        row["perplexity_ratio"] = row["perplexity"] / plain_ppl if row["perplexity"] and plain_ppl else None
+    return rows
+
+
+def _settings(p) -> dict | None:
+    return None if p is None else {"width": p.width, "gamma": p.gamma, "tau_acc": p.tau_acc}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # untimed: a first call at a new shape costs many warm ones on the CPU
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
+    """L(n): the target's forward over n tokens, n = 1..n_max; t_d(W): one beam step of the drafter
+    at W rows as the decoder runs it (reorder the W cache rows, forward one token per row, warp,
+    Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass."""
+    import torch
+
+    from decoder.cache import crop_cache
+    from decoder.forward import prefill
+    from decoder.mtad import beam_step, draft_logprobs
+    from decoder.verify import Sampling
+
+    s = Sampling(args.temperature, args.top_k, args.top_p)
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    C = ids.numel()
+
+    def forward(model, cache, rows: int, n: int):
+        x = torch.randint(1, vocab, (rows, n))
+        out = model(input_ids=x, position_ids=torch.arange(C, C + n).expand(rows, n), past_key_values=cache,
+                    use_cache=True)
+        crop_cache(cache, C)
+        return out.logits[:, -1]
+
+    def beam(cache, w: int):
+        cache.reorder_cache(torch.arange(w))  # the same rows, but the copy every beam step pays
+        beam_step(torch.zeros(w, dtype=torch.float64), draft_logprobs(forward(draft, cache, w, 1), s), w,
+                  gen if s.temperature > 0 else None, s.top_k)
+
+    with torch.inference_mode():
+        cache = prefill(target, ids[None]).cache
+        L = {n: _median_time(lambda n=n: forward(target, cache, 1, n), args.repeats) for n in range(1, n_max + 1)}
+        draft_s = {}
+        for w in widths:
+            dc = prefill(draft, ids[None]).cache
+            dc.reorder_cache(torch.zeros(w, dtype=torch.long))
+            draft_s[w] = _median_time(lambda dc=dc, w=w: beam(dc, w), args.repeats)
+    return L, draft_s
+
+
+def _profile(L: dict, overhead_s: float):
+    import numpy as np
+
+    from planner.profile import LatencyProfile, Overhead
+
+    n = np.array(sorted(L))
+    lat = np.maximum.accumulate(np.array([L[k] for k in n]))  # medians may dip by noise; a profile never falls
+    return LatencyProfile(n, lat, {"file": "measured in bench_mtad"}, Overhead(fixed_s=overhead_s))
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(args) -> dict:
+    from planner.mtad import choose, grid, walks_to_json
+
+    t_start = time.time()
+    widths, gammas, taus = GRIDS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    points = grid(widths, gammas, taus)
+    name, target, draft, draft_label, calib, evaluate = _setup(args)
+    _warm_up(target, draft, evaluate + calib, points, args)
+    cal = _calibrate(target, draft, calib, points, args)
+    L, draft_s = _timings(target, draft, calib[0], widths, max(gammas) + 1, args)
+    profile = _profile(L, cal["overhead_s"])
+    choice = choose(cal["walks"], cal["perplexity"], cal["plain_perplexity"], profile, draft_s,
+                    args.max_perplexity_ratio)
+    rows = _evaluate(target, draft, evaluate, points, args)
+    predicted = {p.settings.name: p for p in choice.points}
+    for row in rows:
+        p = predicted.get(row["name"])
+        row["predicted"] = None if p is None else {"tokens_per_step": p.tokens_per_step, "speedup": p.speedup,
+                                                   "calibration_perplexity": p.perplexity}
+        row["chosen"] = choice.chosen is not None and row["name"] == choice.chosen.settings.name
+    result = {
+        "machine": _machine(), "model": name, "draft": draft_label,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
+        "max_new_tokens": args.max_new_tokens, "calibration_prompts": len(calib), "evaluation_prompts": len(evaluate),
+        "sd_gamma": args.sd_gamma, "grid": {"widths": widths, "gammas": gammas, "taus": taus},
+        "timing": {"target_forward_s": {str(k): v for k, v in L.items()}, "draft_forward_s": {str(k): v for k, v in draft_s.items()},
+                   "overhead_s": cal["overhead_s"]},
+        "calibration": {"plain_perplexity": cal["plain_perplexity"],
+                        "perplexity": {p.name: v for p, v in cal["perplexity"].items()},
+                        "walks": walks_to_json(cal["walks"])},
+        "choice": choice.to_json(), "methods": rows, "wall_s": round(time.time() - t_start, 1),
+    }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def markdown(r: dict) -> str:
+    m, s, c = r["machine"], r["sampling"], r["choice"]
+    chosen = c["chosen"]["name"] if c["chosen"] else "none (no point meets the cap: decode plainly)"
+    lines = [
+        "# MTAD: speed against perplexity", "",
+        f"{r['model']} with drafter {r['draft']}; CPU {m['cpu']} ({m['threads']} threads, {m['cores']} cores, torch "
+        f"{m['torch']}, load {m['load_avg_1m']}). Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p "
+        f"{s['top_p']} (target and drafter alike); {r['max_new_tokens']} new tokens per prompt. Planner inputs (walks, "
+        f"perplexity per point, plain perplexity) from {r['calibration_prompts']} held-out prompts; the table measures "
+        f"{r['evaluation_prompts']} other held-out prompts, every method per prompt in turn with the same seed. "
+        f"Perplexity: under the target's (and the drafter's) raw distribution; distinct-n within each text.", "",
+        f"Planner's choice under perplexity <= {c['max_perplexity_ratio']} x plain sampling's "
+        f"({c['plain_perplexity']:.2f} on the calibration prompts): **{chosen}**.", "",
+        "| method | tokens/step pred | meas | tok/s | speedup pred | meas | ppl target | ratio | ppl draft | distinct-2 | front | chosen |",
+        "|" + "---|" * 12,
+    ]
+    front = set(c["front"])
+    for x in r["methods"]:
+        p = x["predicted"] or {}
+        lines.append(
+            f"| {x['name']} | {_f(p.get('tokens_per_step'))} | {x['tokens_per_step']:.2f} | {x['tokens_per_s']:.1f} | "
+            f"{_f(p.get('speedup'))} | {x['speedup']:.2f} | {_f(x['perplexity'])} | {_f(x['perplexity_ratio'])} | "
+            f"{_f(x['draft_perplexity'])} | {_f(x['distinct_2'], 3)} | {'yes' if x['name'] in front else ''} | "
+            f"{'**yes**' if x['chosen'] else ''} |")
+    lines += ["", "front: the predicted (speedup, calibration perplexity) Pareto front. speculative: lossless, a chain "
+              f"of {r['sd_gamma']} drafter tokens. MTAD is not lossless above temperature 0.", "",
+              f"Wall time {r['wall_s']} s.", ""]
+    return "\n".join(lines)
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5))
+    mt = [x for x in r["methods"] if x["method"] == "mtad"]
+    for w, color in zip(r["grid"]["widths"], ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
+        pts = [x for x in mt if x["settings"]["width"] == w]
+        ax.scatter([x["perplexity"] for x in pts], [x["tokens_per_s"] for x in pts], c=color, label=f"MTAD W={w}")
+        for x in pts:
+            ax.annotate(f"g{x['settings']['gamma']} t{x['settings']['tau_acc']:g}", (x["perplexity"], x["tokens_per_s"]),
+                        fontsize=6)
+    for x, marker in zip([x for x in r["methods"] if x["method"] != "mtad"], ("s", "D")):
+        ax.scatter([x["perplexity"]], [x["tokens_per_s"]], marker=marker, c="k", label=x["name"])
+    chosen = [x for x in mt if x["chosen"]]
+    if chosen:
+        ax.scatter([chosen[0]["perplexity"]], [chosen[0]["tokens_per_s"]], s=200, facecolors="none", edgecolors="r",
+                   label="planner's choice")
+    front = [x for x in mt if x["name"] in set(r["choice"]["front"])]
+    front.sort(key=lambda x: x["perplexity"])
+    ax.plot([x["perplexity"] for x in front], [x["tokens_per_s"] for x in front], "r--", lw=0.8, label="predicted front")
+    ax.set_xlabel("perplexity under the target (lower is better)")
+    ax.set_ylabel("tokens/s (measured)")
+    ax.legend(fontsize=7)
+    pred = [x for x in mt if x["predicted"]]
+    bx.scatter([x["predicted"]["speedup"] for x in pred], [x["speedup"] for x in pred])
+    lim = max([1.0] + [x["speedup"] for x in pred] + [x["predicted"]["speedup"] for x in pred]) * 1.1
+    bx.plot([0, lim], [0, lim], "k:", lw=0.8)
+    bx.set_xlabel("predicted speedup (planner.mtad)")
+    bx.set_ylabel("measured speedup over plain sampling")
+    fig.suptitle(f"MTAD, {r['model']} + {r['draft']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _write(out: Path, r: dict) -> None:
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "mtad.json", r)
+    atomic_write_bytes(out / "mtad.md", markdown(r).encode())
+    plot(r, out / "mtad.png")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft", default=None, metavar="DIR|first-layers:N",
+                   help="the drafter: a draft_lm (or Hugging Face) directory, or the target's first N layers "
+                        "(untrained; default: models/smollm2-135m/draft_lm)")
+    p.add_argument("--calib-prompts", type=int, default=8, help="held-out prompts for the planner's inputs")
+    p.add_argument("--num-prompts", type=int, default=8, help="other held-out prompts for the measured table")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--sd-gamma", type=int, default=4, help="chain length of the lossless speculative baseline")
+    p.add_argument("--max-perplexity-ratio", type=float, default=1.0, metavar="R")
+    p.add_argument("--repeats", type=int, default=7, help="timing repeats for L(n) and t_d(W)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="a small grid, 4 + 4 prompts, 32 tokens")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
+    p.add_argument("--out", default=None, help="default bench/results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.calib_prompts, args.num_prompts, args.max_new_tokens = 4, 4, 32
+    if args.smoke:
+        args.max_new_tokens, args.repeats, args.sd_gamma = 8, 2, 2
+        args.max_perplexity_ratio = 10.0  # random weights: any point will do, the code paths are the test
+    result = run(args)
+    if args.out or not args.smoke:
+        _write(Path(args.out or ROOT / "bench" / "results"), result)
+    print(markdown(result))
+    if args.smoke:
+        print("smoke: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,438 @@
+"""PEARL on this machine: plain decoding, speculative decoding and PEARL (concurrent and serial-booked)
+with one drafter, measured in one run and set against planner/pearl.py's predictions.
+
+    python bench/bench_pearl.py --draft models/smollm2-135m/draft_lm     # SmolLM2-135M and its draft LM
+    python bench/bench_pearl.py --draft first-layers:4                   # untrained: the target's first 4 layers
+    python bench/bench_pearl.py --smoke                                  # a tiny random model, seconds
+
+Steps:
+ 1. per-forward latencies: the target's L(n) and the drafter's t_d at the thread split PEARL uses
+    (target in the caller's thread, drafter in a worker, torch.set_num_threads in each) and at all
+    threads (plain decoding and SD); c = L(1) / t_d at the split;
+ 2. does the split split? the target's gamma-token forward and the drafter's gamma forwards, alone,
+    one after the other, and at the same time in two threads; eta = 1 - (together - max) / min;
+ 3. decoding on held-out MT-bench prompts, interleaved after a warm-up, `--repeats` times: plain
+    (generate_plain), SD (decoder.generate, DraftModelGuesser, plan=None: a chain of gamma), PEARL
+    concurrent, PEARL serial (booked as max(draft, verify) + decide per round); medians over repeats;
+    every output checked against plain greedy decoding;
+ 4. the planning model: alpha from the PEARL runs' accept/reject counts (or --accept FILE), predicted
+    tokens per round, mode-A share and speedup against measured; the planner's gamma against round(c);
+ 5. a timeline of the draft and verify phases per side over a few rounds.
+Writes bench/results/pearl.{json,md,png} (--out) with the machine (CPU model, threads, load average).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from decoder.pearl import set_thread_count  # noqa: E402
+from planner.errors import UserError  # noqa: E402
+
+METHODS = ("plain", "sd", "pearl", "pearl_serial")
+
+
+def _machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def _drafter(spec: str, target):
+    from decoder.draft import build_draft_lm, load_draft_model
+
+    if spec.startswith("first-layers:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise UserError(f"--draft {spec}: expected first-layers:N with N an integer") from None
+        if not 1 <= n < target.config.num_hidden_layers:
+            raise UserError(f"--draft {spec}: N must be in 1..{target.config.num_hidden_layers - 1}")
+        return build_draft_lm(target, n)
+    return load_draft_model(spec, target)
+
+
+def _setup(args):
+    """(target, drafter, prompts, label)."""
+    from profiler.models import load_model
+
+    if args.smoke:
+        target = load_model("tiny", device="cpu").model
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 4000, (12,), generator=g)]
+        return target, _drafter("first-layers:1", target), prompts, "tiny (random) / first-layers:1"
+    from transformers import AutoTokenizer
+
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+
+    loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
+    if not loaded.has_weights:
+        raise UserError("smollm2-135m: no weights in the local cache (the bench measures the real model)")
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 0, args.num_prompts)
+    return loaded.model, _drafter(args.draft, loaded.model), encode_prompts(tok, texts), f"smollm2-135m / {args.draft}"
+
+
+# ---------------------------------------------------------------------------------------------- per-forward timing
+
+
+@torch.inference_mode()
+def _forward_s(model, context: torch.Tensor, n: int, threads: int, repeats: int) -> float:
+    """Median seconds of one forward over n new tokens after `context`, at `threads` (in this thread)."""
+    from decoder.cache import crop_cache
+    from decoder.forward import prefill
+
+    set_thread_count(threads)
+    cache = prefill(model, context[None]).cache
+    C = context.numel()
+    x = torch.randint(3, model.config.vocab_size - 1, (1, n))
+    pos = torch.arange(C, C + n)[None]
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        crop_cache(cache, C)
+    return statistics.median(times)
+
+
+def _latencies(target, draft, context, lengths, split, total: int, repeats: int) -> dict:
+    """L(n) and t_d at the split and at all threads; the split's sides each run in a thread of their own."""
+    with ThreadPoolExecutor(1) as pool:  # the drafter's numbers come from a worker thread, as in PEARL
+        t_d = pool.submit(_forward_s, draft, context, 1, split[1], repeats).result()
+    out = {"split": list(split), "total_threads": total,
+           "L_split_s": {n: _forward_s(target, context, n, split[0], repeats) for n in lengths},
+           "t_draft_split_s": t_d,
+           "L_full_s": {n: _forward_s(target, context, n, total, repeats) for n in lengths},
+           "t_draft_full_s": _forward_s(draft, context, 1, total, repeats)}
+    out["c"] = out["L_split_s"][1] / t_d
+    torch.set_num_threads(total)
+    return out
+
+
+@torch.inference_mode()
+def _job(model, cache, n_tokens: int, passes: int, threads: int, start=None) -> tuple[float, float]:
+    """`passes` forwards of n_tokens each after the prefilled `cache`, cropped back after; (start, end).
+    start: a threading.Barrier both sides pass first, so that neither times the other's setup."""
+    from decoder.cache import crop_cache
+
+    set_thread_count(threads)
+    C = cache.get_seq_length()
+    xs = torch.randint(3, model.config.vocab_size - 1, (passes, 1, n_tokens))
+    if start is not None:
+        start.wait()
+    t0 = time.perf_counter()
+    for i in range(passes):
+        model(input_ids=xs[i], position_ids=torch.arange(C, C + n_tokens)[None] + i * n_tokens, past_key_values=cache,
+              use_cache=True)
+    t1 = time.perf_counter()
+    crop_cache(cache, C)
+    return t0, t1
+
+
+def _split_check(target, draft, context, gamma: int, split, repeats: int) -> dict:
+    """The target's gamma-token forward (caller's thread) and the drafter's gamma forwards (worker):
+    alone, one after the other, and at the same time. A real split: together ~ max(alone)."""
+    import threading
+
+    from decoder.forward import prefill
+
+    tcache, dcache = prefill(target, context[None]).cache, prefill(draft, context[None]).cache
+    rows = {"target": [], "draft": [], "serial": [], "together": []}
+    with ThreadPoolExecutor(1) as pool:
+        draft_job = lambda b=None: _job(draft, dcache, 1, gamma, split[1], b)  # noqa: E731
+        target_job = lambda b=None: _job(target, tcache, gamma, 1, split[0], b)  # noqa: E731
+        pool.submit(draft_job).result(), target_job()  # warm-up
+        for _ in range(repeats):
+            t, d = target_job(), pool.submit(draft_job).result()
+            rows["target"].append(t[1] - t[0])
+            rows["draft"].append(d[1] - d[0])
+            rows["serial"].append(t[1] - t[0] + d[1] - d[0])
+            barrier = threading.Barrier(2)
+            f = pool.submit(draft_job, barrier)
+            t = target_job(barrier)
+            d = f.result()
+            rows["together"].append(max(t[1], d[1]) - min(t[0], d[0]))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    from planner.pearl import eta_from_times
+
+    med["eta"] = eta_from_times(med["target"], med["draft"], med["together"])
+    med["together_over_serial"] = med["together"] / med["serial"]
+    med["gamma"] = gamma
+    return med
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+def _run(method: str, target, draft, ids, gamma: int, tokens: int, split, total: int):
+    from decoder import DraftModelGuesser, generate, generate_plain
+    from decoder.pearl import generate_pearl
+
+    torch.set_num_threads(total)
+    if method == "plain":
+        return generate_plain(target, ids, tokens)
+    if method == "sd":
+        return generate(target, ids, plan=None, guesser=DraftModelGuesser(draft, top_k=1, depth=gamma),
+                        max_new_tokens=tokens)
+    return generate_pearl(target, draft, ids, gamma, tokens, concurrent=method == "pearl", threads=split)
+
+
+def _record(method: str, out, gamma: int) -> dict:
+    n = int(out.tokens.numel())
+    if method.startswith("pearl"):
+        s = out.stats.summary()
+        secs = s["booked_s"] if method == "pearl_serial" else s["total_s"]
+        return {"tokens": n, "seconds": secs, "real_seconds": s["total_s"], "rounds": s["rounds"],
+                "mode_a": s["mode_a"], "accepted": s["accepted"], "rejected": s["rejected"],
+                "decide_s": s["decide_s"], "ids": out.tokens.tolist()}
+    st = out.stats
+    rec = {"tokens": n, "seconds": st.total_s, "real_seconds": st.total_s, "rounds": len(st.states),
+           "ids": out.tokens.tolist()}
+    if method == "sd":  # a chain: a step stops at its first rejection unless all gamma are accepted
+        rec["accepted"] = sum(st.accepted)
+        rec["rejected"] = sum(a < gamma for a in st.accepted)
+    return rec
+
+
+def _decode_all(target, draft, prompts, gammas, args, split) -> list[dict]:
+    """Every (method, gamma, prompt) `repeats` times, interleaved; the first pass of each is a warm-up."""
+    configs = [("plain", 0)] + [(m, g) for g in gammas for m in METHODS[1:]]
+    for m, g in configs:  # warm-up: every shape once
+        _run(m, target, draft, prompts[0], max(g, 1), 4, split, args.threads)
+    runs = []
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            for m, g in configs:
+                out = _run(m, target, draft, ids, max(g, 1), args.max_new_tokens, split, args.threads)
+                runs.append({"method": m, "gamma": g, "prompt": i, "repeat": rep, **_record(m, out, max(g, 1))})
+    plain = {(r["prompt"], r["repeat"]): r["ids"] for r in runs if r["method"] == "plain"}
+    for r in runs:
+        r["identical_to_plain"] = r["ids"] == plain[(r["prompt"], r["repeat"])]
+    return runs
+
+
+def _medians(runs: list[dict], repeats: int) -> dict:
+    """(method, gamma) -> median over repeats of tokens/s summed over prompts, and pooled counts."""
+    out = {}
+    for key in sorted({(r["method"], r["gamma"]) for r in runs}):
+        rows = [r for r in runs if (r["method"], r["gamma"]) == key]
+        reps = [[r for r in rows if r["repeat"] == k] for k in range(repeats)]
+        per_rep = [sum(r["tokens"] for r in rep) / sum(r["seconds"] for r in rep) for rep in reps]
+        fields = ("tokens", "rounds", "mode_a", "accepted", "rejected", "decide_s")
+        agg = {f: sum(r.get(f, 0) for r in rows) for f in fields}
+        agg["tokens_per_s"] = statistics.median(per_rep)
+        agg["identical_to_plain"] = all(r["identical_to_plain"] for r in rows)
+        out[key] = agg
+    plain = out[("plain", 0)]["tokens_per_s"]
+    for v in out.values():
+        v["speedup"] = v["tokens_per_s"] / plain
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- predictions
+
+
+def _profile(lat: dict[int, float]):
+    from planner.profile import LatencyProfile
+
+    n = sorted(lat)
+    return LatencyProfile(np.array(n), np.maximum.accumulate(np.array([lat[k] for k in n])))
+
+
+def _predict(med: dict, lat: dict, split_check: dict, gammas, accept_alpha) -> dict:
+    """Per gamma: alpha (measured counts or the acceptance file), predicted vs measured."""
+    from planner.pearl import alpha_from_counts, choose_gamma, predict_pearl, predict_sd, stationary
+
+    prof_split, prof_full = _profile(lat["L_split_s"]), _profile(lat["L_full_s"])
+    plain_s = lat["L_full_s"][1]
+    rows = []
+    for g in gammas:
+        p, ps, sd = med[("pearl", g)], med[("pearl_serial", g)], med[("sd", g)]
+        alpha = accept_alpha if accept_alpha is not None else alpha_from_counts(p["accepted"], p["rejected"])
+        coord = p["decide_s"] / max(p["rounds"], 1)
+        conc = predict_pearl(alpha, g, lat["t_draft_split_s"], prof_split, split_check["eta"], plain_s, coord)
+        booked = predict_pearl(alpha, g, lat["t_draft_split_s"], prof_split, 1.0, plain_s, coord)
+        a_sd = accept_alpha if accept_alpha is not None else alpha_from_counts(sd["accepted"], sd["rejected"])
+        sdp = predict_sd(a_sd, g, lat["t_draft_full_s"], prof_full, plain_s)
+        rows.append({"gamma": g, "alpha": alpha, "alpha_sd": a_sd, "pi_a": stationary(alpha, g)[0],
+                     "mode_a_share": p["mode_a"] / p["rounds"], "tokens_per_round_pred": conc.tokens_per_round,
+                     "tokens_per_round": p["tokens"] / p["rounds"], "speedup_pred": conc.speedup,
+                     "speedup": p["speedup"], "serial_booked_speedup_pred": booked.speedup,
+                     "serial_booked_speedup": ps["speedup"], "sd_tokens_per_step_pred": sdp.tokens_per_step,
+                     "sd_tokens_per_step": sd["tokens"] / sd["rounds"], "sd_speedup_pred": sdp.speedup,
+                     "sd_speedup": sd["speedup"]})
+    pooled = accept_alpha if accept_alpha is not None else alpha_from_counts(
+        sum(med[("pearl", g)]["accepted"] for g in gammas), sum(med[("pearl", g)]["rejected"] for g in gammas))
+    choice = choose_gamma(pooled, lat["t_draft_split_s"], prof_split, split_check["eta"], gammas, plain_s)
+    best = max(gammas, key=lambda g: med[("pearl", g)]["speedup"])
+    return {"rows": rows, "alpha_pooled": pooled, "planner_gamma": choice.gamma, "paper_gamma": choice.paper_gamma,
+            "c": choice.c, "measured_best_gamma": best}
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, rounds: int = 8) -> list[dict]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from decoder.pearl import generate_pearl
+
+    out = generate_pearl(target, draft, ids, gamma, tokens, threads=split)
+    evs = [e for e in out.stats.events if e.phase != "prefill"]
+    per_round = 3
+    evs = evs[: rounds * per_round]
+    t0 = min(e.start for e in evs)
+    colors = {"draft": "tab:blue", "pre-verify": "tab:orange", "verify": "tab:red", "decide": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(10, 3.0))
+    lanes = {"draft": 2, "target": 1, "coordinator": 0}
+    for e in evs:
+        ax.barh(lanes[e.side], (e.end - e.start) * 1e3, left=(e.start - t0) * 1e3, color=colors[e.phase],
+                edgecolor="black", linewidth=0.4)
+    for k, r in enumerate(out.stats.rounds[:rounds]):
+        e = evs[k * per_round + 1]
+        ax.text((e.start - t0) * 1e3, 1.45, f"{r.mode}:{r.produced}", fontsize=7)
+    ax.set_yticks(list(lanes.values()), list(lanes))
+    ax.set_xlabel("ms")
+    ax.set_title(f"PEARL gamma={gamma}: draft and verify per side (label: mode:tokens)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4)
+    fig.tight_layout()
+    import io
+
+    from planner.jsonio import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return [{"side": e.side, "phase": e.phase, "start_ms": (e.start - t0) * 1e3, "end_ms": (e.end - t0) * 1e3}
+            for e in evs]
+
+
+def _markdown(doc: dict) -> str:
+    m, lat, sc, pr = doc["machine"], doc["latency"], doc["split_check"], doc["prediction"]
+    lines = [f"# PEARL on {m['cpu']} ({m['cores']} cores; load average {m['load_avg_1m']} at start, "
+             f"{doc['load_avg_end']} at end)", "",
+             f"Models: {doc['models']}; {doc['prompts']} prompts, {doc['max_new_tokens']} new tokens, greedy, "
+             f"{doc['repeats']} repeats (medians). Thread split (target, drafter) = {tuple(lat['split'])}; "
+             f"plain and SD use {lat['total_threads']} threads.", "",
+             f"Per forward: L(1) = {lat['L_split_s'][1] * 1e3:.1f} ms at the split ({lat['L_full_s'][1] * 1e3:.1f} ms "
+             f"at all threads), t_d = {lat['t_draft_split_s'] * 1e3:.1f} ms ({lat['t_draft_full_s'] * 1e3:.1f} ms); "
+             f"c = {lat['c']:.2f}.", "",
+             f"Split check (gamma {sc['gamma']}): target alone {sc['target'] * 1e3:.1f} ms, drafter alone "
+             f"{sc['draft'] * 1e3:.1f} ms, one after the other {sc['serial'] * 1e3:.1f} ms, together "
+             f"{sc['together'] * 1e3:.1f} ms ({sc['together_over_serial']:.2f} of serial): eta = {sc['eta']:.2f}.", "",
+             "| gamma | alpha | mode A (pi_A) | tokens/round (pred) | PEARL speedup (pred) "
+             "| serial-booked (pred, eta 1) "
+             "| SD tokens/step (pred) | SD speedup (pred) |", "|---|---|---|---|---|---|---|---|"]
+    for r in pr["rows"]:
+        lines.append(f"| {r['gamma']} | {r['alpha']:.3f} | {r['mode_a_share']:.2f} ({r['pi_a']:.2f}) | "
+                     f"{r['tokens_per_round']:.2f} ({r['tokens_per_round_pred']:.2f}) | {r['speedup']:.2f}x "
+                     f"({r['speedup_pred']:.2f}x) | {r['serial_booked_speedup']:.2f}x "
+                     f"({r['serial_booked_speedup_pred']:.2f}x) | "
+                     f"{r['sd_tokens_per_step']:.2f} ({r['sd_tokens_per_step_pred']:.2f}) | {r['sd_speedup']:.2f}x "
+                     f"({r['sd_speedup_pred']:.2f}x) |")
+    lines += ["", f"Plain: {doc['plain_tokens_per_s']:.1f} tokens/s. Every output identical to plain greedy decoding: "
+              f"{doc['all_identical']}.",
+              f"gamma: planner {pr['planner_gamma']}, paper round(c) {pr['paper_gamma']}, measured best "
+              f"{pr['measured_best_gamma']} (alpha pooled {pr['alpha_pooled']:.3f}, from {doc['alpha_source']}).",
+              "", "![timeline](pearl.png)", "", f"Wall time {doc['wall_s']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict:
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    machine = _machine()
+    target, draft, prompts, label = _setup(args)
+    from decoder.pearl import split_threads
+
+    split = split_threads(args.threads)
+    context = prompts[0]
+    lat = _latencies(target, draft, context, range(1, max(args.gammas) + 2), split, args.threads, args.forward_repeats)
+    sc = _split_check(target, draft, context, args.gammas[len(args.gammas) // 2], split, args.forward_repeats)
+    runs = _decode_all(target, draft, prompts, args.gammas, args, split)
+    med = _medians(runs, args.repeats)
+    accept_alpha, source = _accept_alpha(args)
+    pred = _predict(med, lat, sc, args.gammas, accept_alpha)
+    out = Path(args.out)
+    timeline = _timeline(target, draft, prompts[0], pred["planner_gamma"], args.max_new_tokens, split,
+                         out / "pearl.png")
+    doc = {"machine": machine, "models": label, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "repeats": args.repeats, "gammas": args.gammas, "latency": lat, "split_check": sc,
+           "methods": [{"method": k[0], "gamma": k[1], **v} for k, v in med.items()],
+           "plain_tokens_per_s": med[("plain", 0)]["tokens_per_s"], "prediction": pred, "alpha_source": source,
+           "all_identical": all(r["identical_to_plain"] for r in runs),
+           "runs": [{k: v for k, v in r.items() if k != "ids"} for r in runs], "timeline": timeline,
+           "load_avg_end": round(os.getloadavg()[0], 2), "wall_s": time.time() - t_start}
+    atomic_write_json(out / "pearl.json", doc)
+    atomic_write_bytes(out / "pearl.md", _markdown(doc).encode())
+    print(_markdown(doc))
+    return doc
+
+
+def _accept_alpha(args) -> tuple[float | None, str]:
+    if not args.accept:
+        return None, "the PEARL runs' accept/reject counts (maximum likelihood)"
+    from planner.accept import load_acceptance
+    from planner.pearl import alpha_from_acceptance
+
+    return alpha_from_acceptance(load_acceptance(args.accept), args.alpha_rule), f"{args.accept} ({args.alpha_rule})"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", default=str(ROOT / "models" / "smollm2-135m" / "draft_lm"),
+                   help="a draft LM directory (default: the project's trained one) or first-layers:N (untrained)")
+    p.add_argument("--gammas", default="2,3,4,5,6")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--forward-repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2, help="all CPU threads (PEARL splits them between the sides)")
+    p.add_argument("--accept", default=None, help="an acceptance file (planner accept --guesser draft) for alpha")
+    p.add_argument("--alpha-rule", default="mean", choices=["mean", "first", "geometric"])
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args()
+    args.gammas = [int(x) for x in args.gammas.split(",")]
+    if args.smoke:
+        # one thread (split (1, 1)): the smoke checks the code, and a 2-thread team on a busy machine is slow
+        args.gammas, args.max_new_tokens, args.repeats, args.forward_repeats, args.threads = [2, 3], 10, 1, 3, 1
+    try:
+        doc = run(args)
+    except UserError as e:
+        print(f"bench_pearl: error: {e}", file=sys.stderr)
+        return 2
+    if args.smoke:
+        if not doc["all_identical"]:
+            print("smoke: FAILED (an output differs from plain greedy decoding)")
+            return 1
+        print("smoke: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,371 @@
+"""MTAD: beam-sampled drafts from a small model, joint likelihood-ratio acceptance by the target
+(../shared/notes/SEEDS_WAVE2.md section 4, ALGORITHMS.md section 5). Deliberately not lossless.
+
+    guesser = MTADGuesser(draft_model, width=4, gamma=3)
+    out = generate_mtad(target, ids, guesser, tau_acc=0.1, temperature=1.0, top_k=20, top_p=0.9)
+
+One step:
+  1. draft   the session beam-samples W beams of gamma tokens over the drafter's own cache (W rows,
+             reordered by parent beam every step): candidates (b, v) score s_b + log q~(v | beam b)
+             and W distinct ones are drawn with probability proportional to exp(score) (Gumbel-top-W;
+             at temperature 0 the top W, deterministically). The highest-likelihood final beam is
+             proposed as a chain; the cache keeps that beam's row only.
+  2. score   the target runs [root, x_1..x_gamma] in one forward pass (decoder.loop's own pieces).
+  3. verify  `verify_joint`: with D_j = log p~(x_j) - log q~(x_j), accept the longest prefix i* with
+             sum_{j<=i*} D_j >= log tau_acc (i = 0 always passes; planner.mtad.accepted_length is the
+             one rule), emit x_1..x_{i*} and y ~ p~(. | context, x_1..x_{i*}) (no residual).
+  4. commit  target cache and drafter row are cropped to the accepted text.
+
+Warping: p~ and q~ are the same warp (temperature, then top-k, then top-p; the paper: top-k 20, top-p
+0.9) of the target's and the drafter's logits, in log space: tokens outside the warped support have
+log-probability -inf and simply fail, never NaN. At temperature 0 p~ is one-hot (greedy) and the
+drafter's scores use its distribution at temperature 1 under the same top-k/top-p, so the beams are
+a deterministic beam search rather than W copies of the greedy draft.
+
+What the output follows (and why it is not the target's distribution): a step appends the block
+(x_1..x_{i*}, y) where x is the final beam B_W,gamma(q~) picks (a mode-seeking draw from the
+drafter's joint distribution), i* = i*(x) is a deterministic function of x, and y ~ p~(. | x_{1..i*}):
+
+    P(block = (x_1..x_i, y)) = sum_{x' : x'_{1..i} = x_{1..i}, i*(x') = i} B(x') * p~(y | context, x_{1..i}).
+
+Speculative sampling accepts x_j with probability min(1, p~/q~) and resamples the rejected mass
+from the residual norm(max(p~ - q~, 0)), which makes the block follow p~ exactly. MTAD does neither:
+accepted tokens come from B (beam-selected, not from p~), and nothing puts back the mass the
+threshold removes, so the text leans to sequences both models find likely (lower perplexity).
+Only y is a plain target draw. Limits: tau_acc = inf (allowed here, not by the CLI) never accepts:
+exactly sampling from p~; tau_acc = 0 accepts every draft: drafter beam sampling plus one target
+token per step; temperature 0 with tau_acc > 0: greedy decoding of the target, token for token
+(P_i is 0 for an all-argmax prefix, -inf otherwise, and -Q_i >= 0 >= log tau_acc).
+
+Why a second loop: the guesser protocol fits (MTADGuesser is an ordinary guesser; `generate` runs it
+at temperature 0, and above 0 with the lossless rule for deterministic guesses), but the loop's
+verification is chosen inside decoder.verify.verify from Sampling.mode (auto, greedy, typical,
+lossless) and that dispatch has no joint rule. So `decode_mtad` is decoder.loop.decode's loop
+with the verify call swapped, reusing every other piece of decoder.loop (prefill, step inputs,
+forward, target commit, truncation, records, clock). A hook in decoder/loop.py (a proposal-chosen
+verification function) would let MTAD run in `decode` itself.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from decoder.cache import crop_cache
+from decoder.draft import chain_nodes
+from decoder.forward import prefill
+from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.layout import layout_for
+from decoder.loop import decode, select_attention
+from decoder.output import GenerateOutput
+from decoder.verify import Sampling, Verdict, sample
+from planner.errors import UserError
+from planner.mtad import accepted_length, log_threshold
+
+# ---------------------------------------------------------------------------------------------- warping in log space
+
+
+def warped_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [..., V] -> log p~ [..., V] in float32: temperature, then top-k, then top-p (the
+    support decoder.verify.probabilities keeps), -inf outside the support. Temperature 0: one-hot."""
+    x = logits.float()
+    if s.temperature <= 0:
+        top = x.argmax(-1, keepdim=True)
+        return torch.full_like(x, -math.inf).scatter_(-1, top, 0.0)
+    x = x / s.temperature
+    V = x.shape[-1]
+    if s.top_k and s.top_k < V:
+        # only the top-k can survive: sort those, not the vocabulary (ties at the k-th logit: torch.topk's pick)
+        vals, order = x.topk(s.top_k, dim=-1)
+    else:
+        vals, order = x.sort(dim=-1, descending=True)
+    if s.top_p < 1.0:
+        p = vals.softmax(-1)
+        drop = p.cumsum(-1) - p >= s.top_p  # keep the smallest prefix reaching top_p
+        vals = vals.masked_fill(drop, -math.inf)
+    return torch.full_like(x, -math.inf).scatter_(-1, order, vals.log_softmax(-1))
+
+
+def draft_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """log q~ for the beam scores: the target's warp; at temperature 0 the drafter's warped
+    distribution at temperature 1 (a one-hot q~ would make every beam the greedy draft)."""
+    if s.temperature <= 0:
+        s = Sampling(1.0, s.top_k, s.top_p)
+    return warped_logprobs(logits, s)
+
+
+def log_ratios(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """D = log p~ - log q~ in float64, -inf wherever either side is -inf (never NaN)."""
+    lp, lq = log_p.double(), log_q.double()
+    ok = torch.isfinite(lp) & torch.isfinite(lq)
+    return torch.where(ok, lp - lq.masked_fill(~ok, 0.0), torch.full_like(lp, -math.inf))
+
+
+# ---------------------------------------------------------------------------------------------- beam sampling
+
+
+def gumbel(shape, generator, device) -> torch.Tensor:
+    """Standard Gumbel noise from the CPU generator (the same draws on any device)."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def beam_step(scores: torch.Tensor, log_q: torch.Tensor, width: int, generator=None, support: int = 0):
+    """scores [B] (beam log-likelihoods s_b), log_q [B, V] -> (parent [W'], token [W'], new scores [W']).
+
+    Candidates (b, v) score s_b + log q~(v | b). With a generator: Gumbel-top-W, which draws W
+    distinct candidates without replacement with probability proportional to exp(score) (Eq. 2);
+    without: the top W. W' = min(W, candidates). A beam whose score is -inf (fewer than W
+    candidates in the support) is kept for a static shape and never wins.
+    support: when q~ keeps at most this many tokens per row (its top-k), only those are candidates
+    (the same draw, with noise for B x support entries instead of B x V)."""
+    V = log_q.shape[-1]
+    if support and support < V:
+        lq, vocab_idx = log_q.topk(support, dim=-1)  # [B, k]: every finite entry of each row
+    else:
+        lq, vocab_idx = log_q, None
+    cand = (scores[:, None].double() + lq.double()).reshape(-1)  # [B k]
+    keys = cand if generator is None else cand + gumbel(cand.shape, generator, cand.device)
+    idx = keys.topk(min(width, cand.numel())).indices  # [W']
+    k = lq.shape[-1]
+    parent, col = idx // k, idx % k
+    token = col if vocab_idx is None else vocab_idx[parent, col]
+    return parent, token, cand[idx]
+
+
+@dataclass
+class BeamProposal(Proposal):
+    """A chain proposal with the drafter's log q~ of each proposed token and the final beam scores."""
+
+    draft_logq: torch.Tensor | None = None  # [gamma] float, log q~(x_j | x_<j) of the chosen beam
+    beam_scores: torch.Tensor | None = None  # [W'] joint log q~ of every final beam
+
+
+class MTADGuesser:
+    """A draft LM (the target's vocabulary) that proposes the best of W beam-sampled drafts of gamma tokens."""
+
+    needs_hidden = False
+    top_k = 1
+
+    def __init__(self, draft_model, width: int = 4, gamma: int = 4, label: str = "draft model",
+                 tau_acc: float | None = None):
+        for name, x in (("width", width), ("gamma", gamma)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise UserError(f"{label}: MTAD {name} must be an integer >= 1, got {x!r}")
+        if tau_acc is not None:
+            log_threshold(tau_acc)  # a one-line error for a bad threshold
+        self.draft_model = draft_model.eval()
+        self.width, self.gamma, self.label = width, gamma, label
+        # tau_acc: proposals carry the joint rule with this threshold (None: the run's own rule,
+        # e.g. greedy or lossless verification of beam drafts); walks: D_1..D_gamma per step
+        self.tau_acc = tau_acc
+        self.walks: list[list[float]] = []
+
+    @property
+    def num_distances(self) -> int:
+        return self.gamma
+
+    def check(self, plan, label: str = "plan") -> None:
+        if plan is not None:
+            raise UserError(f"{label}: MTAD drafts a chain of gamma tokens; it takes no plan")
+
+    def begin(self, model, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
+        vocab = model.get_input_embeddings().weight.shape[0]
+        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
+                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        return MTADSession(self, prompt_ids, ctx)
+
+
+class MTADSession:
+    """The drafter's cache holds one row between steps: a prefill of the accepted text it has fed.
+    During drafting it has W rows, one per beam, reordered by parent beam after every selection."""
+
+    def __init__(self, guesser: MTADGuesser, prompt_ids: torch.Tensor, ctx: DecodeContext):
+        self.model, self.width, self.gamma, self.ctx = guesser.draft_model, guesser.width, guesser.gamma, ctx
+        self.tau_acc, self.walks = guesser.tau_acc, guesser.walks
+        self.layout = layout_for(chain_nodes(self.gamma), 1, ctx.dtype, ctx.device)
+        self.max_input_length = self.layout.input_length
+        ids = prompt_ids.reshape(-1)
+        self.cache = prefill(self.model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(self.model)
+        self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
+        self.base = 0  # cache length after the step's first pass (context + unseen + root)
+        self.sampled = ctx.sampling.temperature > 0
+
+    @torch.inference_mode()
+    def propose(self, root: torch.Tensor) -> BeamProposal:
+        s = self.ctx.sampling
+        gen = self.ctx.generator if self.sampled else None
+        log_q = draft_logprobs(self._first_pass(root)[None], s)  # [1, V]
+        scores = torch.zeros(1, dtype=torch.float64, device=root.device)
+        toks = torch.zeros(1, 0, dtype=torch.long, device=root.device)  # [B, t] each beam's tokens
+        lqs = torch.zeros(1, 0, dtype=torch.float64, device=root.device)  # [B, t] their log q~
+        for t in range(self.gamma):
+            parent, token, scores = beam_step(scores, log_q, self.width, gen, s.top_k)
+            toks = torch.cat([toks[parent], token[:, None]], 1)
+            lqs = torch.cat([lqs[parent], log_q[parent, token].double()[:, None]], 1)
+            if t + 1 < self.gamma:  # the last token is never fed: the target scores it
+                self.cache.reorder_cache(parent)  # row b now holds beam b's history
+                log_q = draft_logprobs(self._beam_pass(token, self.base + t), s)  # [B, V]
+        best = int(scores.argmax())
+        # the cache rows are the beams before the last selection: keep the chosen beam's parent row
+        self.cache.reorder_cache(parent[best: best + 1])
+        rule = None if self.tau_acc is None else partial(_joint_rule, draft_logq=lqs[best], tau_acc=self.tau_acc,
+                                                         walks=self.walks)
+        return BeamProposal(self.layout, toks[best], rule=rule, draft_logq=lqs[best], beam_scores=scores)
+
+    def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
+        """The unseen accepted tokens and the root, as a causal chain (one row): the root's logits [V]."""
+        C = self.cache.get_seq_length()
+        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]  # [1, m]
+        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.unseen = []
+        self.base = self.cache.get_seq_length()
+        return out.logits[0, -1]
+
+    def _beam_pass(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """One token per beam row at `position`: logits [B, V]."""
+        pos = torch.full((tokens.numel(), 1), position, dtype=torch.long, device=tokens.device)
+        out = self.model(input_ids=tokens[:, None], position_ids=pos, past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def commit(self, outcome: StepOutcome) -> None:
+        """Keep the accepted draft tokens the drafter has fed (at most gamma - 1); the rest waits as unseen."""
+        a = len(outcome.verdict.nodes) - 1
+        fed = min(a, self.gamma - 1)
+        crop_cache(self.cache, self.base + fed)
+        self.unseen = outcome.verdict.emitted[fed:a]
+
+
+def _empty_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+@dataclass
+class JointVerdict(Verdict):
+    log_ratios: list[float] = field(default_factory=list)  # D_1..D_gamma of the whole draft (the walk)
+
+
+def _joint_rule(logits, tokens, s: Sampling, generator, *, draft_logq, tau_acc, walks: list) -> "JointVerdict":
+    """The joint rule as a proposal's own verification (decoder.guesser.Proposal.rule); every
+    step's walk D_1..D_gamma is kept (the planner replays them), the last step's included."""
+    verdict = verify_joint(logits, tokens, draft_logq, s, tau_acc, generator)
+    walks.append(verdict.log_ratios)
+    return verdict
+
+
+def verify_joint(logits: torch.Tensor, tokens: torch.Tensor, draft_logq: torch.Tensor, s: Sampling, tau_acc: float,
+                 generator=None) -> JointVerdict:
+    """logits [gamma + 1, V] over tokens [root, x_1..x_gamma], draft_logq [gamma] = log q~(x_j).
+
+    P_i - Q_i = sum_{j<=i} D_j with D_j = log p~(x_j | x_<j) - log q~(x_j | x_<j); accept the
+    longest prefix i* with P_i - Q_i >= log tau_acc (i = 0 always passes), emit x_1..x_{i*} and
+    y ~ p~(. | x_{1..i*}) (argmax at temperature 0). One host copy for the walk and the tokens."""
+    g = tokens.numel() - 1
+    log_p = warped_logprobs(logits[:g], s).gather(1, tokens[1:, None])[:, 0]  # [g]
+    D = log_ratios(log_p, draft_logq.to(log_p.device))
+    host = torch.cat([D, tokens[1:].double(), logits.argmax(-1).double()]).tolist()
+    walk, toks, tops = host[:g], [int(t) for t in host[g: 2 * g]], host[2 * g:]
+    i = accepted_length(walk, tau_acc)
+    y = int(tops[i]) if s.temperature <= 0 else int(sample(logits[i], s, generator))
+    dev = tokens.device
+    return JointVerdict(torch.arange(i + 1, device=dev), list(range(i + 1)), toks[:i] + [y],
+                        torch.tensor([y], dtype=torch.long, device=dev), walk)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class MTADOutput(GenerateOutput):
+    walks: list[list[float]] = field(default_factory=list)  # per step: D_1..D_gamma of its draft (-inf allowed)
+    tau_acc: float = 0.0
+
+
+def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int = 128, tau_acc: float = 0.1,
+                  temperature: float = 1.0, top_k: int = 20, top_p: float = 0.9, eos_token_id=None, seed: int = 0,
+                  attention: str = "auto", phase_times: bool = True) -> MTADOutput:
+    """MTAD decoding of one prompt (1-D or [1, T]) through the one decoding loop, the proposals
+    carrying the joint rule; the warp (temperature, top_k, top_p) is used for the target and the
+    drafter alike. tau_acc >= 0 (inf: no draft is ever accepted)."""
+    log_threshold(tau_acc)  # a one-line error for a bad threshold
+    if max_new_tokens < 1:
+        raise UserError("max_new_tokens: expected a positive integer")
+    guesser.check(None)
+    select_attention(model, attention)
+    before, guesser.tau_acc, guesser.walks = guesser.tau_acc, tau_acc, []
+    try:
+        out = decode(model, input_ids, None, guesser, max_new_tokens, Sampling(temperature, top_k, top_p),
+                     eos_token_id=eos_token_id, seed=seed, phase_times=phase_times, label="mtad")
+    finally:
+        guesser.tau_acc = before
+    return MTADOutput(out.tokens, out.steps, out.stats, walks=guesser.walks, tau_acc=tau_acc)
+
+
+# ---------------------------------------------------------------------------------------------- quality
+
+
+@torch.inference_mode()
+def token_logprobs(model, prompt_ids: torch.Tensor, new_ids) -> torch.Tensor:
+    """log p(new_t | prompt, new_<t) [n] under the model's raw distribution (temperature 1, no warp)."""
+    new = torch.as_tensor(new_ids, dtype=torch.long).reshape(-1)
+    n = new.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    dev = model.get_input_embeddings().weight.device
+    ids = torch.cat([torch.as_tensor(prompt_ids).reshape(-1).cpu(), new])[None].to(dev)
+    logits = model(input_ids=ids, logits_to_keep=n + 1).logits[0, :-1]  # [n, V] predicting each new token
+    return logits.double().log_softmax(-1).gather(1, new.to(dev)[:, None])[:, 0].cpu()
+
+
+def perplexity(model, prompts, outputs) -> float | None:
+    """exp(-sum log p / tokens), pooled over all sequences (token-weighted), under the model's raw
+    distribution. Not under the warped p~: a token outside the warped support (tau_acc = 0 can
+    emit one) would make it infinite. None when there are no tokens."""
+    total, count = 0.0, 0
+    for prompt, out in zip(prompts, outputs):
+        lp = token_logprobs(model, prompt, out)
+        total += float(lp.sum())
+        count += lp.numel()
+    return math.exp(-total / count) if count else None
+
+
+def distinct_n(sequences, n: int) -> float | None:
+    """Distinct-n within each text: sum_i |unique n-grams of i| / sum_i |n-grams of i| (repetition
+    loops lower it; cross-prompt overlap does not count). None when no text has n tokens."""
+    unique = total = 0
+    for seq in sequences:
+        seq = [int(t) for t in seq]
+        grams = [tuple(seq[i: i + n]) for i in range(len(seq) - n + 1)]
+        unique += len(set(grams))
+        total += len(grams)
+    return unique / total if total else None
+
+
+@dataclass
+class TextQuality:
+    perplexity: float | None  # under the target, raw distribution
+    draft_perplexity: float | None  # under the drafter, when given
+    distinct: dict[str, float | None]  # distinct-1, -2, -3
+    tokens: int
+
+    def to_json(self) -> dict:
+        return {"perplexity": self.perplexity, "draft_perplexity": self.draft_perplexity, **self.distinct,
+                "tokens": self.tokens}
+
+
+def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
+    """Quality figures of produced texts `outputs` (token lists) after `prompts`; compute them over
+    the same prompts for every method so they compare."""
+    outputs = [list(map(int, o)) for o in outputs]
+    return TextQuality(perplexity(target, prompts, outputs),
+                       perplexity(draft, prompts, outputs) if draft is not None else None,
+                       {f"distinct_{n}": distinct_n(outputs, n) for n in (1, 2, 3)}, sum(map(len, outputs)))
