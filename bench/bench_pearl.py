@@ -28,7 +28,6 @@ import platform
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from decoder.pearl import set_thread_count  # noqa: E402
 from planner.errors import UserError  # noqa: E402
 
 METHODS = ("plain", "sd", "pearl", "pearl_serial")
@@ -88,95 +86,8 @@ def _setup(args):
     return loaded.model, _drafter(args.draft, loaded.model), encode_prompts(tok, texts), f"smollm2-135m / {args.draft}"
 
 
-# ---------------------------------------------------------------------------------------------- per-forward timing
-
-
-@torch.inference_mode()
-def _forward_s(model, context: torch.Tensor, n: int, threads: int, repeats: int) -> float:
-    """Median seconds of one forward over n new tokens after `context`, at `threads` (in this thread)."""
-    from decoder.cache import crop_cache
-    from decoder.forward import prefill
-
-    set_thread_count(threads)
-    cache = prefill(model, context[None]).cache
-    C = context.numel()
-    x = torch.randint(3, model.config.vocab_size - 1, (1, n))
-    pos = torch.arange(C, C + n)[None]
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
-        if i:  # the first is a warm-up
-            times.append(time.perf_counter() - t0)
-        crop_cache(cache, C)
-    return statistics.median(times)
-
-
-def _latencies(target, draft, context, lengths, split, total: int, repeats: int) -> dict:
-    """L(n) and t_d at the split and at all threads; the split's sides each run in a thread of their own."""
-    with ThreadPoolExecutor(1) as pool:  # the drafter's numbers come from a worker thread, as in PEARL
-        t_d = pool.submit(_forward_s, draft, context, 1, split[1], repeats).result()
-    out = {"split": list(split), "total_threads": total,
-           "L_split_s": {n: _forward_s(target, context, n, split[0], repeats) for n in lengths},
-           "t_draft_split_s": t_d,
-           "L_full_s": {n: _forward_s(target, context, n, total, repeats) for n in lengths},
-           "t_draft_full_s": _forward_s(draft, context, 1, total, repeats)}
-    out["c"] = out["L_split_s"][1] / t_d
-    torch.set_num_threads(total)
-    return out
-
-
-@torch.inference_mode()
-def _job(model, cache, n_tokens: int, passes: int, threads: int, start=None) -> tuple[float, float]:
-    """`passes` forwards of n_tokens each after the prefilled `cache`, cropped back after; (start, end).
-    start: a threading.Barrier both sides pass first, so that neither times the other's setup."""
-    from decoder.cache import crop_cache
-
-    set_thread_count(threads)
-    C = cache.get_seq_length()
-    xs = torch.randint(3, model.config.vocab_size - 1, (passes, 1, n_tokens))
-    if start is not None:
-        start.wait()
-    t0 = time.perf_counter()
-    for i in range(passes):
-        model(input_ids=xs[i], position_ids=torch.arange(C, C + n_tokens)[None] + i * n_tokens, past_key_values=cache,
-              use_cache=True)
-    t1 = time.perf_counter()
-    crop_cache(cache, C)
-    return t0, t1
-
-
-def _split_check(target, draft, context, gamma: int, split, repeats: int) -> dict:
-    """The target's gamma-token forward (caller's thread) and the drafter's gamma forwards (worker):
-    alone, one after the other, and at the same time. A real split: together ~ max(alone)."""
-    import threading
-
-    from decoder.forward import prefill
-
-    tcache, dcache = prefill(target, context[None]).cache, prefill(draft, context[None]).cache
-    rows = {"target": [], "draft": [], "serial": [], "together": []}
-    with ThreadPoolExecutor(1) as pool:
-        draft_job = lambda b=None: _job(draft, dcache, 1, gamma, split[1], b)  # noqa: E731
-        target_job = lambda b=None: _job(target, tcache, gamma, 1, split[0], b)  # noqa: E731
-        pool.submit(draft_job).result(), target_job()  # warm-up
-        for _ in range(repeats):
-            t, d = target_job(), pool.submit(draft_job).result()
-            rows["target"].append(t[1] - t[0])
-            rows["draft"].append(d[1] - d[0])
-            rows["serial"].append(t[1] - t[0] + d[1] - d[0])
-            barrier = threading.Barrier(2)
-            f = pool.submit(draft_job, barrier)
-            t = target_job(barrier)
-            d = f.result()
-            rows["together"].append(max(t[1], d[1]) - min(t[0], d[0]))
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    from planner.pearl import eta_from_times
-
-    med["eta"] = eta_from_times(med["target"], med["draft"], med["together"])
-    med["together_over_serial"] = med["together"] / med["serial"]
-    med["gamma"] = gamma
-    return med
-
+from profiler.overlap import side_latencies as _latencies  # noqa: E402
+from profiler.overlap import split_check as _split_check  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- decoding
 

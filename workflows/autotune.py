@@ -76,6 +76,7 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guessers, ma
     from tqdm import tqdm
 
     from decoder import generate, generate_plain
+    from decoder.pearl import generate_pearl
 
     w = model.get_input_embeddings().weight
     times = [[[] for _ in prompts] for _ in plans]
@@ -91,6 +92,9 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guessers, ma
                 t0 = time.perf_counter()
                 if plans[i] is None:
                     out = generate_plain(model, ids, max_new_tokens=max_new_tokens, phase_times=False)
+                elif plans[i].guesser == "pearl":  # its own two-job loop, the draft LM as drafter
+                    out = generate_pearl(model, guessers["draft"].draft_model, ids, gamma=plans[i].size,
+                                         max_new_tokens=max_new_tokens, threads=PEARL_SPLIT)
                 else:
                     g = guessers[plans[i].guesser] if isinstance(guessers, dict) else guessers
                     out = generate(model, ids, plan=plans[i].tree, guesser=g, max_new_tokens=max_new_tokens,
@@ -100,7 +104,7 @@ def measure_decoding(model, prompts, plans: list[Candidate | None], guessers, ma
                     results[i]["tokens"] += int(out.tokens.numel())
                     results[i]["steps"] += int(out.steps)
                     results[i]["outputs"].append(out.tokens.cpu())
-                    results[i]["states"] += [st for st in out.stats.states if st >= 0]  # -1: bootstrap step
+                    results[i]["states"] += [st for st in getattr(out.stats, "states", []) if st >= 0]  # -1: bootstrap
                 bar.update()
     bar.close()
     for i, res in enumerate(results):
@@ -165,9 +169,13 @@ def autotune(s: AutotuneSettings) -> dict:
     profile_path, profile = _profile_phase(run)
     accepts = _acceptance_phase(run, accept_ids)
     candidates = _plan_phase(run, accepts, profile)
+    pearl = _pearl_phase(run, accepts, profile, accept_ids[0]) if "draft" in run.guessers else None
+    candidates += pearl["candidates"] if pearl else []
     chosen, tried = pick(candidates, s.neighbours, s.sweep)
     plain, identical = _decode_phase(run, decode_ids, tried)
     summary = _write_phase(run, chosen, tried, plain, identical, profile_path, accepts)
+    if pearl:
+        summary["pearl"] = {k: v for k, v in pearl.items() if k != "candidates"}
     summary["wall_s"] = time.time() - t_start
     atomic_write_json(run.out_dir / "summary.json", summary)
     run.say(format_table(summary))
@@ -285,6 +293,31 @@ def _plan_phase(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candi
     return candidates
 
 
+PEARL_SPLIT = (1, 1)  # target threads, drafter threads: the two cores of this machine, one each
+
+
+def _pearl_phase(run: _Run, accepts: dict, profile: LatencyProfile, context) -> dict:
+    """PEARL needs each side's latency at its share of the cores and how much the two really
+    overlap (eta): both measured here, then one candidate per gamma (workflows.candidates)."""
+    import torch
+
+    from planner.cost import plain_step
+    from profiler.overlap import side_latencies, split_check
+    from workflows.candidates import pearl_candidates
+
+    total = torch.get_num_threads()
+    split = PEARL_SPLIT if total >= 2 else (1, 1)
+    draft = run.guessers["draft"].draft_model
+    run.say(f"[3/5] PEARL: target and draft LM at threads {split} and {total}, and their overlap")
+    ctx = context.to(run.model.device)
+    lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=5)
+    check = split_check(run.model, draft, ctx, 4, split, repeats=3)
+    torch.set_num_threads(total)
+    eta = max(0.0, min(1.0, check["eta"]))
+    cands = pearl_candidates(accepts["draft"][1], lat, eta, plain_step(profile))
+    return {"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta}
+
+
 def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate]) -> tuple[dict, bool]:
     """Plain decoding and every plan tried, interleaved; every output must equal plain greedy decoding
     (in bf16 a difference at a near tie of the target's top two logits is reported apart: profiler.compare)."""
@@ -316,12 +349,12 @@ def _step_lengths(run: _Run, tried: list[Candidate]) -> set[int]:
     w = run.model.get_input_embeddings().weight
     lengths = {1}
     for c in tried:
-        g = run.guessers[c.guesser]
         if c.guesser == "ppd":
-            layouts = g.layouts(c.tree, w.dtype, w.device)
+            layouts = run.guessers["ppd"].layouts(c.tree, w.dtype, w.device)
             lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
         else:
             lengths.add(1 + len(c.tree.states[0].nodes))
+            lengths.add(c.size)  # PEARL's post-verify forward
     return lengths
 
 
@@ -340,6 +373,11 @@ def _row(c: Candidate, path: Path) -> dict:
     }
 
 
+def _measured_as(kind: str) -> str:
+    """The guesser whose acceptance and files a candidate uses (PEARL drafts with the draft LM)."""
+    return "draft" if kind == "pearl" else kind
+
+
 def _write_phase(run: _Run, chosen: Candidate, tried: list[Candidate], plain: dict, identical: bool,
                  profile_path: Path, accepts: dict) -> dict:
     """Every tried tree into the run folder, the chosen one into trees/, and the summary."""
@@ -349,9 +387,9 @@ def _write_phase(run: _Run, chosen: Candidate, tried: list[Candidate], plain: di
     rows = []
     for c in tried:
         name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
-        c.tree.provenance.update({"accept": _shown(accepts[c.guesser][0]), "profile": _shown(profile_path),
-                                  "autotune": _shown(run.out_dir), "guesser_dir": _shown(run.guessers[c.guesser].source_dir)
-                                  if run.guessers[c.guesser].source_dir else None})
+        g = run.guessers[_measured_as(c.guesser)]
+        c.tree.provenance.update({"accept": _shown(accepts[_measured_as(c.guesser)][0]), "profile": _shown(profile_path),
+                                  "autotune": _shown(run.out_dir), "guesser_dir": _shown(g.source_dir) if g.source_dir else None})
         save_tree(c.tree, run.out_dir / "trees" / name)
         rows.append(_row(c, run.out_dir / "trees" / name) | {"chosen": c is chosen})
     chosen_path = Path(s.trees_dir) / f"autotune-{run.device}-{run.loaded.name}.json"

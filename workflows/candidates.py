@@ -131,3 +131,29 @@ def pick(candidates: list[Candidate], neighbours: int, sweep: int = 8) -> tuple[
     tried = list({id(c): c for c in chosen_and_near + sweep + others}.values())
     tried.sort(key=lambda c: ((c.guesser, c.method) != (best.guesser, best.method), c.guesser, c.method, c.size))
     return best, tried
+
+
+def pearl_candidates(accept: Acceptance, latencies: dict, eta: float, plain_s: float,
+                     gammas=range(2, 7)) -> list[Candidate]:
+    """PEARL with the draft LM, one candidate per gamma: the two-state chain's tokens per round and
+    round time (planner.pearl) with each side's latency at the thread count it really gets and the
+    measured overlap eta. The candidate's tree is the chain of gamma (what the drafter drafts)."""
+    import numpy as np
+
+    from planner.pearl import alpha_from_acceptance, predict_pearl
+
+    n = sorted(latencies["L_split_s"])
+    split = LatencyProfile(np.array(n), np.maximum.accumulate(np.array([latencies["L_split_s"][k] for k in n])))
+    alpha = alpha_from_acceptance(accept)
+    out = []
+    for g in gammas:
+        if g > split.max_input_length:
+            break
+        p = predict_pearl(alpha, g, latencies["t_draft_split_s"], split, eta, plain_s)
+        tree = chain_tree(accept, g)
+        tree.settings = dict(tree.settings, guesser="pearl", pearl={"gamma": g, "alpha": alpha, "eta": eta,
+                                                                     "pi_a": p.pi_a, "round_s": p.round_s})
+        tree.predicted_speedup = p.speedup
+        out.append(Candidate("pearl", tree, g, float(g), p.tokens_per_round, p.speedup, "overlapped", "pearl",
+                             Guessing(draft_s=latencies["t_draft_split_s"])))
+    return out

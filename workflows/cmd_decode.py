@@ -124,6 +124,7 @@ def run(args) -> int:
     from planner.tree import load_tree
 
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
+    tree = _follow_recorded_pearl(args, tree)
     args.guesser = args.guesser or _recorded_guesser(tree) or "ppd"
     if tree is None and parse_guesser(args.guesser)[0] == "ppd":
         raise UserError("--plan: needed with --guesser ppd (plan one with `planner plan ppd` or take trees/autotune-*.json)")
@@ -222,6 +223,18 @@ def _pearl_summary(results: list[dict]) -> dict:
     return {"rounds": rounds, "mode_a": sum(r["stats"]["summary"]["mode_a"] for r in results),
             "mode_b": sum(r["stats"]["summary"]["mode_b"] for r in results),
             "mean_tokens_per_round": tokens / rounds if rounds else 0.0}
+
+
+def _follow_recorded_pearl(args, tree):
+    """A plan autotune chose for PEARL (its tree is the draft chain): decode it with --pearl and
+    its gamma, the draft LM it was measured with; the chain itself is not a plan PEARL takes."""
+    if tree is None or tree.settings.get("guesser") != "pearl" or args.guesser is not None:
+        return tree
+    where = tree.provenance.get("guesser_dir")
+    args.guesser = f"draft:{where}" if isinstance(where, str) else "draft"
+    args.pearl, args.gamma, args.plan = True, int(tree.settings["pearl"]["gamma"]), None
+    _check_pearl(args)
+    return None
 
 
 def _recorded_guesser(tree) -> str | None:
