@@ -10,6 +10,7 @@ training.json (settings, per-distance top-1/top-5, cost).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -143,6 +144,7 @@ def run(args) -> int:
     tp.write_acceptance(args.out / "accept_heldout.json", pooled,
                         f"planner train-prompts, held-out {'+'.join(report)} text, greedy targets, teacher-forced context")
     summary = {
+        "command": "planner " + " ".join(sys.argv[1:]),
         "model": model_name,
         "model_config_hash": model_hash,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
