@@ -116,15 +116,15 @@ def run(args) -> int:
     print(f"target {loaded.name}; {train_w.shape[0]} training windows, {val_w.shape[0]} held-out, {args.seq_len} tokens",
           file=sys.stderr)
     t0 = time.time()
-    hidden = args.kind == "parallelspec"
-    tr = teacher.teacher_data(target, train_w, k=args.teacher_top_k, hidden=hidden, progress=not args.no_progress)
-    va = teacher.teacher_data(target, val_w, k=args.teacher_top_k, hidden=hidden, progress=not args.no_progress)
+    # features too, for either kind: both drafters then share one cached pass of the target
+    tr = teacher.teacher_data(target, train_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
+    va = teacher.teacher_data(target, val_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
     teacher_s = time.time() - t0
     head = teacher.frequent_vocab(tr, args.head_vocab) if args.head_vocab else None
     cfg = drafters.DrafterConfig(steps=args.steps, batch_size=args.batch_size, groups=args.groups, lr=args.lr,
                                  feature_weight=args.feature_weight, seed=args.seed, ckpt_every=args.ckpt_every)
     drafters.check_config(cfg)
-    train_one = _train_parallel if hidden else _train_draft_lm
+    train_one = _train_parallel if args.kind == "parallelspec" else _train_draft_lm
     result, evaluation, save = train_one(args, target, tr, va, head, cfg)
     if result.interrupted:
         print(f"planner train-drafter: interrupted at step {result.step}; checkpoint in {args.out} (use --resume)",
