@@ -255,3 +255,57 @@ def measure_transitions(model, prompts: list[torch.Tensor], plan: Tree, guesser,
         model_pi = np.array([by_state[s].stationary_probability for s in states], dtype=np.float64)
     expected = np.array([by_state[s].expected_tokens for s in states], dtype=np.float64)
     return Transitions(states, counts, visits, tokens, model_m, model_pi, expected)
+
+
+# ---------------------------------------------------------------------------------------------- sampled drafts
+
+
+def sibling_acceptance(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, generator) -> np.ndarray:
+    """P(the r-th child is the one accepted), r < width, when `width` children are drawn from q
+    without replacement and verified by the lossless rule (min(1, p/q), residual, q loses each
+    rejected token): the acceptance vector Sequoia plans sampled-draft trees with. Monte Carlo
+    with `samples` runs of the sibling procedure at one position (p, q [V], float64)."""
+    from decoder.verify import residual, without
+
+    hits = np.zeros(width)
+    for _ in range(samples):
+        pp, qq = p, q
+        for r in range(width):
+            x = int(torch.multinomial(qq, 1, generator=generator))
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, float(pp[x] / qq[x])):
+                hits[r] += 1
+                break
+            pp, qq = residual(pp, qq), without(qq, x)
+    return hits / samples
+
+
+@torch.inference_mode()
+def measure_sampled_acceptance(model, draft_model, prompts: list[torch.Tensor], temperature: float,
+                               max_new_tokens: int = 64, width: int = 4, samples: int = 32, seed: int = 0,
+                               progress: bool = False) -> dict:
+    """The positional acceptance vector of a draft LM's sampled children at `temperature`: the
+    target samples each prompt's continuation; at every position of it the target's p and the
+    drafter's q (both at the temperature, the drafter's as decoder.draft samples it) give the
+    sibling procedure's acceptance per rank (`sibling_acceptance`), averaged over positions."""
+    from tqdm import tqdm
+
+    from decoder import generate_plain
+    from decoder.verify import Sampling, probabilities
+
+    s = Sampling(temperature)
+    gen = torch.Generator().manual_seed(seed)
+    total, n = np.zeros(width), 0
+    for ids in tqdm(prompts, desc="sampled acceptance", unit="prompt", disable=not progress):
+        out = generate_plain(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        seq = torch.cat([ids.cpu(), out.tokens])[None].to(ids.device)
+        T = ids.numel()
+        p = probabilities(model(input_ids=seq).logits[0, T - 1: -1], s).double().cpu()  # [new, V]
+        q = torch.softmax(draft_model(input_ids=seq).logits[0, T - 1: -1].double() / temperature, -1).cpu()
+        for i in range(p.shape[0]):
+            total += sibling_acceptance(p[i], q[i], width, samples, gen)
+            n += 1
+    if n == 0:
+        raise UserError("measure_sampled_acceptance: no position decoded")
+    return {"positional": (total / n).tolist(), "temperature": temperature, "positions": n, "prompts": len(prompts),
+            "samples_per_position": samples, "conditional": False,
+            "source": "profiler.acceptance.measure_sampled_acceptance (target sampling, sibling procedure per position)"}

@@ -24,10 +24,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="TREE",
                    help="also decode with this plan and record its state transitions next to its Markov model")
     p.add_argument("--transitions-output", default=None, metavar="FILE", help="where to write the transitions JSON")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0, with --guesser draft: the acceptance vector of sampled children at this temperature "
+                        "(what sequoia trees for lossless sampling are planned with), instead of greedy top-k")
+    p.add_argument("--width", type=int, default=4, help="with --temperature: sampled children per node measured")
+    p.add_argument("--samples", type=int, default=32, help="with --temperature: sibling procedures simulated per position")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
 
 
+def _sampled(args) -> int:
+    """Sampled children of a draft LM: the positional acceptance vector at --temperature."""
+    import math
+    import time
+
+    from planner.accept import from_entry
+    from planner.jsonio import atomic_write_json
+    from profiler.acceptance import measure_accuracy, measure_sampled_acceptance
+
+    if not (math.isfinite(args.temperature) and args.temperature > 0) or not 1 <= args.width <= 64 \
+            or not 1 <= args.samples <= 10000:
+        raise UserError("--temperature > 0, --width in 1..64, --samples in 1..10000")
+    texts = read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
+    loaded, tokenizer, guesser = load_everything(args)
+    if not hasattr(guesser, "draft_model"):
+        raise UserError("--temperature: sampled acceptance is measured for --guesser draft[:DIR] (sampled children)")
+    prompts = encode(tokenizer, texts, loaded.model.get_input_embeddings().weight.shape[0])
+    t0 = time.time()
+    acc = measure_sampled_acceptance(loaded.model, guesser.draft_model, prompts, args.temperature, args.max_new_tokens,
+                                     args.width, args.samples, progress=not args.no_progress)
+    timing = measure_accuracy(loaded.model, guesser, prompts[:1], max_new_tokens=16, allow_empty=True)  # pass time
+    acc.update({"model": loaded.name, "guesser": dict(timing["guesser"], dir=guesser.source_dir),
+                "wall_s": time.time() - t0})
+    from_entry({"positional": acc["positional"]}, label=args.output)
+    atomic_write_json(args.output, acc)
+    print(f"sampled-child acceptance per rank {[round(x, 3) for x in acc['positional']]} at temperature "
+          f"{args.temperature} over {acc['positions']} positions; wrote {args.output}")
+    return 0
+
+
 def run(args) -> int:
+    if args.temperature != 0:
+        return _sampled(args)
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
     if args.plan and not args.transitions_output:
