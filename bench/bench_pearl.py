@@ -197,6 +197,38 @@ def _predict(med: dict, lat: dict, split_check: dict, gammas, accept_alpha) -> d
             "c": choice.c, "measured_best_gamma": best}
 
 
+def _weight_bytes_per_token(model, shared_with=None) -> int:
+    """Parameter bytes a one-token forward reads: every matrix but the input embedding (a row lookup);
+    a drafter's shared LM head counts once for it, as it reads the head on every pass."""
+    seen, total = set(), 0
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    for prm in model.parameters():
+        if id(prm) in seen or (prm is emb and prm is not head):
+            continue
+        seen.add(id(prm))
+        total += prm.numel() * prm.element_size()
+    return total
+
+
+def _gpu_estimate(target, draft, alpha: float, gammas) -> dict:
+    """What the planning model predicts where decoding is memory-bound (a GPU at batch 1): a forward's
+    time is its weight bytes, so L(n) = L(1) for these few tokens, t_d / L(1) is the bytes ratio, and the
+    two sides overlap fully (eta = 1: two GPUs as in the paper, or two streams). An estimate from the
+    model sizes, not a measurement: scripts/gpu_measure.sh measures it where a GPU is lent."""
+    from planner.pearl import choose_gamma, predict_sd
+    from planner.profile import LatencyProfile
+
+    b_target, b_draft = _weight_bytes_per_token(target), _weight_bytes_per_token(draft)
+    t_d = b_draft / b_target  # in units of L(1)
+    flat = LatencyProfile(np.arange(1, max(gammas) + 2), np.ones(max(gammas) + 1))
+    choice = choose_gamma(alpha, t_d, flat, 1.0, gammas, 1.0)
+    rows = [{"gamma": p.gamma, "pearl_speedup": p.speedup, "sd_speedup": predict_sd(alpha, p.gamma, t_d, flat, 1.0).speedup,
+             "tokens_per_round": p.tokens_per_round} for p in choice.predictions]
+    return {"target_weight_bytes": b_target, "draft_weight_bytes": b_draft, "c": 1.0 / t_d, "alpha": alpha,
+            "planner_gamma": choice.gamma, "paper_gamma": choice.paper_gamma, "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------- outputs
 
 
@@ -267,7 +299,17 @@ def _markdown(doc: dict) -> str:
               f"{doc['all_identical']}.",
               f"gamma: planner {pr['planner_gamma']}, paper round(c) {pr['paper_gamma']}, measured best "
               f"{pr['measured_best_gamma']} (alpha pooled {pr['alpha_pooled']:.3f}, from {doc['alpha_source']}).",
-              "", "![timeline](pearl.png)", "", f"Wall time {doc['wall_s']:.0f} s."]
+              "", "![timeline](pearl.png)", ""]
+    g = doc.get("gpu_estimate")
+    if g:
+        lines += [f"Memory-bound estimate (a GPU at batch 1; not measured): forward time = weight bytes read, "
+                  f"c = {g['c']:.2f} (target {g['target_weight_bytes'] / 1e6:.0f} MB, drafter "
+                  f"{g['draft_weight_bytes'] / 1e6:.0f} MB per pass), L(n) flat, eta = 1, alpha {g['alpha']:.3f}: "
+                  f"planner gamma {g['planner_gamma']}, paper round(c) {g['paper_gamma']}.", "",
+                  "| gamma | PEARL speedup (est.) | SD speedup (est.) |", "|---|---|---|"]
+        lines += [f"| {r['gamma']} | {r['pearl_speedup']:.2f}x | {r['sd_speedup']:.2f}x |" for r in g["rows"]]
+        lines.append("")
+    lines.append(f"Wall time {doc['wall_s']:.0f} s.")
     return "\n".join(lines) + "\n"
 
 
@@ -297,6 +339,7 @@ def run(args) -> dict:
            "plain_tokens_per_s": med[("plain", 0)]["tokens_per_s"], "prediction": pred, "alpha_source": source,
            "all_identical": all(r["identical_to_plain"] for r in runs),
            "runs": [{k: v for k, v in r.items() if k != "ids"} for r in runs], "timeline": timeline,
+           "gpu_estimate": _gpu_estimate(target, draft, pred["alpha_pooled"], args.gammas),
            "load_avg_end": round(os.getloadavg()[0], 2), "wall_s": time.time() - t_start}
     atomic_write_json(out / "pearl.json", doc)
     atomic_write_bytes(out / "pearl.md", _markdown(doc).encode())
