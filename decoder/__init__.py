@@ -5,7 +5,8 @@
 Layout: `loop` (the step loop: propose, score, verify, commit), `guesser` (the guesser protocol
 and per-distance guessers), `prompt_tokens` (PPD), `oracle`, `layout` (step input layouts),
 `forward` (the target's tree forward pass), `verify` (verification rules), `cache` (KV
-bookkeeping), `attention` (the adapter to the Triton kernels in `kernels/`).
+bookkeeping), `attention` (the adapter to the Triton kernels in `kernels/`); the drafters `draft`,
+`parallel`, `lookup`; `pearl`, `mtad` and `batch` around the loop.
 Names are imported lazily so that importing `decoder` costs nothing until a name is used.
 """
 import importlib
@@ -23,6 +24,7 @@ _EXPORTS = {
     "OracleGuesser": "decoder.oracle",
     "DraftModelGuesser": "decoder.draft",
     "PromptLookupGuesser": "decoder.lookup",
+    "ParallelDrafter": "decoder.parallel",
     "MTADGuesser": "decoder.mtad",
     "generate_mtad": "decoder.mtad",
     "generate_pearl": "decoder.pearl",

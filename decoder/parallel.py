@@ -103,8 +103,16 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
         """Head logits [..., V'] over the restricted vocabulary (head_ids), or all [..., V] with full."""
         w = self.target[1].weight
         if self.head_ids.numel() and not full:
-            w = w[self.head_ids]
+            w = self._restricted_head(w)
         return hidden.to(w.dtype) @ w.T
+
+    def _restricted_head(self, w: torch.Tensor) -> torch.Tensor:
+        """The head's rows for head_ids [V', H], gathered once per weight version: gathering on every pass
+        would copy as many bytes as the restricted matmul reads, halving what the restriction saves."""
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self.head_ids.data_ptr())
+        if getattr(self, "_head_key", None) != key:
+            self._head_w, self._head_key = w.detach()[self.head_ids].contiguous(), key
+        return self._head_w
 
     def token_ids(self, ranks: torch.Tensor, full: bool = False) -> torch.Tensor:
         """Head positions -> vocabulary ids (the full head's positions are the ids)."""

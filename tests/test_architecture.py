@@ -168,3 +168,13 @@ def test_one_compact_cache_and_one_oracle():
             if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in ("compact_cache", "OracleGuesser", "_DepthOracle"):
                 defs.setdefault(n.name, []).append(mod)
     assert defs == {"compact_cache": ["decoder.cache"], "OracleGuesser": ["decoder.oracle"]}
+
+
+def test_every_public_decoder_name_resolves():
+    """The names the issues and the README promise (`from decoder import X`) exist."""
+    import decoder
+
+    for name in decoder.__all__:
+        assert getattr(decoder, name) is not None, name
+    for name in ("DraftModelGuesser", "ParallelDrafter", "PromptLookupGuesser", "PromptTokens", "generate"):
+        assert name in decoder.__all__

@@ -34,3 +34,14 @@ def test_bench_batch_smoke(tmp_path):
                                                                             for b in (1, 2)}
     assert all(row["identical_to_single_greedy"] for row in result["rows"])
     assert (tmp_path / "batch.md").is_file()
+
+
+def test_bench_drafters_smoke(tmp_path):
+    """Every drafter decodes through the benchmark on a tiny model, identical to plain greedy decoding."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_drafters.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((tmp_path / "drafters.json").read_text())
+    assert [row["guesser"] for row in result["rows"]] == ["plain", "parallelspec", "parallelspec (full head)",
+                                                          "chain", "draft LM", "lookup"]
+    assert all(row["identical"] for row in result["rows"])

@@ -159,3 +159,20 @@ def test_teacher_subset_and_restricted_targets():
     d = TeacherData(torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, 2, dtype=torch.int32),
                     torch.zeros(3, 4, 2, dtype=torch.float16), None)
     assert len(d.subset(torch.tensor([0, 2]))) == 2
+
+
+def test_restricted_head_is_the_full_heads_columns_and_follows_the_weights(target):
+    """The gathered head rows are cached: they must equal the full head's columns, and be gathered
+    again when the target's head changes in place."""
+    ids = torch.tensor([5, 1, 7, 3])
+    d = ParallelDrafter(arch_of(target.config), num_masks=2, head_ids=ids).attach(target)
+    h = torch.randn(2, 3, target.config.hidden_size)
+    assert torch.allclose(d.logits(h), d.logits(h, full=True)[..., ids])
+    assert torch.equal(d.token_ids(torch.tensor([0, 2])), torch.tensor([5, 7]))
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(2.0)
+    try:
+        assert torch.allclose(d.logits(h), d.logits(h, full=True)[..., ids])
+    finally:
+        with torch.no_grad():
+            target.get_output_embeddings().weight.div_(2.0)  # the fixture is shared

@@ -1,0 +1,179 @@
+"""What a guess costs: every drafter shipped for SmolLM2, decoding held-out prompts as a chain, with the
+per-step split into the target's forward pass and the guesser's work, against plain decoding in the
+same run. The ParallelSpec drafter runs twice, with its restricted LM head (the shipped one) and
+with the full 49,152-token head, to measure what the restriction saves.
+
+    python bench/bench_drafters.py                    # SmolLM2-135M and its shipped drafters
+    python bench/bench_drafters.py --smoke            # a tiny random model, seconds
+
+Runs are interleaved in shuffled order over --rounds after a warm-up; medians per guesser over
+prompts and rounds. Every output is checked against plain greedy decoding.
+Writes bench/results/drafters.{json,md} (--out) with the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from planner.errors import UserError  # noqa: E402
+
+
+def _machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _guessers(target, smoke: bool) -> dict:
+    """name -> a guesser factory (each decode gets a fresh guesser object where it keeps state)."""
+    from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
+    from decoder.draft import build_draft_lm, load_draft_model
+    from decoder.parallel import arch_of
+
+    if smoke:
+        ps = ParallelDrafter(arch_of(target.config), num_masks=2, top_k=4,
+                             head_ids=torch.arange(0, target.config.vocab_size, 2))
+        draft = build_draft_lm(target, 1)
+    else:
+        from workflows.inputs import shipped
+
+        ps = ParallelDrafter.load(str(shipped("smollm2-135m", "parallelspec")))
+        draft = load_draft_model(str(shipped("smollm2-135m", "draft_lm")), target)
+    full = ParallelDrafter(ps.arch, ps.num_masks, None, ps.top_k, "parallel", ps.meta)
+    full.load_state_dict(ps.state_dict())
+    chain = ParallelDrafter(ps.arch, ps.num_masks, ps.head_ids, ps.top_k, "chain", ps.meta)
+    chain.load_state_dict(ps.state_dict())
+    return {"parallelspec": lambda: ps, "parallelspec (full head)": lambda: full, "chain": lambda: chain,
+            "draft LM": lambda: DraftModelGuesser(draft, top_k=1, depth=4), "lookup": lambda: PromptLookupGuesser()}
+
+
+def _setup(args):
+    from profiler.models import load_model
+
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        loaded = load_model("tiny", device="cpu")
+        g = torch.Generator().manual_seed(0)
+        return loaded.model, [torch.randint(1, 1000, (int(t),), generator=g) for t in (7, 11)], "tiny (random)"
+    from transformers import AutoTokenizer
+
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+
+    loaded = load_model(args.model, device="cpu", dtype="fp32")
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 1, args.num_prompts)
+    return loaded.model, encode_prompts(tok, texts), loaded.name
+
+
+def _decode(target, ids, name: str, make, tokens: int):
+    from decoder import generate, generate_plain
+
+    if name == "plain":
+        return generate_plain(target, ids, max_new_tokens=tokens)
+    return generate(target, ids, None, make(), max_new_tokens=tokens)
+
+
+def _row(out, plain_tokens) -> dict:
+    t = out.stats.times
+    return {"tokens": len(out.tokens), "steps": out.steps, "total_s": out.stats.summary()["total_s"],
+            "forward_ms": 1e3 * statistics.median(t["forward"]),
+            # the session's propose (timed with the step's input preparation) and its commit
+            "guess_ms": 1e3 * statistics.median(a + b for a, b in zip(t["prepare"], t["guess"])),
+            "identical": torch.equal(out.tokens, plain_tokens)}
+
+
+def run(args) -> dict:
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    t0 = time.time()
+    target, prompts, label = _setup(args)
+    machine = _machine()
+    makers = _guessers(target, args.smoke)
+    names = ["plain", *makers]
+    plain = [_decode(target, ids, "plain", None, args.tokens).tokens for ids in prompts]
+    for name in names:  # warm-up: every shape once
+        _decode(target, prompts[0], name, makers.get(name), min(args.tokens, 16))
+    rng = random.Random(0)
+    runs = {n: [] for n in names}
+    for r in range(args.rounds):
+        jobs = [(n, i) for n in names for i in range(len(prompts))]
+        rng.shuffle(jobs)
+        for done, (n, i) in enumerate(jobs, 1):
+            runs[n].append(_row(_decode(target, prompts[i], n, makers.get(n), args.tokens), plain[i]))
+            print(f"\rround {r + 1}/{args.rounds}: {done}/{len(jobs)}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    rows = []
+    plain_tps = sum(x["tokens"] for x in runs["plain"]) / sum(x["total_s"] for x in runs["plain"])
+    for n in names:
+        xs = runs[n]
+        tps = sum(x["tokens"] for x in xs) / sum(x["total_s"] for x in xs)
+        fwd, guess = statistics.median(x["forward_ms"] for x in xs), statistics.median(x["guess_ms"] for x in xs)
+        rows.append({"guesser": n, "tokens_per_step": sum(x["tokens"] for x in xs) / sum(x["steps"] for x in xs),
+                     "forward_ms": fwd, "guess_ms": guess, "guess_over_forward": guess / fwd,
+                     "tokens_per_s": tps, "speedup": tps / plain_tps, "identical": all(x["identical"] for x in xs)})
+    doc = {"machine": machine, "model": label, "prompts": len(prompts), "tokens": args.tokens, "rounds": args.rounds,
+           "rows": rows, "load_avg_end": round(os.getloadavg()[0], 2), "wall_s": time.time() - t0}
+    if args.out:
+        out = Path(args.out)
+        atomic_write_json(out / "drafters.json", doc)
+        atomic_write_bytes(out / "drafters.md", markdown(doc).encode())
+    print(markdown(doc))
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [f"# What a guess costs: {doc['model']} on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch "
+             f"threads; load average {m['load_avg_1m']} at start, {doc['load_avg_end']} at end)", "",
+             f"{doc['prompts']} held-out prompts x {doc['tokens']} new tokens, greedy, chains (no tree), "
+             f"{doc['rounds']} rounds interleaved; medians per step.", "",
+             "| guesser | tokens/step | target forward (ms) | propose + commit (ms) | guess / forward | tokens/s | speedup | "
+             "identical |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['guesser']} | {r['tokens_per_step']:.2f} | {r['forward_ms']:.1f} | {r['guess_ms']:.2f} | "
+                     f"{100 * r['guess_over_forward']:.1f} % | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{'yes' if r['identical'] else 'NO'} |")
+    lines += ["", f"Wall time {doc['wall_s']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
+    p.add_argument("--out", default=None, help="default bench/results (not with --smoke)")
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.rounds, args.threads = 12, 1, 1
+    elif args.out is None:
+        args.out = str(ROOT / "bench" / "results")
+    try:
+        doc = run(args)
+    except UserError as e:
+        print(f"bench_drafters: error: {e}", file=sys.stderr)
+        return 2
+    if args.smoke:
+        ok = all(r["identical"] for r in doc["rows"])
+        print("smoke: ok" if ok else "smoke: FAILED (an output differed from plain greedy decoding)")
+        return 0 if ok else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
