@@ -1,7 +1,7 @@
 """The main job: profile this machine, measure acceptance, plan trees, verify them by decoding, report.
 
     from workflows.autotune import AutotuneSettings, autotune
-    summary = autotune(AutotuneSettings())          # the built-in model on the best device
+    summary = autotune(AutotuneSettings())          # SmolLM2-135M and its shipped guessers, best device
 
 Each step writes its file into the run folder (profile.json, accept.json, trees/, summary.json,
 report/), so a run can be inspected, and later steps can be re-run from earlier files
