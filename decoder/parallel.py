@@ -143,8 +143,10 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
         self.to(device=ctx.device)
         depth = plan.depth if plan is not None else self.num_masks + 1
         nodes = tuple(plan.states[0].nodes) if plan is not None else tuple((0,) * d for d in range(1, depth + 1))
-        if self.mode == "chain" and any(r for p in nodes for r in p):
-            raise UserError(f"{ctx.label}: the chain drafter proposes one token per pass: give a chain plan (rank 0 only)")
+        if self.mode == "chain" and any(r for p in nodes for r in p[:-1]):
+            # each pass continues the rank-0 draft, so a sibling can only be a leaf (a comb)
+            raise UserError(f"{ctx.label}: the chain drafter continues its rank-0 draft only: give a chain plan, "
+                            "or a comb (other ranks on leaves only)")
         return ParallelSession(self, nodes, depth, prompt_ids.reshape(-1), ctx)
 
     # ------------------------------------------------------------------ files

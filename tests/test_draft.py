@@ -163,3 +163,23 @@ def test_sampled_acceptance_of_a_draft_model():
     other = measure_sampled_acceptance(target, tiny_model("qwen2", seed=5), _prompts()[:2], 1.0, max_new_tokens=6,
                                        width=3, samples=8)
     assert 0 < other["positional"][0] < 1 and sum(other["positional"]) <= 1.0 + 1e-9
+
+
+def test_chain_drafter_takes_combs_and_refuses_branching_trees():
+    """The chain drafter continues its rank-0 draft only: siblings on leaves (a comb) are fine and
+    decode token-identically, so its acceptance can be measured with ranks; a branch is refused."""
+    from decoder.parallel import ParallelDrafter, arch_of
+    from profiler.acceptance import measure_accuracy
+
+    target = tiny_model("llama", seed=1)
+    chain = ParallelDrafter(arch_of(target.config), num_masks=2, top_k=3, mode="chain")
+    comb = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 2)]
+    st = TreeState(0, comb, 1.0, 1 + len(comb))
+    for ids in _prompts():
+        out = generate(target, ids, plan=Tree("medusa", [st], 1.0), guesser=chain, max_new_tokens=16)
+        assert out.tokens.tolist() == reference(target, ids, 16)
+    got = measure_accuracy(target, chain, _prompts(), max_new_tokens=12, width=3)
+    assert len(got["accuracy"]) == 16 and len(got["accuracy"][0]) == 3
+    branch = TreeState(0, [(0,), (1,), (1, 0)], 1.0, 4)
+    with pytest.raises(UserError, match="rank-0 draft only"):
+        generate(target, _prompts()[0], plan=Tree("medusa", [branch], 1.0), guesser=chain, max_new_tokens=4)

@@ -253,7 +253,7 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     return path, profile
 
 
-MEASURE_SHAPE = {"draft": (6, 4), "chain": (None, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
+MEASURE_SHAPE = {"draft": (6, 4), "chain": (6, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
 
 
 def _acceptance_phase(run: _Run, accept_ids: list) -> dict[str, tuple[Path, Acceptance]]:
