@@ -14,6 +14,7 @@ from workflows.autotune import (
     autotune,
     pick,
     plan_candidates,
+    profile_lengths,
     real_input_length,
 )
 from workflows.inputs import held_out_prompts
@@ -101,3 +102,37 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
     assert load_tree(saved["chosen"]).method == chosen[0]["method"]
     for name in ("profile.json", "accept-ppd.json", "accept-lookup.json"):
         assert (tmp_path / "run" / name).is_file()
+
+
+def test_autotune_runs_every_drafter_and_pearl(tmp_path):
+    """Every drafter kind goes through acceptance, planning and decoding (untrained drafters on the
+    toy model: the point is that each path runs and stays identical to greedy decoding)."""
+    import torch
+
+    from decoder.draft import build_draft_lm, save_draft_lm
+    from decoder.parallel import ParallelDrafter, arch_of
+    from profiler.models import load_model
+
+    target = load_model("builtin", device="cpu", dtype="fp32").model
+    torch.manual_seed(0)
+    save_draft_lm(build_draft_lm(target, 1), tmp_path / "draft")
+    ParallelDrafter(arch_of(target.config), num_masks=2, top_k=4).save(tmp_path / "ps")
+    s = AutotuneSettings(model="builtin", guessers=("draft", "parallelspec", "chain"), out=str(tmp_path / "run"),
+                         guesser_dirs={"draft": str(tmp_path / "draft"), "parallelspec": str(tmp_path / "ps"),
+                                       "chain": str(tmp_path / "ps")},
+                         trees_dir=str(tmp_path / "trees"), accept_prompts=1, decode_prompts=1, accept_tokens=12,
+                         decode_tokens=10, max_input_length=8, context_length=32, profile_budget_s=2.0, rounds=1,
+                         report=False, progress=False, threads=1)
+    summary = autotune(s)
+    assert summary["identical_to_greedy"] is True
+    assert {r["guesser"] for r in summary["rows"]} >= {"draft", "parallelspec", "chain"}
+    for kind in ("draft", "parallelspec", "chain"):
+        acc = json.loads((tmp_path / "run" / f"accept-{kind}.json").read_text())
+        assert len(acc["accuracy"][0]) > 1  # ranks measured (the chain's as a comb)
+
+
+def test_profile_lengths_are_dense_where_trees_are_small_and_end_at_the_maximum():
+    assert profile_lengths(10) == list(range(1, 11))
+    got = profile_lengths(64)
+    assert got[:16] == list(range(1, 17)) and got[-1] == 64 and 18 in got and 17 not in got and 36 in got
+    assert profile_lengths(70)[-2:] == [64, 70] and profile_lengths(80)[-2:] == [72, 80]

@@ -49,7 +49,7 @@ class AutotuneSettings:
     threads: int | None = None  # CPU threads for torch (default: torch's choice)
     profile: str | None = None  # reuse a profile file instead of measuring
     accept: str | None = None  # reuse a ppd acceptance file instead of measuring
-    profile_budget_s: float = 40.0
+    profile_budget_s: float = 60.0
     trees_dir: str = str(REPO / "trees")
     report: bool = True
     progress: bool = True
@@ -235,6 +235,16 @@ def _load_guessers(s: AutotuneSettings, loaded) -> dict:
     return out
 
 
+def profile_lengths(max_n: int) -> list[int]:
+    """Every length to 16, then every 2nd to 32, 4th to 64, 8th beyond (and max_n): trees are small
+    more often than large, and with a fixed budget fewer points get more repeats each. A first run on
+    SmolLM2 measured all 64 lengths 4 times each and read L(1) 19 % above the plain loop's step, which
+    made every predicted speedup optimistic by as much."""
+    out = [n for n in range(1, max_n + 1) if n <= 16 or (n <= 32 and n % 2 == 0) or (n <= 64 and n % 4 == 0)
+           or n % 8 == 0]
+    return out if out[-1] == max_n else out + [max_n]
+
+
 def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     from profiler.measure import profile_model
 
@@ -242,9 +252,10 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     if s.profile:
         path = Path(s.profile)
     else:
-        run.say(f"[1/5] profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length}, "
+        run.say(f"[1/5] profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length} (every one "
+                f"to 16, then every 2, 4, 8), "
                 f"context {s.context_length}, and the decoder's own per-step work")
-        prof = profile_model(run.loaded, list(range(1, s.max_input_length + 1)), context_length=s.context_length,
+        prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
                              time_budget_s=s.profile_budget_s, progress=s.progress)
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
