@@ -281,7 +281,8 @@ def _acceptance_phase(run: _Run, accept_ids: list) -> dict[str, tuple[Path, Acce
         depth, width = MEASURE_SHAPE.get(kind, (None, None))
         acc = measure_accuracy(run.model, g, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress,
                                depth=depth, width=width)
-        acc["source"] = f"planner autotune: {run.loaded.name}, {kind} {g.source_dir}, {len(accept_ids)} held-out prompts"
+        acc["source"] = (f"planner autotune: {run.loaded.name}, {kind} {_shown(g.source_dir) if g.source_dir else '(no model)'}, "
+                         f"{len(accept_ids)} held-out prompts")
         acc["guesser"]["dir"] = _shown(g.source_dir) if g.source_dir else None
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = (path, load_acceptance(str(path)))
