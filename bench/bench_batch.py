@@ -104,6 +104,7 @@ def run(args) -> dict:
     from planner.accept import from_entry
     from planner.batch import plan_schedule
     from planner.cost import Guessing
+    from planner.plan import plan
     from profiler.acceptance import measure_accuracy
     from profiler.measure import warm_up_shapes
 
@@ -116,12 +117,19 @@ def run(args) -> dict:
     accept = from_entry(measure_accuracy(model, guesser, accept_prompts, max_new_tokens=args.tokens))
     guessing = Guessing(prompt_tokens=True, ensemble=guesser.ensemble)
     greedy = [generate_plain(model, p, max_new_tokens=args.tokens).tokens.tolist() for p in prompts]
+    # where the planner picks plain decoding everywhere (a CPU), the fixed tree still measures what
+    # packing saves over padding: one PPD tree of --fixed-input-length at every batch size
+    fixed = plan("ppd", accept, input_length=args.fixed_input_length, prompt_tokens=guesser.num_prompt_tokens,
+                 guessing=guessing) if args.fixed_input_length else None
     rows = []
     for layout in LAYOUTS:
         sched = plan_schedule("ppd", accept, profiles[layout], args.batch_sizes, guessing, layout=layout,
                               prompt_tokens=guesser.num_prompt_tokens, max_input_length=args.max_input_length)
-        for b in args.batch_sizes:
-            tree = next(e.tree for e in sched if e.batch_sizes[0] <= b <= e.batch_sizes[1])
+        for b, plan_kind in [(b, k) for b in args.batch_sizes for k in ("planned", "fixed")]:
+            if plan_kind == "fixed" and fixed is None:
+                continue
+            tree = fixed if plan_kind == "fixed" else next(e.tree for e in sched
+                                                           if e.batch_sizes[0] <= b <= e.batch_sizes[1])
             warm_up_shapes(model, prompts, range(1, args.max_input_length + 1))
             for warm in (None, tree):  # batched shapes too: one untimed pass of the first batch each
                 _decode(model, prompts[:b], warm, guesser, b, layout, 4)
@@ -129,7 +137,7 @@ def run(args) -> dict:
             for _ in range(args.rounds):  # interleaved: a slow spell hits both alike
                 runs["plain"].append(_decode(model, prompts, None, guesser, b, layout, args.tokens))
                 runs["tree"].append(_decode(model, prompts, tree, guesser, b, layout, args.tokens))
-            rows.append(_row(layout, b, tree, runs, greedy, accept, profiles[layout][b], guessing))
+            rows.append({"plan": plan_kind, **_row(layout, b, tree, runs, greedy, accept, profiles[layout][b], guessing)})
             print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}), file=sys.stderr)
     result = {"machine": _machine(), "model": loaded.name, "batch_sizes": args.batch_sizes, "tokens": args.tokens,
               "prompts": len(prompts), "rounds": args.rounds, "context_profiled": args.context,
@@ -169,11 +177,13 @@ def _write(out: Path, result: dict) -> None:
              f"{result['prompts']} held-out prompts x {result['tokens']} new tokens, medians of {result['rounds']} "
              f"interleaved rounds; the tree per batch size and layout is the planner's (planner.batch.plan_schedule on "
              f"profiles measured in the same run). Speedups are per sequence, over batched plain decoding in the same layout.", "",
-             "| layout | b | tree (max input) | plain tok/s | tree tok/s | speedup pred | meas | tokens/step pred | meas "
-             "| padding/step pred | meas | identical |", "|" + "---|" * 12]
+             "Rows \"fixed\": one PPD tree of the same size at every batch size, whatever the planner prefers, "
+             "to measure what packing saves over padding.", "",
+             "| layout | b | plan | tree (max input) | plain tok/s | tree tok/s | speedup pred | meas | tokens/step pred | meas "
+             "| padding/step pred | meas | identical |", "|" + "---|" * 13]
     for r in result["rows"]:
         tree = "plain" if r["tree"] is None else f"{r['tree']['method']} ({r['tree']['max_input_length']})"
-        lines.append(f"| {r['layout']} | {r['batch_size']} | {tree} | {r['plain_tokens_per_s']:.1f} | "
+        lines.append(f"| {r['layout']} | {r['batch_size']} | {r.get('plan', 'planned')} | {tree} | {r['plain_tokens_per_s']:.1f} | "
                      f"{r['tree_tokens_per_s']:.1f} | {r['predicted_speedup']:.2f} | {r['measured_speedup']:.2f} | "
                      f"{r['predicted_tokens_per_step']:.2f} | {r['measured_tokens_per_step']:.2f} | "
                      f"{r['predicted_padding_per_step'] if r['layout'] == 'padded' else 0:.2f} | "
@@ -193,12 +203,15 @@ def main() -> int:
     p.add_argument("--max-input-length", type=int, default=24)
     p.add_argument("--profile-budget", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fixed-input-length", type=int, default=12,
+                   help="also decode one PPD tree of this input length at every batch size (0: only the planned ones)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args()
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     if args.smoke:
         args.tokens, args.rounds, args.profile_budget, args.max_input_length = 6, 1, 1.5, 8
+        args.fixed_input_length = min(args.fixed_input_length, 6)
     run(args)
     return 0
 

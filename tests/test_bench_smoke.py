@@ -30,8 +30,9 @@ def test_bench_batch_smoke(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "batch.json").read_text())
-    assert {(row["layout"], row["batch_size"]) for row in result["rows"]} == {(lay, b) for lay in ("packed", "padded")
-                                                                            for b in (1, 2)}
+    assert {(row["layout"], row["batch_size"], row["plan"]) for row in result["rows"]} == {
+        (lay, b, k) for lay in ("packed", "padded") for b in (1, 2) for k in ("planned", "fixed")}
+    assert all(row["tree"] is not None for row in result["rows"] if row["plan"] == "fixed")
     assert all(row["identical_to_single_greedy"] for row in result["rows"])
     assert (tmp_path / "batch.md").is_file()
 
