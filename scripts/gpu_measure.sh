@@ -59,7 +59,7 @@ case "$stage" in
     for model in smollm2-135m llama-2-7b; do
       for layout in padded packed; do
         python3 -m planner profile --model "$model" --dtype bf16 --context-length 256 --input-lengths 1:16,20:64:4 \
-          --batch-size 1,2,4,8,16,32,64 --layout "$layout" --time-budget 120 --no-progress \
+          --batch-sizes 1,2,4,8,16,32,64 --layout "$layout" --time-budget 120 --no-progress \
           -o "$out/$gpu-$model-batch-$layout.json"
       done
     done ;;

@@ -80,8 +80,13 @@ def test_parse_batch_sizes():
     assert parse_batch_sizes(["1", "4"]) == [1, 4]
     assert parse_batch_sizes(["1,4", "2", "4"]) == [1, 4, 2]
     for bad in (["0"], ["x"], ["1,-2"]):
-        with pytest.raises(UserError, match="--batch-size"):
+        with pytest.raises(UserError, match="--batch-sizes"):
             parse_batch_sizes(bad)
+    from workflows.cli import build_parser
+
+    for flag in ("--batch-sizes", "--batch-size"):  # the spelling, and the singular kept for old scripts
+        args = build_parser().parse_args(["profile", flag, "1,2,4,8", "-o", "x.json"])
+        assert parse_batch_sizes(args.batch_size) == [1, 2, 4, 8]
 
 
 def test_every_option_parses():

@@ -24,7 +24,7 @@ def parse_batch_sizes(values: list[str]) -> list[int]:
             except ValueError:
                 b = 0
             if b < 1:
-                raise UserError(f"--batch-size: expected positive integers, got '{part}'")
+                raise UserError(f"--batch-sizes: expected positive integers, got '{part}'")
             if b not in out:
                 out.append(b)
     return out
@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-lengths", default=DEFAULT_LENGTHS_SPEC,
                    help="N, START:STOP or START:STOP:STEP (STOP inclusive), comma-separated "
                         f"(default {DEFAULT_LENGTHS_SPEC})")
-    p.add_argument("--batch-size", nargs="+", default=["1"], help="one or more batch sizes, e.g. 1 4 or 1,4 (default 1)")
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_size", nargs="+", default=["1"],
+                   help="one or more batch sizes, e.g. 1,2,4,8 or 1 4 (default 1)")
     p.add_argument("--time-budget", type=_positive(float), default=None,
                    help="seconds of measuring in total (default 15 on CPU, 120 on GPU)")
     p.add_argument("--min-repeats", type=_positive(int), default=5)
