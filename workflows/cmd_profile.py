@@ -45,8 +45,9 @@ def _positive(kind):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="preset name (see --list-models), a local Hugging Face model directory, or a config.json "
-                        "(default: 'builtin' if models/builtin exists, else 'tiny')")
+                   help="smollm2-135m (default; its architecture with random weights when the registry package is "
+                        "missing), a preset name (see --list-models), a local Hugging Face model directory, or a "
+                        "config.json")
     p.add_argument("--list-models", action="store_true", help="print the preset names and exit")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
