@@ -37,13 +37,10 @@ exactly sampling from p~; tau_acc = 0 accepts every draft: drafter beam sampling
 token per step; temperature 0 with tau_acc > 0: greedy decoding of the target, token for token
 (P_i is 0 for an all-argmax prefix, -inf otherwise, and -Q_i >= 0 >= log tau_acc).
 
-Why a second loop: the guesser protocol fits (MTADGuesser is an ordinary guesser; `generate` runs it
-at temperature 0, and above 0 with the lossless rule for deterministic guesses), but the loop's
-verification is chosen inside decoder.verify.verify from Sampling.mode (auto, greedy, typical,
-lossless) and that dispatch has no joint rule. So `decode_mtad` is decoder.loop.decode's loop
-with the verify call swapped, reusing every other piece of decoder.loop (prefill, step inputs,
-forward, target commit, truncation, records, clock). A hook in decoder/loop.py (a proposal-chosen
-verification function) would let MTAD run in `decode` itself.
+One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rule
+(`Proposal.rule`), which decoder.loop calls instead of decoder.verify.verify; `generate_mtad` is
+`decode` with that guesser and the warp. Only the best final beam is scored (the paper's reading,
+SEEDS_WAVE2.md 4.2); scoring all W beams as one tree is not done yet.
 """
 from __future__ import annotations
 
