@@ -64,7 +64,9 @@ def _draft(spec: str | None, target):
             raise UserError(f"--draft: {spec} does not exist yet; give --draft DIR or --draft first-layers:N")
     if spec.startswith("first-layers:"):
         return build_draft_lm(target, int(spec.partition(":")[2])), f"{spec} (untrained)"
-    return load_draft_model(spec, target), spec
+    shown = Path(spec).resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # results files travel with the repo
+    return load_draft_model(spec, target), str(shown)
 
 
 def _smoke_model():
