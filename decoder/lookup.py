@@ -42,6 +42,12 @@ class PromptLookupGuesser:
                             f"{num_tokens}, {min_ngram}, {max_ngram}")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
 
+    top_k = 1  # one continuation: a single guess per distance
+
+    @property
+    def num_distances(self) -> int:
+        return self.num_tokens
+
     def check(self, plan: Tree | None, label: str = "plan") -> None:
         if plan is None:
             return

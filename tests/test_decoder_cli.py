@@ -53,6 +53,15 @@ def test_accept_writes_loadable_statistics(files):
     assert sum(t["visits"]) > 0 and len(t["counts"]) == 3
 
 
+def test_accept_with_prompt_lookup(files):
+    """`planner accept --guesser lookup`: one guess per distance, the lookup's chain length deep."""
+    out = files["dir"] / "acc-lookup.json"
+    rc = main(["accept", "--model", "tiny", "--guesser", "lookup", "--prompts", str(files["prompts"]),
+               "--max-new-tokens", "8", "-o", str(out), "--no-progress"])
+    assert rc == 0
+    assert load_acceptance(str(out)).accuracy.shape == (4, 1)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["decode", "--plan", "{missing}", "--model", "tiny", "--random-prompt-tokens", "2"], "file not found"),
     (["decode", "--plan", "{medusa}", "--model", "tiny", "--random-prompt-tokens", "2", "--prompts", "{prompts}"],
