@@ -16,10 +16,12 @@
 #   batch      planner profile at batch sizes 1..64, padded and packed, SmolLM2's architecture and
 #              Llama-2-7B bf16, and the per-batch-size schedule and exports from them
 #   autotune   planner autotune on the GPU (built-in model: SmolLM2's 93 MB package does not fit a call)
+#   pearl      PEARL on two CUDA streams vs serial vs SD vs plain, SmolLM2 architecture (scripts/gpu_riders.py)
+#   mtad       MTAD beam drafting at W = 1, 2, 4, 8, SmolLM2 architecture (scripts/gpu_riders.py)
 # Everything lands in OUT_DIR with the device name in the file names; copy what you keep into
 # profiles/ and bench/results/ and quote it in the README.
 set -euo pipefail
-stage=${1:?usage: gpu_measure.sh kernels|flex|profiles|repeat|smollm2|batch|autotune [OUT_DIR]}
+stage=${1:?usage: gpu_measure.sh kernels|flex|profiles|repeat|smollm2|batch|autotune|pearl|mtad [OUT_DIR]}
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -64,5 +66,7 @@ case "$stage" in
       done
     done ;;
   autotune) python3 -m planner autotune --model builtin --out "$out/autotune-$gpu-builtin" --quiet ;;
-  *) echo "gpu_measure.sh: unknown stage '$stage' (kernels, flex, profiles, repeat, smollm2, batch, autotune)" >&2; exit 2 ;;
+  pearl)    python3 scripts/gpu_riders.py pearl --out "$out" ;;
+  mtad)     python3 scripts/gpu_riders.py mtad --out "$out" ;;
+  *) echo "gpu_measure.sh: unknown stage '$stage' (kernels, flex, profiles, repeat, smollm2, batch, autotune, pearl, mtad)" >&2; exit 2 ;;
 esac

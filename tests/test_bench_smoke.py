@@ -46,3 +46,15 @@ def test_bench_drafters_smoke(tmp_path):
     assert [row["guesser"] for row in result["rows"]] == ["plain", "parallelspec", "parallelspec (full head)",
                                                           "chain", "draft LM", "lookup"]
     assert all(row["identical"] for row in result["rows"])
+
+
+@pytest.mark.parametrize("kind", ["pearl", "mtad"])
+def test_gpu_riders_smoke(tmp_path, kind):
+    """The GPU riders' script runs its whole path on a tiny model on the CPU, so it works when a GPU comes."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_riders.py"), kind, "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((tmp_path / f"gpu-riders-{kind}.json").read_text())
+    assert result["rows"] and result["weights"].startswith("random")
+    if kind == "pearl":
+        assert {"sd", "pearl", "pearl_serial", "eta"} <= set(result["rows"][0])
