@@ -138,7 +138,7 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
 
     from decoder.mtad import perplexity
 
-    walks, outputs = {}, {p: [] for p in points}
+    walks, sizes, outputs = {}, {}, {p: [] for p in points}
     plain, overhead = [], []
     for i, ids in enumerate(prompts):
         out = _run("plain", target, draft, ids, args, i)
@@ -149,7 +149,9 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
             out = _run("mtad", target, draft, ids, args, i, p)
             outputs[p].append(out.tokens.tolist())
             walks.setdefault((p.width, p.gamma), []).extend(out.walks)
+            sizes.setdefault((p.width, p.gamma), []).extend(out.stats.input_lengths)  # root + the beams' tree
     return {"walks": {k: np.array(v, dtype=np.float64) for k, v in walks.items()},
+            "forward_tokens": {k: float(np.mean(v)) for k, v in sizes.items() if v},
             "perplexity": {p: perplexity(target, prompts, o) for p, o in outputs.items()},
             "plain_perplexity": perplexity(target, prompts, plain),
             "overhead_s": statistics.median(overhead) if overhead else 0.0}
@@ -260,10 +262,10 @@ def run(args) -> dict:
     name, target, draft, draft_label, calib, evaluate = _setup(args)
     _warm_up(target, draft, evaluate + calib, points, args)
     cal = _calibrate(target, draft, calib, points, args)
-    L, draft_s = _timings(target, draft, calib[0], widths, max(gammas) + 1, args)
+    L, draft_s = _timings(target, draft, calib[0], widths, max(widths) * max(gammas) + 1, args)  # up to W beams' tree
     profile = _profile(L, cal["overhead_s"])
     choice = choose(cal["walks"], cal["perplexity"], cal["plain_perplexity"], profile, draft_s,
-                    args.max_perplexity_ratio)
+                    args.max_perplexity_ratio, cal["forward_tokens"])
     rows = _evaluate(target, draft, evaluate, points, args)
     predicted = {p.settings.name: p for p in choice.points}
     for row in rows:
@@ -277,7 +279,8 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens, "calibration_prompts": len(calib), "evaluation_prompts": len(evaluate),
         "sd_gamma": args.sd_gamma, "grid": {"widths": widths, "gammas": gammas, "taus": taus},
         "timing": {"target_forward_s": {str(k): v for k, v in L.items()}, "draft_forward_s": {str(k): v for k, v in draft_s.items()},
-                   "overhead_s": cal["overhead_s"]},
+                   "overhead_s": cal["overhead_s"],
+                   "forward_tokens": {f"W{w}-g{g}": v for (w, g), v in cal["forward_tokens"].items()}},
         "calibration": {"plain_perplexity": cal["plain_perplexity"],
                         "perplexity": {p.name: v for p, v in cal["perplexity"].items()},
                         "walks": walks_to_json(cal["walks"])},

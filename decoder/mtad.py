@@ -8,13 +8,14 @@ One step:
   1. draft   the session beam-samples W beams of gamma tokens over the drafter's own cache (W rows,
              reordered by parent beam every step): candidates (b, v) score s_b + log q~(v | beam b)
              and W distinct ones are drawn with probability proportional to exp(score) (Gumbel-top-W;
-             at temperature 0 the top W, deterministically). The highest-likelihood final beam is
-             proposed as a chain; the cache keeps that beam's row only.
-  2. score   the target runs [root, x_1..x_gamma] in one forward pass (decoder.loop's own pieces).
-  3. verify  `verify_joint`: with D_j = log p~(x_j) - log q~(x_j), accept the longest prefix i* with
-             sum_{j<=i*} D_j >= log tau_acc (i = 0 always passes; planner.mtad.accepted_length is the
-             one rule), emit x_1..x_{i*} and y ~ p~(. | context, x_1..x_{i*}) (no residual).
-  4. commit  target cache and drafter row are cropped to the accepted text.
+             at temperature 0 the top W, deterministically). The W final beams are proposed as one
+             tree, the union of their prefixes (beams="best": the highest-likelihood beam as a chain).
+  2. score   the target runs [root, tree] in one forward pass (decoder.loop's own pieces).
+  3. verify  `verify_joint_tree`: per beam, with D_j = log p~(x_j) - log q~(x_j), the longest prefix
+             i* with sum_{j<=i*} D_j >= log tau_acc (i = 0 always passes; planner.mtad.accepted_length
+             is the one rule); the beam with the longest i* wins, ties to the higher draft
+             likelihood; emit x_1..x_{i*} and y ~ p~(. | context, x_1..x_{i*}) (no residual).
+  4. commit  target cache and the winning beam's drafter row are cropped to the accepted text.
 
 Warping: p~ and q~ are the same warp (temperature, then top-k, then top-p; the paper: top-k 20, top-p
 0.9) of the target's and the drafter's logits, in log space: tokens outside the warped support have
@@ -39,8 +40,11 @@ token per step; temperature 0 with tau_acc > 0: greedy decoding of the target, t
 
 One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rule
 (`Proposal.rule`), which decoder.loop calls instead of decoder.verify.verify; `generate_mtad` is
-`decode` with that guesser and the warp. Only the best final beam is scored (the paper's reading,
-SEEDS_WAVE2.md 4.2); scoring all W beams as one tree is not done yet.
+`decode` with that guesser and the warp. By default (beams="tree") the target scores all W final
+beams in one forward pass as a tree (shared prefixes once) and the beam with the longest passing
+prefix wins (ties to the higher draft likelihood); beams="best" scores only the highest-likelihood
+beam (the paper's reading, SEEDS_WAVE2.md 4.2). What the output follows is the same argument with
+B the beam the verdict picked.
 """
 from __future__ import annotations
 
@@ -140,6 +144,9 @@ class BeamProposal(Proposal):
     beam_scores: torch.Tensor | None = None  # [W'] joint log q~ of every final beam
 
 
+BEAM_MODES = ("tree", "best")
+
+
 class MTADGuesser:
     """A draft LM (the target's vocabulary) that proposes the best of W beam-sampled drafts of gamma tokens."""
 
@@ -147,10 +154,15 @@ class MTADGuesser:
     top_k = 1
 
     def __init__(self, draft_model, width: int = 4, gamma: int = 4, label: str = "draft model",
-                 tau_acc: float | None = None):
+                 tau_acc: float | None = None, beams: str = "tree"):
         for name, x in (("width", width), ("gamma", gamma)):
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
                 raise UserError(f"{label}: MTAD {name} must be an integer >= 1, got {x!r}")
+        if beams not in BEAM_MODES:
+            raise UserError(f"{label}: MTAD beams must be one of {', '.join(BEAM_MODES)}, got {beams!r}")
+        # tree: the target scores all W final beams in one pass (shared prefixes once) and the beam
+        # with the longest passing prefix wins; best: only the highest-likelihood beam (the paper)
+        self.beams = beams
         if tau_acc is not None:
             log_threshold(tau_acc)  # a one-line error for a bad threshold
         self.draft_model = draft_model.eval()
@@ -182,9 +194,11 @@ class MTADSession:
 
     def __init__(self, guesser: MTADGuesser, prompt_ids: torch.Tensor, ctx: DecodeContext):
         self.model, self.width, self.gamma, self.ctx = guesser.draft_model, guesser.width, guesser.gamma, ctx
-        self.tau_acc, self.walks = guesser.tau_acc, guesser.walks
+        self.tau_acc, self.walks, self.tree = guesser.tau_acc, guesser.walks, guesser.beams == "tree"
         self.layout = layout_for(chain_nodes(self.gamma), 1, ctx.dtype, ctx.device)
-        self.max_input_length = self.layout.input_length
+        self.max_input_length = 1 + self.gamma * (self.width if self.tree else 1)
+        self.beam_rows: torch.Tensor | None = None  # tree: cache row of each final beam (its parent beam)
+        self.beam_nodes: list[list[int]] = []  # tree: tree index of each final beam's tokens
         ids = prompt_ids.reshape(-1)
         self.cache = prefill(self.model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(self.model)
         self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
@@ -207,11 +221,27 @@ class MTADSession:
                 self.cache.reorder_cache(parent)  # row b now holds beam b's history
                 log_q = draft_logprobs(self._beam_pass(token, self.base + t), s)  # [B, V]
         best = int(scores.argmax())
+        if self.tree:
+            return self._tree_proposal(toks, lqs, scores, parent, best)
         # the cache rows are the beams before the last selection: keep the chosen beam's parent row
         self.cache.reorder_cache(parent[best: best + 1])
         rule = None if self.tau_acc is None else partial(_joint_rule, draft_logq=lqs[best], tau_acc=self.tau_acc,
                                                          walks=self.walks)
         return BeamProposal(self.layout, toks[best], rule=rule, draft_logq=lqs[best], beam_scores=scores)
+
+    def _tree_proposal(self, toks, lqs, scores, parent, best: int) -> "BeamProposal":
+        """All final beams as one tree (their union of prefixes); the cache keeps every beam's row until
+        the commit knows which beam the verdict followed."""
+        nodes, node_tokens, self.beam_nodes = beam_trie(toks.tolist())
+        width = max(p[-1] for p in nodes) + 1
+        layout = layout_for(tuple(nodes), width, self.ctx.dtype, self.ctx.device)
+        self.beam_rows = parent
+        tokens = torch.tensor(node_tokens, dtype=torch.long, device=toks.device)
+        beam_nodes = torch.tensor(self.beam_nodes, dtype=torch.long, device=toks.device)  # [W', gamma]
+        rule = None if self.tau_acc is None else partial(
+            _joint_tree_rule, beam_nodes=beam_nodes, draft_logq=lqs, beam_scores=scores, tau_acc=self.tau_acc,
+            walks=self.walks)
+        return BeamProposal(layout, tokens, rule=rule, draft_logq=lqs[best], beam_scores=scores)
 
     def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
         """The unseen accepted tokens and the root, as a causal chain (one row): the root's logits [V]."""
@@ -232,6 +262,9 @@ class MTADSession:
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted draft tokens the drafter has fed (at most gamma - 1); the rest waits as unseen."""
         a = len(outcome.verdict.nodes) - 1
+        if self.tree:  # keep the row of a beam whose prefix is the accepted path (any such row holds it)
+            b = next((i for i, path in enumerate(self.beam_nodes) if path[:a] == outcome.verdict.nodes[1:]), 0)
+            self.cache.reorder_cache(self.beam_rows[b: b + 1])
         fed = min(a, self.gamma - 1)
         crop_cache(self.cache, self.base + fed)
         self.unseen = outcome.verdict.emitted[fed:a]
@@ -241,6 +274,30 @@ def _empty_cache(model):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def beam_trie(beams: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[list[int]]]:
+    """Beams [W'][gamma] of token ids -> (rank paths of the union of their prefixes, parents first;
+    each node's token; per beam the tree index of each of its tokens, root = 0). Ranks are the
+    order in which a node's distinct children first appear."""
+    index: dict[tuple[int, ...], int] = {(): 0}
+    path_of: dict[tuple[int, ...], tuple[int, ...]] = {(): ()}
+    children: dict[tuple[int, ...], int] = {}
+    nodes, node_tokens = [], []
+    for j in range(len(beams[0])):  # by depth, so parents come first
+        for beam in beams:
+            prefix = tuple(beam[: j + 1])
+            if prefix in index:
+                continue
+            parent = prefix[:-1]
+            rank = children.get(parent, 0)
+            children[parent] = rank + 1
+            path_of[prefix] = path_of[parent] + (rank,)
+            nodes.append(path_of[prefix])
+            node_tokens.append(beam[j])
+            index[prefix] = len(nodes)
+    beam_nodes = [[index[tuple(beam[: j + 1])] for j in range(len(beam))] for beam in beams]
+    return nodes, node_tokens, beam_nodes
 
 
 # ---------------------------------------------------------------------------------------------- verification
@@ -276,6 +333,43 @@ def verify_joint(logits: torch.Tensor, tokens: torch.Tensor, draft_logq: torch.T
     dev = tokens.device
     return JointVerdict(torch.arange(i + 1, device=dev), list(range(i + 1)), toks[:i] + [y],
                         torch.tensor([y], dtype=torch.long, device=dev), walk)
+
+
+def _joint_tree_rule(logits, tokens, s: Sampling, generator, *, beam_nodes, draft_logq, beam_scores, tau_acc,
+                     walks: list) -> "JointVerdict":
+    verdict = verify_joint_tree(logits, tokens, beam_nodes, draft_logq, beam_scores, s, tau_acc, generator)
+    walks.append(verdict.log_ratios)
+    return verdict
+
+
+def verify_joint_tree(logits: torch.Tensor, tokens: torch.Tensor, beam_nodes: torch.Tensor, draft_logq: torch.Tensor,
+                      beam_scores: torch.Tensor, s: Sampling, tau_acc: float, generator=None) -> JointVerdict:
+    """The joint rule over all beams scored as one tree. logits [num_tree, V] (root first), tokens
+    [num_tree] (root first), beam_nodes [W', gamma] tree indices, draft_logq [W', gamma] log q~.
+
+    Each beam b is a path; its walk D_bj = log p~(x_bj | its prefix) - log q~(x_bj) gives its
+    accepted length i*_b (the longest passing prefix). The winner has the longest i*_b, ties to the
+    higher draft likelihood; emit its x_1..x_{i*} and y ~ p~ after them. With one beam this is
+    verify_joint. One host copy for the walks, the tokens and the argmaxes."""
+    W, g = beam_nodes.shape
+    parents = torch.cat([beam_nodes.new_zeros(W, 1), beam_nodes[:, :-1]], 1)  # [W', g] tree index before x_bj
+    x = tokens[beam_nodes]  # [W', g]
+    log_p = warped_logprobs(logits, s)[parents, x]  # [W', g]
+    D = log_ratios(log_p, draft_logq.to(log_p.device))
+    host = torch.cat([D.reshape(-1), x.reshape(-1).double(), logits.argmax(-1).double()]).tolist()
+    walks = [host[b * g: (b + 1) * g] for b in range(W)]
+    toks = [[int(t) for t in host[W * g + b * g: W * g + (b + 1) * g]] for b in range(W)]
+    tops = host[2 * W * g:]
+    lengths = [accepted_length(w, tau_acc) for w in walks]
+    scores = beam_scores.tolist()
+    b = max(range(W), key=lambda k: (lengths[k], scores[k]))
+    i = lengths[b]
+    path = [0] + beam_nodes[b, :i].tolist()
+    last = path[-1]
+    y = int(tops[last]) if s.temperature <= 0 else int(sample(logits[last], s, generator))
+    dev = tokens.device
+    return JointVerdict(torch.tensor(path, dtype=torch.long, device=dev), path, toks[b][:i] + [y],
+                        torch.tensor([y], dtype=torch.long, device=dev), walks[b])
 
 
 # ---------------------------------------------------------------------------------------------- the loop

@@ -10,8 +10,9 @@ target's warped support misses x_j), and MTAD accepts the longest passing prefix
 - E[i*](W, gamma, tau_acc): replay the walks measured on beam drafts of that (W, gamma) (exact for
   that data; the walks are correlated and depend on W, so no independence is assumed), or, as a
   model, a DP over an i.i.d. walk whose increments are discretised on a lattice.
-- tokens/step = E[i*] + 1;  step_s = gamma t_d(W) + step_cost(L, gamma + 1)  (planner.cost: the
-  target's forward over root + draft plus the decoder's overhead; t_d(W): one drafter forward at
+- tokens/step = E[i*] + 1;  step_s = gamma t_d(W) + step_cost(L, n)  (planner.cost: the target's
+  forward over root + draft, n = gamma + 1 for one beam or the measured mean size of the W beams'
+  tree, plus the decoder's overhead; t_d(W): one drafter forward at
   batch W, paid gamma times: the first pass runs at batch 1, so this errs slightly high);
   speedup = (E[i*] + 1) plain_step / step_s.
 - Quality: produced-text perplexity per (W, gamma, tau_acc) comes from measurement (a grid on
@@ -231,21 +232,24 @@ class MTADChoice:
                 "plain_perplexity": self.plain_perplexity, "max_perplexity_ratio": self.max_perplexity_ratio}
 
 
-def step_seconds(settings: MTADSettings, profile: LatencyProfile, draft_s: Mapping[int, float]) -> float:
-    """gamma t_d(W) + L(gamma + 1) + overhead(gamma + 1)."""
+def step_seconds(settings: MTADSettings, profile: LatencyProfile, draft_s: Mapping[int, float],
+                 forward_tokens: float | None = None) -> float:
+    """gamma t_d(W) + L(n) + overhead(n), n = forward_tokens: the mean tokens of the target's forward
+    (root + the beams' tree, measured), or gamma + 1 (one beam as a chain) when not given."""
     if settings.width not in draft_s:
         raise UserError(f"draft latency: no drafter time measured at batch {settings.width}")
-    return settings.gamma * float(draft_s[settings.width]) + float(step_cost(profile, settings.gamma + 1))
+    n = settings.gamma + 1 if forward_tokens is None else forward_tokens
+    return settings.gamma * float(draft_s[settings.width]) + float(step_cost(profile, n))
 
 
 def predict(walks: Mapping[tuple[int, int], np.ndarray], settings: MTADSettings, profile: LatencyProfile,
-            draft_s: Mapping[int, float]) -> MTADPoint:
-    """Predicted speed of one configuration from the walks measured at its (W, gamma)."""
+            draft_s: Mapping[int, float], forward_tokens: Mapping[tuple[int, int], float] | None = None) -> MTADPoint:
+    """Predicted speed of one configuration from the walks (and forward sizes) measured at its (W, gamma)."""
     key = (settings.width, settings.gamma)
     if key not in walks:
         raise UserError(f"walks: none measured for W = {settings.width}, gamma = {settings.gamma}")
     e = expected_accepted(walks[key], settings.gamma, settings.tau_acc)
-    step = step_seconds(settings, profile, draft_s)
+    step = step_seconds(settings, profile, draft_s, (forward_tokens or {}).get(key))
     return MTADPoint(settings, e, e + 1.0, step, (e + 1.0) * plain_step(profile) / step)
 
 
@@ -262,7 +266,8 @@ def pareto_front(points: Sequence[MTADPoint]) -> list[MTADPoint]:
 
 def choose(walks: Mapping[tuple[int, int], np.ndarray], perplexity: Mapping[MTADSettings, float],
            plain_perplexity: float, profile: LatencyProfile, draft_s: Mapping[int, float],
-           max_perplexity_ratio: float | None = None) -> MTADChoice:
+           max_perplexity_ratio: float | None = None,
+           forward_tokens: Mapping[tuple[int, int], float] | None = None) -> MTADChoice:
     """The measured configurations (keys of `perplexity`), each with its predicted speedup; the
     chosen one maximises speedup subject to perplexity <= R * plain_perplexity (R None: no cap),
     ties to the lower perplexity."""
@@ -277,7 +282,7 @@ def choose(walks: Mapping[tuple[int, int], np.ndarray], perplexity: Mapping[MTAD
         raise UserError(f"--max-perplexity-ratio: expected a number > 0, got {max_perplexity_ratio!r}")
     points = []
     for settings, ppl in perplexity.items():
-        p = predict(walks, settings, profile, draft_s)
+        p = predict(walks, settings, profile, draft_s, forward_tokens)
         p.perplexity, p.perplexity_ratio = float(ppl), float(ppl) / plain_perplexity
         p.within_cap = max_perplexity_ratio is None or p.perplexity_ratio <= max_perplexity_ratio
         points.append(p)

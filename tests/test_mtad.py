@@ -21,12 +21,14 @@ from decoder.mtad import (
     MTADGuesser,
     MTADSession,
     beam_step,
+    beam_trie,
     distinct_n,
     draft_logprobs,
     generate_mtad,
     log_ratios,
     perplexity,
     verify_joint,
+    verify_joint_tree,
     warped_logprobs,
 )
 from decoder.verify import Sampling, probabilities
@@ -231,7 +233,7 @@ def test_deterministic_beam_search_finds_the_most_likely_draft(small_pair):
     _, draft = small_pair
     ctx_ids = torch.tensor([3, 1, 4])
     s = Sampling(0.0)
-    session = MTADGuesser(draft, VOCAB * VOCAB, 3).begin(draft, None, ctx_ids, _ctx(s))
+    session = MTADGuesser(draft, VOCAB * VOCAB, 3, beams="best").begin(draft, None, ctx_ids, _ctx(s))
     prop = session.propose(ctx_ids[-1:])
     with torch.no_grad():
         best, best_lp = None, -math.inf
@@ -293,9 +295,65 @@ def test_the_drafter_cache_follows_the_selected_beam(pair, monkeypatch):
 
     monkeypatch.setattr(MTADSession, "propose", checked_propose)
     monkeypatch.setattr(MTADSession, "commit", checked_commit)
-    out = generate_mtad(target, ids, MTADGuesser(draft, 3, 3), 30, tau_acc=0.05, seed=1, temperature=1.0)
+    out = generate_mtad(target, ids, MTADGuesser(draft, 3, 3, beams="best"), 30, tau_acc=0.05, seed=1, temperature=1.0)
     assert checks["propose"] == out.steps and checks["commit"] == out.steps - 1
     assert max(out.stats.accepted) >= 1  # accepted drafts were exercised (unseen tokens included)
+
+
+# ---------------------------------------------------------------------------------------------- all beams as one tree
+
+
+def test_beam_trie_shares_prefixes_and_keeps_parents_first():
+    nodes, toks, beam_nodes = beam_trie([[1, 2, 3], [1, 2, 4], [5, 6, 7], [1, 2, 3]])
+    assert nodes == [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)]
+    assert toks == [1, 5, 2, 6, 3, 4, 7]
+    assert beam_nodes == [[1, 3, 5], [1, 3, 6], [2, 4, 7], [1, 3, 5]]
+
+
+def test_the_beam_with_the_longest_passing_prefix_wins():
+    """Two beams share x_1; beam 0 (the better draft score) fails at x_2, beam 1 passes both: beam 1
+    wins and y comes from after its last token. With one beam the tree rule is verify_joint."""
+    Vs = 5
+    s = Sampling(0.0)
+    # tree: root 0, node 1 = token 2 (shared), node 2 = token 3 (beam 0), node 3 = token 4 (beam 1)
+    tokens = torch.tensor([0, 2, 3, 4])
+    logits = torch.full((4, Vs), -5.0)
+    logits[0, 2] = logits[1, 4] = logits[3, 1] = logits[2, 0] = 5.0  # greedy: 2 then 4 then 1
+    beam_nodes = torch.tensor([[1, 2], [1, 3]])
+    logq = torch.zeros(2, 2)
+    v = verify_joint_tree(logits, tokens, beam_nodes, logq, torch.tensor([0.0, -1.0], dtype=torch.float64), s, 0.5)
+    assert v.nodes == [0, 1, 3] and v.emitted == [2, 4, 1] and v.path.tolist() == [0, 1, 3]
+    one = verify_joint_tree(logits[[0, 1, 2]], tokens[[0, 1, 2]], beam_nodes[:1], logq[:1],
+                            torch.zeros(1, dtype=torch.float64), s, 0.5)
+    ref = verify_joint(logits[[0, 1, 2]], tokens[[0, 1, 2]], logq[0], s, 0.5)
+    assert (one.nodes, one.emitted, one.log_ratios) == (ref.nodes, ref.emitted, ref.log_ratios)
+
+
+def test_scoring_all_beams_accepts_at_least_the_best_beam_and_keeps_the_cache_exact(pair, monkeypatch):
+    """At temperature 0 both modes are greedy decoding; the tree accepts the longest all-greedy beam,
+    so never fewer tokens per step than the best-scoring beam alone. After every commit the drafter
+    cache is one row equal to a prefill of the accepted text (less what waits as unseen)."""
+    target, draft = pair
+    ids = _prompts()[2]
+    text: list[int] = []
+    commit = MTADSession.commit
+
+    def checked_commit(self, outcome):
+        commit(self, outcome)
+        text.extend(outcome.verdict.emitted)
+        full = torch.cat([ids, torch.tensor(text, dtype=torch.long)])
+        _assert_cache(self.cache, draft, full[: full.numel() - 1 - len(self.unseen)])
+
+    monkeypatch.setattr(MTADSession, "commit", checked_commit)
+    tree = generate_mtad(target, ids, MTADGuesser(draft, 4, 3), 30, tau_acc=0.1, temperature=0.0)
+    monkeypatch.setattr(MTADSession, "commit", commit)
+    best = generate_mtad(target, ids, MTADGuesser(draft, 4, 3, beams="best"), 30, tau_acc=0.1, temperature=0.0)
+    assert tree.tokens.tolist() == best.tokens.tolist() == reference(target, ids, 30)
+    assert sum(tree.stats.accepted) / tree.steps >= sum(best.stats.accepted) / best.steps
+    assert max(tree.stats.input_lengths) > 4  # more than one beam was scored
+    text.clear()
+    monkeypatch.setattr(MTADSession, "commit", checked_commit)
+    generate_mtad(target, ids, MTADGuesser(draft, 3, 3), 30, tau_acc=0.05, seed=1, temperature=1.0)
 
 
 # ---------------------------------------------------------------------------------------------- planning model
@@ -414,7 +472,8 @@ def test_decode_cli_writes_mtad_quality(tmp_path):
     assert rc == 0
     doc = json.loads(out.read_text())
     s = doc["summary"]
-    assert doc["method"] == "mtad" and doc["mtad"] == {"width": 2, "gamma": 3, "tau_acc": 0.1, "lossless": False}
+    assert doc["method"] == "mtad" and doc["mtad"] == {"width": 2, "gamma": 3, "tau_acc": 0.1, "beams": "tree",
+                                                       "lossless": False}
     assert s["perplexity"] > 0 and s["plain_perplexity"] > 0 and s["draft_perplexity"] > 0
     assert s["perplexity_ratio"] == pytest.approx(s["perplexity"] / s["plain_perplexity"])
     assert isinstance(s["within_perplexity_cap"], bool) and s["tokens_per_step"] >= 1 and "speedup" in s
@@ -447,3 +506,17 @@ def test_bench_smoke(tmp_path):
     doc = json.loads((tmp_path / "mtad.json").read_text())
     assert {"plain", "speculative"} <= {m["method"] for m in doc["methods"]} and doc["choice"]["points"]
     assert (tmp_path / "mtad.md").is_file() and (tmp_path / "mtad.png").is_file()
+
+
+def test_a_bigger_beam_tree_costs_its_measured_forward():
+    """The W beams' tree costs L(measured mean size), not L(gamma + 1)."""
+    from planner.mtad import predict, step_seconds
+
+    prof = LatencyProfile(np.arange(1, 17), np.linspace(0.01, 0.04, 16))
+    st = MTADSettings(4, 3, 0.1)
+    chain = step_seconds(st, prof, {4: 0.002})
+    tree = step_seconds(st, prof, {4: 0.002}, forward_tokens=9.0)
+    assert chain == pytest.approx(3 * 0.002 + float(prof.latency(4)) + float(prof.overhead(4)))
+    assert tree == pytest.approx(3 * 0.002 + float(prof.latency(9.0)) + float(prof.overhead(9.0))) and tree > chain
+    walks = {(4, 3): np.zeros((5, 3))}
+    assert predict(walks, st, prof, {4: 0.002}, {(4, 3): 9.0}).speedup < predict(walks, st, prof, {4: 0.002}).speedup

@@ -194,7 +194,7 @@ def run(args) -> int:
     if args.mtad_settings is not None:
         doc["method"] = "mtad"
         doc["mtad"] = {"width": args.mtad_settings.width, "gamma": args.mtad_settings.gamma,
-                       "tau_acc": args.mtad_settings.tau_acc,
+                       "tau_acc": args.mtad_settings.tau_acc, "beams": "tree",  # all W beams scored as one tree
                        "lossless": args.temperature == 0 and args.mtad_settings.tau_acc > 0}  # greedy there
     if args.pearl:
         doc["method"] = "pearl"
