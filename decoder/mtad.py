@@ -225,8 +225,10 @@ class MTADSession:
             return self._tree_proposal(toks, lqs, scores, parent, best)
         # the cache rows are the beams before the last selection: keep the chosen beam's parent row
         self.cache.reorder_cache(parent[best: best + 1])
-        rule = None if self.tau_acc is None else partial(_joint_rule, draft_logq=lqs[best], tau_acc=self.tau_acc,
-                                                         walks=self.walks)
+        chain = torch.arange(1, self.gamma + 1, device=toks.device)[None]  # the one beam's tree indices
+        rule = None if self.tau_acc is None else partial(
+            _joint_rule, beam_nodes=chain, draft_logq=lqs[best: best + 1], beam_scores=scores[best: best + 1],
+            tau_acc=self.tau_acc, walks=self.walks)
         return BeamProposal(self.layout, toks[best], rule=rule, draft_logq=lqs[best], beam_scores=scores)
 
     def _tree_proposal(self, toks, lqs, scores, parent, best: int) -> "BeamProposal":
@@ -239,7 +241,7 @@ class MTADSession:
         tokens = torch.tensor(node_tokens, dtype=torch.long, device=toks.device)
         beam_nodes = torch.tensor(self.beam_nodes, dtype=torch.long, device=toks.device)  # [W', gamma]
         rule = None if self.tau_acc is None else partial(
-            _joint_tree_rule, beam_nodes=beam_nodes, draft_logq=lqs, beam_scores=scores, tau_acc=self.tau_acc,
+            _joint_rule, beam_nodes=beam_nodes, draft_logq=lqs, beam_scores=scores, tau_acc=self.tau_acc,
             walks=self.walks)
         return BeamProposal(layout, tokens, rule=rule, draft_logq=lqs[best], beam_scores=scores)
 
@@ -308,38 +310,24 @@ class JointVerdict(Verdict):
     log_ratios: list[float] = field(default_factory=list)  # D_1..D_gamma of the whole draft (the walk)
 
 
-def _joint_rule(logits, tokens, s: Sampling, generator, *, draft_logq, tau_acc, walks: list) -> "JointVerdict":
+def _joint_rule(logits, tokens, s: Sampling, generator, *, beam_nodes, draft_logq, beam_scores, tau_acc,
+                walks: list) -> "JointVerdict":
     """The joint rule as a proposal's own verification (decoder.guesser.Proposal.rule); every
-    step's walk D_1..D_gamma is kept (the planner replays them), the last step's included."""
-    verdict = verify_joint(logits, tokens, draft_logq, s, tau_acc, generator)
+    step's winning walk D_1..D_gamma is kept (the planner replays them), the last step's included."""
+    verdict = verify_joint_tree(logits, tokens, beam_nodes, draft_logq, beam_scores, s, tau_acc, generator)
     walks.append(verdict.log_ratios)
     return verdict
 
 
 def verify_joint(logits: torch.Tensor, tokens: torch.Tensor, draft_logq: torch.Tensor, s: Sampling, tau_acc: float,
-                 generator=None) -> JointVerdict:
-    """logits [gamma + 1, V] over tokens [root, x_1..x_gamma], draft_logq [gamma] = log q~(x_j).
-
-    P_i - Q_i = sum_{j<=i} D_j with D_j = log p~(x_j | x_<j) - log q~(x_j | x_<j); accept the
-    longest prefix i* with P_i - Q_i >= log tau_acc (i = 0 always passes), emit x_1..x_{i*} and
-    y ~ p~(. | x_{1..i*}) (argmax at temperature 0). One host copy for the walk and the tokens."""
-    g = tokens.numel() - 1
-    log_p = warped_logprobs(logits[:g], s).gather(1, tokens[1:, None])[:, 0]  # [g]
-    D = log_ratios(log_p, draft_logq.to(log_p.device))
-    host = torch.cat([D, tokens[1:].double(), logits.argmax(-1).double()]).tolist()
-    walk, toks, tops = host[:g], [int(t) for t in host[g: 2 * g]], host[2 * g:]
-    i = accepted_length(walk, tau_acc)
-    y = int(tops[i]) if s.temperature <= 0 else int(sample(logits[i], s, generator))
-    dev = tokens.device
-    return JointVerdict(torch.arange(i + 1, device=dev), list(range(i + 1)), toks[:i] + [y],
-                        torch.tensor([y], dtype=torch.long, device=dev), walk)
-
-
-def _joint_tree_rule(logits, tokens, s: Sampling, generator, *, beam_nodes, draft_logq, beam_scores, tau_acc,
-                     walks: list) -> "JointVerdict":
-    verdict = verify_joint_tree(logits, tokens, beam_nodes, draft_logq, beam_scores, s, tau_acc, generator)
-    walks.append(verdict.log_ratios)
-    return verdict
+                 generator=None) -> "JointVerdict":
+    """One beam as a chain: logits [gamma + 1, V] over tokens [root, x_1..x_gamma], draft_logq [gamma]
+    = log q~(x_j). P_i - Q_i = sum_{j<=i} D_j with D_j = log p~(x_j | x_<j) - log q~(x_j | x_<j);
+    accept the longest prefix i* with P_i - Q_i >= log tau_acc (i = 0 always passes), emit
+    x_1..x_{i*} and y ~ p~(. | x_{1..i*}) (argmax at temperature 0)."""
+    chain = torch.arange(1, tokens.numel(), device=tokens.device)[None]  # [1, gamma]
+    return verify_joint_tree(logits, tokens, chain, draft_logq[None], torch.zeros(1, dtype=torch.float64), s,
+                             tau_acc, generator)
 
 
 def verify_joint_tree(logits: torch.Tensor, tokens: torch.Tensor, beam_nodes: torch.Tensor, draft_logq: torch.Tensor,
@@ -350,25 +338,25 @@ def verify_joint_tree(logits: torch.Tensor, tokens: torch.Tensor, beam_nodes: to
     Each beam b is a path; its walk D_bj = log p~(x_bj | its prefix) - log q~(x_bj) gives its
     accepted length i*_b (the longest passing prefix). The winner has the longest i*_b, ties to the
     higher draft likelihood; emit its x_1..x_{i*} and y ~ p~ after them. With one beam this is
-    verify_joint. One host copy for the walks, the tokens and the argmaxes."""
+    verify_joint. One host copy for the walks, the tokens, the tree indices and the argmaxes."""
     W, g = beam_nodes.shape
     parents = torch.cat([beam_nodes.new_zeros(W, 1), beam_nodes[:, :-1]], 1)  # [W', g] tree index before x_bj
     x = tokens[beam_nodes]  # [W', g]
     log_p = warped_logprobs(logits, s)[parents, x]  # [W', g]
     D = log_ratios(log_p, draft_logq.to(log_p.device))
-    host = torch.cat([D.reshape(-1), x.reshape(-1).double(), logits.argmax(-1).double()]).tolist()
-    walks = [host[b * g: (b + 1) * g] for b in range(W)]
-    toks = [[int(t) for t in host[W * g + b * g: W * g + (b + 1) * g]] for b in range(W)]
-    tops = host[2 * W * g:]
+    host = torch.cat([D.reshape(-1), x.reshape(-1).double(), beam_nodes.reshape(-1).double(),
+                      logits.argmax(-1).double()]).tolist()
+    rows = lambda k: [host[k * W * g + b * g: k * W * g + (b + 1) * g] for b in range(W)]  # noqa: E731
+    walks, toks, nodes, tops = rows(0), rows(1), rows(2), host[3 * W * g:]
     lengths = [accepted_length(w, tau_acc) for w in walks]
     scores = beam_scores.tolist()
     b = max(range(W), key=lambda k: (lengths[k], scores[k]))
     i = lengths[b]
-    path = [0] + beam_nodes[b, :i].tolist()
+    path = [0] + [int(u) for u in nodes[b][:i]]
     last = path[-1]
     y = int(tops[last]) if s.temperature <= 0 else int(sample(logits[last], s, generator))
     dev = tokens.device
-    return JointVerdict(torch.tensor(path, dtype=torch.long, device=dev), path, toks[b][:i] + [y],
+    return JointVerdict(torch.tensor(path, dtype=torch.long, device=dev), path, [int(t) for t in toks[b][:i]] + [y],
                         torch.tensor([y], dtype=torch.long, device=dev), walks[b])
 
 

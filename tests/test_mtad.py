@@ -327,6 +327,7 @@ def test_the_beam_with_the_longest_passing_prefix_wins():
                             torch.zeros(1, dtype=torch.float64), s, 0.5)
     ref = verify_joint(logits[[0, 1, 2]], tokens[[0, 1, 2]], logq[0], s, 0.5)
     assert (one.nodes, one.emitted, one.log_ratios) == (ref.nodes, ref.emitted, ref.log_ratios)
+    assert one.nodes == [0, 1] and one.emitted == [2, 4]  # beam 0 alone: x_1 passes, x_2 fails, y = greedy 4
 
 
 def test_scoring_all_beams_accepts_at_least_the_best_beam_and_keeps_the_cache_exact(pair, monkeypatch):
