@@ -148,6 +148,13 @@ def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens
         hits += h
         totals += t
         positions += int(out.tokens.numel())
+    return accuracy_json(hits, totals, positions, len(prompts), model, guessing_record(guesser, runner, D),
+                         "profiler.acceptance.measure_accuracy (greedy decoding)", conditional, allow_empty)
+
+
+def accuracy_json(hits: np.ndarray, totals: np.ndarray, positions: int, prompts: int, model, guesser: dict,
+                  source: str, conditional: bool = True, allow_empty: bool = False) -> dict:
+    """The acceptance record (planner/accept.py format) from hit counts [D, K] and totals [D]."""
     # A deeper distance with no row whose rank-0 path was right has an undefined conditional; it is
     # recorded as 0, which changes no prediction (every path to it has probability 0 already).
     if (totals[0] == 0 or (not conditional and totals.min() == 0)) and not allow_empty:
@@ -158,10 +165,10 @@ def measure_accuracy(model, guesser, prompts: list[torch.Tensor], max_new_tokens
         "totals": totals.tolist(),
         "conditional": conditional,
         "positions": positions,
-        "prompts": len(prompts),
+        "prompts": prompts,
         "model": getattr(model.config, "name_or_path", "") or getattr(model.config, "model_type", ""),
-        "guesser": guessing_record(guesser, runner, D),
-        "source": "profiler.acceptance.measure_accuracy (greedy decoding)",
+        "guesser": guesser,
+        "source": source,
     }
 
 
