@@ -17,7 +17,7 @@ from workflows.autotune import (
     profile_lengths,
     real_input_length,
 )
-from workflows.inputs import held_out_prompts
+from workflows.inputs import REPO, held_out_prompts
 
 ACC = from_entry({"accuracy": [[0.5, 0.2, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], [0.2, 0.1, 0.1, 0.05]]})
 
@@ -80,10 +80,17 @@ def test_held_out_prompts_are_disjoint_and_held_out(tmp_path):
         held_out_prompts(str(f), 1, 1)
 
 
+def _tracked_state() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                          cwd=str(REPO)).stdout
+
+
 def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
-    s = AutotuneSettings(model="builtin", guessers=("ppd", "lookup"), out=str(tmp_path / "run"),
-                         trees_dir=str(tmp_path / "trees"), accept_prompts=1,
-                         decode_prompts=1, accept_tokens=16, decode_tokens=12, max_input_length=10,
+    before = _tracked_state()
+    s = AutotuneSettings(model="builtin", guessers=("ppd", "lookup"), out=str(tmp_path / "run"), accept_prompts=2,
+                         decode_prompts=4, accept_tokens=16, decode_tokens=12, max_input_length=10,
                          context_length=32, profile_budget_s=2.0, rounds=1, report=False, progress=False, threads=1)
     summary = autotune(s)
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -91,17 +98,28 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
     assert {(r["guesser"], r["method"]) for r in saved["rows"]} == {("ppd", "ppd"), ("ppd", "medusa"), ("ppd", "sequoia"),
                                                                    ("lookup", "chain")}
     for r in saved["rows"]:
-        for key in ("method", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
-                    "predicted_speedup", "measured_speedup"):
+        for key in ("method", "input_length", "predicted_tokens_per_step", "predicted_speedup", "cost_vs_plain_step"):
             assert isinstance(r[key], (int, float, str))
         assert r["input_length"] <= 10
         load_tree(r["tree"])
-    chosen = [r for r in saved["rows"] if r["chosen"]]
-    assert len(chosen) == 1
-    assert chosen[0]["predicted_speedup"] == max(r["predicted_speedup"] for r in saved["rows"])
-    assert load_tree(saved["chosen"]).method == chosen[0]["method"]
+        if r["measured_speedup"] is not None:  # raced on at least the first stage: errors reported
+            assert r["prompts"] >= 3 and r["identical_to_greedy"] is True
+            for key in ("error_tokens_per_step", "error_step_s", "error_speedup", "measured_step_s", "predicted_step_s"):
+                assert isinstance(r[key], float)
+    d = saved["decision"]
+    chosen = load_tree(tmp_path / "run" / "chosen.json")  # the decision, always written, plain included
+    if d["choice"] == "plain":
+        assert not chosen.states[0].nodes and chosen.settings["guesser"] == "plain"
+        assert not any(r["chosen"] for r in saved["rows"])
+    else:
+        (row,) = [r for r in saved["rows"] if r["chosen"]]
+        assert row["label"] == d["choice"] and d["measured_speedup"]["lo"] > 1.0
+        assert chosen.method == row["method"]
+    assert d["reason"] and saved["chosen"].endswith("chosen.json")
     for name in ("profile.json", "accept-ppd.json", "accept-lookup.json"):
         assert (tmp_path / "run" / name).is_file()
+    assert json.loads((tmp_path / "run" / "accept-lookup.json").read_text())["positions"] == 2 * 16
+    assert _tracked_state() == before  # the main job writes into its run folder only
 
 
 def test_autotune_runs_every_drafter_and_pearl(tmp_path):
@@ -120,7 +138,7 @@ def test_autotune_runs_every_drafter_and_pearl(tmp_path):
     s = AutotuneSettings(model="builtin", guessers=("draft", "parallelspec", "chain"), out=str(tmp_path / "run"),
                          guesser_dirs={"draft": str(tmp_path / "draft"), "parallelspec": str(tmp_path / "ps"),
                                        "chain": str(tmp_path / "ps")},
-                         trees_dir=str(tmp_path / "trees"), accept_prompts=1, decode_prompts=1, accept_tokens=12,
+                         accept_prompts=1, decode_prompts=3, accept_tokens=12,
                          decode_tokens=10, max_input_length=8, context_length=32, profile_budget_s=2.0, rounds=1,
                          report=False, progress=False, threads=1)
     summary = autotune(s)

@@ -1,15 +1,20 @@
-"""The main job: profile this machine, measure acceptance, plan trees, verify them by decoding, report.
+"""The main job: profile this machine, measure acceptance, plan, race the plans by decoding, write the winner.
 
     from workflows.autotune import AutotuneSettings, autotune
     summary = autotune(AutotuneSettings())          # SmolLM2-135M and its shipped guessers, best device
 
-Each step writes its file into the run folder (profile.json, accept.json, trees/, summary.json,
-report/), so a run can be inspected, and later steps can be re-run from earlier files
-(`--profile`, `--accept`).
+Phases, each announced with the time left: 1 profile, 2 acceptance (one greedy decode per prompt
+shared by every guesser: profiler.teacher_forced), 3 plan every size of every (guesser, method)
+with the one cost model, 4 PEARL's side latencies, 5 race the finalists against plain decoding on
+other held-out prompts (workflows.choose: paired per-prompt ratios, bootstrap intervals, clearly
+slower plans leave, halving when time runs short), 6 write. The decision is by measurement: the
+plan measured fastest beyond the noise, else plain decoding. Everything goes into the run folder
+(`RUN/chosen.json` is the decision, a plan `planner decode --plan` takes, plain decoding included);
+no file outside it is written. `--budget MINUTES` bounds the whole run.
 """
 from __future__ import annotations
 
-import statistics
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,13 +23,16 @@ from planner.accept import Acceptance, load_acceptance
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
 from planner.profile import LatencyProfile, load_profile
-from planner.tree import Tree, save_tree
-from workflows.candidates import METHODS, Candidate, drafter_candidates, pick, plan_candidates, real_input_length  # noqa: F401
+from planner.tree import Tree, TreeState, save_tree
+from workflows.candidates import METHODS, Candidate, drafter_candidates, finalists, pick, plan_candidates, real_input_length  # noqa: F401
+from workflows.choose import MIN_PROMPTS, PLAIN, Arm, Decision, Race, decide, speedup
 from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
 REPO = Path(__file__).resolve().parents[1]
 GUESSERS = ("ppd", "draft", "parallelspec", "chain", "lookup")
 SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
+PHASES = 6
+REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept out of the decoding budget
 
 
 @dataclass
@@ -36,94 +44,51 @@ class AutotuneSettings:
     dtype: str | None = None
     out: str | None = None  # run folder; default runs/<date>-<device>-<model>
     questions: str = str(DEFAULT_QUESTIONS)
-    accept_prompts: int = 4  # held-out prompts to measure acceptance on
-    decode_prompts: int = 4  # other held-out prompts to decode
+    accept_prompts: int = 8  # held-out prompts to measure acceptance on
+    decode_prompts: int = 8  # other held-out prompts the plans race on
     accept_tokens: int = 64  # greedy tokens per prompt when measuring acceptance
-    decode_tokens: int = 48  # new tokens per prompt when decoding
+    decode_tokens: int = 40  # new tokens per prompt when decoding
     max_input_length: int = 64  # largest forward pass planned and profiled
     context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
     methods: tuple[str, ...] = METHODS  # ppd guesser's tree families
-    neighbours: int = 1  # sizes either side of the chosen one that are also decoded
-    sweep: int = 4  # extra sizes of the chosen (guesser, method) spread over its range
-    rounds: int = 2  # decoding repeats; each (plan, prompt) time is the median
+    finalists: int = 10  # (guesser, method) families whose best predicted plan races
+    neighbours: int = 1  # sizes either side of the best predicted plan that also race
+    sweep: int = 0  # extra sizes of the best predicted (guesser, method) spread over its range
+    rounds: int = 1  # repeats of each (plan, prompt) run; the median counts
+    budget_minutes: float = 4.0  # the whole run, model loading to report
     threads: int | None = None  # CPU threads for torch (default: torch's choice)
     profile: str | None = None  # reuse a profile file instead of measuring
     accept: str | None = None  # reuse a ppd acceptance file instead of measuring
-    profile_budget_s: float = 60.0
-    trees_dir: str = str(REPO / "trees")
+    profile_budget_s: float = 45.0  # at most; and at most a fifth of the budget
     report: bool = True
     progress: bool = True
+    seed: int = 0
 
     @property
     def prompt_tokens(self) -> str | None:
         return self.guesser_dirs.get("ppd")
 
 
-# ------------------------------------------------------------------ measuring
+# ------------------------------------------------------------------ progress and budget
 
 
-def measure_decoding(model, prompts, plans: list[Candidate | None], guessers, max_new_tokens: int, rounds: int = 2,
-                     progress: bool = True) -> list[dict]:
-    """Decode every prompt with every plan (None: plain decoding), interleaved.
+@dataclass
+class _Clock:
+    """Elapsed time against the budget, and one progress line per phase with the time left."""
 
-    Plans run in a shuffled order per prompt and round, so a slow spell of the machine (clock
-    changes, another process) spreads over all of them instead of biasing one; each (plan, prompt)
-    time is the median over rounds. guessers: one guesser for every plan, or {kind: guesser} for
-    plans that name their guesser. Returns per plan: tokens, steps, seconds, outputs.
-    """
-    import random
+    budget_s: float
+    say: object
+    t0: float = field(default_factory=time.time)
 
-    from tqdm import tqdm
+    def elapsed(self) -> float:
+        return time.time() - self.t0
 
-    from decoder import generate, generate_plain
-    from decoder.pearl import generate_pearl
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
 
-    w = model.get_input_embeddings().weight
-    times = [[[] for _ in prompts] for _ in plans]
-    results = [{"tokens": 0, "steps": 0, "outputs": [], "states": []} for _ in plans]
-    rng = random.Random(0)
-    bar = tqdm(total=rounds * len(prompts) * len(plans), desc="decode", unit="run", disable=not progress)
-    for r in range(rounds):
-        for p, ids in enumerate(prompts):
-            ids = ids.to(w.device)
-            order = list(range(len(plans)))
-            rng.shuffle(order)
-            for i in order:
-                t0 = time.perf_counter()
-                if plans[i] is None:
-                    out = generate_plain(model, ids, max_new_tokens=max_new_tokens, phase_times=False)
-                elif plans[i].guesser == "pearl":  # its own two-job loop, the draft LM as drafter
-                    out = generate_pearl(model, guessers["draft"].draft_model, ids, gamma=plans[i].size,
-                                         max_new_tokens=max_new_tokens, threads=PEARL_SPLIT)
-                else:
-                    g = guessers[plans[i].guesser] if isinstance(guessers, dict) else guessers
-                    out = generate(model, ids, plan=plans[i].tree, guesser=g, max_new_tokens=max_new_tokens,
-                                   phase_times=False)
-                times[i][p].append(time.perf_counter() - t0)
-                if r == 0:
-                    results[i]["tokens"] += int(out.tokens.numel())
-                    results[i]["steps"] += int(out.steps)
-                    results[i]["outputs"].append(out.tokens.cpu())
-                    results[i]["states"] += [st for st in getattr(out.stats, "states", []) if st >= 0]  # -1: bootstrap
-                bar.update()
-    bar.close()
-    for i, res in enumerate(results):
-        res["seconds"] = float(sum(statistics.median(t) for t in times[i]))
-        res["tokens_per_step"] = res["tokens"] / max(res["steps"], 1)
-        res["tokens_per_s"] = res["tokens"] / res["seconds"]
-    return results
-
-
-def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
-    """ppd: how often each state was visited while decoding, next to the Markov model's pi."""
-    if tree.method != "ppd" or not states:
-        return None
-    counts = {st.state: 0 for st in tree.states}
-    for s_ in states:
-        counts[s_] += 1
-    total = sum(counts.values())
-    return {str(st.state): {"measured": counts[st.state] / total, "predicted": st.stationary_probability}
-            for st in tree.states}
+    def phase(self, k: int, text: str, eta_s: float) -> None:
+        self.say(f"[{k}/{PHASES}] {text}  ({self.elapsed():.0f} s in; about {max(eta_s, 0):.0f} s left, "
+                 f"budget {self.budget_s / 60:.1f} min)")
 
 
 # ------------------------------------------------------------------ the job
@@ -154,6 +119,7 @@ class _Run:
     device: str
     out_dir: Path
     say: object  # print, or a no-op when quiet
+    clock: _Clock
 
     @property
     def model(self):
@@ -161,27 +127,29 @@ class _Run:
 
 
 def autotune(s: AutotuneSettings) -> dict:
-    """Profile, measure every guesser's acceptance, plan every guesser's trees, decode, write; returns the summary."""
-    t_start = time.time()
+    """Profile, measure acceptance, plan, race the plans against plain decoding, write; returns the summary."""
     run = _open_run(s)
     accept_texts, decode_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
     accept_ids, decode_ids = encode_prompts(run.tokenizer, accept_texts), encode_prompts(run.tokenizer, decode_texts)
     profile_path, profile = _profile_phase(run)
-    accepts = _acceptance_phase(run, accept_ids)
+    accepts = _acceptance_phase(run, accept_ids, profile)
     candidates = _plan_phase(run, accepts, profile)
     pearl = _pearl_phase(run, accepts, profile, accept_ids[0]) if "draft" in run.guessers else None
     candidates += pearl["candidates"] if pearl else []
-    chosen, tried = pick(candidates, s.neighbours, s.sweep)
-    plain, identical = _decode_phase(run, decode_ids, tried)
-    summary = _write_phase(run, chosen, tried, plain, identical, profile_path, accepts)
+    racing = finalists(candidates, s.finalists, s.neighbours, s.sweep)
+    race, outputs = _race_phase(run, decode_ids, racing, profile)
+    decision = decide(race.arms)
+    summary = _write_phase(run, racing, race, outputs, decision, profile, profile_path, accepts)
     if pearl:
         summary["pearl"] = {k: v for k, v in pearl.items() if k != "candidates"}
-    summary["wall_s"] = time.time() - t_start
+    summary["wall_s"] = run.clock.elapsed()
     atomic_write_json(run.out_dir / "summary.json", summary)
     run.say(format_table(summary))
     if s.report:
         _report_phase(run, summary, profile_path, accepts)
-    run.say(f"run folder: {run.out_dir}  ({summary['wall_s']:.0f} s)")
+    summary["wall_s"] = run.clock.elapsed()
+    atomic_write_json(run.out_dir / "summary.json", summary)
+    run.say(f"run folder: {_shown(run.out_dir)}  ({summary['wall_s']:.0f} s); decision: {_shown(run.out_dir / 'chosen.json')}")
     return summary
 
 
@@ -191,9 +159,12 @@ def _open_run(s: AutotuneSettings) -> _Run:
 
     from profiler.models import default_device, load_model
 
+    say = print if s.progress else (lambda *a, **k: None)
+    clock = _Clock(s.budget_minutes * 60.0, say)
     if s.threads:
         torch.set_num_threads(s.threads)
     device = s.device or default_device()
+    say(f"loading {s.model} on {device}")
     loaded = load_model(s.model, device=device, dtype=s.dtype)
     if loaded.tokenizer_dir is None:
         raise UserError(f"--model {s.model}: no tokenizer files found; autotune decodes text prompts")
@@ -201,8 +172,7 @@ def _open_run(s: AutotuneSettings) -> _Run:
     tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     out_dir = Path(s.out) if s.out else _default_out(device, loaded.name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    say = print if s.progress else (lambda *a, **k: None)
-    return _Run(s, loaded, guessers, tokenizer, device, out_dir, say)
+    return _Run(s, loaded, guessers, tokenizer, device, out_dir, say, clock)
 
 
 def _load_guessers(s: AutotuneSettings, loaded) -> dict:
@@ -245,6 +215,10 @@ def profile_lengths(max_n: int) -> list[int]:
     return out if out[-1] == max_n else out + [max_n]
 
 
+def _profile_budget(s: AutotuneSettings) -> float:
+    return min(s.profile_budget_s, 0.2 * s.budget_minutes * 60.0)
+
+
 def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     from profiler.measure import profile_model
 
@@ -252,11 +226,12 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
     if s.profile:
         path = Path(s.profile)
     else:
-        run.say(f"[1/5] profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length} (every one "
-                f"to 16, then every 2, 4, 8), "
-                f"context {s.context_length}, and the decoder's own per-step work")
+        budget = _profile_budget(s)
+        run.clock.phase(1, f"profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length}, "
+                           f"context {s.context_length}, the decoder's own per-step work; {budget:.0f} s",
+                        run.clock.left())
         prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
-                             time_budget_s=s.profile_budget_s, progress=s.progress)
+                             time_budget_s=budget, progress=s.progress)
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
     if profile.max_input_length < s.max_input_length:
@@ -267,22 +242,42 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
 MEASURE_SHAPE = {"draft": (6, 4), "chain": (6, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
 
 
-def _acceptance_phase(run: _Run, accept_ids: list) -> dict[str, tuple[Path, Acceptance]]:
-    """Each guesser's acceptance on held-out prompts (root-only decoding, its comb of guesses)."""
-    from profiler.acceptance import measure_accuracy
+def _acceptance_eta(run: _Run, profile: LatencyProfile, prompts: int) -> float:
+    """The acceptance phase's time: one greedy decode per prompt (with PPD's tokens along) and a
+    few proposals per position per replayed guesser."""
+    from planner.cost import step_cost
 
     s = run.settings
-    out = {}
-    for kind, g in run.guessers.items():
-        if kind == "ppd" and s.accept:
-            out[kind] = (Path(s.accept), load_acceptance(s.accept))
-            continue
-        run.say(f"[2/5] acceptance of {kind} ({g.source_dir or 'no model'}) on {len(accept_ids)} held-out prompts")
-        depth, width = MEASURE_SHAPE.get(kind, (None, None))
-        acc = measure_accuracy(run.model, g, accept_ids, max_new_tokens=s.accept_tokens, progress=s.progress,
-                               depth=depth, width=width)
+    ppd = run.guessers.get("ppd")
+    n = 1 + (ppd.num_distances * ppd.ensemble if ppd is not None else 0)
+    step = float(step_cost(profile, min(n, profile.max_input_length)))
+    replays = sum(1 for k in run.guessers if k in ("parallelspec", "chain"))
+    return prompts * s.accept_tokens * (step + 0.15 * replays * step)
+
+
+def _acceptance_phase(run: _Run, accept_ids: list, profile: LatencyProfile) -> dict[str, tuple[Path, Acceptance]]:
+    """Each guesser's acceptance on held-out prompts, from one shared greedy decode per prompt."""
+    from profiler.teacher_forced import greedy_continuations, replay_accuracy
+
+    s = run.settings
+    measure = {k: g for k, g in run.guessers.items() if not (k == "ppd" and s.accept)}
+    out = {"ppd": (Path(s.accept), load_acceptance(s.accept))} if "ppd" in run.guessers and s.accept else {}
+    if not measure:
+        return out
+    eta = _acceptance_eta(run, profile, len(accept_ids))
+    run.clock.phase(2, f"acceptance of {', '.join(measure)} on {len(accept_ids)} held-out prompts x {s.accept_tokens} "
+                       "tokens (one greedy decode each, shared)", run.clock.left())
+    ppd = measure.get("ppd")
+    cont = greedy_continuations(run.model, accept_ids, s.accept_tokens, ppd=ppd)
+    run.say(f"      greedy decode: {cont.decode_s:.0f} s (predicted {eta:.0f} s with the replays)")
+    for kind, g in measure.items():
+        if kind == "ppd":
+            acc = cont.ppd
+        else:
+            depth, width = MEASURE_SHAPE.get(kind, (g.num_distances, getattr(g, "top_k", 1)))
+            acc = replay_accuracy(run.model, g, cont, depth, width)
         acc["source"] = (f"planner autotune: {run.loaded.name}, {kind} {_shown(g.source_dir) if g.source_dir else '(no model)'}, "
-                         f"{len(accept_ids)} held-out prompts")
+                         f"{len(accept_ids)} held-out prompts, {acc['positions']} positions ({acc['source']})")
         acc["guesser"]["dir"] = _shown(g.source_dir) if g.source_dir else None
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = (path, load_acceptance(str(path)))
@@ -291,7 +286,7 @@ def _acceptance_phase(run: _Run, accept_ids: list) -> dict[str, tuple[Path, Acce
 
 def _plan_phase(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
     s = run.settings
-    run.say(f"[3/5] planning {', '.join(accepts)} up to input length {s.max_input_length}")
+    run.clock.phase(3, f"planning {', '.join(accepts)} up to input length {s.max_input_length}", run.clock.left())
     candidates = []
     for kind, (_, accept) in accepts.items():
         g = run.guessers[kind]
@@ -320,9 +315,9 @@ def _pearl_phase(run: _Run, accepts: dict, profile: LatencyProfile, context) -> 
     total = torch.get_num_threads()
     split = PEARL_SPLIT if total >= 2 else (1, 1)
     draft = run.guessers["draft"].draft_model
-    run.say(f"[3/5] PEARL: target and draft LM at threads {split} and {total}, and their overlap")
+    run.clock.phase(4, f"PEARL: target and draft LM at threads {split} and {total}, and their overlap", run.clock.left())
     ctx = context.to(run.model.device)
-    lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=5)
+    lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
     check = split_check(run.model, draft, ctx, 4, split, repeats=3)
     torch.set_num_threads(total)
     eta = max(0.0, min(1.0, check["eta"]))
@@ -330,30 +325,139 @@ def _pearl_phase(run: _Run, accepts: dict, profile: LatencyProfile, context) -> 
     return {"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta}
 
 
-def _decode_phase(run: _Run, decode_ids: list, tried: list[Candidate]) -> tuple[dict, bool]:
-    """Plain decoding and every plan tried, interleaved; every output must equal plain greedy decoding
-    (in bf16 a difference at a near tie of the target's top two logits is reported apart: profiler.compare)."""
-    from profiler.compare import classify, summarize
+# ------------------------------------------------------------------ the race
+
+
+def _decode_one(run: _Run, cand: Candidate | None, ids):
+    """One prompt decoded with one plan (None: plain decoding); returns the GenerateOutput."""
+    from decoder import generate, generate_plain
+    from decoder.pearl import generate_pearl
+
+    n = run.settings.decode_tokens
+    if cand is None:
+        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False)
+    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter
+        return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
+                              threads=PEARL_SPLIT)
+    return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
+                    phase_times=False)
+
+
+def _arms(run: _Run, racing: list[Candidate], profile: LatencyProfile, decode_ids: list) -> list[Arm]:
+    """Plain decoding and every finalist as race arms, with each one's predicted time per prompt."""
+    from planner.cost import plain_step
+
+    step = plain_step(profile)
+    n = run.settings.decode_tokens
+
+    def prefill(ids) -> float:
+        return float(profile.latency(min(max(int(ids.numel()) - 1, 1), profile.max_input_length)))
+
+    def arm(key, cost, up):
+        return Arm(key, cost, up, {p: prefill(ids) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)})
+
+    out = [arm(PLAIN, 1.0, 1.0)]
+    for c in racing:
+        cost = c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)  # step time / plain's
+        out.append(arm(c.label, cost, c.predicted_speedup))
+    return out
+
+
+def _stages(num_prompts: int) -> list[list[int]]:
+    """The first stage has enough prompts for an interval; later ones add two at a time."""
+    first = min(MIN_PROMPTS, num_prompts)
+    out = [list(range(first))]
+    out += [list(range(i, min(i + 2, num_prompts))) for i in range(first, num_prompts, 2)]
+    return out
+
+
+@dataclass
+class _Outputs:
+    """Per arm key: per prompt the tokens, steps and decode seconds (prefill excluded) of its first run."""
+
+    tokens: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    decode_s: dict = field(default_factory=dict)
+    states: dict = field(default_factory=dict)
+
+    def add(self, key: str, p: int, out) -> None:
+        self.tokens.setdefault(key, {})[p] = out.tokens.cpu()
+        self.steps.setdefault(key, {})[p] = int(out.steps)
+        self.decode_s.setdefault(key, {})[p] = float(out.stats.total_s - out.stats.prefill_s)
+        self.states.setdefault(key, []).extend(st for st in getattr(out.stats, "states", []) if st >= 0)
+
+
+def _race_phase(run: _Run, decode_ids: list, racing: list[Candidate], profile: LatencyProfile) -> tuple[Race, _Outputs]:
+    """Plain decoding and the finalists on the decode prompts, stage by stage (workflows.choose.Race)."""
     from profiler.measure import warm_up_shapes
 
     s = run.settings
-    run.say(f"[4/5] decoding {len(decode_ids)} held-out prompts x {s.decode_tokens} tokens: plain + {len(tried)} plans, "
-            f"{s.rounds} rounds")
-    warm_up_shapes(run.model, decode_ids, _step_lengths(run, tried))
-    results = measure_decoding(run.model, decode_ids, [None] + tried, run.guessers, s.decode_tokens, s.rounds, s.progress)
-    plain = results[0]
-    identical = True
-    for c, r in zip(tried, results[1:]):
-        statuses = [classify(run.model, ids, a.tolist(), b.tolist())["status"]
-                    for ids, a, b in zip(decode_ids, plain["outputs"], r["outputs"])]
-        counts = summarize(statuses)
-        identical &= counts["mismatches"] == 0
-        c.measured = {"tokens_per_step": r["tokens_per_step"], "tokens_per_s": r["tokens_per_s"],
-                      "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
-                      "identical_to_greedy": counts["identical"] == len(statuses), **counts,
-                      "steps": r["steps"], "tokens": r["tokens"],
-                      "state_frequencies": state_frequencies(c.tree, r["states"])}
-    return plain, identical
+    by_key = {c.label: c for c in racing}
+    race = Race(_arms(run, racing, profile, decode_ids))
+    outputs = _Outputs()
+    rng = random.Random(s.seed)
+    deadline = run.clock.budget_s - REPORT_RESERVE_S
+    stages = _stages(len(decode_ids))
+    eta = sum(race.stage_seconds(st) for st in stages) * s.rounds
+    run.clock.phase(5, f"racing plain decoding and {len(racing)} plans on {len(decode_ids)} held-out prompts x "
+                       f"{s.decode_tokens} tokens in {len(stages)} stages (predicted {eta:.0f} s for all; the budget "
+                       "cuts the slower half when short)", min(eta, deadline - run.clock.elapsed()) + REPORT_RESERVE_S)
+    warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
+    for k, prompts in enumerate(stages, 1):
+        while (run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline
+               and len(race.running()) > 2 and race.halve(k)):
+            pass
+        if run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline and k > 1:
+            race.log.append(f"stage {k}: stopped, the budget's time is spent")
+            break
+        _run_stage(run, race, by_key, decode_ids, prompts, outputs, rng)
+        _disqualify_mismatches(run, race, outputs, decode_ids, prompts)
+        race.prune(k)
+        lead = race.leader()
+        left = sum(race.stage_seconds(st) for st in stages[k:]) * s.rounds
+        run.say(f"      stage {k}/{len(stages)}: {len(race.running()) - 1} plans left; leader {lead.key} "
+                f"{speedup(lead, race.plain) if lead is not race.plain else '1.00x'} plain; about "
+                f"{min(left, max(deadline - run.clock.elapsed(), 0)) + REPORT_RESERVE_S:.0f} s left")
+    return race, outputs
+
+
+def _run_stage(run: _Run, race: Race, by_key: dict, decode_ids: list, prompts: list[int], outputs: _Outputs, rng) -> None:
+    """Every running arm on every prompt of the stage, in a shuffled order per prompt and round, so a
+    slow spell of the machine spreads over all of them; each (arm, prompt) time is the median."""
+    import statistics
+
+    w = run.model.get_input_embeddings().weight
+    for p in prompts:
+        ids = decode_ids[p].to(w.device)
+        times: dict[str, list[float]] = {}
+        for _ in range(run.settings.rounds):
+            arms = race.running()
+            rng.shuffle(arms)
+            for a in arms:
+                t0 = time.perf_counter()
+                out = _decode_one(run, by_key.get(a.key), ids)
+                times.setdefault(a.key, []).append(time.perf_counter() - t0)
+                if p not in outputs.tokens.get(a.key, {}):
+                    outputs.add(a.key, p, out)
+        for a in race.running():
+            a.seconds[p] = statistics.median(times[a.key])
+
+
+def _disqualify_mismatches(run: _Run, race: Race, outputs: _Outputs, decode_ids: list, prompts: list[int]) -> None:
+    """A plan whose output differs from plain greedy decoding (beyond a near tie of the target's
+    top two logits, profiler.compare) leaves the race: it is never the decision."""
+    from profiler.compare import classify
+
+    plain = outputs.tokens[PLAIN]
+    for a in race.running():
+        if a is race.plain:
+            continue
+        for p in prompts:
+            status = classify(run.model, decode_ids[p], plain[p].tolist(), outputs.tokens[a.key][p].tolist())["status"]
+            if status == "mismatch":
+                a.dropped = f"output differs from plain greedy decoding on prompt {p}"
+                race.log.append(f"{a.key}: {a.dropped}")
+                break
 
 
 def _step_lengths(run: _Run, tried: list[Candidate]) -> set[int]:
@@ -370,19 +474,87 @@ def _step_lengths(run: _Run, tried: list[Candidate]) -> set[int]:
     return lengths
 
 
-def _row(c: Candidate, path: Path) -> dict:
-    return {
-        "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size,
+# ------------------------------------------------------------------ writing
+
+
+def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
+    """ppd: how often each state was visited while decoding, next to the Markov model's pi."""
+    if tree.method != "ppd" or not states:
+        return None
+    counts = {st.state: 0 for st in tree.states}
+    for s_ in states:
+        counts[s_] += 1
+    total = sum(counts.values())
+    return {str(st.state): {"measured": counts[st.state] / total, "predicted": st.stationary_probability}
+            for st in tree.states}
+
+
+def plain_plan(reason: str) -> Tree:
+    """The decision 'plain decoding' as a plan: one state, no candidates (`planner decode --plan` runs it)."""
+    return Tree("medusa", [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "plain", "decision": reason})
+
+
+def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: float) -> dict:
+    """A finalist's measurements next to the cost model's predictions, with the prediction errors."""
+    prompts = sorted(arm.seconds)
+    tokens = sum(int(outputs.tokens[arm.key][p].numel()) for p in prompts)
+    steps = sum(outputs.steps[arm.key][p] for p in prompts)
+    decode_s = sum(outputs.decode_s[arm.key][p] for p in prompts)
+    up = speedup(arm, plain)
+    tps = tokens / max(steps, 1)
+    pred_step = step_s * c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)
+    meas_step = decode_s / max(steps, 1)
+    return {"prompts": len(prompts), "tokens": tokens, "steps": steps,
+            "measured_tokens_per_step": tps, "measured_speedup": up.mean, "measured_interval": up.to_json(),
+            "predicted_step_s": pred_step, "measured_step_s": meas_step,
+            "error_tokens_per_step": tps / c.predicted_tokens_per_step - 1,
+            "error_step_s": meas_step / pred_step - 1, "error_speedup": c.predicted_speedup / up.mean - 1,
+            "measured_tokens_per_s": tokens / max(sum(arm.seconds[p] for p in prompts), 1e-9)}
+
+
+def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int]) -> dict:
+    row = {
+        "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size, "label": c.label,
         "input_length": round(c.input_length, 3), "planned_input_length": c.tree.max_input_length,
         "draft_s": c.guessing.draft_s, "draft_passes": c.guessing.draft_passes,
-        "predicted_tokens_per_step": c.predicted_tokens_per_step,
-        "measured_tokens_per_step": c.measured["tokens_per_step"],
-        "predicted_speedup": c.predicted_speedup, "measured_speedup": c.measured["speedup"],
-        "measured_tokens_per_s": c.measured["tokens_per_s"],
-        "identical_to_greedy": c.measured["identical_to_greedy"], "near_ties": c.measured["near_ties"],
-        "mismatches": c.measured["mismatches"], "chosen": False, "tree": _shown(path),
-        "state_frequencies": c.measured["state_frequencies"],
+        "predicted_tokens_per_step": c.predicted_tokens_per_step, "predicted_speedup": c.predicted_speedup,
+        "cost_vs_plain_step": arm.cost, "dropped": arm.dropped or None, "chosen": False, "tree": _shown(path),
+        "measured_tokens_per_step": None, "measured_speedup": None, "identical_to_greedy": None,
+        "state_frequencies": state_frequencies(c.tree, states),
     }
+    if measured:
+        row.update(measured)
+        row["identical_to_greedy"] = not arm.dropped.startswith("output differs")
+    return row
+
+
+def _write_phase(run: _Run, racing: list[Candidate], race: Race, outputs: _Outputs, decision: Decision,
+                 profile: LatencyProfile, profile_path: Path, accepts: dict) -> dict:
+    """Every finalist's tree and row, the decision as RUN/chosen.json, and the summary."""
+    from planner.cost import plain_step
+    from profiler.models import dtype_name
+
+    run.clock.phase(6, "writing the run folder", REPORT_RESERVE_S)
+    s = run.settings
+    arms = {a.key: a for a in race.arms}
+    rows, chosen = [], None
+    for c in racing:
+        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
+        g = run.guessers[_measured_as(c.guesser)]
+        c.tree.provenance.update({"accept": _shown(accepts[_measured_as(c.guesser)][0]), "profile": _shown(profile_path),
+                                  "autotune": _shown(run.out_dir), "guesser_dir": _shown(g.source_dir) if g.source_dir else None})
+        save_tree(c.tree, run.out_dir / "trees" / name)
+        arm = arms[c.label]
+        measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
+        rows.append(_row(c, arm, run.out_dir / "trees" / name, measured, outputs.states.get(c.label, [])))
+        if c.label == decision.choice:
+            chosen = c
+            rows[-1]["chosen"] = True
+    tree = chosen.tree if chosen else plain_plan(decision.reason)
+    tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json())
+    save_tree(tree, run.out_dir / "chosen.json")
+    return _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts) | {
+        "dtype": dtype_name(next(run.model.parameters()).dtype)}
 
 
 def _measured_as(kind: str) -> str:
@@ -390,40 +562,47 @@ def _measured_as(kind: str) -> str:
     return "draft" if kind == "pearl" else kind
 
 
-def _write_phase(run: _Run, chosen: Candidate, tried: list[Candidate], plain: dict, identical: bool,
-                 profile_path: Path, accepts: dict) -> dict:
-    """Every tried tree into the run folder, the chosen one into trees/, and the summary."""
-    from profiler.models import dtype_name
-
+def _summary(run: _Run, chosen: Candidate | None, decision: Decision, rows: list[dict], race: Race, outputs: _Outputs,
+             profile_path: Path, accepts: dict) -> dict:
     s = run.settings
-    rows = []
-    for c in tried:
-        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
-        g = run.guessers[_measured_as(c.guesser)]
-        c.tree.provenance.update({"accept": _shown(accepts[_measured_as(c.guesser)][0]), "profile": _shown(profile_path),
-                                  "autotune": _shown(run.out_dir), "guesser_dir": _shown(g.source_dir) if g.source_dir else None})
-        save_tree(c.tree, run.out_dir / "trees" / name)
-        rows.append(_row(c, run.out_dir / "trees" / name) | {"chosen": c is chosen})
-    chosen_path = Path(s.trees_dir) / f"autotune-{run.device}-{run.loaded.name}.json"
-    save_tree(chosen.tree, chosen_path)
-    by_measured = sorted(tried, key=lambda c: -c.measured["speedup"])
-    best = by_measured[0]
+    plain = race.plain
+    plain_tokens = sum(int(t.numel()) for t in outputs.tokens[PLAIN].values())
+    measured = [r for r in rows if r["measured_speedup"] is not None]
+    best = max(measured, key=lambda r: r["measured_speedup"], default=None)
     return {
-        "chosen": _shown(chosen_path), "chosen_guesser": chosen.guesser, "chosen_method": chosen.method,
-        "chosen_size": chosen.size, "identical_to_greedy": identical,  # no mismatch (near ties counted per row)
-        "plain": {"tokens": plain["tokens"], "seconds": plain["seconds"], "tokens_per_s": plain["tokens_per_s"]},
-        "prediction_error": chosen.measured["tokens_per_step"] / chosen.predicted_tokens_per_step - 1,
-        "best_measured": {"guesser": best.guesser, "method": best.method, "size": best.size,
-                          "measured_speedup": best.measured["speedup"]},
-        "chosen_measured_rank": by_measured.index(chosen) + 1,  # 1 = the chosen plan was also measured fastest
-        "chosen_measured_vs_best": chosen.measured["speedup"] / best.measured["speedup"],
+        "chosen": _shown(run.out_dir / "chosen.json"),
+        "decision": {"choice": decision.choice, "reason": decision.reason, "measured_speedup": decision.speedup.to_json(),
+                     "predicted_speedup": chosen.predicted_speedup if chosen else 1.0,
+                     "guesser": chosen.guesser if chosen else "plain"},
+        "chosen_guesser": chosen.guesser if chosen else "plain", "chosen_method": chosen.method if chosen else "plain",
+        "chosen_size": chosen.size if chosen else 0,
+        "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows),
+        "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
+                  "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
+        "prediction_error": _prediction_errors(measured, chosen),
+        "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
+        "race": {"log": race.log, "stages": len(_stages(len(plain.seconds))) if plain.seconds else 0},
         "rows": rows, "profile": _shown(profile_path),
         "accept": {k: _shown(p) for k, (p, _) in accepts.items()},
         "guessers": {k: _shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
-        "model": run.loaded.name, "device": run.device, "dtype": dtype_name(next(run.model.parameters()).dtype),
+        "model": run.loaded.name, "device": run.device,
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
         "wall_s": None,
     }
+
+
+def _prediction_errors(measured: list[dict], chosen: Candidate | None) -> dict:
+    """How far the cost model was from the measurements: per row in the rows, summarised here."""
+    def med_abs(key):
+        vals = sorted(abs(r[key]) for r in measured)
+        return vals[len(vals) // 2] if vals else None
+
+    out = {"median_abs_tokens_per_step": med_abs("error_tokens_per_step"), "median_abs_step_s": med_abs("error_step_s"),
+           "median_abs_speedup": med_abs("error_speedup"), "rows": len(measured)}
+    row = next((r for r in measured if chosen is not None and r["label"] == chosen.label), None)
+    if row:
+        out["chosen"] = {k: row[k] for k in ("error_tokens_per_step", "error_step_s", "error_speedup")}
+    return out
 
 
 def _report_phase(run: _Run, summary: dict, profile_path: Path, accepts: dict) -> None:
@@ -433,27 +612,33 @@ def _report_phase(run: _Run, summary: dict, profile_path: Path, accepts: dict) -
     index = write_report(run.out_dir / "report", profiles=[str(profile_path)], accepts=specs,
                          trees=[summary["chosen"]], run_dir=str(run.out_dir))
     summary["report"] = _shown(index)
-    atomic_write_json(run.out_dir / "summary.json", summary)
-    run.say(f"report: {index}")
+    run.say(f"report: {_shown(index)}")
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def format_table(summary: dict) -> str:
-    head = (f"{'guesser':12} {'method':8} {'size':>5} {'n_real':>7} {'tok/step pred':>13} {'meas':>6} "
-            f"{'speedup pred':>12} {'meas':>6}  same")
+    head = (f"{'plan':24} {'n_real':>6} {'tok/step pred':>13} {'meas':>5} {'step ms pred':>12} {'meas':>6} "
+            f"{'speedup pred':>12} {'measured [95% interval]':>24}  note")
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
-        mark = " *" if r["chosen"] else ""
-        method = r["method"] + ("+" if r.get("variant") == "per-state budgets" else "")
-        same = "yes" if r["identical_to_greedy"] else ("tie" if not r.get("mismatches") else "NO")
+        iv = r.get("measured_interval")
+        meas = f"{iv['mean']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" if iv and iv["prompts"] >= MIN_PROMPTS else (
+            _fmt(r["measured_speedup"], ".2f"))
+        note = "CHOSEN" if r["chosen"] else ("out: " + r["dropped"].split(":")[0] if r["dropped"] else "")
+        if r["identical_to_greedy"] is False:
+            note = "OUTPUT DIFFERS"
         lines.append(
-            f"{r['guesser']:12} {method:8} {r['size']:>5} {r['input_length']:>7.1f} {r['predicted_tokens_per_step']:>13.2f} "
-            f"{r['measured_tokens_per_step']:>6.2f} {r['predicted_speedup']:>12.2f} {r['measured_speedup']:>6.2f}  "
-            f"{same}{mark}"
-        )
-    p = summary["plain"]
-    lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s; * = chosen ({summary['chosen']}); "
-                 f"outputs identical to greedy: {summary['identical_to_greedy']}")
-    lines.append("ppd+ = per-state budgets chosen against the latency profile; ppd = the paper's shared budget; "
-                 f"chosen plan's measured rank: {summary['chosen_measured_rank']} of {len(summary['rows'])} "
-                 f"({summary['chosen_measured_vs_best']:.2f}x of the best measured)")
+            f"{r['label']:24} {r['input_length']:>6.1f} {r['predicted_tokens_per_step']:>13.2f} "
+            f"{_fmt(r['measured_tokens_per_step'], '.2f'):>5} {_fmt(r.get('predicted_step_s') and r['predicted_step_s'] * 1e3, '.1f'):>12} "
+            f"{_fmt(r.get('measured_step_s') and r['measured_step_s'] * 1e3, '.1f'):>6} {r['predicted_speedup']:>12.2f} "
+            f"{meas:>24}  {note}")
+    p, d = summary["plain"], summary["decision"]
+    ms = d["measured_speedup"]
+    lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s over {p['prompts']} prompts")
+    lines.append(f"decision: {d['choice']} -- measured {ms['mean']:.2f}x plain"
+                 + (f" [{ms['lo']:.2f}, {ms['hi']:.2f}]" if ms["prompts"] >= MIN_PROMPTS and d["choice"] != PLAIN else "")
+                 + f", predicted {d['predicted_speedup']:.2f}x; {d['reason']}")
     return "\n".join(lines)

@@ -39,10 +39,11 @@ class Candidate:
     guesser: str = "ppd"  # ppd, draft, parallelspec, chain, lookup
     guessing: Guessing = field(default_factory=Guessing)
     measured: dict = field(default_factory=dict)
+    tag: str = ""  # tells apart two plans of one (guesser, method, size)
 
     @property
     def label(self) -> str:
-        return f"{self.guesser}/{self.method}-{self.size}{'+' if self.variant == 'per-state budgets' else ''}"
+        return f"{self.guesser}/{self.method}-{self.size}{'+' if self.variant == 'per-state budgets' else ''}{self.tag}"
 
 
 def real_input_length(tree: Tree, ensemble: int) -> float:
@@ -131,6 +132,32 @@ def pick(candidates: list[Candidate], neighbours: int, sweep: int = 8) -> tuple[
     tried = list({id(c): c for c in chosen_and_near + sweep + others}.values())
     tried.sort(key=lambda c: ((c.guesser, c.method) != (best.guesser, best.method), c.guesser, c.method, c.size))
     return best, tried
+
+
+def finalists(candidates: list[Candidate], families: int, neighbours: int = 1, sweep: int = 0) -> list[Candidate]:
+    """The plans that race (workflows.choose), best predicted first: the best predicted plan of
+    each of the `families` best (guesser, method) families, the `neighbours` sizes either side of
+    the overall best, and `sweep` sizes spread over its family. Predictions only preselect: the
+    race decides, so a family predicted a little worse still gets measured."""
+    if not candidates:
+        raise UserError("autotune: no plan fits the profiled range")
+    fams: dict[tuple[str, str], list[Candidate]] = {}
+    for c in candidates:
+        fams.setdefault((c.guesser, c.method), []).append(c)
+    tops = sorted((max(cs, key=lambda c: c.predicted_speedup) for cs in fams.values()),
+                  key=lambda c: -c.predicted_speedup)[: max(families, 1)]
+    best = tops[0]
+    same = sorted(fams[(best.guesser, best.method)], key=lambda c: (c.input_length, c.size))
+    i = same.index(best)
+    extra = same[max(0, i - neighbours): i + neighbours + 1]
+    extra += same[:: max(1, len(same) // sweep)] if sweep > 0 else []
+    out = list({id(c): c for c in tops + extra}.values())
+    labels: set[str] = set()
+    for c in out:  # race arms are keyed by label
+        while c.label in labels:
+            c.tag += "'"
+        labels.add(c.label)
+    return sorted(out, key=lambda c: -c.predicted_speedup)
 
 
 def pearl_candidates(accept: Acceptance, latencies: dict, eta: float, plain_s: float,

@@ -102,9 +102,10 @@ class Decision:
 
 
 def decide(arms: list[Arm]) -> Decision:
-    """The plan to write: see the module docstring. `arms` includes plain decoding (key PLAIN)."""
+    """The plan to write: see the module docstring. `arms` includes plain decoding (key PLAIN);
+    arms that left the race (clearly slower than another, or a wrong output) are not chosen."""
     plain = next(a for a in arms if a.key == PLAIN)
-    others = [a for a in arms if a.key != PLAIN and a.seconds]
+    others = [a for a in arms if a.key != PLAIN and a.seconds and a.running]  # out of the race: beaten, or wrong
     ups = {a.key: speedup(a, plain) for a in others}
     faster = [a for a in others if ups[a.key].lo > 1.0]
     if not faster:

@@ -32,9 +32,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest forward pass planned (and profiled)")
     p.add_argument("--context-length", type=int, default=d.context_length, help="KV-cache length for the profile")
     p.add_argument("--methods", default=",".join(METHODS), help="PPD's tree families: a subset of ppd,medusa,sequoia")
-    p.add_argument("--neighbours", type=int, default=d.neighbours, help="sizes either side of the chosen one to decode")
-    p.add_argument("--sweep", type=int, default=d.sweep, help="sizes of the chosen method spread over its range (0: none)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="decoding repeats (median per plan and prompt)")
+    p.add_argument("--budget", type=float, default=d.budget_minutes, metavar="MINUTES",
+                   help=f"bounds the whole run, loading to report (default {d.budget_minutes:g}); the race of the "
+                        "plans gets what the other phases leave")
+    p.add_argument("--finalists", type=int, default=d.finalists,
+                   help="(guesser, method) families whose best predicted plan races against plain decoding")
+    p.add_argument("--neighbours", type=int, default=d.neighbours,
+                   help="sizes either side of the best predicted plan that also race")
+    p.add_argument("--sweep", type=int, default=d.sweep, help="sizes of the best predicted method spread over its range "
+                                                               "that also race (0: none)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="runs of each (plan, prompt) in the race (the median counts)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
     p.add_argument("--accept", default=None, help="reuse this PPD acceptance file instead of measuring")
@@ -62,6 +69,10 @@ def _check(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
             raise UserError(f"--{name.replace('_', '-')}: must be an integer in 1..{top}, got {getattr(args, name)}")
     if args.neighbours < 0 or args.sweep < 0:
         raise UserError("--neighbours and --sweep: must be >= 0")
+    if not 1 <= args.finalists <= 100:
+        raise UserError(f"--finalists: must be an integer in 1..100, got {args.finalists}")
+    if not (math.isfinite(args.budget) and 0.5 <= args.budget <= 24 * 60):
+        raise UserError(f"--budget: expected minutes in 0.5..1440, got {args.budget}")
     if not (math.isfinite(args.profile_budget) and args.profile_budget > 0):
         raise UserError(f"--profile-budget: expected a positive number of seconds, got {args.profile_budget}")
     return methods, guessers
@@ -78,6 +89,7 @@ def run(args) -> int:
         questions=args.questions, accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts,
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=methods, neighbours=args.neighbours, sweep=args.sweep,
+        finalists=args.finalists, budget_minutes=args.budget,
         profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,
         profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
     )

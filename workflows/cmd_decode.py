@@ -242,7 +242,7 @@ def _recorded_guesser(tree) -> str | None:
     if tree is None or not isinstance(tree.settings.get("guesser"), str):
         return None
     kind, where = tree.settings["guesser"], tree.provenance.get("guesser_dir")
-    return f"{kind}:{where}" if isinstance(where, str) and kind != "lookup" else kind
+    return f"{kind}:{where}" if isinstance(where, str) and kind not in ("lookup", "plain") else kind
 
 
 def _mtad_quality(args, model, guesser, results: list[dict]) -> dict:

@@ -133,7 +133,7 @@ def load_everything(args):
     return loaded, tokenizer, guesser
 
 
-GUESSER_KINDS = ("ppd", "draft", "parallelspec", "chain", "lookup")
+GUESSER_KINDS = ("ppd", "draft", "parallelspec", "chain", "lookup", "plain")  # plain: no guesses (autotune's plain decision)
 SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
 
 
@@ -141,8 +141,8 @@ def parse_guesser(spec: str) -> tuple[str, str | None]:
     kind, _, path = str(spec).partition(":")
     if kind not in GUESSER_KINDS:
         raise UserError(f"--guesser {spec}: expected KIND[:PATH] with KIND one of {', '.join(GUESSER_KINDS)}")
-    if kind == "lookup" and path:
-        raise UserError("--guesser lookup takes no path (prompt lookup has no model)")
+    if kind in ("lookup", "plain") and path:
+        raise UserError(f"--guesser {kind} takes no path ({'prompt lookup' if kind == 'lookup' else 'plain decoding'} has no model)")
     return kind, path or None
 
 
@@ -155,6 +155,12 @@ def make_guesser(args, loaded, spec: str):
         if path:
             args.prompt_tokens = path
         return _prompt_tokens(args, loaded, spec)
+    if kind == "plain":
+        from decoder.guesser import PlainGuesser
+
+        g = PlainGuesser()
+        g.source_dir = None
+        return g
     if kind == "lookup":
         from decoder.lookup import PromptLookupGuesser
 
