@@ -124,12 +124,19 @@ def _plan_static(method, accept, size, max_depth, input_length, profile, max_siz
     if input_length is not None:
         raise UserError(f"{method} takes --size (candidates; input length = size + 1), not --input-length")
     depth = max_depth or default_max_depth(accept)
-    if accept.max_depth is not None and depth > accept.max_depth:
-        raise UserError(f"{accept.label}: max depth {depth} asked, the acceptance covers distances 1..{accept.max_depth}")
+    note = None
+    if accept.max_depth is not None and depth > accept.max_depth:  # --max-depth is a maximum
+        note = (f"max depth {depth} asked; {accept.label} covers distances 1..{accept.max_depth}, "
+                f"so the tree is planned within depth {accept.max_depth}")
+        depth = accept.max_depth
     rows = accept.rows(depth)
     if method == "medusa":
-        return _plan_medusa(rows, size, depth, profile, max_size, guessing)
-    return _plan_sequoia(rows, size, depth, profile, max_size, guessing)
+        tree = _plan_medusa(rows, size, depth, profile, max_size, guessing)
+    else:
+        tree = _plan_sequoia(rows, size, depth, profile, max_size, guessing)
+    if note:
+        tree.settings = dict(tree.settings, notes=[note])
+    return tree
 
 
 def _fitting_sizes(profile: LatencyProfile, guessing: Guessing, sizes: np.ndarray, depths: np.ndarray) -> np.ndarray:

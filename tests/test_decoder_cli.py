@@ -62,6 +62,21 @@ def test_accept_with_prompt_lookup(files):
     assert load_acceptance(str(out)).accuracy.shape == (4, 1)
 
 
+def test_accept_held_out_reads_only_held_out_questions(files, capsys):
+    """--held-out: the MT-bench questions no shipped guesser trained on (question_id % 5 == 0)."""
+    q = files["dir"] / "q.jsonl"
+    q.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"Question number {i}, please answer.", "x"]})
+                           for i in range(81, 96)))
+    out = files["dir"] / "acc-held.json"
+    rc = main(["accept", "--model", "tiny", "--guesser", "lookup", "--prompts", str(q), "--held-out",
+               "--max-new-tokens", "6", "-o", str(out), "--no-progress"])
+    assert rc == 0 and json.loads(out.read_text())["prompts"] == 3  # questions 85, 90, 95
+    q.write_text(json.dumps({"question_id": 81, "turns": ["x"]}))
+    assert main(["accept", "--model", "tiny", "--guesser", "lookup", "--prompts", str(q), "--held-out",
+                 "-o", str(out), "--no-progress"]) != 0
+    assert "no held-out question" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["decode", "--plan", "{missing}", "--model", "tiny", "--random-prompt-tokens", "2"], "file not found"),
     (["decode", "--plan", "{medusa}", "--model", "tiny", "--random-prompt-tokens", "2", "--prompts", "{prompts}"],

@@ -77,7 +77,6 @@ def test_profile_chooses_size_and_records_curve(tmp_path, profile, method):
     (json.dumps({"accuracy": [[0.6, 0.2]]}), ["--size", "0"], "--size must be >= 1"),
     (json.dumps({"accuracy": [[0.6, 0.2]]}), ["--size", "-3"], "--size must be >= 1"),
     (json.dumps({"accuracy": [[0.6, 0.2]]}), ["--size", "9"], "only 2 paths"),
-    (json.dumps({"accuracy": [[0.6, 0.2]]}), ["--max-depth", "2", "--size", "1"], "covers distances 1..1"),
     (json.dumps({"accuracy": [[0.6, 0.2]]}), [], "needs --size"),
 ])
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, content, args, message):
@@ -88,6 +87,18 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, con
     err = capsys.readouterr().err
     assert err.startswith("planner plan: error: ") and err.count("\n") == 1 and message in err
     assert not out.exists() and list(tmp_path.iterdir()) == [acc]
+
+
+def test_max_depth_is_a_maximum(tmp_path, capsys):
+    """--max-depth beyond what the acceptance covers plans within the covered depth, with one note."""
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"accuracy": [[0.6, 0.2]]}))
+    out = tmp_path / "out.json"
+    assert run("medusa", "--accept", acc, "--max-depth", "3", "--size", "2", "-q", "-o", out) == 0
+    data = json.loads(out.read_text())
+    assert max(len(p) for p in data["states"][0]["nodes"]) == 1 and data["settings"]["max_depth"] == 1
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "covers distances 1..1" in err and "within depth 1" in err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -29,7 +29,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(what sequoia trees for lossless sampling are planned with), instead of greedy top-k")
     p.add_argument("--width", type=int, default=4, help="with --temperature: sampled children per node measured")
     p.add_argument("--samples", type=int, default=32, help="with --temperature: sibling procedures simulated per position")
+    p.add_argument("--held-out", action="store_true",
+                   help="measure on the MT-bench questions held out of every shipped guesser's training "
+                        "(question_id %% 5 == 0, first turns) of --prompts (default the MT-bench file)")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
+
+
+def prompt_texts(args) -> list[str]:
+    """--prompts (or the MT-bench default), the held-out questions only with --held-out."""
+    if not getattr(args, "held_out", False):
+        return read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
+    from workflows.inputs import held_out_questions
+
+    texts = held_out_questions(str(args.prompts or DEFAULT_PROMPTS))
+    if not texts:
+        raise UserError(f"--held-out: {args.prompts or DEFAULT_PROMPTS} has no held-out question (question_id % 5 == 0)")
+    return texts[: args.num_prompts] if args.num_prompts else texts
 
 
 def _sampled(args) -> int:
@@ -44,7 +59,7 @@ def _sampled(args) -> int:
     if not (math.isfinite(args.temperature) and args.temperature > 0) or not 1 <= args.width <= 64 \
             or not 1 <= args.samples <= 10000:
         raise UserError("--temperature > 0, --width in 1..64, --samples in 1..10000")
-    texts = read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
+    texts = prompt_texts(args)
     loaded, tokenizer, guesser = load_everything(args)
     if not hasattr(guesser, "draft_model"):
         raise UserError("--temperature: sampled acceptance is measured for --guesser draft[:DIR] (sampled children)")
@@ -74,7 +89,7 @@ def run(args) -> int:
     from planner.tree import load_tree
 
     tree = load_tree(args.plan) if args.plan else None
-    texts = read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
+    texts = prompt_texts(args)
     from profiler.acceptance import measure_accuracy, measure_transitions
 
     loaded, tokenizer, guesser = load_everything(args)

@@ -150,6 +150,8 @@ def run(args) -> int:
         import json
 
         print(json.dumps(tree.to_json(), indent=1))
+    for note in tree.settings.get("notes", []):
+        print(f"planner plan: note: {note}", file=sys.stderr)  # said even with -q: the plan differs from the ask
     if not args.quiet:
         print(summary(tree, label), file=sys.stderr)
         for line in schedule_lines(tree):

@@ -25,8 +25,8 @@ def shipped(model_name: str, kind: str) -> Path | None:
     return d if d.is_dir() else None
 
 
-def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
-    """First turns of the MT-bench questions held out of all training, split in two disjoint sets."""
+def held_out_questions(questions_path: str) -> list[str]:
+    """First turns of the MT-bench questions held out of all training (training.data.held_out_question)."""
     from training.data import held_out_question
 
     path = Path(questions_path)
@@ -41,9 +41,14 @@ def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple
             rows.append((int(q["question_id"]), str(q["turns"][0])))
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
             raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
-    held = [text for qid, text in rows if held_out_question(qid)]
+    return [text for qid, text in rows if held_out_question(qid)]
+
+
+def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
+    """The held-out questions split in two disjoint sets (acceptance, decoding)."""
+    held = held_out_questions(questions_path)
     if len(held) < n_accept + n_decode:
-        raise UserError(f"{path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
+        raise UserError(f"{questions_path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
     # Interleave so both sets span the categories (questions are grouped by category).
     return held[0::2][:n_accept], held[1::2][:n_decode]
 
