@@ -15,7 +15,9 @@ no file outside it is written. `--budget MINUTES` bounds the whole run.
 from __future__ import annotations
 
 import random
+import sys
 import time
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,7 +161,7 @@ def _open_run(s: AutotuneSettings) -> _Run:
 
     from profiler.models import default_device, load_model
 
-    say = print if s.progress else (lambda *a, **k: None)
+    say = partial(print, flush=True) if s.progress else (lambda *a, **k: None)  # progress shows when piped too
     clock = _Clock(s.budget_minutes * 60.0, say)
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -231,7 +233,7 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
                            f"context {s.context_length}, the decoder's own per-step work; {budget:.0f} s",
                         run.clock.left())
         prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
-                             time_budget_s=budget, progress=s.progress)
+                             time_budget_s=budget, progress=s.progress and sys.stderr.isatty())  # bars: terminals only
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
     if profile.max_input_length < s.max_input_length:
