@@ -58,3 +58,20 @@ def test_gpu_riders_smoke(tmp_path, kind):
     assert result["rows"] and result["weights"].startswith("random")
     if kind == "pearl":
         assert {"sd", "pearl", "pearl_serial", "eta"} <= set(result["rows"][0])
+
+
+def test_bench_main_job_smoke(tmp_path):
+    """The main job's benchmark runs end to end on the toy model with a plain decision and a lookup
+    chain, and every contender's output equals transformers' generate."""
+    from planner.tree import TreeState, Tree, save_tree
+
+    chain = Tree("medusa", [TreeState(0, [(0,), (0, 0)], 1.5, 3)], 1.5, settings={"guesser": "lookup"})
+    for name, plan in (("plain", None), ("lookup", save_tree(chain, tmp_path / "lookup.json"))):
+        out = tmp_path / name
+        cmd = [sys.executable, str(ROOT / "bench" / "bench_main_job.py"), "--smoke", "--out", str(out), "--no-progress"]
+        r = subprocess.run(cmd + (["--plan", str(plan)] if plan else []), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        doc = json.loads(out.with_suffix(".json").read_text())
+        assert set(doc["results"]) == {"generate", "generate+lookup", "plain loop", "chosen"}
+        assert all(res["mismatches"] == 0 for res in doc["results"].values())
+        assert doc["results"]["generate"]["speedup_vs_generate"] == 1.0
