@@ -267,6 +267,11 @@ def _acceptance_phase(run: _Run, accept_ids: list, profile: LatencyProfile) -> d
     if not measure:
         return out
     eta = _acceptance_eta(run, profile, len(accept_ids))
+    share = 0.35 * run.clock.left()  # the race needs the rest
+    if eta > share and len(accept_ids) > 2:
+        keep = max(2, int(len(accept_ids) * share / eta))
+        run.say(f"      the budget fits {keep} of {len(accept_ids)} acceptance prompts (predicted {eta:.0f} s for all)")
+        accept_ids, eta = accept_ids[:keep], eta * keep / len(accept_ids)
     run.clock.phase(2, f"acceptance of {', '.join(measure)} on {len(accept_ids)} held-out prompts x {s.accept_tokens} "
                        "tokens (one greedy decode each, shared)", run.clock.left())
     ppd = measure.get("ppd")
