@@ -1,10 +1,10 @@
 """Fit the simulator's constants once to the published points marked "fit", and print the error
 of every point (python scripts/fit_simulated_gpus.py [--write]).
 
-Per GPU that owns constants (a100-80gb for both A100s, h100-sxm): eta_m, t_layer_s and, where a
-point weighs FLOPs, eta_c, by least squares on relative errors; t0_s is held at 0.1 ms (two n = 1
-points cannot tell a fixed cost from a per-layer one). A GPU with no point that weighs FLOPs takes
-eta_c from the A100 fit. Eager: per_layer_s by least squares with floor_s held at 2 ms.
+One joint least-squares fit of relative errors over the graphs points: t_layer_s shared by all
+GPUs, eta_m per GPU that owns constants (a100-80gb for both A100s, h100-sxm), eta_c where a point
+weighs FLOPs (the A100's; the H100 borrows it); t0_s is held at 0.1 ms (n = 1 points cannot tell a
+fixed cost from a per-layer one). Eager: per_layer_s by least squares with floor_s held at 2 ms.
 --write stores the constants in planner/simulated_gpus.json; tests/test_simulate.py checks that
 the stored constants are what this fit returns.
 """
@@ -50,34 +50,41 @@ def _owner(gpus, name: str) -> str:
 
 
 def fit(points: list[dict] | None = None) -> dict:
-    """{"eager": {...}, owner: {eta_m, eta_c, t0_s, t_layer_s}} from the "fit" points."""
+    """{"eager": {...}, owner: {eta_m, eta_c, t0_s, t_layer_s}} from the "fit" points.
+
+    One joint least-squares fit of relative errors: t_layer_s is shared by every GPU (the gaps
+    between a graph's kernels, a property of the engine more than of the chip; the H100's 16- and
+    32-layer points are what pins it), eta_m is per GPU that owns constants, eta_c per GPU with a
+    point that weighs FLOPs, borrowed from ETA_C_FROM by the others.
+    """
     points = points or load_points()
     gpus, eager = load_gpu_table()
     eager_pts = [p for p in points if p["role"] == "fit" and p["engine"] == "eager"]
     layers = np.array([point_architecture(p).layers for p in eager_pts], dtype=float)
     y = np.array([p["measured_ms"] / 1e3 - eager.floor_s for p in eager_pts])
     eager = Eager(eager.floor_s, float(layers @ y / (layers @ layers)))
-    out: dict = {"eager": {"floor_s": eager.floor_s, "per_layer_s": eager.per_layer_s}}
     graph_pts = [p for p in points if p["role"] == "fit" and p["engine"] == "graphs"]
-    owners = sorted({_owner(gpus, p["gpu"]) for p in graph_pts}, key=lambda o: o != ETA_C_FROM)
-    for owner in owners:
-        mine = [p for p in graph_pts if _owner(gpus, p["gpu"]) == owner]
-        weighs_flops = any(p["input_length"] * p["batch_size"] > 16 for p in mine)
-        names = ["eta_m", "t_layer_s"] + (["eta_c"] if weighs_flops else [])
-        fixed = {"t0_s": T0_S, "eta_c": out[ETA_C_FROM]["eta_c"] if not weighs_flops else 0.8}
+    owners = sorted({_owner(gpus, p["gpu"]) for p in graph_pts})
+    flops_owners = sorted({_owner(gpus, p["gpu"]) for p in graph_pts if p["input_length"] * p["batch_size"] > 16})
+    names = ["t_layer_s"] + [f"eta_m:{o}" for o in owners] + [f"eta_c:{o}" for o in flops_owners]
 
-        def residuals(x, mine=mine, names=names, fixed=fixed):
-            c = dict(fixed, **dict(zip(names, x)))
-            table = {k: replace(g, **c) for k, g in gpus.items()}
-            return [predict_ms(p, table, eager) / p["measured_ms"] - 1 for p in mine]
+    def constants(x) -> dict:
+        v = dict(zip(names, x))
+        return {o: {"eta_m": v[f"eta_m:{o}"], "eta_c": v.get(f"eta_c:{o}", v.get(f"eta_c:{ETA_C_FROM}")),
+                    "t0_s": T0_S, "t_layer_s": v["t_layer_s"]} for o in owners}
 
-        x0 = [0.8, 3e-5] + ([0.8] if weighs_flops else [])
-        lo, hi = zip(*(BOUNDS[n] for n in names))
-        res = least_squares(residuals, x0, bounds=(lo, hi), x_scale=[0.1, 1e-5] + ([0.1] if weighs_flops else []),
-                            xtol=1e-12, ftol=1e-12)
-        c = dict(fixed, **dict(zip(names, (float(v) for v in res.x))))
-        out[owner] = {k: round(c[k], 4 if k.startswith("eta") else 7) for k in ("eta_m", "eta_c", "t0_s", "t_layer_s")}
-    out["eager"] = {k: round(v, 7) for k, v in out["eager"].items()}
+    def residuals(x):
+        c = constants(x)
+        table = {k: replace(g, **c[g.constants_from]) if g.constants_from in c else g for k, g in gpus.items()}
+        return [predict_ms(p, table, eager) / p["measured_ms"] - 1 for p in graph_pts]
+
+    bounds = [BOUNDS[n.split(":")[0]] for n in names]
+    x0 = [3e-5] + [0.8] * (len(names) - 1)
+    res = least_squares(residuals, x0, bounds=tuple(zip(*bounds)), x_scale=[1e-5] + [0.1] * (len(names) - 1),
+                        xtol=1e-12, ftol=1e-12)
+    out: dict = {"eager": {"floor_s": eager.floor_s, "per_layer_s": round(eager.per_layer_s, 7)}}
+    for owner, c in constants(res.x).items():
+        out[owner] = {k: round(float(c[k]), 4 if k.startswith("eta") else 7) for k in ("eta_m", "eta_c", "t0_s", "t_layer_s")}
     return out
 
 

@@ -211,7 +211,7 @@ def test_list_gpus(capsys):
     lines = capsys.readouterr().out.splitlines()
     for name in ("a100-40gb", "a100-80gb", "h100-sxm", "rtx-4090", "l40s", "a10g"):
         line = next(x for x in lines if x.startswith(name))
-        assert "GB/s" in line and "TFLOP/s" in line and "datasheet" in line.lower() or "whitepaper" in line.lower()
+        assert "GB/s" in line and "TFLOP/s" in line and ("datasheet" in line.lower() or "whitepaper" in line.lower())
 
 
 @pytest.fixture
