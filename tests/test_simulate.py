@@ -264,6 +264,30 @@ def test_autotune_refuses_to_measure_on_a_simulated_profile(sim_profile, tmp_pat
         _profile_phase(run)
 
 
+def test_tune_refuses_to_measure_on_a_simulated_profile(sim_profile):
+    pytest.importorskip("optuna")
+    from workflows.tune import SearchSpace, parse_accept_spec, tune
+
+    space = SearchSpace(sources=[parse_accept_spec(f"{PUBLISHED_ACCEPT}:ppd-vicuna-7b")])
+    with pytest.raises(UserError, match="planner tune --objective measured"):
+        tune(space, load_profile(str(sim_profile)), trials=0, storage="sqlite:///:memory:",
+             study_name="s", objective="measured", evaluator=lambda *a: None)
+
+
+def test_simulate_imports_no_torch():
+    """--simulate is arithmetic on a config: it must not pay for torch or transformers (under a second)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tempfile, os\nfrom workflows.cli import main\n"
+            "d = tempfile.mkdtemp()\n"
+            "assert main(['profile', '--simulate', 'h100-sxm', '--model', 'llama-3-8b', '-o', os.path.join(d, 'p.json')]) == 0\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers'))[:3])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_gpu_plans_bigger_trees_than_this_cpu_and_smaller_at_large_batches(tmp_path, sim_profile):
     """The point of simulating: the same acceptance statistics give a bigger tree where L(n) is flat
     (a simulated H100 for Vicuna-7B) than on this CPU's measured profile, and smaller trees as the
