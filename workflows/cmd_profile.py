@@ -220,6 +220,9 @@ def _simulate(args) -> int:
     writable_target(out)
     profile = simulate_profile(arch, gpu, dtype, engine, parse_lengths(args.input_lengths), args.context_length,
                                parse_batch_sizes(args.batch_size), model_source=source)
+    import datetime
+
+    profile["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     profile["settings"] = {"command": "planner profile " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["profile"]
                                                                     else sys.argv[1:])}
     atomic_write_json(out, profile)
