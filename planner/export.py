@@ -31,6 +31,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from planner.errors import UserError
+from planner.simulate import describe, simulated_of
 from planner.tree import ScheduleEntry, Tree
 
 FORMAT = "tree-planner/export"
@@ -153,9 +154,21 @@ def build(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, basis: dict
     """The engine's closest setting; `notes` (what the inputs lacked) come first."""
     builder = {"vllm": _vllm, "sglang": _sglang, "trtllm": _trtllm, "hf": _hf}[check_engine(opts.engine)]
     out = builder(plan, ranges, opts)
-    out.notes = list(notes) + _common_notes(plan, opts) + out.notes
+    out.notes = list(notes) + simulated_notes(plan, basis) + _common_notes(plan, opts) + out.notes
     out.basis = basis
     return out
+
+
+def simulated_notes(plan: Tree, basis: dict) -> list[str]:
+    """Settings planned on a simulated profile (`planner profile --simulate`) say so, once: they
+    are predictions for that GPU, to be checked on it."""
+    found = {}
+    for what, record in (("the plan", (plan.provenance or {}).get("profile")), ("the draft lengths", basis.get("profile"))):
+        mark = simulated_of(record or {})
+        if mark is not None:
+            found.setdefault(describe(mark), []).append(what)
+    return [f"{' and '.join(whats)} rest on a {label} profile: predicted, not measured; profile the real GPU "
+            "(planner profile) and plan again before relying on these settings" for label, whats in found.items()]
 
 
 def _common_notes(plan: Tree, opts: ExportOptions) -> list[str]:

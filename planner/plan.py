@@ -112,6 +112,8 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
     tree.provenance["acceptance"] = dict(accept.source)
     if profile is not None:
         tree.provenance["profile"] = {k: v for k, v in profile.source.items() if isinstance(v, (str, int, float))}
+        if isinstance(profile.source.get("simulated"), dict):
+            tree.provenance["profile"]["simulated"] = profile.source["simulated"]
     return tree
 
 

@@ -94,6 +94,8 @@ def profile_from_json(data, label: str = "profile", source: dict | None = None,
     for k in ("device", "model", "dtype", "context_length", "batch_size"):
         if k in data:
             src[k] = data[k]
+    if isinstance(data.get("simulated"), dict):  # computed, not measured: every plan made from it says so
+        src["simulated"] = data["simulated"]
     return LatencyProfile(n, lat, src, _overhead(data.get("decoder_overhead"), label, field_prefix))
 
 
@@ -132,7 +134,7 @@ def load_profile(path: str) -> LatencyProfile:
 
 
 # Fields of a profiler file that describe every series (the series themselves carry only their numbers).
-SHARED_FIELDS = ("device", "model", "dtype", "context_length")
+SHARED_FIELDS = ("device", "model", "dtype", "context_length", "simulated")
 
 
 def load_batch_profiles(path) -> dict[int, LatencyProfile]:

@@ -236,6 +236,8 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
                              time_budget_s=budget, progress=s.progress and sys.stderr.isatty())  # bars: terminals only
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
+    from planner.simulate import refuse_to_measure
+    refuse_to_measure(profile, "planner autotune")  # it decodes here against the profile's predictions
     if profile.max_input_length < s.max_input_length:
         raise UserError(f"{path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
     return path, profile

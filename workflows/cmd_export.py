@@ -156,7 +156,10 @@ def _inputs(args, plan, notes: list[str]):
     accept = load_acceptance(acc_spec)
     profiles = load_batch_profiles(prof_path)
     src = next(iter(profiles.values())).source
-    return accept, profiles, {"acceptance": dict(accept.source), "profile": {k: src[k] for k in ("file", "sha256")},
+    record = {k: src[k] for k in ("file", "sha256")}
+    if isinstance(src.get("simulated"), dict):
+        record["simulated"] = {k: src["simulated"].get(k) for k in ("gpu", "engine", "dtype")}
+    return accept, profiles, {"acceptance": dict(accept.source), "profile": record,
                               "profile_batch_sizes": sorted(profiles)}
 
 

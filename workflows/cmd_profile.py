@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "missing), a preset name (see --list-models), a local Hugging Face model directory, or a "
                         "config.json")
     p.add_argument("--list-models", action="store_true", help="print the preset names and exit")
+    p.add_argument("--simulate", default=None, metavar="GPU",
+                   help="compute the profile for this GPU instead of measuring (an additive roofline fitted to "
+                        "published measurements; the file is marked \"simulated\"); see --list-gpus")
+    p.add_argument("--list-gpus", action="store_true", help="print the GPUs --simulate knows, with datasheet figures")
+    p.add_argument("--engine", default=None, choices=["graphs", "eager"],
+                   help="with --simulate: graphs (CUDA graphs / fused kernels: SGLang, TensorRT-LLM, gpt-fast; "
+                        "default) or eager (Hugging Face eager code with its CPU launch floor per layer)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
                    help="default: bf16 (fp16 without bf16 support) on GPU, fp32 on CPU")
@@ -114,6 +121,10 @@ def run(args) -> int:
     if args.list_models:
         print("\n".join(preset_names()))
         return 0
+    if args.list_gpus or args.simulate:
+        return _simulate(args)
+    if args.engine:
+        raise UserError("--engine: only with --simulate GPU (a measured profile times what this machine runs)")
     lengths = parse_lengths(args.input_lengths)
     batch_sizes = parse_batch_sizes(args.batch_size)
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -180,3 +191,64 @@ def run(args) -> int:
             f"stopped there and kept the {kept} points measured so far in {out}"
         )
     return 0
+
+
+# Options that steer a measurement; a simulated profile has none to steer.
+MEASURING_OPTIONS = (("device", None), ("time_budget", None), ("cuda_graphs", False), ("threads", None),
+                     ("plot", None), ("attention", "sdpa"), ("layout", "padded"))
+
+
+def _simulate(args) -> int:
+    """`--simulate GPU`: the profile computed by planner.simulate, in the measured profile's schema."""
+    from planner.jsonio import atomic_write_json, read_json, writable_target
+    from planner.simulate import architecture_from_config, get_gpu, gpu_lines, simulate_profile
+    from profiler.models import default_model_spec
+
+    if args.list_gpus:
+        print("\n".join(gpu_lines()))
+        return 0
+    for name, default in MEASURING_OPTIONS:
+        if getattr(args, name) != default:
+            raise UserError(f"--{name.replace('_', '-')}: not with --simulate (nothing is measured)")
+    gpu = get_gpu(args.simulate)
+    spec = args.model or default_model_spec()
+    name, source, config_file = _config_file(spec)
+    arch = architecture_from_config(read_json(config_file), name, str(config_file))
+    engine = args.engine or "graphs"
+    dtype = args.dtype or "bf16"
+    out = Path(args.output) if args.output else Path("profiles") / f"sim-{gpu.name}-{engine}-{name}.json"
+    writable_target(out)
+    profile = simulate_profile(arch, gpu, dtype, engine, parse_lengths(args.input_lengths), args.context_length,
+                               parse_batch_sizes(args.batch_size), model_source=source)
+    import datetime
+
+    profile["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    profile["settings"] = {"command": "planner profile " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["profile"]
+                                                                    else sys.argv[1:])}
+    atomic_write_json(out, profile)
+    n, lat = profile["input_lengths"], profile["latency_s"]
+    print(f"wrote {out}: SIMULATED {gpu.name} ({engine}, {dtype}), {name}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, "
+          f"L({n[-1]}) = {lat[-1] * 1e3:.3f} ms (predicted, not measured)", file=sys.stderr)
+    return 0
+
+
+def _config_file(spec: str) -> tuple[str, str, Path]:
+    """(name, source, config.json) of a preset, the built-in model, a model directory or a config file,
+    read as JSON only (no transformers: a simulated profile takes well under a second)."""
+    from profiler.models import BUILTIN_DIR, PRESET_DIR, preset_names
+
+    if "/" not in spec and (PRESET_DIR / f"{spec}.json").is_file():
+        return spec, "preset", PRESET_DIR / f"{spec}.json"
+    if spec == "builtin":
+        return spec, "dir", BUILTIN_DIR / "config.json"
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: directory has no config.json (expected a Hugging Face model directory)")
+        return path.resolve().name, "dir", path / "config.json"
+    if path.is_file():
+        return (path.resolve().parent.name if path.name == "config.json" else path.stem), "config", path
+    if "/" in spec or spec.endswith(".json"):
+        raise UserError(f"{spec}: file not found (expected a preset name, a model directory or a config.json)")
+    raise UserError(f"unknown model preset '{spec}' (presets: {', '.join(preset_names())}; or pass a model "
+                    "directory or config.json)")

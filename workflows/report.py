@@ -18,6 +18,7 @@ import numpy as np
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
 from planner.profile import LatencyProfile, load_profile
+from planner.simulate import describe, simulated_of
 from planner.tree import Tree, load_tree
 
 MAX_TABLE_ROWS = 80
@@ -61,14 +62,35 @@ def load_profile_input(spec: str | LatencyProfile) -> ProfileInput:
 
 
 def _profile_label(meta: dict, fallback: str) -> str:
-    parts = [str(meta[k]) for k in ("device", "model") if meta.get(k)]
+    mark = simulated_of(meta)
+    if mark is not None:  # a computed profile is never drawn as if measured
+        parts = [describe(mark)] + ([str(meta["model"])] if meta.get("model") else [])
+    else:
+        parts = [str(meta[k]) for k in ("device", "model") if meta.get(k)]
     if meta.get("context_length"):
         parts.append(f"ctx {meta['context_length']}")
     return ", ".join(parts) if parts else str(fallback)
 
 
 def _tree_label(spec, tree: Tree) -> str:
-    return Path(spec).stem if isinstance(spec, (str, Path)) else f"{tree.method} tree"
+    label = Path(spec).stem if isinstance(spec, (str, Path)) else f"{tree.method} tree"
+    mark = simulated_of((tree.provenance or {}).get("profile") or {})
+    return f"{label} (planned on {describe(mark)})" if mark is not None else label
+
+
+def simulated_notes(profs: list[ProfileInput], trees: list) -> list[str]:
+    """One note per simulated profile and per tree planned on one: predictions, not measurements."""
+    out = []
+    for p in profs:
+        if simulated_of(p.profile.source) is not None:
+            out.append(f"Profile '{p.label}' is simulated (planner profile --simulate): computed for a GPU this "
+                       "machine does not have, not measured; its latencies and speedups are predictions.")
+    for spec, tree in trees:
+        mark = simulated_of((tree.provenance or {}).get("profile") or {})
+        if mark is not None:
+            out.append(f"Tree '{_tree_label(spec, tree)}' was planned on a simulated profile ({describe(mark)}): "
+                       "its predicted speedup is for that GPU, not measured.")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +549,7 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sections: list[Section] = []
-    notes: list[str] = []
+    notes: list[str] = simulated_notes(profs, loaded_trees)
 
     def add(section_or_list):
         for s in section_or_list if isinstance(section_or_list, list) else [section_or_list]:

@@ -31,6 +31,7 @@ from planner.cost import Guessing, Prediction, default_guessing, input_lengths, 
 from planner.errors import UserError
 from planner.plan import MAX_PROMPT_TOKENS, MAX_SIZE
 from planner.profile import LatencyProfile
+from planner.simulate import refuse_to_measure
 from planner.tree import METHODS, Tree, save_tree
 
 OBJECTIVES = ("predicted", "measured")
@@ -446,6 +447,8 @@ def tune(space: SearchSpace, profile: LatencyProfile | None, *, trials: int, sto
         raise UserError("--objective predicted needs a latency profile (--profile)")
     if objective == "measured" and evaluator is None:
         raise UserError("--objective measured needs a model to decode with (--model)")
+    if objective == "measured" and profile is not None:
+        refuse_to_measure(profile, "planner tune --objective measured")
     if memory == "kv_bytes" and kv_per_token is None:
         memory_value(1, memory, None)  # raises the explanation
     if trials < 0:
