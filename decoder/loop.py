@@ -12,7 +12,7 @@ timings compare like with like. Batch size 1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ class _Target:
     root: torch.Tensor  # [1] long, on the device
     kernel_path: bool  # attention through the tree kernels: trees go in as parents, no dense mask
     want_hidden: bool
+    pad_to: dict = field(default_factory=dict)  # {n: m}: run n-token steps at m tokens (planner.profile._padded)
 
 
 def _eos_set(model, eos_token_id) -> set[int]:
@@ -171,7 +172,7 @@ def _start_target(model, ids: torch.Tensor, want_hidden: bool) -> tuple[_Target,
 def _check_window(target: _Target, session: GuessSession, max_new_tokens: int) -> None:
     """The whole run must fit the model's positions (and a sliding window, which compaction cannot cross)."""
     T = target.context_length + 1
-    longest = T + max_new_tokens + session.max_input_length
+    longest = T + max_new_tokens + max(session.max_input_length, *target.pad_to.values(), 0)
     max_pos = getattr(target.model.config, "max_position_embeddings", None)
     if max_pos is not None and longest > max_pos:
         raise UserError(f"model: prompt ({T}) + max_new_tokens ({max_new_tokens}) + step input "
@@ -206,7 +207,32 @@ def _step_inputs(target: _Target, proposal: Proposal) -> tuple[torch.Tensor, dic
         args.update(input_ids=None, inputs_embeds=torch.cat([embed(tree_ids), proposal.extra_embeds])[None])  # [1, n, hidden]
     else:
         args.update(input_ids=tree_ids[None], inputs_embeds=None)
+    m = target.pad_to.get(lay.input_length)
+    if m and args["attention_mask"] is not None:
+        _pad(args, target.root, m, C)
     return tree_ids, args
+
+
+def _pad(args: dict, root: torch.Tensor, m: int, C: int) -> None:
+    """Append m - n tokens that nothing reads, so the forward runs at the length the profile measured
+    cheaper: each sees the cache and itself, no tree token sees them, their logits are dropped and
+    the cache commit keeps accepted tree tokens only, so the step's outcome is the unpadded one's."""
+    pos = args["position_ids"]  # [1, n]
+    n = pos.shape[1]
+    k = m - n
+    args["position_ids"] = torch.cat([pos, pos.new_full((1, k), C)], dim=1)
+    if args["input_ids"] is not None:
+        args["input_ids"] = torch.cat([args["input_ids"], root.expand(k)[None]], dim=1)  # [1, m]
+    else:
+        e = args["inputs_embeds"]  # [1, n, H], the root first
+        args["inputs_embeds"] = torch.cat([e, e[:, :1].expand(1, k, e.shape[2])], dim=1)
+    mask = args["attention_mask"]  # [1, 1, n, C + n]
+    padded = mask.new_full((1, 1, m, C + m), torch.finfo(mask.dtype).min)
+    padded[..., :n, : C + n] = mask
+    padded[..., n:, :C] = 0
+    extra = torch.arange(n, m, device=mask.device)
+    padded[0, 0, extra, C + extra] = 0
+    args["attention_mask"] = padded
 
 
 def _score(target: _Target, args: dict):
@@ -235,6 +261,8 @@ def decode(model, input_ids, plan: Tree | None, guesser, max_new_tokens: int, sa
     gen = torch.Generator().manual_seed(seed)
     t_start = time.perf_counter()
     target, prompt_hidden = _start_target(model, ids, guesser.needs_hidden)
+    if plan is not None and not target.kernel_path:
+        target.pad_to = {int(k): int(v) for k, v in plan.settings.get("pad_to", {}).items()}
     session = guesser.begin(model, plan, ids, DecodeContext(sampling, gen, dtype, device, label, prompt_hidden))
     _check_window(target, session, max_new_tokens)
     clock.sync()
@@ -265,6 +293,9 @@ def _step(target: _Target, session: GuessSession, sampling: Sampling, gen, clock
     tree_ids, args = _step_inputs(target, proposal)
     clock.lap("prepare")
     logits, hidden = _score(target, args)
+    n = proposal.layout.input_length
+    if logits.shape[0] > n:  # a padded step: the padding's rows are nobody's
+        logits, hidden = logits[:n], None if hidden is None else hidden[:n]
     clock.lap("forward")
     tree_logits = logits[: proposal.layout.num_tree]
     if proposal.rule is not None:

@@ -101,6 +101,12 @@ def step_cost(profile: LatencyProfile, n, depth=0, guessing: Guessing = Guessing
     return profile.latency(n) + profile.overhead(n) + guessing.draft_cost(depth)
 
 
+def padding(profile: LatencyProfile) -> dict:
+    """The settings a plan records so the decoder realises the profile's prices: {"pad_to": {n: m}}
+    where a forward of n tokens runs padded to m (planner.profile._padded); {} when none pays."""
+    return {"pad_to": {str(n): m for n, m in sorted(profile.pad_to.items())}} if profile.pad_to else {}
+
+
 def plain_step(profile: LatencyProfile) -> float:
     """One step of plain decoding: one token, no drafter."""
     return float(step_cost(profile, 1))

@@ -26,6 +26,7 @@ from planner.cost import (
     default_guessing,
     input_lengths,
     mean_input_length,
+    padding,
     plain_step,
     predicted_speedup,
     step_cost,
@@ -109,6 +110,7 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
     if profile is not None:
         tree.predicted_speedup = predicted_speedup(tree, profile, guessing)
         tree.settings["guessing"] = asdict(guessing)
+        tree.settings.update(padding(profile))
     tree.provenance["acceptance"] = dict(accept.source)
     if profile is not None:
         tree.provenance["profile"] = {k: v for k, v in profile.source.items() if isinstance(v, (str, int, float))}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from planner.accept import Acceptance
 from planner.candidate import tree_tau
-from planner.cost import Guessing, default_guessing, input_lengths, mean_input_length, predict
+from planner.cost import Guessing, default_guessing, input_lengths, mean_input_length, padding, predict
 from planner.errors import PlainIsFastest, UserError
 from planner.plan import plan
 from planner.profile import LatencyProfile
@@ -54,7 +54,7 @@ def real_input_length(tree: Tree, ensemble: int) -> float:
 def _candidate(method, tree, size, profile, guessing: Guessing, guesser: str, variant="") -> Candidate:
     pred = predict(tree, profile, guessing)
     tree.predicted_speedup = pred.speedup
-    tree.settings = dict(tree.settings, guesser=guesser)
+    tree.settings = dict(tree.settings, guesser=guesser, **padding(profile))
     return Candidate(method, tree, size, mean_input_length(tree, guessing), pred.tokens_per_step, pred.speedup,
                      variant, guesser, guessing)
 
