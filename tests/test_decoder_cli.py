@@ -62,6 +62,20 @@ def test_accept_with_prompt_lookup(files):
     assert load_acceptance(str(out)).accuracy.shape == (4, 1)
 
 
+def test_decode_runs_autotunes_plain_decision(files):
+    """autotune writes 'plain decoding' as a plan with no candidates and guesser plain: decode takes it."""
+    from workflows.autotune import plain_plan
+
+    plan = save_tree(plain_plan("no plan measured faster than plain"), files["dir"] / "chosen.json")
+    out = files["dir"] / "plain.json"
+    rc = main(["decode", "--plan", str(plan), "--model", "tiny", "--prompts", str(files["prompts"]),
+               "--max-new-tokens", "6", "--compare-plain", "-o", str(out), "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["guesser"]["kind"] == "plain" and doc["summary"]["tokens_per_step"] == 1.0
+    assert doc["summary"]["identical_to_plain"] is True
+
+
 def test_accept_held_out_reads_only_held_out_questions(files, capsys):
     """--held-out: the MT-bench questions no shipped guesser trained on (question_id % 5 == 0)."""
     q = files["dir"] / "q.jsonl"
