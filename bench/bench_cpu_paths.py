@@ -179,6 +179,10 @@ def _decode(model, prompts, variants: dict, tokens: int, rounds: int, seed: int,
     return rows
 
 
+def _f(x, scale: float = 1e3, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x * scale, fmt)
+
+
 def _markdown(doc: dict) -> str:
     m, mp, w = doc["machine"], doc["matmul_paths"], doc["whole_model"]
     lines = [f"# CPU matmul paths ({doc['model']})", "",
@@ -191,17 +195,17 @@ def _markdown(doc: dict) -> str:
         lines += [f"**{s['out_features']} x {s['in_features']}** ({s.get('modules', '?')} modules)", "",
                   "| path | " + " | ".join(str(M) for M in rows) + " |", "|---|" + "---|" * len(rows)]
         for p, ts in (s.get("best_s") or {}).items():
-            lines.append(f"| {p} | " + " | ".join("-" if t is None else f"{t * 1e3:.2f}" for t in ts) + " |")
+            lines.append(f"| {p} | " + " | ".join(_f(t, 1e3, ".2f") for t in ts) + " |")
         lines += ["| **installed** | " + " | ".join(s["paths"]) + " |", ""]
     lines += [f"Extra weight layouts installed: {mp.get('extra_bytes', 0) / 2**20:.0f} MiB "
               f"(model weights {mp.get('weight_bytes', 0) / 2**20:.0f} MiB).", "",
               "## Whole forward L(n), n new tokens after the context (median ms, interleaved pairs)", "",
               "| n | " + " | ".join(str(n) for n in w["rows"]) + " |", "|---|" + "---|" * len(w["rows"]),
-              "| F.linear | " + " | ".join(f"{x * 1e3:.1f}" for x in w["default_s"]) + " |",
-              "| chosen paths | " + " | ".join(f"{x * 1e3:.1f}" for x in w["chosen_s"]) + " |",
-              "| L(n)/L(1) F.linear | " + " | ".join(f"{x:.2f}" for x in w["default_over_L1"]) + " |",
-              "| L(n)/L(1) chosen | " + " | ".join(f"{x:.2f}" for x in w["chosen_over_L1"]) + " |",
-              "| chosen / F.linear | " + " | ".join(f"{x:.2f}" for x in w["ratio"]) + " |", "",
+              "| F.linear | " + " | ".join(_f(x) for x in w["default_s"]) + " |",
+              "| chosen paths | " + " | ".join(_f(x) for x in w["chosen_s"]) + " |",
+              "| L(n)/L(1) F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["default_over_L1"]) + " |",
+              "| L(n)/L(1) chosen | " + " | ".join(_f(x, 1, ".2f") for x in w["chosen_over_L1"]) + " |",
+              "| chosen / F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["ratio"]) + " |", "",
               f"## Decoding: {doc['settings']['prompts']} prompts x {doc['settings']['tokens']} greedy tokens, "
               f"{doc['settings']['rounds']} rounds", "",
               "| variant | speed vs generate (median, min-max) | tokens/s | outputs vs generate |", "|---|---|---|---|"]
