@@ -32,12 +32,36 @@ from decoder.cpu_paths import (
     remove_paths,
     set_paths_enabled,
 )
-from profiler.measure import coarse_to_fine
 from planner.matmul_paths import MATMUL_PATHS, MatmulPathTable, matmul_paths_from_json
 
+STAND_IN_BRANCHING = 4  # the profiler's stand-in tree (profiler.measure.TREE_BRANCHING): node i under (i-1)//4
 LAYOUT_SETS = ((), ("t",), ("onednn",), ("t", "onednn"))  # extra copies, fewest first
 FLUSH_BYTES = 64 << 20  # more than this CPU's 32 MB L3
 TOLERANCE = 0.03
+
+
+def coarse_first(rows: list[int]) -> list[int]:
+    """Ends first, then midpoints level by level: a budget cut short still spans the rows."""
+    out, level = list(dict.fromkeys([rows[-1], rows[0]])), [(0, len(rows) - 1)]
+    while level:
+        nxt = []
+        for lo, hi in level:
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                out.append(rows[mid])
+                nxt += [(lo, mid), (mid, hi)]
+        level = nxt
+    return out
+
+
+def tree_input(n: int, context_length: int, vocab: int, dtype, gen) -> dict:
+    """The profiler's forward inputs at n tokens (its stand-in tree after a context), batch 1, CPU."""
+    from decoder.forward import ancestor_matrix, tree_attention_mask, tree_depths
+
+    parents = [-1] + [(i - 1) // STAND_IN_BRANCHING for i in range(1, n)]
+    depth = torch.tensor(tree_depths(parents), dtype=torch.long)
+    return {"input_ids": torch.randint(0, vocab, (1, n), generator=gen), "position_ids": (context_length + depth)[None],
+            "attention_mask": tree_attention_mask(ancestor_matrix(parents), context_length, dtype, "cpu")}
 
 
 def candidate_paths(shape: tuple[int, int], device, dtype) -> list[str]:
@@ -124,7 +148,7 @@ def measure_isolated(model, rows: list[int], deadline: float, repeats: int, seed
     rng = random.Random(seed)
     for r in range(repeats):
         # round one visits rows coarse to fine, so a budget cut short still spans the rows
-        order = {M: i for i, M in enumerate(rows[j] for j in coarse_to_fine(len(rows)))}
+        order = {M: i for i, M in enumerate(coarse_first(rows))}
         rng.shuffle(jobs)
         if r == 0:
             jobs.sort(key=lambda j: order[j[2]])
@@ -141,8 +165,7 @@ def _forward_once(model, cache, prefix, x) -> float:
     for layer, (k, v) in zip(cache.layers, prefix):
         layer.keys, layer.values = k, v
     t0 = time.perf_counter()
-    model(input_ids=x.input_ids, position_ids=x.position_ids, attention_mask=x.mask, past_key_values=cache,
-          use_cache=True)
+    model(**x, past_key_values=cache, use_cache=True)
     return time.perf_counter() - t0
 
 
@@ -151,14 +174,12 @@ def validate_whole_model(model, rows: list[int], context_length: int, deadline: 
                          tick=None) -> dict:
     """Whole forward at n = M tokens after `context_length`, F.linear vs the installed paths, interleaved."""
     from decoder.forward import prefill
-    from profiler.measure import make_tree_input
-
     p = next(model.parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     cache = prefill(model, torch.randint(0, vocab, (1, context_length), generator=gen)).cache
     prefix = [(layer.keys, layer.values) for layer in cache.layers]
-    inputs = {M: make_tree_input(M, 1, context_length, vocab, p.dtype, p.device, gen) for M in rows}
+    inputs = {M: tree_input(M, context_length, vocab, p.dtype, gen) for M in rows}
     times = {M: {"default": [], "chosen": []} for M in rows}
     for M in rows:  # warm both variants at every shape
         for on in (False, True):

@@ -156,6 +156,10 @@ def test_profiler_chooses_validates_and_stores_the_paths(tmp_path):
         load_profile(str(path))
         table = load_matmul_paths(path)
         assert table.rows == (1, 2, 3, 8)
+        from profiler.plot import plot_profile
+
+        plot_profile(prof, tmp_path / "prof.png")  # the check's points and the chosen rows go on the plot
+        assert (tmp_path / "prof.png").stat().st_size > 0
         off = profile_model(m, [1, 2], context_length=8, time_budget_s=1, min_repeats=2, max_repeats=2,
                             progress=False, overhead=False, matmul_paths="off")
         assert "matmul_paths" not in off and cp.installed_bytes(m) == 0
