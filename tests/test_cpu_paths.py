@@ -165,3 +165,30 @@ def test_profiler_chooses_validates_and_stores_the_paths(tmp_path):
         assert "matmul_paths" not in off and cp.installed_bytes(m) == 0
     finally:
         cp.remove_paths(m)
+
+
+def test_decode_cli_runs_the_profile_paths(tmp_path, capsys):
+    from test_decoder_utils import ppd_tree as tree_of
+
+    from planner.tree import save_tree
+    from profiler.models import load_model
+    from workflows.cli import main
+
+    tiny = load_model("tiny", device="cpu").model
+    prof = tmp_path / "prof.json"
+    atomic_write_json(prof, {"input_lengths": [1, 2], "latency_s": [0.01, 0.02], "dtype": "fp32",
+                             "matmul_paths": _table_json(tiny, list(range(1, 12)), lambda M, s: ROTATE[M % 4])})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "Hello there"}\n')
+    plan = save_tree(tree_of(2, [0, 3, 6]), tmp_path / "ppd.json")
+    out = tmp_path / "out.json"
+    args = ["decode", "--plan", str(plan), "--model", "tiny", "--random-prompt-tokens", "2", "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--compare-plain", "--no-progress", "-o", str(out)]
+    assert main(args + ["--profile", str(prof)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["identical_to_plain"] is True and doc["matmul_paths_profile"] == str(prof)
+    bad = json.loads(prof.read_text())
+    bad["matmul_paths"]["rows"] = "all"
+    prof.write_text(json.dumps(bad))
+    assert main(args + ["--profile", str(prof)]) != 0
+    assert "field 'matmul_paths.rows'" in capsys.readouterr().err

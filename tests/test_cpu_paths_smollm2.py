@@ -22,7 +22,7 @@ def smol():
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
     tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    _, texts = held_out_prompts(str(SHIPPED_DIR.parent / ".." / "shared" / "data" / "mt_bench_questions.jsonl"), 0, 2)
+    _, texts = held_out_prompts(str(SHIPPED_DIR.parent / ".." / "shared" / "data" / "mt_bench_questions.jsonl"), 0, 1)
     return loaded.model, encode_prompts(tok, texts)
 
 
