@@ -64,7 +64,7 @@ def as_tree(plan) -> tuple[Tree | None, str]:
 def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, verify_rule: str = "auto", eps: float = 0.09, delta: float = 0.3,
              eos_token_id=None, seed: int = 0, record_guesses: bool = False, progress: bool = False,
-             attention: str = "auto", phase_times: bool = True, layout: str = "packed"):
+             attention: str = "auto", phase_times: bool = True, layout: str = "packed", matmul_paths=None):
     """Decode with a plan (a tree file path or a loaded Tree; None for guessers that need none) and
     a guesser (PromptTokens, OracleGuesser, a draft model, ...; decoder/guesser.py).
 
@@ -79,7 +79,10 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
     phase_times: split each step into PHASES. On a GPU that costs five device syncs per step, which
     stall the launch queue; pass False for deployment-speed timing (total_s stays exact, the
     phase lists stay empty on CUDA; on the CPU, where work is synchronous, they are always kept).
+    matmul_paths: a profile file (or decoder.cpu_paths table) whose "matmul_paths" to install on
+    the model's Linears first (decoder/cpu_paths.py; stays installed); None leaves the model as it is.
     """
+    _use_paths(model, matmul_paths)
     tree, label = as_tree(plan)
     guesser.check(tree, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
@@ -109,10 +112,18 @@ def _generate_batch(model, prompts, tree, guesser, max_new_tokens, sampling, eos
 
 def generate_plain(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, eos_token_id=None, seed: int = 0, progress: bool = False,
-                   phase_times: bool = True) -> GenerateOutput:
+                   phase_times: bool = True, matmul_paths=None) -> GenerateOutput:
     """One token per step through the same prefill, forward, verify and cache path as `generate`."""
+    _use_paths(model, matmul_paths)
     return decode(model, input_ids, None, PlainGuesser(), max_new_tokens, Sampling(temperature, top_k, top_p),
                   eos_token_id=eos_token_id, seed=seed, progress=progress, phase_times=phase_times)
+
+
+def _use_paths(model, matmul_paths) -> None:
+    if matmul_paths is not None:
+        from decoder.cpu_paths import use_profile_paths
+
+        use_profile_paths(model, matmul_paths)
 
 
 def select_attention(model, attention: str) -> None:
@@ -198,7 +209,9 @@ def _step_inputs(target: _Target, proposal: Proposal) -> tuple[torch.Tensor, dic
     tree_ids = torch.cat([target.root, proposal.tokens]) if lay.num_tree > 1 else target.root  # [num_tree]
     C = target.context_length
     args = {"position_ids": lay.position_offsets + C, "hidden": target.want_hidden}
-    if target.kernel_path:  # the tree reaches the kernel as parents; no dense mask
+    if lay.input_length == 1:  # a lone token sees the whole cache and itself: no mask, as in generate
+        args["attention_mask"] = None
+    elif target.kernel_path:  # the tree reaches the kernel as parents; no dense mask
         args.update(attention_mask=None, tree=_kernel_tree(lay, tree_ids.device))
     else:
         args["attention_mask"] = step_mask(lay.mask_block, C)
@@ -243,7 +256,7 @@ def _score(target: _Target, args: dict):
 def _commit_target(target: _Target, verdict: Verdict) -> None:
     # one launch for all layers on the kernel path; a verified path is increasing, so skip the index check's sync
     target.context_length = compact_cache(target.cache, target.context_length, verdict.path,
-                                          kernel=target.kernel_path, validate=False)
+                                          kernel=target.kernel_path, validate=False, nodes=verdict.nodes)
     target.root = verdict.root
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from planner.errors import UserError
 from planner.jsonio import read_json
+from planner.matmul_paths import check_matmul_paths
 
 DECREASE_TOLERANCE = 0.05  # measured medians may dip by noise; a profile that falls by more is wrong
 RAW_MIN_REPEATS = 8  # a measured median of at least this many runs is used as it is, not the fit's value
@@ -164,6 +165,7 @@ def _overhead(obj, label: str, field_prefix: str = "") -> Overhead:
 
 def load_profile(path: str) -> LatencyProfile:
     data = read_json(path)
+    check_matmul_paths(data, str(path))
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
     return profile_from_json(data, label=str(path), source={"file": str(path), "sha256": digest})
 
@@ -183,6 +185,7 @@ def load_batch_profiles(path) -> dict[int, LatencyProfile]:
     """
     data = read_json(path)
     label = str(path)
+    check_matmul_paths(data, label)
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
     source = {"file": label, "sha256": digest}
     if not isinstance(data, dict):

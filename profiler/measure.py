@@ -348,12 +348,14 @@ def profile_model(
     seed: int = 0,
     overhead: bool = True,
     layout: str = "padded",
+    matmul_paths: str = "auto", matmul_budget_s: float | None = None, matmul_max_rows: int = 16,
 ) -> dict:
     """Measure forward latency at every input length and batch size; returns the profile JSON object.
 
     `model` is a LoadedModel or a bare transformers model. overhead: also measure the decoder's
     own per-step work outside the forward pass (profiler/overhead.py), which the cost model adds;
-    layout: batch rows "padded" (rectangular) or "packed" (one row, EMS-SD). Out of memory at a length drops that
+    layout: batch rows "padded" (rectangular) or "packed" (one row, EMS-SD); matmul_paths: `_matmul_paths`.
+    Out of memory at a length drops that
     length and all longer ones for that batch size; Ctrl-C stops measuring. In both cases the
     points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
     point re-raises KeyboardInterrupt).
@@ -363,6 +365,8 @@ def profile_model(
     device = torch.device(device) if device is not None else next(hf.parameters()).device
     if time_budget_s is None:
         time_budget_s = 120.0 if device.type == "cuda" else 15.0
+    paths = _matmul_paths(hf, device, input_lengths, context_length, matmul_paths, matmul_budget_s or time_budget_s,
+                          matmul_max_rows, seed, progress)  # before _open: L(n)'s budget starts after
     st = _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci,
                warmup, seed, time_budget_s, progress)
     attn_before = getattr(hf.config, "_attn_implementation", None)
@@ -389,10 +393,28 @@ def profile_model(
                     cuda_graphs=cuda_graphs, seed=seed, load_avg_1m=[load_start, _load()])
     if getattr(hf.config, "_attn_implementation", None) != attn_before:
         hf.set_attn_implementation(attn_before)  # the packed layout switched it for the measurement
-    result = _profile_json(st, loaded, out_series, settings)
+    result = _profile_json(st, loaded, out_series, settings) | ({"matmul_paths": paths} if paths else {})
     if overhead and not interrupted and batch_sizes[0] == 1:
         result["decoder_overhead"] = _overhead(hf, out_series[0])
     return _mark_incomplete(result, series, stopped)
+
+
+def _matmul_paths(hf, device, input_lengths, context_length, mode, budget_s, max_rows, seed, progress) -> dict | None:
+    """mode "auto" (CPU): first choose each Linear's matmul path per row count up to `max_rows`
+    (profiler/matmul_paths.py, within budget_s, default the time budget) and leave them installed,
+    so L(n) is timed with them and the profile describes what decoding runs
+    (decoder.cpu_paths.use_profile_paths installs the same table from the file); "off": F.linear."""
+    if mode not in ("auto", "off"):
+        raise UserError(f"--matmul-paths: expected auto or off, got {mode!r}")
+    rows = sorted({int(n) for n in input_lengths if int(n) <= max_rows})
+    if mode == "off" or device.type != "cpu" or not rows:
+        from decoder.cpu_paths import remove_paths
+
+        remove_paths(hf)
+        return None
+    from profiler.matmul_paths import choose_matmul_paths
+
+    return choose_matmul_paths(hf, rows, context_length, budget_s, seed=seed, progress=progress)
 
 
 def _measured(series: list[Series], batch_sizes: list[int], stopped: list[dict], interrupted: bool,

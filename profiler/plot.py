@@ -21,6 +21,7 @@ def plot_profile(profile: dict, path) -> None:
         color = ax.collections[-1].get_facecolor()[0][:3]
         ax.plot(n, ms(s["latency_s"]), "o", ms=2.5, color=color, label=f"{label}: median (band p10-p90)")
         ax.plot(s["fit"]["input_lengths"], ms(s["fit"]["latency_s"]), "-", lw=1.2, color=color, label=f"{label}: fit")
+    _matmul_paths(ax, profile.get("matmul_paths"))
     ax.set_xlabel("input length n (new tokens per forward pass)")
     ax.set_ylabel("forward latency (ms)")
     ax.set_ylim(bottom=0)
@@ -36,3 +37,31 @@ def plot_profile(profile: dict, path) -> None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def _matmul_paths(ax, mp: dict | None) -> None:
+    """The matmul-paths check (profiler/matmul_paths.py): the whole forward with F.linear only and
+    with the chosen paths at each n, and which n run their own paths."""
+    w = (mp or {}).get("whole_model")
+    if not w:
+        return
+    pts = [(n, d, c) for n, d, c in zip(w["rows"], w["default_s"], w["chosen_s"]) if d is not None and c is not None]
+    if not pts:
+        return
+    n, d, c = zip(*pts)
+    ax.plot(n, [x * 1e3 for x in d], "x", ms=4, color="0.4", label="F.linear only (matmul-paths check)")
+    ax.plot(n, [x * 1e3 for x in c], "+", ms=5, color="C3", label="chosen matmul paths (same check)")
+    kept = [r for r, k in zip(w["rows"], w["kept"]) if k]
+    ax.text(0.99, 0.02, f"own matmul paths at n = {_ranges(kept) or 'none'}; extra weight layouts "
+            f"{mp.get('extra_bytes', 0) / 2**20:.0f} MiB", transform=ax.transAxes, ha="right", fontsize=7)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(f"{xs[i]}" if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tree file from `planner plan` (or autotune); needed by --guesser ppd, optional for the "
                         "others (default: a chain as deep as the drafter guesses, lookup: 4 tokens)")
     add_model_arguments(p)
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="a profile from `planner profile`: run every Linear on the matmul paths it chose for this CPU "
+                        "('matmul_paths'; a profile without them changes nothing)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); overrides --prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -124,6 +127,7 @@ def run(args) -> int:
     from planner.tree import load_tree
 
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
+    paths = _matmul_paths(args.profile)
     tree = _follow_recorded_pearl(args, tree)
     args.guesser = args.guesser or _recorded_guesser(tree) or "ppd"
     if tree is None and parse_guesser(args.guesser)[0] == "ppd":
@@ -140,6 +144,10 @@ def run(args) -> int:
 
     loaded, tokenizer, guesser = load_everything(args)
     model = loaded.model
+    if paths is not None:
+        from decoder.cpu_paths import use_profile_paths
+
+        use_profile_paths(model, paths)
     w = model.get_input_embeddings().weight
     if args.mtad_settings is not None:
         from decoder.mtad import MTADGuesser, generate_mtad
@@ -181,7 +189,7 @@ def run(args) -> int:
         summary.update(_mtad_quality(args, model, guesser, results))
     doc = {
         "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
-        "plan": args.plan, "method": tree.method if tree is not None else "chain",
+        "plan": args.plan, "matmul_paths_profile": args.profile, "method": tree.method if tree is not None else "chain",
         "guesser": guesser_record(args.guesser, guesser),
         "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed},
@@ -207,6 +215,15 @@ def run(args) -> int:
         print("planner decode: interrupted; results so far kept", file=sys.stderr)
         return 130
     return 0
+
+
+def _matmul_paths(profile):
+    """The profile's matmul paths, read (and checked) before any model loads; None without --profile."""
+    if profile is None:
+        return None
+    from planner.matmul_paths import load_matmul_paths
+
+    return load_matmul_paths(profile)
 
 
 def _pearl(model, guesser, ids, args, gen_kw):

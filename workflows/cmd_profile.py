@@ -78,6 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="padded", choices=["padded", "packed"],
                    help="with --batch-size > 1: padded (b rectangular rows, default) or packed (one row of b "
                         "sequences with per-sequence attention: EMS-SD's layout, decoder.batch)")
+    p.add_argument("--matmul-paths", default="auto", choices=["auto", "off"],
+                   help="auto (CPU): first measure each Linear weight shape's fastest matmul path (F.linear, a "
+                        "transposed copy, oneDNN prepacked, chunked) at every input length up to --matmul-max-rows, "
+                        "check them on the whole forward, store them in the profile ('matmul_paths') and time L(n) "
+                        "with them; `planner decode --profile` installs the same paths. off: F.linear only")
+    p.add_argument("--matmul-budget", type=_positive(float), default=None,
+                   help="seconds for choosing the matmul paths (default: --time-budget)")
+    p.add_argument("--matmul-max-rows", type=_positive(int), default=16,
+                   help="largest input length (rows) given its own matmul paths (default 16; longer ones run F.linear)")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
@@ -126,6 +135,8 @@ def run(args) -> int:
     if args.engine:
         raise UserError("--engine: only with --simulate GPU (a measured profile times what this machine runs)")
     lengths = parse_lengths(args.input_lengths)
+    if args.matmul_max_rows > 1024 or (args.matmul_budget or 0) > 86400:
+        raise UserError("--matmul-max-rows: at most 1024; --matmul-budget: at most 86400 s")
     batch_sizes = parse_batch_sizes(args.batch_size)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot: expected a .png file name, got '{args.plot}'")
@@ -166,7 +177,8 @@ def run(args) -> int:
         loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
         cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,
         max_repeats=args.max_repeats, target_rel_ci=args.target_ci, warmup=args.warmup, seed=args.seed,
-        layout=args.layout,
+        layout=args.layout, matmul_paths=args.matmul_paths, matmul_budget_s=args.matmul_budget,
+        matmul_max_rows=args.matmul_max_rows,
     )
     out = Path(args.output) if args.output else Path("profiles") / f"{device_slug(profile)}-{loaded.name}.json"
     try:
@@ -180,6 +192,11 @@ def run(args) -> int:
     n, lat = profile["input_lengths"], profile["latency_s"]
     print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms, "
           f"{sum(profile['repeats'])} samples in {profile['wall_s']:.1f} s", file=sys.stderr)
+    mp = profile.get("matmul_paths")
+    if mp:
+        kept = [M for M, k in zip(mp["whole_model"]["rows"], mp["whole_model"]["kept"]) if k] if "whole_model" in mp else []
+        print(f"matmul paths: own paths at input lengths {kept or 'none'} (F.linear elsewhere), extra weight "
+              f"layouts {mp['extra_bytes'] / 2**20:.0f} MiB, chosen in {mp['wall_s']:.1f} s", file=sys.stderr)
     for stop in profile.get("incomplete", []):
         if stop["reason"] == "interrupted":
             print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)

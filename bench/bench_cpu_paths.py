@@ -1,0 +1,297 @@
+"""CPU matmul paths (issue 21): what each path costs per weight shape and input length, what the
+chosen paths do to the whole forward L(n), and this project's plain loop against transformers'
+`model.generate` on the same prompt ids, with and without the paths.
+
+    python bench/bench_cpu_paths.py                  # SmolLM2-135M, n = 1..16, 8 prompts x 64 tokens
+    python bench/bench_cpu_paths.py --quick          # n = 1..8, 3 prompts x 32 tokens
+    python bench/bench_cpu_paths.py --profile profiles/cpu-smollm2-135m.json   # the paths a profile chose
+    python bench/bench_cpu_paths.py --plan trees/autotune-x.json --guesser ppd # + that plan vs generate
+    python bench/bench_cpu_paths.py --smoke --out DIR                         # tiny random model, seconds
+
+Decoding runs are interleaved: every round visits the prompts in a shuffled order and each prompt's
+variants in a shuffled order, after one untimed pass of every variant on every prompt (the first
+forward at a new shape costs seconds on this CPU). Ratios are per (prompt, round) against
+generate in the same round, then the median. Outputs: plain with paths must equal plain without
+(identical tokens); against generate a difference may only be a near tie (profiler.compare).
+Writes bench/results/cpu_paths.{json,md} (--out) with the machine and its load average.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from planner.errors import UserError  # noqa: E402
+
+
+def _machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "mkldnn": torch.backends.mkldnn.is_available(),
+            "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _setup(args):
+    from profiler.models import load_model
+
+    if args.smoke:
+        loaded = load_model("tiny", device="cpu")
+        g = torch.Generator().manual_seed(0)
+        return loaded, [torch.randint(1, 1000, (int(t),), generator=g) for t in (7, 11)]
+    from transformers import AutoTokenizer
+
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+
+    loaded = load_model(args.model, device="cpu", dtype="fp32")
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 0, args.num_prompts)  # never seen by any training or autotune's accept phase
+    return loaded, encode_prompts(tok, texts)
+
+
+def _paths(model, args, rows: list[int]) -> dict:
+    """The profile's matmul_paths (--profile), else chosen now (isolated per shape, then whole-forward check)."""
+    from decoder.cpu_paths import use_profile_paths
+    from planner.jsonio import read_json
+    from profiler.matmul_paths import choose_matmul_paths
+
+    if args.profile:
+        obj = read_json(args.profile).get("matmul_paths")
+        if obj is None or use_profile_paths(model, args.profile) is None:
+            raise UserError(f"--profile {args.profile}: no usable 'matmul_paths' for this model (profile it again)")
+        return obj
+    return choose_matmul_paths(model, rows, args.context, args.budget, repeats=args.repeats, progress=not args.no_progress)
+
+
+def _whole_model(model, args, rows: list[int]) -> dict:
+    from profiler.matmul_paths import validate_whole_model
+
+    w = validate_whole_model(model, rows, args.context, time.time() + args.budget, args.repeats, seed=1)
+    for key in ("default_s", "chosen_s"):
+        base = w[key][0]
+        w[key.replace("_s", "_over_L1")] = [x / base if x and base else None for x in w[key]]
+    return w
+
+
+def _variants(model, plan_run) -> dict:
+    """name -> fn(ids) -> token list; 'paths' switches the installed paths on for that run only."""
+    from decoder.cpu_paths import set_paths_enabled
+    from decoder.loop import generate_plain
+
+    def hf(ids, n):
+        with torch.inference_mode():
+            out = model.generate(ids[None], do_sample=False, max_new_tokens=n, pad_token_id=model.config.eos_token_id or 0)
+        return out[0, ids.numel():].tolist()
+
+    def with_paths(on, fn):
+        def run(ids, n):
+            set_paths_enabled(model, on)
+            try:
+                return fn(ids, n)
+            finally:
+                set_paths_enabled(model, True)
+        return run
+
+    v = {"generate": with_paths(False, hf),
+         "plain": with_paths(False, lambda ids, n: generate_plain(model, ids, max_new_tokens=n).tokens.tolist()),
+         "plain + paths": with_paths(True, lambda ids, n: generate_plain(model, ids, max_new_tokens=n).tokens.tolist()),
+         "generate + paths": with_paths(True, hf)}
+    if plan_run is not None:
+        v["plan + paths"] = with_paths(True, plan_run)
+    return v
+
+
+def _plan_runner(model, loaded, args):
+    if not args.plan:
+        return None, None
+    from argparse import Namespace
+
+    from decoder.loop import generate
+    from planner.tree import load_tree
+    from workflows.inputs import make_guesser
+
+    tree = load_tree(args.plan)
+    kind = args.guesser or (tree.settings.get("guesser") if isinstance(tree.settings.get("guesser"), str) else "ppd")
+    if kind == "pearl":
+        raise UserError(f"--plan {args.plan}: a PEARL plan; decode it with `planner decode --pearl --profile`")
+    ns = Namespace(guesser=kind, prompt_tokens=None, random_prompt_tokens=None, top_k_guesses=10, ensemble=1)
+    guesser = make_guesser(ns, loaded, args.model)
+    guesser.check(tree, args.plan)
+
+    def run(ids, n):
+        return generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n).tokens.tolist()
+
+    return run, {"plan": args.plan, "guesser": kind, "method": tree.method}
+
+
+def _decode(model, prompts, variants: dict, tokens: int, rounds: int, seed: int, progress: bool) -> dict:
+    from profiler.compare import classify
+
+    rng = random.Random(seed)
+    for ids in prompts:  # warm-up: every variant at every prompt's shapes
+        for fn in variants.values():
+            fn(ids, min(tokens, 4))
+    times = {k: [[] for _ in prompts] for k in variants}
+    outs = {}
+    for r in range(rounds):
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        for i in order:
+            names = list(variants)
+            rng.shuffle(names)
+            for k in names:
+                t0 = time.perf_counter()
+                outs[(k, i)] = variants[k](prompts[i], tokens)
+                times[k][i].append(time.perf_counter() - t0)
+            if progress:
+                print(f"  round {r + 1}/{rounds} prompt {i}: " + ", ".join(f"{k} {times[k][i][-1]:.2f} s" for k in variants),
+                      file=sys.stderr)
+    rows = {}
+    for k in variants:
+        ratios = [g / t for i in range(len(prompts)) for g, t in zip(times["generate"][i], times[k][i])]
+        n_tok = sum(len(outs[(k, i)]) for i in range(len(prompts)))
+        rows[k] = {"speed_vs_generate_median": statistics.median(ratios), "speed_vs_generate_min": min(ratios),
+                   "speed_vs_generate_max": max(ratios),
+                   "tokens_per_s": n_tok * rounds / sum(sum(t) for t in times[k]),
+                   "seconds": [[round(x, 4) for x in t] for t in times[k]]}
+        ref = [outs[("generate", i)] for i in range(len(prompts))]
+        rows[k]["vs_generate"] = [classify(model, prompts[i], ref[i], outs[(k, i)])["status"] for i in range(len(prompts))]
+    plain = [outs[("plain", i)] for i in range(len(prompts))]
+    rows["plain + paths"]["identical_to_plain"] = all(outs[("plain + paths", i)] == plain[i] for i in range(len(prompts)))
+    if "plan + paths" in rows:
+        with_paths = [outs[("plain + paths", i)] for i in range(len(prompts))]
+        rows["plan + paths"]["identical_to_plain_with_paths"] = all(
+            outs[("plan + paths", i)] == with_paths[i] for i in range(len(prompts)))
+    return rows
+
+
+def _f(x, scale: float = 1e3, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x * scale, fmt)
+
+
+def _markdown(doc: dict) -> str:
+    m, mp, w = doc["machine"], doc["matmul_paths"], doc["whole_model"]
+    lines = [f"# CPU matmul paths ({doc['model']})", "",
+             f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']} ({m['capability']}); "
+             f"load average (1/5/15 min) {doc['load_avg_start']} at start, {doc['load_avg_end']} at end "
+             f"(the cores are shared with other jobs). fp32, context {doc['settings']['context']} tokens.", "",
+             "## Per weight shape: fastest sample per call (ms), isolated, all the model's weights of that shape in turn", ""]
+    rows = mp["rows"]
+    for s in mp["shapes"]:
+        lines += [f"**{s['out_features']} x {s['in_features']}** ({s.get('modules', '?')} modules)", "",
+                  "| path | " + " | ".join(str(M) for M in rows) + " |", "|---|" + "---|" * len(rows)]
+        for p, ts in (s.get("best_s") or {}).items():
+            lines.append(f"| {p} | " + " | ".join(_f(t, 1e3, ".2f") for t in ts) + " |")
+        lines += ["| **installed** | " + " | ".join(s["paths"]) + " |", ""]
+    lines += [f"Extra weight layouts installed: {mp.get('extra_bytes', 0) / 2**20:.0f} MiB "
+              f"(model weights {mp.get('weight_bytes', 0) / 2**20:.0f} MiB).", "",
+              "## Whole forward L(n), n new tokens after the context (median ms, interleaved pairs)", "",
+              "| n | " + " | ".join(str(n) for n in w["rows"]) + " |", "|---|" + "---|" * len(w["rows"]),
+              "| F.linear | " + " | ".join(_f(x) for x in w["default_s"]) + " |",
+              "| chosen paths | " + " | ".join(_f(x) for x in w["chosen_s"]) + " |",
+              "| L(n)/L(1) F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["default_over_L1"]) + " |",
+              "| L(n)/L(1) chosen | " + " | ".join(_f(x, 1, ".2f") for x in w["chosen_over_L1"]) + " |",
+              "| chosen / F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["ratio"]) + " |", "",
+              f"## Decoding: {doc['settings']['prompts']} prompts x {doc['settings']['tokens']} greedy tokens, "
+              f"{doc['settings']['rounds']} rounds", "",
+              "| variant | speed vs generate (median, min-max) | tokens/s | outputs vs generate |", "|---|---|---|---|"]
+    for k, r in doc["decoding"].items():
+        st = r["vs_generate"]
+        lines.append(f"| {k} | {r['speed_vs_generate_median']:.2f}x ({r['speed_vs_generate_min']:.2f}-"
+                     f"{r['speed_vs_generate_max']:.2f}) | {r['tokens_per_s']:.1f} | {st.count('identical')} identical, "
+                     f"{st.count('near_tie')} near ties, {st.count('mismatch')} mismatches |")
+    d = doc["decoding"]
+    lines += ["", f"plain + paths identical to plain: {d['plain + paths']['identical_to_plain']}"]
+    if "plan + paths" in d:
+        lines.append(f"plan ({doc['plan']['plan']}, guesser {doc['plan']['guesser']}) identical to plain + paths: "
+                     f"{d['plan + paths']['identical_to_plain_with_paths']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", default=None, help="use this profile's matmul_paths instead of choosing them now")
+    p.add_argument("--plan", default=None, help="also decode this plan (with the paths) against generate")
+    p.add_argument("--guesser", default=None, help="with --plan: KIND[:DIR] (default: the one the plan records, else ppd)")
+    p.add_argument("--max-n", type=int, default=16)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--budget", type=float, default=60.0, help="seconds for choosing the paths, and again for L(n)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="n = 1..8, 3 prompts x 32 tokens, 2 rounds, 25 s budgets")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model; checks the whole path in seconds")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick or args.smoke:
+        args.max_n, args.num_prompts, args.tokens, args.rounds = 8, 3, 32, 2
+        args.budget, args.repeats = 25.0, 5
+    if args.smoke:
+        args.max_n, args.num_prompts, args.tokens, args.rounds = 4, 2, 6, 1
+        args.budget, args.repeats, args.context = 2.0, 2, 16
+    for name, lo, hi in (("max-n", 1, 256), ("context", 1, 4096), ("repeats", 1, 100), ("num-prompts", 1, 80),
+                         ("tokens", 1, 1024), ("rounds", 1, 20), ("threads", 1, 256)):
+        if not lo <= getattr(args, name.replace("-", "_")) <= hi:
+            raise SystemExit(f"--{name}: expected an integer in {lo}..{hi}")
+    if not 0 < args.budget <= 3600:
+        raise SystemExit("--budget: expected seconds in (0, 3600]")
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"bench_cpu_paths: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    torch.set_num_threads(args.threads)
+    load_start, t0 = _load(), time.time()
+    loaded, prompts = _setup(args)
+    model = loaded.model
+    rows = list(range(1, args.max_n + 1))
+    print(f"choosing matmul paths for n = 1..{args.max_n} (load {load_start})", file=sys.stderr)
+    mp = _paths(model, args, rows)
+    print("whole-model L(n), F.linear vs chosen paths", file=sys.stderr)
+    whole = _whole_model(model, args, rows)
+    plan_run, plan_info = _plan_runner(model, loaded, args)
+    print("decoding: generate vs plain, with and without paths", file=sys.stderr)
+    decoding = _decode(model, prompts, _variants(model, plan_run), args.tokens, args.rounds, args.seed,
+                       not args.no_progress)
+    doc = {"model": loaded.name + (" (random weights)" if not loaded.has_weights else ""), "machine": _machine(),
+           "load_avg_start": load_start, "load_avg_end": _load(),
+           "settings": {"context": args.context, "max_n": args.max_n, "prompts": len(prompts), "tokens": args.tokens,
+                        "rounds": args.rounds, "repeats": args.repeats, "budget_s": args.budget, "quick": args.quick,
+                        "profile": args.profile},
+           "matmul_paths": mp, "whole_model": whole, "decoding": decoding, "plan": plan_info,
+           "wall_s": round(time.time() - t0, 1)}
+    md = _markdown(doc)
+    print(md)
+    out = Path(args.out)
+    atomic_write_json(out / "cpu_paths.json", doc)
+    atomic_write_bytes(out / "cpu_paths.md", md.encode())
+    print(f"wrote {out / 'cpu_paths.json'} and cpu_paths.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
