@@ -13,6 +13,8 @@ shuffled order per repeat after a warm-up, medians over `--repeats`:
   generate+lookup   the same with prompt_lookup_num_tokens=10 (transformers' own speculation)
   plain loop        this project's plain decoding loop (decoder.generate_plain)
   chosen            the plan (decoder.generate with its recorded guesser; PEARL; or plain)
+This project's loops run the matmul paths of the run's profile (--profile; decoder/cpu_paths.py),
+transformers runs stock.
 Reports tokens/s per contender, per-prompt speedup over generate (geometric mean, min, max) and
 whether every output equals generate's (a difference may only be a near tie, profiler.compare).
 Writes bench/results/main_job.{json,md} (--out) with the machine.
@@ -120,12 +122,21 @@ def load_plan(path: str, loaded):
 
 
 def contenders(model, tree, guesser, n: int, eos) -> dict:
-    """name -> fn(ids [T]) -> list of new token ids."""
+    """name -> fn(ids [T]) -> list of new token ids. transformers runs stock (F.linear in every
+    Linear); this project's loops run the matmul paths the profile chose, if any are installed."""
     from decoder import generate, generate_plain
+    from decoder.cpu_paths import set_paths_enabled
     from decoder.pearl import generate_pearl
+
+    def ours(fn):
+        def run(ids):
+            set_paths_enabled(model, True)
+            return fn(ids)
+        return run
 
     def hf(**extra):
         def run(ids):
+            set_paths_enabled(model, False)
             out = model.generate(ids[None], max_new_tokens=n, do_sample=False, eos_token_id=eos, **extra)
             return out[0, ids.numel():].tolist()
         return run
@@ -139,8 +150,8 @@ def contenders(model, tree, guesser, n: int, eos) -> dict:
         return generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False).tokens.tolist()
 
     return {"generate": hf(), "generate+lookup": hf(prompt_lookup_num_tokens=10),
-            "plain loop": lambda ids: generate_plain(model, ids, max_new_tokens=n, phase_times=False).tokens.tolist(),
-            "chosen": chosen}
+            "plain loop": ours(lambda ids: generate_plain(model, ids, max_new_tokens=n, phase_times=False).tokens.tolist()),
+            "chosen": ours(chosen)}
 
 
 def measure(runs: dict, prompts: list, repeats: int, seed: int = 0, progress: bool = True) -> tuple[dict, dict]:
@@ -209,6 +220,8 @@ def main(argv=None) -> int:
     src.add_argument("--run", help="an autotune run folder (its chosen.json)")
     src.add_argument("--plan", help="a plan file with a recorded guesser")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--profile", default=None,
+                   help="the profile whose matmul paths this project's loops run (default: the run's profile.json)")
     p.add_argument("--chat-prompts", type=int, default=8)
     p.add_argument("--copy-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -246,6 +259,12 @@ def _run(a) -> int:
         tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
                              "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
     tree, guesser = load_plan(plan, loaded) if plan else (None, None)
+    profile = a.profile or (str(Path(a.run) / "profile.json") if a.run else None)
+    if profile:
+        from decoder.cpu_paths import installed_bytes, use_profile_paths
+
+        use_profile_paths(model, profile)
+        print(f"matmul paths from {profile}: {installed_bytes(model) / 2**20:.0f} MiB of extra layouts", file=sys.stderr)
     label = "plain decoding" if guesser is None else f"{tree.settings.get('guesser')} {tree.method} ({len(tree.states[0].nodes)} nodes)"
     load0 = round(os.getloadavg()[0], 2)
     with torch.inference_mode():
@@ -254,7 +273,7 @@ def _run(a) -> int:
         secs, tokens = measure(contenders(model, tree, guesser, a.max_new_tokens, eos), prompts, a.repeats,
                                progress=not a.no_progress)
         results = summarise(model, prompts, secs, tokens)
-    doc = {"model": loaded.name, "plan": plan, "plan_label": label, "machine": machine() | {"load_avg_1m": load0},
+    doc = {"model": loaded.name, "plan": plan, "plan_label": label, "profile": profile, "machine": machine() | {"load_avg_1m": load0},
            "load_avg_1m_after": round(os.getloadavg()[0], 2), "max_new_tokens": a.max_new_tokens, "repeats": a.repeats,
            "kinds": sorted({k for k, _ in prompts}), "prompts": [{"kind": k, "length": int(i.numel())} for k, i in prompts],
            "results": results}

@@ -229,20 +229,29 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
         path = Path(s.profile)
     else:
         budget = _profile_budget(s)
-        run.clock.phase(1, f"profiling {run.loaded.name} on {run.device}: input lengths 1..{s.max_input_length}, "
-                           f"context {s.context_length}, the decoder's own per-step work; {budget:.0f} s",
-                        run.clock.left())
+        paths_s = MATMUL_SHARE * budget if run.device == "cpu" else 0.0
+        run.clock.phase(1, f"profiling {run.loaded.name} on {run.device}: "
+                           + (f"each Linear's fastest matmul path per input length ({paths_s:.0f} s), " if paths_s else "")
+                           + f"input lengths 1..{s.max_input_length} after a {s.context_length}-token context and the "
+                           f"decoder's own per-step work ({budget - paths_s:.0f} s)", run.clock.left())
         prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
-                             time_budget_s=budget, progress=s.progress and sys.stderr.isatty())  # bars: terminals only
+                             time_budget_s=budget - paths_s, matmul_budget_s=paths_s or None,
+                             matmul_paths="auto" if paths_s else "off",
+                             progress=s.progress and sys.stderr.isatty())  # bars: terminals only
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
     from planner.simulate import refuse_to_measure
     refuse_to_measure(profile, "planner autotune")  # it decodes here against the profile's predictions
+    if run.device == "cpu":  # decode what was profiled: the profile's matmul paths (none: F.linear)
+        from decoder.cpu_paths import use_profile_paths
+
+        use_profile_paths(run.model, str(path))
     if profile.max_input_length < s.max_input_length:
         raise UserError(f"{path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
     return path, profile
 
 
+MATMUL_SHARE = 0.35  # of the profiling budget, for choosing the matmul paths (the rest times L(n) with them)
 MEASURE_SHAPE = {"draft": (6, 4), "chain": (6, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
 
 
