@@ -262,7 +262,7 @@ class DynamicSession:
         for i, (tok, par, d) in enumerate(zip(pool.tokens, pool.parent, pool.depth)):
             if par in on_path and d - 1 < len(emitted):
                 hit = float(tok == emitted[d - 1])
-                for kind, cell in pool.cells[i]:
+                for kind, cell, _ in pool.cells[i]:
                     cs, hs = obs.setdefault(kind, ([], []))
                     cs.append(cell)
                     hs.append(hit)
@@ -374,19 +374,19 @@ class LookupSource(_Source):
         if not follow:
             return
         depth = np.arange(1, len(follow) + 1)
-        cal = self.model.calibration is not None
-        bins = lookup_bins(np.full(len(follow), n), np.array(counts)) if cal else np.zeros(len(follow), dtype=np.int64)
+        bins = lookup_bins(np.full(len(follow), n), np.array(counts))
         cells = self.model.cells(depth, np.zeros(len(follow), dtype=np.int64), bins)
         c = session.c_of(self.kind, cells)
         parent = -1
-        for tok, ci, cell in zip(follow, c.tolist(), cells.tolist()):
-            parent = pool.add(tok, parent, ci, (self.kind, cell))
+        for tok, ci, cell, b in zip(follow, c.tolist(), cells.tolist(), bins.tolist()):
+            parent = pool.add(tok, parent, ci, (self.kind, cell, b))
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
         self._push(outcome.verdict.emitted[:-1])
 
 
-def _cartesian(pool: Pool, kind: str, c: np.ndarray, tokens: np.ndarray, cells: np.ndarray, budget: int) -> None:
+def _cartesian(pool: Pool, kind: str, c: np.ndarray, tokens: np.ndarray, cells: np.ndarray, budget: int,
+               sig: np.ndarray | None = None) -> None:
     """The `budget` most probable rank paths of a guess matrix whose guess at distance d does not
     depend on the path (c, tokens, cells [D, K]), best-first with a heap."""
     import heapq
@@ -396,7 +396,7 @@ def _cartesian(pool: Pool, kind: str, c: np.ndarray, tokens: np.ndarray, cells: 
     added = 0
     while heap and added < budget:
         negP, d, r, parent, pP = heapq.heappop(heap)
-        i = pool.add(int(tokens[d, r]), parent, float(c[d, r]), (kind, int(cells[d, r])), r)
+        i = pool.add(int(tokens[d, r]), parent, float(c[d, r]), (kind, int(cells[d, r]), int(sig[d, r]) if sig is not None else 0), r)
         added += 1
         if r + 1 < K:
             heapq.heappush(heap, (-pP * c[d, r + 1], d, r + 1, parent, pP))
@@ -430,12 +430,13 @@ class ParallelSource(_Source):
         both = torch.stack([top.values, ids.float()]).cpu().numpy()
         return both[0], both[1].astype(np.int64)
 
-    def _cells(self, q: np.ndarray, depth0: int) -> np.ndarray:
+    def _cells(self, q: np.ndarray, depth0: int) -> tuple[np.ndarray, np.ndarray]:
+        """(flat cells, q bins) [D, K] of a guess matrix whose first row is distance depth0 + 1."""
         D, K = q.shape
         depth = np.repeat(np.arange(depth0 + 1, depth0 + D + 1), K)
         rank = np.tile(np.arange(K), D)
-        bins = q_bins(q.reshape(-1)) if self.model.calibration is not None else np.zeros(D * K, dtype=np.int64)
-        return self.model.cells(depth, rank, bins).reshape(D, K)
+        bins = q_bins(q.reshape(-1))
+        return self.model.cells(depth, rank, bins).reshape(D, K), bins.reshape(D, K)
 
     def extend(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
         if self.s.pending is None:
@@ -460,9 +461,9 @@ class ParallelSource(_Source):
             q, toks = self._guesses(hidden[m - 1:])
             pool.passes_s += time.perf_counter() - t0
             pool.sunk_s += gm.draft_s
-            cells = self._cells(q, 0)
+            cells, sig = self._cells(q, 0)
             c = session.c_of(self.kind, cells.reshape(-1)).reshape(cells.shape)
-            _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size)
+            _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, sig)
             return
         # chain: one pass per distance, its own feature as the next slot's input; siblings are leaves
         C = self.s.cache.get_seq_length()
@@ -473,11 +474,11 @@ class ParallelSource(_Source):
             q, toks = self._guesses(hidden)
             pool.passes_s += time.perf_counter() - t0
             pool.sunk_s += gm.draft_s
-            cells = self._cells(q, d)
+            cells, sig = self._cells(q, d)
             c = session.c_of(self.kind, cells.reshape(-1))
             head = parent
             for r in range(self.width):
-                i = pool.add(int(toks[0, r]), head, float(c[r]), (self.kind, int(cells[0, r])), r)
+                i = pool.add(int(toks[0, r]), head, float(c[r]), (self.kind, int(cells[0, r]), int(sig[0, r])), r)
                 if r == 0:
                     parent = i
             P *= float(c[0])
@@ -526,10 +527,10 @@ class PPDSource(_Source):
         q, toks = self.guess
         D, K = q.shape
         depth = np.repeat(np.arange(1, D + 1), K)
-        bins = q_bins(q.reshape(-1)) if self.model.calibration is not None else np.zeros(D * K, dtype=np.int64)
+        bins = q_bins(q.reshape(-1))
         cells = self.model.cells(depth, np.tile(np.arange(K), D), bins).reshape(D, K)
         c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
-        _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size)
+        _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, bins.reshape(D, K))
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
         lay = outcome.proposal.layout
@@ -630,14 +631,14 @@ class DraftSource(_Source):
             pool.sunk_s += gm.draft_s
             depth = np.full(q.size, d)
             rank = np.tile(np.arange(self.width), len(frontier))
-            bins = q_bins(q.reshape(-1)) if gm.calibration is not None else np.zeros(q.size, dtype=np.int64)
+            bins = q_bins(q.reshape(-1))
             cells = gm.cells(depth, rank, bins)
             c = session.c_of(self.kind, cells).tolist()
             new = []
             for j, u in enumerate(frontier):
                 for r in range(self.width):
                     k = j * self.width + r
-                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k])), r))
+                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k]), int(bins[k])), r))
             if d == self.spec.max_depth:
                 break
             P = pool.probabilities()

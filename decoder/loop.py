@@ -85,7 +85,8 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
 
         if isinstance(input_ids, (list, tuple)):
             raise UserError(f"{label}: dynamic plans decode one prompt at a time")
-        guesser = DynamicGuesser(guesser, tree)
+        if not isinstance(guesser, DynamicGuesser):
+            guesser = DynamicGuesser(guesser, tree)
     guesser.check(tree, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     if isinstance(input_ids, (list, tuple)):

@@ -178,3 +178,20 @@ def test_a_plan_without_the_guessers_map_is_refused():
     plan = plan_dynamic([("lookup", ACC["lookup"])], None, 4)
     with pytest.raises(UserError, match="maps for lookup"):
         generate(target, _prompts()[1], plan=plan, guesser=DraftModelGuesser(tiny_model("llama", seed=2)), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "draft", "parallelspec", "ppd"])
+def test_calibration_is_measured_for_every_guesser(kind):
+    from profiler.calibration import measure_calibration
+
+    target = tiny_model("llama", seed=1)
+    g = _guesser(kind, target, "llama")
+    if kind == "draft":
+        g = DraftModelGuesser(tiny_model("llama", seed=1), top_k=4)  # the target itself: deep, right guesses
+    doc = measure_calibration(target, g, _prompts(), ACC[kind].accuracy, max_new_tokens=24)
+    cal = from_entry({"accuracy": [[0.5]], "calibration": doc}, "x").source["calibration"]
+    assert cal.signal == ("lookup" if kind == "lookup" else "q") and doc["observations"] > 10
+    assert np.all(np.diff(cal.p, axis=1) >= -1e-9) if kind != "lookup" else True
+    assert doc["reliability"] and all(0 <= r["realised"] <= 1 for r in doc["reliability"])
+    if kind == "draft":  # the drafter is the target: its top guess is always right
+        assert max(r["realised"] for r in doc["reliability"] if r["depth_bin"] == 1) == 1.0
