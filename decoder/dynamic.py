@@ -186,6 +186,7 @@ class DynamicSession:
         self.sizes: list[int] = []
         self.decide_s: list[float] = []
         self.expected: list[float] = []
+        self.costs: list[float] = []  # the model's cost of each step (drafting + step_cost), before the decision's own
         self.pool: Pool | None = None
         self.chosen: list[int] = []
 
@@ -217,11 +218,13 @@ class DynamicSession:
         if pool.fixed is not None:
             chosen = pool.fixed
             expected = 1.0 + float(pool.probabilities()[chosen].sum()) if chosen else 1.0
+            cost = pool.sunk_s + float(self.cost_n[len(chosen)])
         elif pool.tokens:
             ch = choose(pool.probabilities(), self.cost_n, pool.sunk_s, len(self.cost_n) - 1)
-            chosen, expected = ch.chosen, ch.expected_tokens
+            chosen, expected, cost = ch.chosen, ch.expected_tokens, ch.cost_s
         else:
-            chosen, expected = [], 1.0
+            chosen, expected, cost = [], 1.0, pool.sunk_s + float(self.cost_n[0])
+        self.costs.append(cost)
         self.pool, self.chosen = pool, chosen
         paths = rank_paths(pool.parent, chosen)
         top_k = 1 + max((p[-1] for p in paths), default=0)
@@ -280,7 +283,13 @@ class DynamicSession:
 
     def report(self) -> dict:
         d = np.array(self.decide_s) if self.decide_s else np.zeros(1)
+        tau, cost = float(np.sum(self.expected)), float(np.sum(self.costs)) + float(d.sum())
+        plain = float(self.spec.step_cost_s[0])
         out = {"sizes": self.sizes, "expected_tokens": [round(x, 4) for x in self.expected],
+               "predicted_cost_s": [round(x, 6) for x in self.costs],
+               # the session's own forecast over the run: expected tokens per predicted second, against a plain step
+               "predicted_speedup": tau * plain / cost if cost > 0 and self.spec.profiled else None,
+               "predicted_tokens_per_step": tau / max(len(self.expected), 1),
                "decide_s_median": float(np.median(d)), "decide_s_mean": float(d.mean()),
                "corrections": {k: m.summary() for k, m in self.maps.items()},
                "corrected_c": {k: m.c.round(4).tolist() for k, m in self.maps.items()}}
