@@ -195,3 +195,23 @@ def test_calibration_is_measured_for_every_guesser(kind):
     assert doc["reliability"] and all(0 <= r["realised"] <= 1 for r in doc["reliability"])
     if kind == "draft":  # the drafter is the target: its top guess is always right
         assert max(r["realised"] for r in doc["reliability"] if r["depth_bin"] == 1) == 1.0
+
+
+def test_report_draws_the_reliability_diagram(tmp_path):
+    import json
+
+    from workflows.report import write_report
+
+    rng = np.random.default_rng(2)
+    q = rng.uniform(0, 1, 2000)
+    depth = rng.integers(1, 4, 2000)
+    acc = rng.uniform(0, 1, 2000) < q
+    cal = fit_calibration("q", depth, q_bins(q), acc)
+    cal.reliability = reliability(cal, depth, q_bins(q), acc)
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"accuracy": [[0.5, 0.2]], "calibration": cal.to_json()}))
+    write_report(tmp_path / "rep", accepts=[f"medusa={path}"])
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    sec = [s for s in rep["sections"] if s["title"].startswith("Calibration")]
+    assert sec and sec[0]["table"][0]["expected_calibration_error"] < 0.05
+    assert (tmp_path / "rep" / "reliability.png").is_file()
