@@ -215,3 +215,17 @@ def test_report_draws_the_reliability_diagram(tmp_path):
     sec = [s for s in rep["sections"] if s["title"].startswith("Calibration")]
     assert sec and sec[0]["table"][0]["expected_calibration_error"] < 0.05
     assert (tmp_path / "rep" / "reliability.png").is_file()
+
+
+def test_dynamic_candidates_for_autotune_decode():
+    from workflows.candidates import dynamic_candidates
+
+    target = tiny_model("llama", seed=1)
+    cands = dynamic_candidates("lookup+draft", {"lookup": ACC["lookup"], "draft": ACC["draft"]}, _profile(), sizes=(4, 8))
+    assert [c.size for c in cands] == [4, 8] and all(c.method == "dynamic" and c.guesser == "lookup+draft" for c in cands)
+    assert all(c.predicted_speedup > 0 and c.predicted_tokens_per_step >= 1 for c in cands)
+    g = HybridGuesser(PromptLookupGuesser(), DraftModelGuesser(tiny_model("llama", seed=2), top_k=4), "draft")
+    ids = _prompts()[2]
+    assert generate(target, ids, plan=cands[0].tree, guesser=g, max_new_tokens=12).tokens.tolist() == reference(target, ids, 12)
+    with pytest.raises(UserError, match="no acceptance for draft"):
+        dynamic_candidates("lookup+draft", {"lookup": ACC["lookup"]}, None)
