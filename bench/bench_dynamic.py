@@ -69,7 +69,7 @@ def _guesser(kind: str, model, smoke_draft=None):
 
 
 def _dynamic_plan(kind: str, profile, accepts: dict):
-    from planner.dynamic import plan_dynamic
+    from planner.dynamic_plan import plan_dynamic
 
     return plan_dynamic([(k, accepts[k]) for k in kind.split("+")], profile, max_size=16, max_depth=8)
 
@@ -202,7 +202,7 @@ def smoke(out_dir: Path | None) -> int:
     from test_decoder_utils import tiny_model
 
     from planner.accept import from_entry
-    from planner.dynamic import plan_dynamic
+    from planner.dynamic_plan import plan_dynamic
 
     torch.manual_seed(0)
     model, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)

@@ -21,10 +21,10 @@ from planner.dynamic import (
     isotonic,
     lookup_bins,
     path_probabilities,
-    plan_dynamic,
     q_bins,
     reliability,
 )
+from planner.dynamic_plan import plan_dynamic
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import load_tree, save_tree

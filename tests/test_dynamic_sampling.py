@@ -12,7 +12,7 @@ import decoder.dynamic as dynamic
 from decoder import generate
 from decoder.draft import DraftModelGuesser
 from planner.accept import from_entry
-from planner.dynamic import plan_dynamic
+from planner.dynamic_plan import plan_dynamic
 
 torch.set_num_threads(1)
 

@@ -87,7 +87,7 @@ def test_dynamic_plans_are_token_identical(smol, prompts, kind):
     """Per-step trees (a hybrid, and the draft LM's expanding tree) on SmolLM2: what model.generate gives."""
     from decoder.dynamic import HybridGuesser
     from planner.accept import load_acceptance
-    from planner.dynamic import plan_dynamic
+    from planner.dynamic_plan import plan_dynamic
 
     loaded, _ = smol
     model = loaded.model

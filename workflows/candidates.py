@@ -169,7 +169,7 @@ def dynamic_candidates(kind: str, accept, profile: LatencyProfile | None, max_si
     plan=c.tree, guesser=g)`, g the single guesser or decoder.dynamic.HybridGuesser(lookup, drafter,
     drafter_kind). Predicted tokens/step and speedup are the prior-only forecast (the step the
     prior alone would choose every time); per-step choice adds what the average hides, so measure."""
-    from planner.dynamic import plan_dynamic
+    from planner.dynamic_plan import plan_dynamic
 
     kinds = kind.split("+")
     accepts = accept if isinstance(accept, dict) else {kinds[0]: accept}

@@ -167,7 +167,8 @@ def run(args) -> int:
 def _run_dynamic(args) -> int:
     """planner plan dynamic: the size limit, the step cost at every input length, the guessers' maps."""
     from planner.accept import load_acceptance
-    from planner.dynamic import GUESSER_KINDS, plan_dynamic
+    from planner.dynamic import GUESSER_KINDS
+    from planner.dynamic_plan import plan_dynamic
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
     from planner.profile import load_profile
