@@ -229,3 +229,32 @@ def test_dynamic_candidates_for_autotune_decode():
     assert generate(target, ids, plan=cands[0].tree, guesser=g, max_new_tokens=12).tokens.tolist() == reference(target, ids, 12)
     with pytest.raises(UserError, match="no acceptance for draft"):
         dynamic_candidates("lookup+draft", {"lookup": ACC["lookup"]}, None)
+
+
+def test_cli_accept_calibrate_plan_dynamic_and_decode_a_hybrid(tmp_path, capsys):
+    """planner accept --calibrate, planner plan dynamic with two files, planner decode --guesser lookup+ppd -o."""
+    import json
+
+    from workflows.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "one two three one two three one two"}\n{"text": "Hello there, hello there"}\n')
+    common = ["--model", "tiny", "--prompts", str(prompts), "--max-new-tokens", "16", "--no-progress"]
+    assert main(["accept", "--guesser", "lookup", "--calibrate", *common, "-o", str(tmp_path / "l.json")]) == 0
+    assert json.loads((tmp_path / "l.json").read_text())["calibration"]["signal"] == "lookup"
+    ppd = tmp_path / "ppd.json"
+    ppd.write_text(json.dumps({"accuracy": [[0.3, 0.1], [0.2, 0.1]], "guesser": {"kind": "ppd", "num_prompt_tokens": 2}}))
+    plan = tmp_path / "dyn.json"
+    assert main(["plan", "dynamic", "--accept", str(tmp_path / "l.json"), "--accept", str(ppd), "--max-size", "6",
+                 "-o", str(plan), "-q"]) == 0
+    out = tmp_path / "run.json"
+    assert main(["decode", "--plan", str(plan), "--guesser", "lookup+ppd", "--random-prompt-tokens", "2", *common,
+                 "--compare-plain", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["identical_to_plain"] is True and doc["method"] == "dynamic"
+    assert all(len(r["stats"]["dynamic"]["sizes"]) == r["steps"] for r in doc["results"])
+    assert "corrections" in doc["results"][0]["stats"]["dynamic"] and "dynamic_sizes_mean" in doc["summary"]
+    capsys.readouterr()
+    assert main(["plan", "dynamic", "--accept", str(ppd), "--accept", f"draft={ppd}", "-o", str(tmp_path / "x.json")]) != 0
+    err = capsys.readouterr().err
+    assert "lookup and one drafter" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
