@@ -107,8 +107,10 @@ def runners(model, methods, plans, guessers, draft_hf, n_new: int) -> dict:
     return {m: table[m] for m in ["hf_generate", "hf_lookup", "hf_assisted", "plain"] + list(methods) if m in table}
 
 
-def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats: int, progress: bool = True) -> dict:
-    """{method: [per prompt {tokens, seconds (median), report}]}; interleaved, warm-up first."""
+def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
+              on_prompt=None) -> dict:
+    """{method: [per prompt {tokens, seconds (median), report}]}; interleaved, warm-up first.
+    on_prompt(rows) after every prompt (results are written as they come; Ctrl-C keeps them)."""
     names = list(run)
     for name in names:  # warm-up: every method once on the first prompt (first calls pay shape setup)
         run[name](prompts[0][1][:32])
@@ -136,6 +138,8 @@ def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats
             sp = {m: rows["hf_generate"][-1]["seconds"] / rows[m][-1]["seconds"] for m in names}
             print(f"[{pi + 1}/{len(prompts)}] {label[:40]!r}: " + ", ".join(f"{m} {v:.2f}x" for m, v in sp.items()),
                   file=sys.stderr, flush=True)
+        if on_prompt is not None:
+            on_prompt(rows)
     return rows
 
 
@@ -278,21 +282,36 @@ def main(argv=None) -> int:
         guessers[m] = _guesser(kind, model)
     draft_hf = load_draft_model(SHIPPED / "draft_lm", model)
     t0 = time.time()
-    rows = run_bench(model, prompts, runners(model, methods, plans, guessers, draft_hf, args.max_new_tokens), args.repeats)
-    doc = {"mode": "quick" if args.quick else "full", "machine": mach, "load_after": [round(x, 2) for x in os.getloadavg()],
-           "model": "smollm2-135m (fp32)", "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-           "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of workflows.inputs.held_out_prompts) "
-                          f"+ {args.rewrite_prompts} rewrite/summarise prompts (bench/data/rewrite_prompts.jsonl)",
-           "profile": str(AUTOTUNE / "profile.json"), "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
-           "summary": summarise(rows), "rows": rows,
-           "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}
-                     for m, p in plans.items()}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "dynamic-quick" if args.quick else "dynamic"
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / f"{name}.md").write_text(markdown(doc))
-    print(markdown(doc))
+    state = {}
+
+    def write(rows):
+        from planner.jsonio import atomic_write_bytes
+
+        done = len(rows["hf_generate"])
+        doc = {"mode": "quick" if args.quick else "full", "machine": mach,
+               "load_after": [round(x, 2) for x in os.getloadavg()], "model": "smollm2-135m (fp32)",
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts_done": done,
+               "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of "
+                              f"workflows.inputs.held_out_prompts) + {args.rewrite_prompts} rewrite/summarise prompts "
+                              f"(bench/data/rewrite_prompts.jsonl); {done} of {len(prompts)} done",
+               "profile": str(AUTOTUNE / "profile.json"), "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
+               "summary": summarise(rows), "rows": rows,
+               "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}
+                         for m, p in plans.items()}}
+        atomic_write_bytes(out / f"{name}.json", json.dumps(doc, indent=1, default=str).encode())
+        atomic_write_bytes(out / f"{name}.md", markdown(doc).encode())
+        state["doc"] = doc
+
+    try:
+        run_bench(model, prompts, runners(model, methods, plans, guessers, draft_hf, args.max_new_tokens), args.repeats,
+                  on_prompt=write)
+    except KeyboardInterrupt:
+        print("bench_dynamic: interrupted; the prompts finished so far are written", file=sys.stderr)
+    if "doc" in state:
+        print(markdown(state["doc"]))
     return 0
 
 
