@@ -41,6 +41,9 @@ AUTOTUNE = ROOT / "reports" / "autotune-cpu-smollm2-135m"
 STATIC = {"lookup": "lookup-chain-6.json", "parallelspec": "parallelspec-medusa-7.json", "draft": "draft-chain-1.json"}
 DYNAMIC_FULL = ("lookup", "parallelspec", "draft", "lookup+parallelspec", "lookup+draft")
 DYNAMIC_QUICK = ("lookup", "parallelspec", "lookup+parallelspec")
+# --clock cpu: time a method by the process's CPU time (with --threads 1 that is its own work), for a
+# machine shared with other jobs, where wall time measures the neighbours as much as the method
+CLOCK = {"cpu": False}
 
 
 def machine() -> dict:
@@ -121,14 +124,17 @@ def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats
         for r in range(repeats):
             order = names[r % len(names):] + names[: r % len(names)]
             for m in order:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 toks, o = run[m](ids)
-                times[m].append(time.perf_counter() - t0)
+                times[m].append((time.perf_counter() - t0, time.process_time() - c0))
                 out[m] = (toks, o)
         for m in names:
             toks, o = out[m]
             rep = o.stats.dynamic if o is not None and o.stats.dynamic is not None else None
-            rows[m].append({"prompt": label, "tokens": toks, "seconds": statistics.median(times[m]),
+            wall = statistics.median(t for t, _ in times[m])
+            cpu = statistics.median(c for _, c in times[m])
+            rows[m].append({"prompt": label, "tokens": toks, "seconds": cpu if CLOCK["cpu"] else wall,
+                            "wall_s": wall, "cpu_s": cpu,
                             "steps": o.steps if o is not None else None,
                             "forward_s": sum(o.stats.times["forward"]) if o is not None else None,
                             "dynamic": None if rep is None else {k: rep[k] for k in (
@@ -181,7 +187,8 @@ def markdown(doc: dict) -> str:
              f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores, torch {doc['machine']['torch']} "
              f"({doc['machine']['torch_threads']} threads); load average before {doc['machine']['load_avg']}, "
              f"after {doc['load_after']}. Model {doc['model']}, greedy, {doc['max_new_tokens']} new tokens, "
-             f"{doc['repeats']} repeat(s) per prompt after a warm-up, medians.",
+             f"{doc['repeats']} repeat(s) per prompt after a warm-up, medians; clock: {doc.get('clock', 'wall')}"
+             f"{' (process CPU time, 1 thread: the machine is shared)' if doc.get('clock') == 'cpu' else ''}.",
              f"Prompts: {doc['prompt_sets']}.", "",
              "| method | tokens/s | vs generate | median prompt vs generate | worst prompt vs plain | tokens/step | "
              "mean size | plain steps | decide / forward | predicted vs plain | measured vs plain | identical |",
@@ -243,12 +250,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall (default) or cpu: process CPU time, for a shared machine (use with --threads 1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     if args.smoke:
         return smoke(Path(args.out) if args.out else None)
     if args.threads:
         torch.set_num_threads(args.threads)
+    CLOCK["cpu"] = args.clock == "cpu"
+    if CLOCK["cpu"] and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu: give --threads 1 (CPU time of several threads counts their spinning too)")
     if args.quick:
         args.mt_prompts, args.rewrite_prompts, args.max_new_tokens = 2, 2, 32
     for name in ("mt_prompts", "rewrite_prompts", "max_new_tokens", "repeats"):
@@ -294,6 +306,7 @@ def main(argv=None) -> int:
         doc = {"mode": "quick" if args.quick else "full", "machine": mach,
                "load_after": [round(x, 2) for x in os.getloadavg()], "model": "smollm2-135m (fp32)",
                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts_done": done,
+               "clock": args.clock,
                "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of "
                               f"workflows.inputs.held_out_prompts) + {args.rewrite_prompts} rewrite/summarise prompts "
                               f"(bench/data/rewrite_prompts.jsonl); {done} of {len(prompts)} done",
