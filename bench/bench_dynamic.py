@@ -101,13 +101,17 @@ def runners(model, methods, plans, guessers, draft_hf, n_new: int) -> dict:
         return run
 
     table = {"hf_generate": hf(), "hf_lookup": hf(prompt_lookup_num_tokens=10),
-             "plain": lambda ids: (generate_plain(model, ids, max_new_tokens=n_new).tokens.tolist(), None)}
+             "plain": lambda ids: _tokens_and(generate_plain(model, ids, max_new_tokens=n_new))}
     if draft_hf is not None:
         table["hf_assisted"] = hf(assistant_model=draft_hf)
     for m in methods:
         if m.startswith(("static/", "dynamic/")):
             table[m] = ours(plans[m], guessers[m])
     return {m: table[m] for m in ["hf_generate", "hf_lookup", "hf_assisted", "plain"] + list(methods) if m in table}
+
+
+def _tokens_and(out):
+    return out.tokens.tolist(), out
 
 
 def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
@@ -137,6 +141,7 @@ def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats
                             "wall_s": wall, "cpu_s": cpu,
                             "steps": o.steps if o is not None else None,
                             "forward_s": sum(o.stats.times["forward"]) if o is not None else None,
+                            "decode_s": o.stats.total_s - o.stats.prefill_s if o is not None else None,
                             "dynamic": None if rep is None else {k: rep[k] for k in (
                                 "sizes", "predicted_speedup", "predicted_tokens_per_step", "decide_s_mean",
                                 "corrections")}})
@@ -176,7 +181,9 @@ def summarise(rows: dict) -> list[dict]:
             preds = [x["predicted_speedup"] for x in d if x["predicted_speedup"] is not None]
             if preds:  # the session's forecast is over our plain step: compare with the measured speedup over plain
                 row["predicted_vs_plain"] = statistics.fmean(preds)
-                row["measured_vs_plain"] = (tokens / secs) / (sum(len(r["tokens"]) for r in plain) / sum(r["seconds"] for r in plain))
+                # decode only (prefill excluded, as in the forecast): tokens per decode second against plain's
+                row["measured_vs_plain"] = (tokens / sum(r["decode_s"] for r in rs)) / (
+                    sum(len(r["tokens"]) for r in plain) / sum(r["decode_s"] for r in plain))
                 row["prediction_error"] = row["predicted_vs_plain"] / row["measured_vs_plain"] - 1
         out.append(row)
     return out
@@ -191,7 +198,7 @@ def markdown(doc: dict) -> str:
              f"{' (process CPU time, 1 thread: the machine is shared)' if doc.get('clock') == 'cpu' else ''}.",
              f"Prompts: {doc['prompt_sets']}.", "",
              "| method | tokens/s | vs generate | median prompt vs generate | worst prompt vs plain | tokens/step | "
-             "mean size | plain steps | decide / forward | predicted vs plain | measured vs plain | identical |",
+             "mean size | plain steps | decide / forward | predicted vs plain (decode) | measured vs plain (decode) | identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt="{:.2f}"):
@@ -253,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (default) or cpu: process CPU time, for a shared machine (use with --threads 1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--profile", default=str(AUTOTUNE / "profile.json"),
+                    help="latency profile the dynamic plans are costed with (measure it at the bench's --threads)")
     args = ap.parse_args(argv)
     if args.smoke:
         return smoke(Path(args.out) if args.out else None)
@@ -283,7 +292,7 @@ def main(argv=None) -> int:
     rw = read_prompts(ROOT / "bench" / "data" / "rewrite_prompts.jsonl")
     texts = [("mt: " + t, t) for t in mt[: args.mt_prompts]] + [("rewrite: " + t, t) for t in rw[: args.rewrite_prompts]]
     prompts = list(zip([a for a, _ in texts], encode_prompts(tok, [b for _, b in texts])))
-    profile = load_profile(str(AUTOTUNE / "profile.json"))
+    profile = load_profile(args.profile)
     dyn = DYNAMIC_QUICK if args.quick else DYNAMIC_FULL
     accepts = {k: load_acceptance(str(CAL_DIR / f"accept-{k}.json")) for k in {p for d in dyn for p in d.split("+")}}
     methods = [f"static/{k}" for k in STATIC] + [f"dynamic/{k}" for k in dyn]
@@ -310,7 +319,7 @@ def main(argv=None) -> int:
                "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of "
                               f"workflows.inputs.held_out_prompts) + {args.rewrite_prompts} rewrite/summarise prompts "
                               f"(bench/data/rewrite_prompts.jsonl); {done} of {len(prompts)} done",
-               "profile": str(AUTOTUNE / "profile.json"), "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
+               "profile": args.profile, "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
                "summary": summarise(rows), "rows": rows,
                "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}
                          for m, p in plans.items()}}
