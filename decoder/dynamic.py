@@ -186,6 +186,7 @@ class DynamicSession:
         self.sizes: list[int] = []
         self.decide_s: list[float] = []
         self.expected: list[float] = []
+        self.decide_est = spec.decide_s  # running estimate of the decision's cost per step
         self.costs: list[float] = []  # the model's cost of each step (drafting + step_cost), before the decision's own
         self.pool: Pool | None = None
         self.chosen: list[int] = []
@@ -213,6 +214,7 @@ class DynamicSession:
     def propose(self, root: torch.Tensor) -> Proposal:
         t0 = time.perf_counter()
         pool = Pool()
+        pool.sunk_s = self.decide_est  # the decision's own time, priced into every size alike
         for s in self.sources:
             s.extend(pool, root, self)
         if pool.fixed is not None:
@@ -243,6 +245,7 @@ class DynamicSession:
         self.sizes.append(len(chosen))
         self.expected.append(expected)
         self.decide_s.append(time.perf_counter() - t0 - pool.passes_s)
+        self.decide_est += 0.1 * (self.decide_s[-1] - self.decide_est)
         return Proposal(lay, tokens, draft_probs=q, extra_embeds=extra)
 
     def _layout(self, paths, top_k: int):
@@ -283,7 +286,7 @@ class DynamicSession:
 
     def report(self) -> dict:
         d = np.array(self.decide_s) if self.decide_s else np.zeros(1)
-        tau, cost = float(np.sum(self.expected)), float(np.sum(self.costs)) + float(d.sum())
+        tau, cost = float(np.sum(self.expected)), float(np.sum(self.costs))  # costs include the decision estimate
         plain = float(self.spec.step_cost_s[0])
         out = {"sizes": self.sizes, "expected_tokens": [round(x, 4) for x in self.expected],
                "predicted_cost_s": [round(x, 6) for x in self.costs],
