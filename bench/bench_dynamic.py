@@ -180,7 +180,10 @@ def summarise(rows: dict) -> list[dict]:
             row["decide_vs_forward"] = sum(x["decide_s_mean"] * len(x["sizes"]) for x in d) / fwd
             preds = [x["predicted_speedup"] for x in d if x["predicted_speedup"] is not None]
             if preds:  # the session's forecast is over our plain step: compare with the measured speedup over plain
-                row["predicted_vs_plain"] = statistics.fmean(preds)
+                # aggregate as the measurement does: plain's decode time over the forecast decode time, summed
+                row["predicted_vs_plain"] = sum(p["decode_s"] for p in plain) / sum(
+                    p["decode_s"] / x["predicted_speedup"] for p, x in zip(plain, d))
+                row["predicted_vs_plain_per_prompt"] = preds
                 # decode only (prefill excluded, as in the forecast): tokens per decode second against plain's
                 row["measured_vs_plain"] = (tokens / sum(r["decode_s"] for r in rs)) / (
                     sum(len(r["tokens"]) for r in plain) / sum(r["decode_s"] for r in plain))
