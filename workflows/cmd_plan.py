@@ -16,6 +16,9 @@ methods:
            dynamic programme over (size, depth).
   ppd      PPD dynamic sparse trees: one tree per state (prompt tokens on the last accepted
            node), prompt tokens per node; paper construction improved by policy iteration.
+  dynamic  a tree chosen at every step (docs/dynamic-trees.md): --accept [KIND=]FILE once per
+           guesser (twice for a hybrid: lookup and a drafter), --profile for the step cost at every
+           size (without: every size costs the same), --max-size, --max-depth.
 
 acceptance (--accept): a JSON file {"accuracy": [[...], ...]} (row d = distance d+1, entry r =
 probability that the rank-r guess is right) or {"positional": [...]} (same row at every
@@ -41,6 +44,7 @@ examples:
   planner plan ppd --accept ../shared/data/published_acceptance.json:ppd-vicuna-7b --input-length 120 -o trees/ppd.json
   planner plan ppd --accept ...:ppd-vicuna-7b --profile profiles/a100.json -o trees/ppd-a100.json
   planner plan medusa --accept ...:medusa-vicuna-7b --profile profiles/a100-b1-16.json --batch-sizes 1,2,4,8,16 -o trees/medusa-batched.json
+  planner plan dynamic --accept acc-lookup.json --accept acc-ps.json --profile profile.json --max-size 16 -o dyn.json
 
 The output follows trees/schema.json: "expected_tokens_per_step" is the amortised tau under the
 independence model, "states" holds one tree per state ("nodes" are rank paths, parents first).
