@@ -84,6 +84,13 @@ def generate(model, input_ids, plan, guesser, max_new_tokens: int = 128, tempera
     """
     _use_paths(model, matmul_paths)
     tree, label = as_tree(plan)
+    if tree is not None and tree.dynamic is not None:  # a tree chosen every step (decoder/dynamic.py)
+        from decoder.dynamic import DynamicGuesser
+
+        if isinstance(input_ids, (list, tuple)):
+            raise UserError(f"{label}: dynamic plans decode one prompt at a time")
+        if not isinstance(guesser, DynamicGuesser):
+            guesser = DynamicGuesser(guesser, tree)
     guesser.check(tree, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     if isinstance(input_ids, (list, tuple)):
@@ -292,6 +299,8 @@ def decode(model, input_ids, plan: Tree | None, guesser, max_new_tokens: int, sa
             break
     if bar is not None:
         bar.close()
+    if hasattr(session, "report"):  # a dynamic plan's sizes chosen and online corrections
+        stats.dynamic = session.report()
     clock.final_sync()
     stats.total_s = time.perf_counter() - t_start
     return GenerateOutput(tokens=torch.tensor(new, dtype=torch.long), steps=len(stats.states), stats=stats)

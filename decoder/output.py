@@ -21,6 +21,7 @@ class DecodeStats:
     guesses: list[torch.Tensor | None] | None = None  # record_guesses: the [k, K] guesses each step's proposal used
     prefill_s: float = 0.0
     total_s: float = 0.0
+    dynamic: dict | None = None  # dynamic plans: sizes chosen per step, decision cost, online corrections
 
     def summary(self) -> dict:
         steps = len(self.states)
@@ -46,6 +47,7 @@ class DecodeStats:
             "planned_input_lengths": self.planned_input_lengths,
             "times": self.times,
             "summary": self.summary(),
+            **({"dynamic": self.dynamic} if self.dynamic is not None else {}),
         }
 
 

@@ -4,6 +4,8 @@ Two JSON forms (see ../shared/notes/ALGORITHMS.md, section 2):
   {"accuracy": [[a_1_0, a_1_1, ...], [a_2_0, ...], ...]}   row d is distance d+1 beyond the root
   {"positional": [p_0, p_1, ...]}                            the same row at every distance
 A collection file maps names to such entries; `FILE:NAME` picks one.
+An optional "calibration" (written by `planner accept --calibrate`, schema in planner/dynamic.py and
+trees/schema.json $defs.calibration) maps the guesser's live signal to acceptance for dynamic plans.
 Extra fields (counts, source, ...) are kept as provenance and otherwise ignored.
 """
 from __future__ import annotations
@@ -99,6 +101,10 @@ def from_entry(entry, label: str = "acceptance", source: dict | None = None) -> 
             src[k] = entry[k]
     if isinstance(entry.get("guesser"), dict):  # how the measured guesser feeds trees (planner.cost.Guessing)
         src["guesser"] = dict(entry["guesser"])
+    if entry.get("calibration") is not None:  # live signal -> acceptance (planner/dynamic.py); older files have none
+        from planner.dynamic import calibration_from_json
+
+        src["calibration"] = calibration_from_json(entry["calibration"], label)
     return Acceptance(matrix, positional=has_pos, source=src)
 
 

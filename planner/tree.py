@@ -24,7 +24,9 @@ from planner.jsonio import atomic_write_json, read_json
 
 FORMAT = "tree-planner/tree"
 VERSION = 1
-METHODS = ("medusa", "sequoia", "ppd")
+METHODS = ("medusa", "sequoia", "ppd")  # static trees (what tune and the searches plan)
+DYNAMIC = "dynamic"  # a tree chosen at every step (planner/dynamic.py); states[0] holds the prior's tree
+FILE_METHODS = METHODS + (DYNAMIC,)
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
 
 Path_ = tuple[int, ...]
@@ -89,6 +91,7 @@ class Tree:
     settings: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     schedule: list[ScheduleEntry] | None = None  # per batch-size range; None: this tree at every batch size
+    dynamic: object = None  # planner.dynamic.DynamicSpec for method "dynamic": trees chosen at every step
 
     def state(self, s: int) -> TreeState:
         for st in self.states:
@@ -138,6 +141,8 @@ class Tree:
             d["size_curve"] = self.size_curve
         if self.schedule is not None:
             d["schedule"] = [e.to_json() for e in self.schedule]
+        if self.dynamic is not None:
+            d["dynamic"] = self.dynamic.to_json()
         d["settings"] = self.settings
         d["provenance"] = self.provenance
         return d
@@ -194,8 +199,8 @@ def tree_from_json(data, label: str = "tree") -> Tree:
     for key in ("method", "expected_tokens_per_step", "states"):
         if key not in data:
             raise UserError(f"{label}: missing field '{key}'")
-    if data["method"] not in METHODS:
-        raise UserError(f"{label}: field 'method' is {data['method']!r}, expected one of {', '.join(METHODS)}")
+    if data["method"] not in FILE_METHODS:
+        raise UserError(f"{label}: field 'method' is {data['method']!r}, expected one of {', '.join(FILE_METHODS)}")
     if not _is_num(data["expected_tokens_per_step"]):
         raise UserError(f"{label}: field 'expected_tokens_per_step' must be a number")
     if not isinstance(data["states"], list) or not data["states"]:
@@ -247,9 +252,22 @@ def tree_from_json(data, label: str = "tree") -> Tree:
         settings=data.get("settings", {}) or {},
         provenance=data.get("provenance", {}) or {},
         schedule=_schedule_from_json(data["schedule"], label) if data.get("schedule") is not None else None,
+        dynamic=_dynamic_from_json(data, label),
     )
     validate_tree(tree, label)
     return tree
+
+
+def _dynamic_from_json(data: dict, label: str):
+    if data["method"] != DYNAMIC:
+        if data.get("dynamic") is not None:
+            raise UserError(f"{label}: field 'dynamic' belongs to method 'dynamic' plans only")
+        return None
+    if data.get("dynamic") is None:
+        raise UserError(f"{label}: missing field 'dynamic' (required for method 'dynamic')")
+    from planner.dynamic import spec_from_json
+
+    return spec_from_json(data["dynamic"], label)
 
 
 def _schedule_from_json(obj, label: str) -> list[ScheduleEntry]:
@@ -324,6 +342,13 @@ def validate_tree(tree: Tree, label: str = "tree") -> None:
             raise UserError(f"{label}: field '{f}.input_length' is {st.input_length}, the tree has {expected_n} tokens")
         if st.expected_tokens < 1 - 1e-9 or st.expected_tokens > 1 + len(st.nodes) + 1e-9:
             raise UserError(f"{label}: field '{f}.expected_tokens' = {st.expected_tokens} is impossible for {len(st.nodes)} candidates")
+    if tree.method == DYNAMIC:
+        if tree.dynamic is None:
+            raise UserError(f"{label}: missing field 'dynamic' (required for method 'dynamic')")
+        if tree.schedule is not None:
+            raise UserError(f"{label}: a dynamic plan chooses its tree every step; field 'schedule' is not allowed")
+        if len(tree.states[0].nodes) > tree.dynamic.max_size:
+            raise UserError(f"{label}: field 'states[0].nodes' has more than dynamic.max_size = {tree.dynamic.max_size} candidates")
     if tree.method != "ppd" and len(tree.states) != 1:
         raise UserError(f"{label}: field 'states': {tree.method} trees have a single state, found {len(tree.states)}")
     if tree.method == "ppd":

@@ -89,3 +89,18 @@ def test_bench_cpu_paths_smoke(tmp_path):
     assert doc["decoding"]["plain + paths"]["identical_to_plain"] is True
     assert all(s != "mismatch" for row in doc["decoding"].values() for s in row["vs_generate"])
     assert "load_avg_start" in doc and (tmp_path / "cpu_paths.md").is_file()
+
+
+def test_bench_dynamic_smoke(tmp_path):
+    """Dynamic plans (lookup, draft LM, their hybrid) run through the benchmark beside transformers'
+    generate, prompt lookup and assisted generation on tiny models; ours equal generate."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dynamic.py"), "--smoke", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "smoke: ok" in r.stdout
+    result = json.loads((tmp_path / "dynamic.json").read_text())
+    rows = {row["method"]: row for row in result["summary"]}
+    assert {"hf_generate", "hf_lookup", "hf_assisted", "plain", "dynamic/lookup", "dynamic/draft",
+            "dynamic/lookup+draft"} == set(rows)
+    assert all(rows[m]["identical_to_generate"] for m in rows if m.startswith(("dynamic", "plain")))
+    assert all(rows[m]["mean_size"] is not None for m in rows if m.startswith("dynamic"))

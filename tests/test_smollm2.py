@@ -80,3 +80,27 @@ def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
         accepted += sum(out.stats.accepted)
     if kind != "lookup":
         assert accepted > 0  # trained guessers are right some of the time
+
+
+@pytest.mark.parametrize("kind", ["lookup+parallelspec", "draft"])
+def test_dynamic_plans_are_token_identical(smol, prompts, kind):
+    """Per-step trees (a hybrid, and the draft LM's expanding tree) on SmolLM2: what model.generate gives."""
+    from decoder.dynamic import HybridGuesser
+    from planner.accept import load_acceptance
+    from planner.dynamic_plan import plan_dynamic
+
+    loaded, _ = smol
+    model = loaded.model
+    acc = SHIPPED_DIR.parent / "reports" / "accept-smollm2-135m-heldout"
+    kinds = kind.split("+")
+    plan = plan_dynamic([(k, load_acceptance(str(acc / f"accept-{k}.json"))) for k in kinds], None, 8, 4)
+    if kind == "draft":
+        g = DraftModelGuesser(load_draft_model(SHIPPED / "draft_lm", model), top_k=4)
+    else:
+        g = HybridGuesser(PromptLookupGuesser(), ParallelDrafter.load(SHIPPED / "parallelspec"), "parallelspec")
+    accepted = 0
+    for ids in prompts:
+        out = generate(model, ids, plan=plan, guesser=g, max_new_tokens=16)
+        assert out.tokens.tolist() == _reference(model, ids, 16)
+        accepted += sum(out.stats.accepted)
+    assert accepted > 0

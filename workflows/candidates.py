@@ -184,3 +184,32 @@ def pearl_candidates(accept: Acceptance, latencies: dict, eta: float, plain_s: f
         out.append(Candidate("pearl", tree, g, float(g), p.tokens_per_round, p.speedup, "overlapped", "pearl",
                              Guessing(draft_s=latencies["t_draft_split_s"])))
     return out
+
+
+def dynamic_candidates(kind: str, accept, profile: LatencyProfile | None, max_size: int = 16, max_depth: int = 8,
+                       sizes: tuple[int, ...] | None = None) -> list[Candidate]:
+    """Dynamic plans (trees chosen at every step, planner/dynamic.py) for guesser `kind` (lookup,
+    draft, parallelspec, chain, ppd) or a hybrid `lookup+<drafter>`. accept: the Acceptance (a dict
+    {kind: Acceptance} for a hybrid: lookup's and the drafter's); files from `planner accept
+    --calibrate` bring their calibration, others are used as the prior. One candidate per size
+    limit in `sizes` (default: max_size). The tree decodes with `decoder.generate(model, ids,
+    plan=c.tree, guesser=g)`, g the single guesser or decoder.dynamic.HybridGuesser(lookup, drafter,
+    drafter_kind). Predicted tokens/step and speedup are the prior-only forecast (the step the
+    prior alone would choose every time); per-step choice adds what the average hides, so measure."""
+    from planner.dynamic_plan import plan_dynamic
+
+    kinds = kind.split("+")
+    accepts = accept if isinstance(accept, dict) else {kinds[0]: accept}
+    missing = [k for k in kinds if k not in accepts]
+    if missing:
+        raise UserError(f"dynamic {kind}: no acceptance for {', '.join(missing)}")
+    out = []
+    for n in sizes or (max_size,):
+        tree = plan_dynamic([(k, accepts[k]) for k in kinds], profile, max_size=n, max_depth=max_depth)
+        preds = tree.settings["prior_prediction"]
+        best = max(preds.values(), key=lambda p: p["speedup"])
+        tree.settings = dict(tree.settings, guesser=kind)
+        out.append(Candidate("dynamic", tree, tree.dynamic.max_size, float(1 + best["size"]), best["tokens_per_step"],
+                             best["speedup"], "per-step trees", kind,
+                             default_guessing("medusa", accepts[kinds[-1]])))
+    return out

@@ -15,7 +15,7 @@ from planner.errors import UserError
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "plan": ("workflows.cmd_plan", "plan trees (medusa, sequoia, ppd) from acceptance statistics"),
+    "plan": ("workflows.cmd_plan", "plan trees (medusa, sequoia, ppd, dynamic) from acceptance statistics"),
     "profile": ("workflows.cmd_profile", "measure forward latency versus input length on this machine"),
     "accept": ("workflows.cmd_accept", "measure a guesser's acceptance statistics on validation prompts"),
     "decode": ("workflows.cmd_decode", "decode prompts with a planned tree"),

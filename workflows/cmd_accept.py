@@ -32,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out", action="store_true",
                    help="measure on the MT-bench questions held out of every shipped guesser's training "
                         "(question_id %% 5 == 0, first turns) of --prompts (default the MT-bench file)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also map the guesser's live signal to acceptance (draft probability per depth; lookup: n-gram "
+                        "length and follow count) for dynamic plans: one more greedy pass over the prompts; stored "
+                        "under 'calibration' with a cross-fitted reliability table")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
 
 
@@ -114,6 +118,13 @@ def run(args) -> int:
                 "source": f"planner accept: {loaded.name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} greedy tokens each", "wall_s": time.time() - t0})
     acc["guesser"]["dir"] = guesser.source_dir  # ppd: None is random, untrained
+    if args.calibrate and len(done) == len(prompts):
+        import numpy as np
+
+        from profiler.calibration import measure_calibration
+
+        acc["calibration"] = measure_calibration(model, guesser, prompts, np.array(acc["accuracy"]),
+                                                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
     from_entry({"accuracy": acc["accuracy"]}, label=args.output)  # what we write, the planner can read
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))

@@ -183,6 +183,8 @@ def run(args) -> int:
     except KeyboardInterrupt:
         interrupted = True  # keep what is done; report and write it
     summary = _summary(results, args.compare_plain)
+    if tree is not None and tree.dynamic is not None:
+        summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
     if args.pearl:
         summary.update(_pearl_summary(results))
     if args.mtad_settings is not None:
@@ -318,6 +320,9 @@ def _row(args, model, tokenizer, text: str, ids, out, plain, batch_len: int) -> 
 
 def step_lengths(guesser, tree, w) -> dict:
     """Forward lengths per state: the decoder's real ones and the plan's count."""
+    if tree is not None and tree.dynamic is not None:  # chosen every step: the sizes it may choose
+        n = min(tree.dynamic.max_size + 1, len(tree.dynamic.step_cost_s))
+        return {"real": {"0": n}, "planned": {"0": n}}
     if hasattr(guesser, "layouts") and getattr(guesser, "input_embeddings", lambda: None)() is not None:
         layouts = guesser.layouts(tree, w.dtype, w.device)
         return {"real": {str(s): b.input_length for s, b in layouts.states.items()},
@@ -329,11 +334,25 @@ def step_lengths(guesser, tree, w) -> dict:
 def guesser_record(spec: str, guesser) -> dict:
     kind, _ = parse_guesser(spec)
     rec = {"kind": kind, "dir": getattr(guesser, "source_dir", None), "top_k": getattr(guesser, "top_k", None)}
+    if "+" in kind:  # a hybrid: lookup and the drafter
+        return {"kind": kind, "dir": getattr(guesser, "source_dir", None)}
     if kind == "ppd":
         rec.update(P=guesser.num_prompt_tokens, E=guesser.ensemble, random=guesser.source_dir is None)
     if kind in ("parallelspec", "chain"):
         rec.update(num_masks=guesser.num_masks, mode=guesser.mode)
     return rec
+
+
+def dynamic_summary(reports: list[dict | None], results: list[dict]) -> dict:
+    """Sizes chosen per step, the share of plain steps, the decision's cost against the forward."""
+    import statistics
+
+    sizes = [s for r in reports if r for s in r["sizes"]]
+    decide = sum(r["decide_s_mean"] * len(r["sizes"]) for r in reports if r)
+    forward = sum(sum(x["stats"]["times"]["forward"]) for x in results)
+    return {"dynamic_sizes_mean": statistics.fmean(sizes) if sizes else 0.0,
+            "dynamic_plain_steps": sum(s == 0 for s in sizes) / len(sizes) if sizes else 0.0,
+            "dynamic_decide_s": decide, "dynamic_decide_vs_forward": decide / forward if forward > 0 else None}
 
 
 def _summary(results: list[dict], plain: bool) -> dict:

@@ -16,6 +16,9 @@ methods:
            dynamic programme over (size, depth).
   ppd      PPD dynamic sparse trees: one tree per state (prompt tokens on the last accepted
            node), prompt tokens per node; paper construction improved by policy iteration.
+  dynamic  a tree chosen at every step (docs/dynamic-trees.md): --accept [KIND=]FILE once per
+           guesser (twice for a hybrid: lookup and a drafter), --profile for the step cost at every
+           size (without: every size costs the same), --max-size, --max-depth.
 
 acceptance (--accept): a JSON file {"accuracy": [[...], ...]} (row d = distance d+1, entry r =
 probability that the rank-r guess is right) or {"positional": [...]} (same row at every
@@ -41,6 +44,7 @@ examples:
   planner plan ppd --accept ../shared/data/published_acceptance.json:ppd-vicuna-7b --input-length 120 -o trees/ppd.json
   planner plan ppd --accept ...:ppd-vicuna-7b --profile profiles/a100.json -o trees/ppd-a100.json
   planner plan medusa --accept ...:medusa-vicuna-7b --profile profiles/a100-b1-16.json --batch-sizes 1,2,4,8,16 -o trees/medusa-batched.json
+  planner plan dynamic --accept acc-lookup.json --accept acc-ps.json --profile profile.json --max-size 16 -o dyn.json
 
 The output follows trees/schema.json: "expected_tokens_per_step" is the amortised tau under the
 independence model, "states" holds one tree per state ("nodes" are rank paths, parents first).
@@ -51,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("method", choices=("medusa", "sequoia", "ppd"), help="tree family to plan")
-    p.add_argument("--accept", required=True, metavar="FILE[:NAME]", help="acceptance statistics (see above)")
+    p.add_argument("method", choices=("medusa", "sequoia", "ppd", "dynamic"), help="tree family to plan")
+    p.add_argument("--accept", required=True, action="append", metavar="FILE[:NAME]",
+                   help="acceptance statistics (see above); dynamic: [KIND=]FILE, twice for a hybrid (lookup and a "
+                        "drafter); a file from `planner accept --calibrate` brings its calibration")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the tree JSON here (atomically); without it the JSON goes to stdout")
     g = p.add_argument_group("size")
@@ -113,6 +119,11 @@ def run(args) -> int:
 
     if args.output:
         writable_target(args.output)  # before minutes of planning, not after
+    if args.method == "dynamic":
+        return _run_dynamic(args)
+    if len(args.accept) > 1:
+        raise UserError(f"--accept: {args.method} plans take one acceptance file (two only for a dynamic hybrid)")
+    args.accept = args.accept[0]
     batch_sizes = _batch_options(args)
     accept = load_acceptance(args.accept)
     profile = load_profile(args.profile) if args.profile and batch_sizes is None else None
@@ -156,6 +167,50 @@ def run(args) -> int:
         print(summary(tree, label), file=sys.stderr)
         for line in schedule_lines(tree):
             print(line, file=sys.stderr)
+    return 0
+
+
+def _run_dynamic(args) -> int:
+    """planner plan dynamic: the size limit, the step cost at every input length, the guessers' maps."""
+    from planner.accept import load_acceptance
+    from planner.dynamic import GUESSER_KINDS
+    from planner.dynamic_plan import plan_dynamic
+    from planner.errors import UserError
+    from planner.jsonio import atomic_write_json
+    from planner.profile import load_profile
+
+    for name in ("size", "input_length", "batch_sizes"):
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')}: a dynamic plan chooses its size every step (give --max-size)")
+    pairs = []
+    for spec in args.accept:
+        kind, sep, path = spec.partition("=")
+        if sep and kind in GUESSER_KINDS:
+            pairs.append((kind, load_acceptance(path)))
+        else:
+            pairs.append((None, load_acceptance(spec)))
+    profile = load_profile(args.profile) if args.profile else None
+    tree = plan_dynamic(pairs, profile, max_size=args.max_size, max_depth=args.max_depth or 8,
+                        ensemble=args.ensemble or 1)
+    tree.provenance.update({
+        "command": "planner plan " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tool": "tree-planner " + _version(), "accept": args.accept, "profile": args.profile})
+    label = args.output or "<stdout>"
+    if args.output:
+        atomic_write_json(args.output, tree.to_json())
+    else:
+        import json
+
+        print(json.dumps(tree.to_json(), indent=1))
+    if not args.quiet:
+        cal = [k for k, g in tree.dynamic.guessers.items() if g.calibration is not None]
+        pred = "; ".join(f"{k}: prior alone {v['size']} candidates, {v['tokens_per_step']:.2f} tokens/step"
+                         + (f", {v['speedup']:.2f}x" if args.profile else "") for k, v in tree.settings["prior_prediction"].items())
+        print(f"wrote {label}: dynamic ({tree.settings['guesser']}), up to {tree.dynamic.max_size} candidates, "
+              f"calibrated: {', '.join(cal) or 'none (acceptance rows as the prior)'}; "
+              f"{'profiled step costs' if args.profile else 'every size costs the same (no --profile)'}; {pred}",
+              file=sys.stderr)
     return 0
 
 

@@ -142,8 +142,13 @@ GUESSER_KINDS = ("ppd", "draft", "parallelspec", "chain", "lookup", "plain")  # 
 SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
 
 
+HYBRIDS = ("lookup+draft", "lookup+parallelspec", "lookup+chain", "lookup+ppd")  # dynamic plans only
+
+
 def parse_guesser(spec: str) -> tuple[str, str | None]:
     kind, _, path = str(spec).partition(":")
+    if kind in HYBRIDS:
+        return kind, path or None  # the path is the drafter's
     if kind not in GUESSER_KINDS:
         raise UserError(f"--guesser {spec}: expected KIND[:PATH] with KIND one of {', '.join(GUESSER_KINDS)}")
     if kind in ("lookup", "plain") and path:
@@ -154,6 +159,17 @@ def parse_guesser(spec: str) -> tuple[str, str | None]:
 def make_guesser(args, loaded, spec: str):
     """The guesser --guesser names, with its files (a path, else the ones shipped for a named model)."""
     kind, path = parse_guesser(getattr(args, "guesser", None) or "ppd")
+    if kind in HYBRIDS:  # prompt lookup's continuation and a drafter's candidates in one step's tree
+        from decoder.dynamic import HybridGuesser
+        from decoder.lookup import PromptLookupGuesser
+
+        drafter_kind = kind.split("+")[1]
+        spec_args = argparse.Namespace(**vars(args))
+        spec_args.guesser = drafter_kind + (f":{path}" if path else "")
+        g = HybridGuesser(PromptLookupGuesser(), make_guesser(spec_args, loaded, spec), drafter_kind)
+        if drafter_kind == "ppd":
+            args.prompt_tokens = spec_args.prompt_tokens
+        return g
     if kind != "ppd" and (args.prompt_tokens or args.random_prompt_tokens):
         raise UserError(f"--prompt-tokens / --random-prompt-tokens belong to --guesser ppd, not {kind}")
     if kind == "ppd":

@@ -237,6 +237,35 @@ def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64)
                    "using different lengths; drawn at its largest).", table, fig)
 
 
+def fig_reliability(sources: list) -> Section:
+    """Calibration (planner accept --calibrate): predicted against realised acceptance per cell,
+    each cell scored by the map fitted on the other half of the prompts; marker area ~ observations."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.8, 5.2))
+    table = []
+    for k, src in enumerate(sources):
+        cal = src.accept.source["calibration"]
+        rel = [r for r in cal.reliability if isinstance(r, dict) and r.get("n")]
+        if not rel:
+            continue
+        ax.scatter([r["predicted"] for r in rel], [r["realised"] for r in rel], s=[8 + 2 * r["n"] ** 0.8 for r in rel],
+                   color=f"C{k}", alpha=0.6, label=f"{_short(src.label)} ({cal.signal})")
+        n = sum(r["n"] for r in rel)
+        ece = sum(r["n"] * abs(r["predicted"] - r["realised"]) for r in rel) / n
+        table.append({"acceptance": src.label, "signal": cal.signal, "cells": len(rel), "observations": n,
+                      "expected_calibration_error": round(ece, 4)})
+    ax.plot([0, 1], [0, 1], "--", color="gray", lw=0.8, label="realised = predicted")
+    ax.set_xlabel("predicted P(accepted | parent accepted)")
+    ax.set_ylabel("realised rate (held-out half)")
+    ax.set_title("Reliability of the calibrated maps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    caption = ("One point per (depth bin, signal bin) cell; the map is fitted on one half of the prompts and scored on "
+               "the other (2-fold). Expected calibration error: the observation-weighted mean |predicted - realised|.")
+    return Section("Calibration: predicted versus realised acceptance", "reliability.png", caption, table, fig)
+
+
 def study_rows(study) -> list[dict]:
     """Trials of a measured study as autotune-style rows (predicted from the profile, measured by decoding)."""
     import optuna
@@ -560,6 +589,9 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
         add(fig_latency(profs))
     if sources:
         add(fig_tokens_per_step(sources, max_size))
+        calibrated = [s for s in sources if s.accept.source.get("calibration") is not None]
+        if calibrated:
+            add(fig_reliability(calibrated))
         if profs:
             add(fig_speedup(sources, profs, max_size))
         else:

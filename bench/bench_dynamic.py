@@ -1,0 +1,348 @@
+"""Per-step (dynamic) trees against transformers' own speculation, on the same prompts, one run.
+
+    python bench/bench_dynamic.py            # SmolLM2-135M: held-out MT-bench + rewrite/summarise prompts
+    python bench/bench_dynamic.py --quick    # 2 + 2 prompts, 32 tokens, every method once after a warm-up
+    python bench/bench_dynamic.py --smoke    # tiny random models, seconds; checks identity only
+
+Methods (greedy, fp32):
+  hf_generate      model.generate (the speed baseline: speedups are over it, per prompt)
+  hf_lookup        model.generate(prompt_lookup_num_tokens=10)
+  hf_assisted      model.generate(assistant_model=<the shipped draft LM>), transformers' defaults
+  plain            this project's plain loop (decoder.generate_plain)
+  static/<g>       the best static plan of guesser g measured by the committed autotune run
+                   (reports/autotune-cpu-smollm2-135m/trees)
+  dynamic/<g>      a dynamic plan (planner plan dynamic) from the calibrated acceptance in
+                   reports/dynamic-smollm2-135m/ and the committed profile; hybrids lookup+<g>
+Runs are interleaved per prompt (the method order rotates each repeat) after a warm-up of every
+method; per prompt the median over repeats; every output is compared with hf_generate's.
+Writes bench/results/dynamic.{json,md} (--out) with the machine and its load average.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from planner.errors import UserError  # noqa: E402
+
+SHIPPED = ROOT / "models" / "smollm2-135m"
+CAL_DIR = ROOT / "reports" / "dynamic-smollm2-135m"
+AUTOTUNE = ROOT / "reports" / "autotune-cpu-smollm2-135m"
+STATIC = {"lookup": "lookup-chain-6.json", "parallelspec": "parallelspec-medusa-7.json", "draft": "draft-chain-1.json"}
+DYNAMIC_FULL = ("lookup", "parallelspec", "draft", "lookup+parallelspec", "lookup+draft")
+DYNAMIC_QUICK = ("lookup", "parallelspec", "lookup+parallelspec")
+# --clock cpu: time a method by the process's CPU time (with --threads 1 that is its own work), for a
+# machine shared with other jobs, where wall time measures the neighbours as much as the method
+CLOCK = {"cpu": False}
+
+
+def machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _guesser(kind: str, model, smoke_draft=None):
+    from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
+    from decoder.draft import load_draft_model
+    from decoder.dynamic import HybridGuesser
+
+    if "+" in kind:
+        _, drafter = kind.split("+")
+        return HybridGuesser(PromptLookupGuesser(), _guesser(drafter, model, smoke_draft), drafter)
+    if kind == "lookup":
+        return PromptLookupGuesser()
+    if kind == "draft":
+        return DraftModelGuesser(smoke_draft if smoke_draft is not None else load_draft_model(SHIPPED / "draft_lm", model),
+                                 top_k=4)
+    if kind == "parallelspec":
+        return ParallelDrafter.load(SHIPPED / "parallelspec")
+    raise UserError(f"bench_dynamic: unknown guesser {kind}")
+
+
+def _dynamic_plan(kind: str, profile, accepts: dict):
+    from planner.dynamic_plan import plan_dynamic
+
+    return plan_dynamic([(k, accepts[k]) for k in kind.split("+")], profile, max_size=16, max_depth=8)
+
+
+def _time(fn) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    toks = fn()
+    return toks, time.perf_counter() - t0
+
+
+def runners(model, methods, plans, guessers, draft_hf, n_new: int) -> dict:
+    from decoder import generate, generate_plain
+
+    def hf(**kw):
+        def run(ids):
+            with torch.inference_mode():
+                out = model.generate(ids[None], do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
+                                     pad_token_id=model.config.eos_token_id or 0, **kw)
+            return out[0, ids.numel():].tolist(), None
+        return run
+
+    def ours(plan, g):
+        def run(ids):
+            out = generate(model, ids, plan=plan, guesser=g, max_new_tokens=n_new)
+            return out.tokens.tolist(), out
+        return run
+
+    table = {"hf_generate": hf(), "hf_lookup": hf(prompt_lookup_num_tokens=10),
+             "plain": lambda ids: _tokens_and(generate_plain(model, ids, max_new_tokens=n_new))}
+    if draft_hf is not None:
+        table["hf_assisted"] = hf(assistant_model=draft_hf)
+    for m in methods:
+        if m.startswith(("static/", "dynamic/")):
+            table[m] = ours(plans[m], guessers[m])
+    return {m: table[m] for m in ["hf_generate", "hf_lookup", "hf_assisted", "plain"] + list(methods) if m in table}
+
+
+def _tokens_and(out):
+    return out.tokens.tolist(), out
+
+
+def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
+              on_prompt=None) -> dict:
+    """{method: [per prompt {tokens, seconds (median), report}]}; interleaved, warm-up first.
+    on_prompt(rows) after every prompt (results are written as they come; Ctrl-C keeps them)."""
+    names = list(run)
+    for name in names:  # warm-up: every method once on the first prompt (first calls pay shape setup)
+        run[name](prompts[0][1][:32])
+    rows = {m: [] for m in names}
+    for pi, (label, ids) in enumerate(prompts):
+        times = {m: [] for m in names}
+        out = {}
+        for r in range(repeats):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for m in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                toks, o = run[m](ids)
+                times[m].append((time.perf_counter() - t0, time.process_time() - c0))
+                out[m] = (toks, o)
+        for m in names:
+            toks, o = out[m]
+            rep = o.stats.dynamic if o is not None and o.stats.dynamic is not None else None
+            wall = statistics.median(t for t, _ in times[m])
+            cpu = statistics.median(c for _, c in times[m])
+            rows[m].append({"prompt": label, "tokens": toks, "seconds": cpu if CLOCK["cpu"] else wall,
+                            "wall_s": wall, "cpu_s": cpu,
+                            "steps": o.steps if o is not None else None,
+                            "forward_s": sum(o.stats.times["forward"]) if o is not None else None,
+                            "decode_s": o.stats.total_s - o.stats.prefill_s if o is not None else None,
+                            "dynamic": None if rep is None else {k: rep[k] for k in (
+                                "sizes", "predicted_speedup", "predicted_tokens_per_step", "decide_s_mean",
+                                "corrections")}})
+        if progress:
+            sp = {m: rows["hf_generate"][-1]["seconds"] / rows[m][-1]["seconds"] for m in names}
+            print(f"[{pi + 1}/{len(prompts)}] {label[:40]!r}: " + ", ".join(f"{m} {v:.2f}x" for m, v in sp.items()),
+                  file=sys.stderr, flush=True)
+        if on_prompt is not None:
+            on_prompt(rows)
+    return rows
+
+
+def summarise(rows: dict) -> list[dict]:
+    base = rows["hf_generate"]
+    plain = rows["plain"]
+    out = []
+    for m, rs in rows.items():
+        tokens = sum(len(r["tokens"]) for r in rs)
+        secs = sum(r["seconds"] for r in rs)
+        per = [b["seconds"] / r["seconds"] for r, b in zip(rs, base)]
+        per_plain = [p["seconds"] / r["seconds"] for r, p in zip(rs, plain)]
+        row = {"method": m, "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+               "speedup_vs_generate": (tokens / secs) / (sum(len(r["tokens"]) for r in base) / sum(r["seconds"] for r in base)),
+               "per_prompt_vs_generate": per, "min_prompt_vs_plain": min(per_plain),
+               "median_prompt_vs_generate": statistics.median(per),
+               "identical_to_generate": all(r["tokens"] == b["tokens"] for r, b in zip(rs, base))}
+        if rs[0]["steps"] is not None:
+            steps = sum(r["steps"] for r in rs)
+            row["tokens_per_step"] = tokens / steps
+            fwd = sum(r["forward_s"] for r in rs)
+        if rs[0]["dynamic"] is not None:
+            d = [r["dynamic"] for r in rs]
+            sizes = [s for x in d for s in x["sizes"]]
+            row["mean_size"] = statistics.fmean(sizes)
+            row["plain_step_share"] = sum(s == 0 for s in sizes) / len(sizes)
+            row["decide_vs_forward"] = sum(x["decide_s_mean"] * len(x["sizes"]) for x in d) / fwd
+            preds = [x["predicted_speedup"] for x in d if x["predicted_speedup"] is not None]
+            if preds:  # the session's forecast is over our plain step: compare with the measured speedup over plain
+                # aggregate as the measurement does: plain's decode time over the forecast decode time, summed
+                row["predicted_vs_plain"] = sum(p["decode_s"] for p in plain) / sum(
+                    p["decode_s"] / x["predicted_speedup"] for p, x in zip(plain, d))
+                row["predicted_vs_plain_per_prompt"] = preds
+                # decode only (prefill excluded, as in the forecast): tokens per decode second against plain's
+                row["measured_vs_plain"] = (tokens / sum(r["decode_s"] for r in rs)) / (
+                    sum(len(r["tokens"]) for r in plain) / sum(r["decode_s"] for r in plain))
+                row["prediction_error"] = row["predicted_vs_plain"] / row["measured_vs_plain"] - 1
+        out.append(row)
+    return out
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# bench_dynamic ({doc['mode']})", "",
+             f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores, torch {doc['machine']['torch']} "
+             f"({doc['machine']['torch_threads']} threads); load average before {doc['machine']['load_avg']}, "
+             f"after {doc['load_after']}. Model {doc['model']}, greedy, {doc['max_new_tokens']} new tokens, "
+             f"{doc['repeats']} repeat(s) per prompt after a warm-up, medians; clock: {doc.get('clock', 'wall')}"
+             f"{' (process CPU time, 1 thread: the machine is shared)' if doc.get('clock') == 'cpu' else ''}.",
+             f"Prompts: {doc['prompt_sets']}.", "",
+             "| method | tokens/s | vs generate | median prompt vs generate | worst prompt vs plain | tokens/step | "
+             "mean size | plain steps | decide / forward | predicted vs plain (decode) | measured vs plain (decode) | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for r in doc["summary"]:
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | "
+                     f"{r['median_prompt_vs_generate']:.2f}x | {r['min_prompt_vs_plain']:.2f}x | "
+                     f"{f(r.get('tokens_per_step'))} | {f(r.get('mean_size'), '{:.1f}')} | "
+                     f"{f(r.get('plain_step_share'), '{:.0%}')} | {f(r.get('decide_vs_forward'), '{:.2%}')} | "
+                     f"{f(r.get('predicted_vs_plain'))} | {f(r.get('measured_vs_plain'))} | "
+                     f"{'yes' if r['identical_to_generate'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def smoke(out_dir: Path | None) -> int:
+    """Tiny random target and draft: every method decodes, ours equal generate."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_decoder_utils import tiny_model
+
+    from planner.accept import from_entry
+    from planner.dynamic_plan import plan_dynamic
+
+    torch.manual_seed(0)
+    model, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    acc = {"lookup": from_entry({"accuracy": [[0.4], [0.8], [0.85]], "guesser": {"kind": "PromptLookupGuesser"}}, "l"),
+           "draft": from_entry({"accuracy": [[0.5, 0.2]] * 3, "guesser": {"kind": "DraftModelGuesser", "draft_s": 0.001}}, "d")}
+    methods = ("dynamic/lookup", "dynamic/draft", "dynamic/lookup+draft")
+    plans = {m: plan_dynamic([(k, acc[k]) for k in m.split("/")[1].split("+")], None, 8, 4) for m in methods}
+    guessers = {m: _guesser(m.split("/")[1], model, draft) for m in methods}
+    g = torch.Generator().manual_seed(0)
+    rep = torch.randint(1, 100, (8,), generator=g)
+    prompts = [("random", torch.randint(1, 100, (12,), generator=g)), ("repeats", torch.cat([rep, rep, rep[:4]]))]
+    rows = run_bench(model, prompts, runners(model, methods, plans, guessers, draft, 16), 1, progress=False)
+    summary = summarise(rows)
+    bad = [r["method"] for r in summary if not r["identical_to_generate"] and r["method"] not in ("hf_lookup", "hf_assisted")]
+    doc = {"mode": "smoke", "machine": machine(), "load_after": list(os.getloadavg()), "model": "tiny random llama",
+           "max_new_tokens": 16, "repeats": 1, "prompt_sets": "2 random", "summary": summary}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "dynamic.json").write_text(json.dumps(doc, indent=1))
+    print(markdown(doc))
+    if bad:
+        print(f"smoke: NOT identical: {bad}")
+        return 1
+    print("smoke: ok")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--mt-prompts", type=int, default=4, help="held-out MT-bench questions (the decode half)")
+    ap.add_argument("--rewrite-prompts", type=int, default=4, help="prompts from bench/data/rewrite_prompts.jsonl")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall (default) or cpu: process CPU time, for a shared machine (use with --threads 1)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--profile", default=str(AUTOTUNE / "profile.json"),
+                    help="latency profile the dynamic plans are costed with (measure it at the bench's --threads)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        return smoke(Path(args.out) if args.out else None)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    CLOCK["cpu"] = args.clock == "cpu"
+    if CLOCK["cpu"] and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu: give --threads 1 (CPU time of several threads counts their spinning too)")
+    if args.quick:
+        args.mt_prompts, args.rewrite_prompts, args.max_new_tokens = 2, 2, 32
+    for name in ("mt_prompts", "rewrite_prompts", "max_new_tokens", "repeats"):
+        if not 0 <= getattr(args, name) <= 1024:
+            raise UserError(f"--{name.replace('_', '-')}: expected 0..1024")
+    from transformers import AutoTokenizer
+
+    from decoder.draft import load_draft_model
+    from planner.accept import load_acceptance
+    from planner.profile import load_profile
+    from planner.tree import load_tree
+    from profiler.models import load_model
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, read_prompts
+
+    mach = machine()
+    loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
+    model = loaded.model
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    _, mt = held_out_prompts(str(DEFAULT_QUESTIONS), 8, 8)  # the half calibration never saw
+    rw = read_prompts(ROOT / "bench" / "data" / "rewrite_prompts.jsonl")
+    texts = [("mt: " + t, t) for t in mt[: args.mt_prompts]] + [("rewrite: " + t, t) for t in rw[: args.rewrite_prompts]]
+    prompts = list(zip([a for a, _ in texts], encode_prompts(tok, [b for _, b in texts])))
+    profile = load_profile(args.profile)
+    dyn = DYNAMIC_QUICK if args.quick else DYNAMIC_FULL
+    accepts = {k: load_acceptance(str(CAL_DIR / f"accept-{k}.json")) for k in {p for d in dyn for p in d.split("+")}}
+    methods = [f"static/{k}" for k in STATIC] + [f"dynamic/{k}" for k in dyn]
+    plans, guessers = {}, {}
+    for m in methods:
+        kind = m.split("/")[1]
+        plans[m] = load_tree(AUTOTUNE / "trees" / STATIC[kind]) if m.startswith("static/") else _dynamic_plan(kind, profile, accepts)
+        guessers[m] = _guesser(kind, model)
+    draft_hf = load_draft_model(SHIPPED / "draft_lm", model)
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "dynamic-quick" if args.quick else "dynamic"
+    state = {}
+
+    def write(rows):
+        from planner.jsonio import atomic_write_bytes
+
+        done = len(rows["hf_generate"])
+        doc = {"mode": "quick" if args.quick else "full", "machine": mach,
+               "load_after": [round(x, 2) for x in os.getloadavg()], "model": "smollm2-135m (fp32)",
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts_done": done,
+               "clock": args.clock,
+               "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of "
+                              f"workflows.inputs.held_out_prompts) + {args.rewrite_prompts} rewrite/summarise prompts "
+                              f"(bench/data/rewrite_prompts.jsonl); {done} of {len(prompts)} done",
+               "profile": args.profile, "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
+               "summary": summarise(rows), "rows": rows,
+               "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}
+                         for m, p in plans.items()}}
+        atomic_write_bytes(out / f"{name}.json", json.dumps(doc, indent=1, default=str).encode())
+        atomic_write_bytes(out / f"{name}.md", markdown(doc).encode())
+        state["doc"] = doc
+
+    try:
+        run_bench(model, prompts, runners(model, methods, plans, guessers, draft_hf, args.max_new_tokens), args.repeats,
+                  on_prompt=write)
+    except KeyboardInterrupt:
+        print("bench_dynamic: interrupted; the prompts finished so far are written", file=sys.stderr)
+    if "doc" in state:
+        print(markdown(state["doc"]))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"bench_dynamic: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,113 @@
+"""Calibration of a guesser's live signal (planner/dynamic.py): decode prompts greedily with plain
+steps while the guesser's dynamic source builds its full candidate pool every step; afterwards
+every pool node whose path up to its parent matches the text is an observation: accepted iff its
+token is the text's. Fitted per depth bin, monotone in the signal; the reliability table is
+cross-fitted (each half of the prompts scored by the map fitted on the other half).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from decoder.dynamic import DynamicGuesser, DynamicSession, Pool, guesser_kind
+from decoder.guesser import Proposal
+from decoder.layout import layout_for
+from decoder.loop import generate
+from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
+from planner.errors import UserError
+from planner.tree import DYNAMIC, Tree, TreeState
+
+
+class _Recording(DynamicGuesser):
+    def begin(self, model, plan, prompt_ids, ctx):
+        inner = super().begin(model, plan, prompt_ids, ctx)
+        inner.__class__ = _RecordingSession
+        inner.records = []
+        return inner
+
+
+class _RecordingSession(DynamicSession):
+    """Builds the whole pool (every level pays on a flat cost), proposes nothing: plain steps."""
+
+    def worth_level(self, pool, best_new, draft_s):
+        return len(pool.tokens) < self.spec.max_size * 4
+
+    def propose(self, root):
+        pool = Pool()
+        for s in self.sources:
+            s.extend(pool, root, self)
+        self.records.append((list(pool.tokens), list(pool.parent), list(pool.depth), [c[0][2] for c in pool.cells]))
+        self.pool, self.chosen = pool, []
+        return Proposal(layout_for((), 1, self.ctx.dtype, self.ctx.device), root.new_empty(0))
+
+
+def _plan(kind: str, prior: np.ndarray, max_depth: int) -> Tree:
+    spec = dynamic_spec({kind: GuesserModel(kind, prior)}, 16, None, max_depth)
+    return Tree(DYNAMIC, [TreeState(0, [], 1.0, 1)], 1.0, dynamic=spec)
+
+
+def observations(records, text: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(depth, signal bin, accepted, step) of every pool node whose parent's path matches `text`
+    (the new tokens; step i's depth-d node guesses text[i + d - 1])."""
+    out = []
+    for i, (tokens, parent, depth, sig) in enumerate(records):
+        ok = {}
+        for j, (tok, par, d) in enumerate(zip(tokens, parent, depth)):
+            if i + d - 1 >= len(text) or (par >= 0 and not ok.get(par, False)):
+                continue
+            ok[j] = tok == text[i + d - 1]
+            out.append((d, sig[j], float(ok[j]), i))
+    a = np.array(out, dtype=np.float64).reshape(-1, 4)
+    return a[:, 0].astype(np.int64), a[:, 1].astype(np.int64), a[:, 2], a[:, 3].astype(np.int64)
+
+
+def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.ndarray, max_new_tokens: int = 64,
+                        max_depth: int = 8, progress: bool = False) -> dict:
+    """The calibration JSON (planner.dynamic.Calibration.to_json) of `guesser` on `prompts`."""
+    from tqdm import tqdm
+
+    kind = guesser_kind(guesser)
+    plan = _plan(kind, prior, max_depth)
+    per_prompt = []
+    for ids in tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress):
+        rec = _Recording(guesser, plan)
+        sess = {}
+        orig = rec.begin
+
+        def begin(*a, **k):
+            sess["s"] = orig(*a, **k)
+            return sess["s"]
+
+        rec.begin = begin
+        out = generate(model, ids, plan=plan, guesser=rec, max_new_tokens=max_new_tokens)
+        per_prompt.append(observations(sess["s"].records, out.tokens.tolist()))
+    if not per_prompt or sum(len(o[0]) for o in per_prompt) == 0:
+        raise UserError("calibration: no candidate was ever observed (too few tokens decoded?)")
+    signal = "lookup" if kind == "lookup" else "q"
+
+    def cat(parts, k):
+        return np.concatenate([p[k] for p in parts]) if parts else np.zeros(0)
+
+    halves = [per_prompt[0::2], per_prompt[1::2]]
+    rel = []
+    if all(halves):
+        for fit_on, score_on in ((halves[0], halves[1]), (halves[1], halves[0])):
+            cal = fit_calibration(signal, cat(fit_on, 0), cat(fit_on, 1), cat(fit_on, 2))
+            rel.extend(reliability(cal, cat(score_on, 0), cat(score_on, 1), cat(score_on, 2)))
+    merged: dict[tuple, dict] = {}
+    for r in rel:  # the two folds' rows of one cell, pooled
+        m = merged.setdefault((r["depth_bin"], r["bin"]), {"depth_bin": r["depth_bin"], "bin": r["bin"], "n": 0,
+                                                           "predicted": 0.0, "realised": 0.0})
+        m["predicted"] += r["predicted"] * r["n"]
+        m["realised"] += r["realised"] * r["n"]
+        m["n"] += r["n"]
+    for m in merged.values():
+        m["predicted"] /= m["n"]
+        m["realised"] /= m["n"]
+    cal = fit_calibration(signal, cat(per_prompt, 0), cat(per_prompt, 1), cat(per_prompt, 2))
+    doc = cal.to_json()
+    doc.update({"reliability": sorted(merged.values(), key=lambda r: (r["depth_bin"], r["bin"])),
+                "reliability_method": "2-fold cross-fit over prompts (each half scored by the map fitted on the other)",
+                "prompts": len(prompts), "observations": int(sum(len(o[0]) for o in per_prompt)),
+                "guesser": kind, "max_new_tokens": max_new_tokens})
+    return doc
