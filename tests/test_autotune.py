@@ -95,8 +95,9 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
     summary = autotune(s)
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["identical_to_greedy"] is True and summary["identical_to_greedy"] is True
-    assert {(r["guesser"], r["method"]) for r in saved["rows"]} == {("ppd", "ppd"), ("ppd", "medusa"), ("ppd", "sequoia"),
-                                                                   ("lookup", "chain")}
+    assert {(r["guesser"], r["method"]) for r in saved["rows"]} == {
+        ("ppd", "ppd"), ("ppd", "medusa"), ("ppd", "sequoia"), ("lookup", "chain"),
+        ("ppd", "dynamic"), ("lookup", "dynamic"), ("lookup+ppd", "dynamic")}  # per-step trees and the hybrid race too
     for r in saved["rows"]:
         for key in ("method", "input_length", "predicted_tokens_per_step", "predicted_speedup", "cost_vs_plain_step"):
             assert isinstance(r[key], (int, float, str))

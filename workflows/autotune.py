@@ -313,9 +313,41 @@ def _plan_phase(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candi
                 candidates += plan_candidates(m, accept, profile, g.num_prompt_tokens, g.ensemble, s.max_input_length)
         else:
             candidates += drafter_candidates(kind, accept, profile, s.max_input_length)
+    candidates += _dynamic_candidates(run, accepts, profile)
     if not candidates:
         raise UserError(f"--max-input-length {s.max_input_length}: no plan fits")
     return candidates
+
+
+DYNAMIC_MAX_SIZE = 16  # per-step trees up to this many candidates (decoder/dynamic.py chooses each step's size)
+
+
+def _dynamic_candidates(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
+    """Per-step trees (planner/dynamic.py) for every guesser, and lookup's hybrids with each drafter
+    (their guesser joins run.guessers). Autotune's acceptance files carry no calibration: the
+    per-distance, per-rank rows are the prior, which the session corrects online as it decodes."""
+    from decoder.dynamic import HybridGuesser
+    from planner.cost import padding
+    from workflows.candidates import dynamic_candidates
+
+    size = min(DYNAMIC_MAX_SIZE, run.settings.max_input_length - 1)
+    kinds = [k for k in accepts]
+    if "lookup" in accepts:
+        for d in ("parallelspec", "draft", "chain", "ppd"):
+            if d in accepts:
+                kinds.append(f"lookup+{d}")
+                run.guessers[f"lookup+{d}"] = HybridGuesser(run.guessers["lookup"], run.guessers[d], d)
+    out = []
+    for kind in kinds:
+        try:
+            cands = dynamic_candidates(kind, {k: accepts[k][1] for k in kind.split("+")}, profile, max_size=size)
+        except UserError as e:  # a guesser the dynamic planner cannot model: the static plans still race
+            run.say(f"      dynamic {kind}: skipped ({e})")
+            continue
+        for c in cands:
+            c.tree.settings.update(padding(profile))
+        out += cands
+    return out
 
 
 PEARL_SPLIT = (1, 1)  # target threads, drafter threads: the two cores of this machine, one each
@@ -483,7 +515,9 @@ def _step_lengths(run: _Run, tried: list[Candidate]) -> set[int]:
     w = run.model.get_input_embeddings().weight
     lengths = {1}
     for c in tried:
-        if c.guesser == "ppd":
+        if c.method == "dynamic":  # any size up to its limit, step by step
+            lengths |= set(range(1, c.size + 2))
+        elif c.guesser == "ppd":
             layouts = run.guessers["ppd"].layouts(c.tree, w.dtype, w.device)
             lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
         else:
@@ -557,7 +591,7 @@ def _write_phase(run: _Run, racing: list[Candidate], race: Race, outputs: _Outpu
     arms = {a.key: a for a in race.arms}
     rows, chosen = [], None
     for c in racing:
-        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}.json"
+        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}{c.tag}.json"
         g = run.guessers[_measured_as(c.guesser)]
         c.tree.provenance.update({"accept": _shown(accepts[_measured_as(c.guesser)][0]), "profile": _shown(profile_path),
                                   "autotune": _shown(run.out_dir), "guesser_dir": _shown(g.source_dir) if g.source_dir else None})
@@ -576,8 +610,9 @@ def _write_phase(run: _Run, racing: list[Candidate], race: Race, outputs: _Outpu
 
 
 def _measured_as(kind: str) -> str:
-    """The guesser whose acceptance and files a candidate uses (PEARL drafts with the draft LM)."""
-    return "draft" if kind == "pearl" else kind
+    """The guesser whose acceptance and files a candidate uses (PEARL drafts with the draft LM; a
+    hybrid's files are its drafter's)."""
+    return "draft" if kind == "pearl" else kind.split("+")[-1]
 
 
 def _summary(run: _Run, chosen: Candidate | None, decision: Decision, rows: list[dict], race: Race, outputs: _Outputs,
