@@ -252,6 +252,7 @@ def _profile_phase(run: _Run) -> tuple[Path, LatencyProfile]:
 
 
 MATMUL_SHARE = 0.35  # of the profiling budget, for choosing the matmul paths (the rest times L(n) with them)
+CHAIN_PROMPTS = 4  # the chain drafter replays depth passes per position: half the prompts, half the time
 MEASURE_SHAPE = {"draft": (6, 4), "chain": (6, 4), "lookup": (6, 1)}  # (depth, width) of the comb measured
 
 
@@ -270,7 +271,7 @@ def _acceptance_eta(run: _Run, profile: LatencyProfile, prompts: int) -> float:
 
 def _acceptance_phase(run: _Run, accept_ids: list, profile: LatencyProfile) -> dict[str, tuple[Path, Acceptance]]:
     """Each guesser's acceptance on held-out prompts, from one shared greedy decode per prompt."""
-    from profiler.teacher_forced import greedy_continuations, replay_accuracy
+    from profiler.teacher_forced import Continuations, greedy_continuations, replay_accuracy
 
     s = run.settings
     measure = {k: g for k, g in run.guessers.items() if not (k == "ppd" and s.accept)}
@@ -293,7 +294,8 @@ def _acceptance_phase(run: _Run, accept_ids: list, profile: LatencyProfile) -> d
             acc = cont.ppd
         else:
             depth, width = MEASURE_SHAPE.get(kind, (g.num_distances, getattr(g, "top_k", 1)))
-            acc = replay_accuracy(run.model, g, cont, depth, width)
+            part = cont if kind != "chain" else Continuations(cont.prompts[:CHAIN_PROMPTS], cont.tokens[:CHAIN_PROMPTS])
+            acc = replay_accuracy(run.model, g, part, depth, width)
         acc["source"] = (f"planner autotune: {run.loaded.name}, {kind} {_shown(g.source_dir) if g.source_dir else '(no model)'}, "
                          f"{len(accept_ids)} held-out prompts, {acc['positions']} positions ({acc['source']})")
         acc["guesser"]["dir"] = _shown(g.source_dir) if g.source_dir else None
@@ -319,7 +321,7 @@ def _plan_phase(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candi
     return candidates
 
 
-DYNAMIC_MAX_SIZE = 16  # per-step trees up to this many candidates (decoder/dynamic.py chooses each step's size)
+DYNAMIC_MAX_SIZE = 15  # per-step trees up to this many candidates: inputs to 16 rows, where the matmul paths are chosen
 
 
 def _dynamic_candidates(run: _Run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
@@ -455,7 +457,7 @@ def _race_phase(run: _Run, decode_ids: list, racing: list[Candidate], profile: L
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
     for k, prompts in enumerate(stages, 1):
         while (run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline
-               and len(race.running()) > 2 and race.halve(k)):
+               and len(race.running()) > 3 and race.halve(k)):  # two plans left: the race ends instead
             pass
         if run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline and k > 1:
             race.log.append(f"stage {k}: stopped, the budget's time is spent")
