@@ -80,13 +80,19 @@ def test_bench_main_job_smoke(tmp_path):
 def test_bench_cpu_paths_smoke(tmp_path):
     """The CPU matmul-paths benchmark runs end to end on a tiny model: paths chosen and checked on the
     whole forward, plain decoding with them identical to plain decoding without, results written."""
+    from planner.tree import Tree, TreeState, save_tree
+
+    plan = save_tree(Tree("medusa", [TreeState(0, [(0,), (0, 0), (0, 0, 0)], 1.0, 4)], 1.0), tmp_path / "chain.json")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_paths.py"), "--smoke", "--no-progress",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                        "--plan", str(plan), "--guesser", "lookup", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads((tmp_path / "cpu_paths.json").read_text())
     assert doc["matmul_paths"]["rows"] == [1, 2, 3, 4] and doc["whole_model"]["rows"] == [1, 2, 3, 4]
-    assert set(doc["decoding"]) == {"generate", "plain", "plain + paths", "generate + paths"}
+    assert set(doc["decoding"]) == {"generate", "plain", "plain + paths", "generate + paths", "plan + paths"}
     assert doc["decoding"]["plain + paths"]["identical_to_plain"] is True
+    assert doc["decoding"]["plan + paths"]["identical_to_plain_with_paths"] is True
+    assert doc["plan"]["guesser"] == "lookup"
     assert all(s != "mismatch" for row in doc["decoding"].values() for s in row["vs_generate"])
     assert "load_avg_start" in doc and (tmp_path / "cpu_paths.md").is_file()
 
