@@ -528,7 +528,9 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     oracle = OracleGuesser(torch.cat([ids, torch.tensor(ref)]), utils.V, 3, top_k=4, prompt_tokens=pt)
     out = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=n, attention="kernels")
     assert out.tokens.tolist() == ref
-    assert calls["compact"] == out.steps
+    # every step compacts with the kernel, except one whose accepted path is the step input's own
+    # prefix (0, 1, .., a): that only cuts the cache (decoder.cache.compact_cache), nothing moves
+    assert 1 <= calls["compact"] <= out.steps
     assert calls["tree"] >= out.steps  # the tree form reached the attention path every step (and per layer)
     assert out.steps <= n // 2  # the oracle's trees were accepted: compaction really moved rows
 
