@@ -26,31 +26,17 @@ def shipped(model_name: str, kind: str) -> Path | None:
 
 
 def held_out_questions(questions_path: str) -> list[str]:
-    """First turns of the MT-bench questions held out of all training (training.data.held_out_question)."""
-    from training.data import held_out_question
+    """First turns of the MT-bench questions held out of all training (training.splits owns the splits)."""
+    from training.splits import tuning_questions
 
-    path = Path(questions_path)
-    if not path.is_file():
-        raise UserError(f"{path}: file not found (the MT-bench questions; give another with --questions)")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-            rows.append((int(q["question_id"]), str(q["turns"][0])))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
-            raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
-    return [text for qid, text in rows if held_out_question(qid)]
+    return [text for _, text in tuning_questions(questions_path)]
 
 
 def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
-    """The held-out questions split in two disjoint sets (acceptance, decoding)."""
-    held = held_out_questions(questions_path)
-    if len(held) < n_accept + n_decode:
-        raise UserError(f"{questions_path}: {len(held)} held-out questions, {n_accept + n_decode} needed")
-    # Interleave so both sets span the categories (questions are grouped by category).
-    return held[0::2][:n_accept], held[1::2][:n_decode]
+    """The held-out questions split in two disjoint sets (acceptance, race): training.splits."""
+    from training.splits import accept_and_race
+
+    return accept_and_race(questions_path, n_accept, n_decode)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
