@@ -19,7 +19,7 @@ from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
 from planner.profile import LatencyProfile, load_profile
 from planner.simulate import describe, simulated_of
-from planner.tree import Tree, load_tree
+from planner.tree import PPD, Tree, load_tree
 
 MAX_TABLE_ROWS = 80
 
@@ -146,8 +146,8 @@ def _plan_at_length(method: str, accept, n: int) -> Tree:
     """The planner's best tree whose forward pass has n tokens (medusa/sequoia: n - 1 candidates)."""
     from planner.plan import plan
 
-    if method == "ppd":
-        return plan("ppd", accept, input_length=n, prompt_tokens=_ppd_prompt_tokens(accept))
+    if method == PPD:
+        return plan(PPD, accept, input_length=n, prompt_tokens=_ppd_prompt_tokens(accept))
     return plan(method, accept, size=n - 1)
 
 
@@ -201,7 +201,7 @@ def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64)
         for i, p in enumerate(profiles):
             try:
                 kw = {"prompt_tokens": _ppd_prompt_tokens(src.accept),
-                      "max_input_length": min(max_size + 1, p.profile.max_input_length)} if method == "ppd" else {}
+                      "max_input_length": min(max_size + 1, p.profile.max_input_length)} if method == PPD else {}
                 tree = plan(method, src.accept, profile=p.profile, max_size=max_size, **kw)
             except UserError as e:
                 ax.text(0.5, 0.5 - 0.08 * i, f"{p.label}: {e}", transform=ax.transAxes, ha="center", fontsize=7, wrap=True)
