@@ -27,8 +27,11 @@ What each engine takes (keys read from the engines' sources and docs, late 2026)
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from planner.errors import UserError
 from planner.simulate import describe, simulated_of
@@ -48,6 +51,7 @@ ENGINE_METHODS = {
 }
 NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model", "mlp_speculator"})
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
+OWN_DRAFTERS = ("parallelspec", "chain", "ppd")  # guessers no engine can load (trained by this project)
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
 SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
 DEFAULT_MAX_BATCH_SIZE = 4096
@@ -72,6 +76,7 @@ class ExportOptions:
     adaptive_config_path: str = "adaptive.json"  # sglang: where the adaptive config file goes
     yaml_path: str | None = None  # trtllm: the engine-ready YAML written, if any
     chains_planned: bool = True  # False: the draft lengths are the plan's tree depths
+    lookup: dict = field(default_factory=dict)  # vllm ngram / suffix keys (`lookup_settings`)
 
 
 @dataclass
@@ -96,12 +101,42 @@ def check_engine(engine: str) -> str:
     return engine
 
 
-def resolve_method(engine: str, plan_method: str, requested: str | None, draft_model: str | None) -> str:
-    """The engine's drafting method: the one asked for, else the plan's own where an engine has it."""
+def plan_guesser(plan: Tree) -> str | None:
+    """The guesser a plan was made for (autotune and `planner plan dynamic` record it): lookup,
+    draft, chain, parallelspec, ppd, pearl, plain, or a hybrid lookup+DRAFTER; None when unrecorded."""
+    g = plan.settings.get("guesser")
+    return g if isinstance(g, str) else None
+
+
+def implied_method(engine: str, plan: Tree) -> str | None:
+    """The engine method a plan's guesser implies, where the engine has one. Prompt lookup (alone or
+    in a hybrid, whose drafter no engine can load) maps to n-gram lookup; for vLLM a per-step plan,
+    whose draft length follows the guesser's confidence each step, maps to suffix decoding, the one
+    vLLM method whose draft length varies per step with the match (a static chain: ngram)."""
+    guesser = plan_guesser(plan) or ""
+    if guesser.split("+")[0] == "lookup":
+        return "suffix" if engine == "vllm" and plan.method == "dynamic" else "ngram"
+    if guesser in ("draft", "pearl"):
+        return "draft_model"
+    if guesser in OWN_DRAFTERS:
+        return None
+    return "draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan.method)
+
+
+def resolve_method(engine: str, plan: Tree | str, requested: str | None, draft_model: str | None) -> str:
+    """The engine's drafting method: the one asked for, else the one the plan implies
+    (`implied_method`; a bare plan method string: its default)."""
     known = ENGINE_METHODS[check_engine(engine)]
-    method = requested or ("draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan_method))
+    if isinstance(plan, str):
+        plan = Tree(plan, [], 1.0)
+    if requested is None and plan_guesser(plan) == "plain":
+        raise UserError(f"the plan is plain decoding (no guesser was faster): {engine} has no speculative setting "
+                        "to write")
+    method = requested or implied_method(engine, plan)
     if method is None:
-        raise UserError(f"--method: a {plan_method} plan has no {engine} equivalent; give one of {', '.join(known)}")
+        what = (f"a plan for this project's {plan_guesser(plan)} drafter" if plan_guesser(plan) in OWN_DRAFTERS
+                else f"a {plan.method} plan")
+        raise UserError(f"--method: {what} has no {engine} equivalent; give one of {', '.join(known)}")
     if method not in known:
         raise UserError(f"--method: {engine} takes one of {', '.join(known)}, got {method!r}")
     if method in NEEDS_MODEL and not draft_model and engine != "hf":
@@ -205,6 +240,8 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     cfg["num_speculative_tokens"] = _positive(ranges, "vllm")
     if len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
+    if opts.method in ("ngram", "suffix"):
+        cfg.update(opts.lookup)
     if opts.method == "ngram":
         cfg.update({k: v for k, v in (("prompt_lookup_min", opts.ngram_min), ("prompt_lookup_max", opts.ngram_max))
                     if v is not None})
@@ -327,6 +364,71 @@ def _hf(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
         cfg = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}
         line = "assistant_model.generation_config.update(" + ", ".join(f"{a}={b!r}" for a, b in cfg.items()) + ")"
     return Export("hf", {"generation_config": cfg}, line, notes)
+
+
+# ---------------------------------------------------------------- lookup parameters
+
+MEASURED_NGRAMS = (1, 3)  # the n-gram sizes this project's prompt lookup matches (decoder/lookup.py defaults)
+SUFFIX_SPEC_FACTOR = 1.0  # vLLM's: at most this many drafted tokens per matched token
+
+
+def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> tuple[dict, list[str]]:
+    """vLLM's ngram or suffix parameters for a lookup plan, from its measurements, and how each was
+    chosen. `k`: the planned draft length at batch size 1; `accept`: the lookup's acceptance rows;
+    `profile`: the batch-size-1 latency profile; `calibration`: the lookup's acceptance per matched
+    n-gram length (planner accept --calibrate), if the plan has one.
+
+    ngram: prompt_lookup_max is the longest n-gram the acceptance was measured with; prompt_lookup_min
+    the shortest matched length whose measured acceptance makes a k-token draft pay on the profile
+    (with a calibration; without one, the measured range as it is).
+    suffix: num_speculative_tokens k caps the draft; suffix_decoding_min_token_prob is the path
+    probability below which one more drafted token costs more than it brings on the profile,
+    (L(k + 2) - L(k + 1)) * tau_k / L(k + 1) with tau_k the chain's expected tokens per step (the
+    per-step planner's own stopping rule); the tree is deep enough for a k-token match plus a
+    k-token draft."""
+    from planner.cost import step_cost
+
+    if k < 1:
+        return {}, []
+    if method == "ngram":
+        lo, hi = MEASURED_NGRAMS
+        if calibration is None or calibration.signal != "lookup":
+            return ({"prompt_lookup_min": lo, "prompt_lookup_max": hi},
+                    [f"n-gram sizes {lo}..{hi}: those the acceptance was measured with (a lookup calibration, "
+                     "planner accept --calibrate, would choose the shortest that pays)"])
+        paying = [g for g in range(lo, hi + 1) if _ngram_speedup(calibration, g, k, profile) > 1.0]
+        lo = paying[0] if paying else hi
+        return ({"prompt_lookup_min": lo, "prompt_lookup_max": hi},
+                [f"prompt_lookup_min {lo}: the shortest matched n-gram whose calibrated acceptance makes a "
+                 f"{k}-token draft pay on the profile"])
+    c = accept.accuracy[:, 0]
+    tau = 1.0 + float(np.sum(np.cumprod(c[:k])))
+    n_hi = min(k + 2, profile.max_input_length)
+    n_lo = n_hi - 1
+    rate = tau / float(step_cost(profile, k + 1))  # tokens per second of the planned chain
+    p_min = float(np.clip((float(step_cost(profile, n_hi)) - float(step_cost(profile, n_lo))) * rate, 0.01, 1.0))
+    depth = k + math.ceil(k / SUFFIX_SPEC_FACTOR)
+    cfg = {"suffix_decoding_max_tree_depth": depth, "suffix_decoding_max_spec_factor": SUFFIX_SPEC_FACTOR,
+           "suffix_decoding_min_token_prob": round(p_min, 4)}
+    return cfg, [f"suffix_decoding_min_token_prob {p_min:.3f}: the path probability at which one more drafted "
+                 f"token stops paying on the profile (L({n_hi}) - L({n_lo}) against {rate:.1f} tokens/s of the "
+                 f"planned {k}-token chain); suffix decoding's probabilities are its own frequency counts, "
+                 "not this project's calibrated acceptance"]
+
+
+def _ngram_speedup(cal, g: int, k: int, profile) -> float:
+    """Predicted speedup of a k-token draft after a matched n-gram of length g (calibrated
+    acceptance per depth bin, pooled over the follow counts by their observations)."""
+    from planner.cost import step_cost
+    from planner.dynamic import DEPTH_BINS, LOOKUP_COUNTS
+
+    C = len(LOOKUP_COUNTS)
+    cells = slice((g - 1) * C, g * C)
+    w = cal.totals[:, cells] + 1e-9
+    per_depth = (cal.p[:, cells] * w).sum(axis=1) / w.sum(axis=1)  # [DEPTH_BINS]
+    c = per_depth[np.minimum(np.arange(k), DEPTH_BINS - 1)]
+    tau = 1.0 + float(np.sum(np.cumprod(c)))
+    return tau * float(step_cost(profile, 1)) / float(step_cost(profile, k + 1))
 
 
 # ---------------------------------------------------------------- basis and YAML

@@ -82,12 +82,13 @@ def run(args) -> int:
     if engine == "sglang":
         writable_target(adaptive_path)
     plan = load_tree(args.plan)
-    method = resolve_method(engine, plan.method, args.method, args.draft_model)
+    method = resolve_method(engine, plan, args.method, args.draft_model)
     max_b = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
-    notes: list[str] = []
-    ranges, chains, sources = _draft_ranges(args, plan, engine, max_b, notes)
+    notes: list[str] = _hybrid_notes(plan, engine, method) if args.method is None else []
+    ranges, chains, accept, profiles, sources = _draft_ranges(args, plan, engine, method, max_b, notes)
+    lookup = _lookup(plan, engine, method, ranges, accept, profiles, notes)
     opts = ExportOptions(engine, method, args.draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
-                         str(out) if yaml_out else None, chains_planned=chains is not None)
+                         str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup)
     result = build(plan, ranges, opts, basis(plan, str(args.plan), ranges, chains, sources), notes)
     written = _write(result, out, yaml_out, adaptive_path)
     for note in result.notes:
@@ -96,6 +97,40 @@ def run(args) -> int:
         ks = ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
         print(f"wrote {', '.join(written)} ({engine}, {method}); draft length by batch size {ks}", file=sys.stderr)
     return 0
+
+
+def _hybrid_notes(plan, engine: str, method: str) -> list[str]:
+    """What the implied method leaves out of a plan (a hybrid's drafter, a per-step tree)."""
+    from planner.export import plan_guesser
+
+    guesser = plan_guesser(plan) or ""
+    notes = []
+    if "+" in guesser and method in LOOKUP_METHODS:
+        notes.append(f"{guesser.split('+')[1]} drafter of the {guesser} plan dropped: {engine} runs one drafting "
+                     "method and cannot load this project's drafter; wrote the prompt-lookup half")
+    if plan.method == "dynamic":
+        how = ("suffix decoding drafts as far as its match is likely, a per-step length"
+               if method == "suffix" else "the draft length is fixed per batch-size range")
+        notes.append(f"per-step trees dropped: {engine} drafts one chain a step; {how}")
+    return notes
+
+
+def _lookup(plan, engine: str, method: str, ranges, accept, profiles, notes: list[str]) -> dict:
+    """vLLM's ngram / suffix parameters from the plan's measurements (planner.export.lookup_settings)."""
+    from planner.export import MEASURED_NGRAMS, lookup_settings
+
+    if engine != "vllm" or method not in LOOKUP_METHODS:
+        return {}
+    k = ranges[0].k or max(r.k for r in ranges)
+    if accept is None or profiles is None:
+        if method == "ngram":
+            return {"prompt_lookup_min": MEASURED_NGRAMS[0], "prompt_lookup_max": MEASURED_NGRAMS[1]}
+        notes.append("suffix decoding's thresholds left at vLLM's defaults (no acceptance and profile to set them)")
+        return {}
+    model = plan.dynamic.guessers.get("lookup") if plan.dynamic is not None else None
+    cfg, why = lookup_settings(method, k, accept, profiles[min(profiles)], getattr(model, "calibration", None))
+    notes += why
+    return cfg
 
 
 def _check_numbers(args) -> None:
@@ -110,72 +145,128 @@ def _check_numbers(args) -> None:
         raise UserError(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}")
 
 
-def _draft_ranges(args, plan, engine: str, max_b: int, notes: list[str]):
+def _draft_ranges(args, plan, engine: str, method: str, max_b: int, notes: list[str]):
     """Chains planned per batch size when acceptance and profile are at hand, else tree depths."""
     from planner.batch import ContextCost, plan_chain_schedule
     from planner.export import ranges_from_depths, ranges_from_schedule
 
-    accept, profiles, sources = _inputs(args, plan, notes)
+    accept, profiles, sources = _inputs(args, plan, method, notes)
     if accept is None or profiles is None:
-        return ranges_from_depths(plan, max_b), None, sources
-    sizes = [1] if engine == "hf" else _planned_sizes(plan)
+        return ranges_from_depths(plan, max_b), None, None, None, sources
+    sizes = [1] if engine == "hf" else _planned_sizes(plan, profiles)
     layout = (plan.schedule[0].layout if plan.schedule else None) or "packed"
     context = ContextCost(plan.settings.get("kv_latency_s", 0.0), plan.settings.get("new_tokens", 128))
-    chains = plan_chain_schedule(accept, profiles, sizes, _guessing(plan, accept), layout, context)
-    return ranges_from_schedule(chains, max_b), chains, sources
+    chains = plan_chain_schedule(accept, profiles, sizes, _guessing(plan, accept, method), layout, context)
+    return ranges_from_schedule(chains, max_b), chains, accept, profiles, sources
 
 
-def _planned_sizes(plan) -> list[int]:
+def _planned_sizes(plan, profiles) -> list[int]:
+    """The plan's own batch sizes, else every batch size the profile measured (a per-step or
+    single-tree plan says nothing about batches; the profile's series do)."""
     if not plan.schedule:
-        return [1]
+        return sorted(profiles)
     return [p["batch_size"] for e in plan.schedule for p in (e.points or [{"batch_size": e.batch_sizes[0]}])]
 
 
-def _guessing(plan, accept):
+def _guessing(plan, accept, method: str):
     from planner.cost import Guessing, default_guessing
 
     recorded = plan.settings.get("guessing")
     if isinstance(recorded, dict):
         keys = ("prompt_tokens", "ensemble", "draft_s", "draft_passes")
         return Guessing(**{k: recorded[k] for k in keys if k in recorded})
+    model = _dynamic_model(plan, method)
+    if model is not None:
+        return Guessing(draft_s=model.draft_s, draft_passes=model.draft_passes)
     return default_guessing(plan.method, accept)
 
 
-def _inputs(args, plan, notes: list[str]):
+def _dynamic_model(plan, method: str):
+    """A per-step plan's model of the guesser the engine will run (its prompt lookup for the
+    lookup methods, else its drafter), or None."""
+    if plan.dynamic is None:
+        return None
+    guessers = plan.dynamic.guessers
+    want = "lookup" if method in LOOKUP_METHODS else next((k for k in guessers if k != "lookup"), "lookup")
+    return guessers.get(want) or next(iter(guessers.values()))
+
+
+LOOKUP_METHODS = ("ngram", "suffix")
+
+
+def _inputs(args, plan, method: str, notes: list[str]):
     """(acceptance, profiles by batch size, their sources): the options', else the plan's own
-    files when they are unchanged (same sha256); (None, None, ...) with a note otherwise."""
-    from planner.accept import load_acceptance
+    (a per-step plan's acceptance rows for the guesser the engine runs; files when they are
+    unchanged); (None, None, ...) with a note when either is missing."""
+    from planner.accept import Acceptance, load_acceptance
     from planner.profile import load_batch_profiles
 
-    acc_spec = args.accept or _recorded(plan, "acceptance", notes)
-    prof_path = args.profile or _recorded(plan, "profile", notes)
-    if acc_spec is None or prof_path is None:
+    model = None if args.accept else _dynamic_model(plan, method)
+    acc_spec = args.accept or (None if model is not None else _recorded(args, plan, "acceptance", notes))
+    prof_path = args.profile or _recorded(args, plan, "profile", notes)
+    if prof_path is None and plan.dynamic is not None and plan.dynamic.profiled:
+        profiles, prof_record = _step_cost_profile(plan), {"file": str(args.plan), "field": "dynamic.step_cost_s"}
+    elif prof_path is not None:
+        profiles = load_batch_profiles(prof_path)
+        src = next(iter(profiles.values())).source
+        prof_record = {k: src[k] for k in ("file", "sha256")}
+        if isinstance(src.get("simulated"), dict):
+            prof_record["simulated"] = {k: src["simulated"].get(k) for k in ("gpu", "engine", "dtype")}
+    else:
+        profiles = prof_record = None
+    if (acc_spec is None and model is None) or profiles is None:
         notes.append("draft lengths are the plan's tree depths, not planned as chains (give --accept and --profile "
                      "to plan them)")
-        return None, None, {"acceptance": plan.provenance.get("acceptance"), "profile": plan.provenance.get("profile")}
-    accept = load_acceptance(acc_spec)
-    profiles = load_batch_profiles(prof_path)
-    src = next(iter(profiles.values())).source
-    record = {k: src[k] for k in ("file", "sha256")}
-    if isinstance(src.get("simulated"), dict):
-        record["simulated"] = {k: src["simulated"].get(k) for k in ("gpu", "engine", "dtype")}
-    return accept, profiles, {"acceptance": dict(accept.source), "profile": record,
+        return None, None, {"acceptance": _shown(plan.provenance.get("acceptance") or plan.provenance.get("accept")),
+                            "profile": _shown(plan.provenance.get("profile"))}
+    if model is not None:
+        source = {"file": str(args.plan), "field": f"dynamic.guessers.{model.kind}.prior", "label": model.kind}
+        accept = Acceptance(model.prior.copy(), False, source)
+    else:
+        accept = load_acceptance(acc_spec)
+    return accept, profiles, {"acceptance": dict(accept.source), "profile": prof_record,
                               "profile_batch_sizes": sorted(profiles)}
 
 
-def _recorded(plan, kind: str, notes: list[str]) -> str | None:
-    rec = plan.provenance.get(kind) or {}
-    path = rec.get("file")
-    if not path:
+def _step_cost_profile(plan) -> dict:
+    """A per-step plan's own step costs (L(n) + overhead at n = 1..) as a batch-size-1 profile."""
+    from planner.profile import profile_from_json
+
+    costs = plan.dynamic.step_cost_s
+    data = {"input_lengths": list(range(1, len(costs) + 1)), "latency_s": list(costs)}
+    return {1: profile_from_json(data, label=f"{plan.provenance.get('autotune') or 'plan'}: dynamic.step_cost_s")}
+
+
+def _shown(record):
+    """A provenance record as the basis shows it: dicts and strings as they are, lists joined."""
+    return ", ".join(map(str, record)) if isinstance(record, list) else record
+
+
+def _recorded(args, plan, kind: str, notes: list[str]) -> str | None:
+    """The plan's own acceptance or profile file, when it is still there and unchanged. Plans
+    record it in three forms: {"file", "sha256", "name"} (planner plan), a path string (autotune,
+    under "accept" for the acceptance), a list of KIND=PATH specs (planner plan dynamic)."""
+    keys = ("acceptance", "accept") if kind == "acceptance" else ("profile",)
+    rec = next((plan.provenance[k] for k in keys if plan.provenance.get(k)), None)
+    if isinstance(rec, list):
+        rec = rec[0] if len(rec) == 1 else None  # several guessers' files: which one is ambiguous
+        rec = rec.partition("=")[2] or rec if isinstance(rec, str) else rec
+    if isinstance(rec, str):
+        rec = {"file": rec}
+    path = rec.get("file") if isinstance(rec, dict) else None
+    if not isinstance(path, str) or not path:
         notes.append(f"the plan records no {kind} file")
         return None
+    name = rec.get("name")
+    if kind == "acceptance" and ":" in path and not Path(path).is_file():  # FILE:NAME as typed
+        path, _, name = path.rpartition(":")
     if not Path(path).is_file():
         notes.append(f"the plan's {kind} file {path} is not there")
         return None
     if rec.get("sha256") and hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] != rec["sha256"]:
         notes.append(f"the plan's {kind} file {path} changed since planning (sha256 differs)")
         return None
-    return f"{path}:{rec['name']}" if kind == "acceptance" and rec.get("name") else path
+    return f"{path}:{name}" if kind == "acceptance" and name else path
 
 
 def _write(result, out: Path, yaml_out: bool, adaptive_path: Path) -> list[str]:
