@@ -42,14 +42,15 @@ VERSION = 1
 ENGINES = ("vllm", "sglang", "trtllm", "hf")
 # our method name -> the engine's
 ENGINE_METHODS = {
+    # vLLM 0.32 (checked in vLLM itself by tests/test_vllm.py) no longer registers the MLP speculator model
     "vllm": {"ngram": "ngram", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft_model",
-             "mtp": "mtp", "mlp_speculator": "mlp_speculator", "suffix": "suffix"},
+             "mtp": "mtp", "suffix": "suffix"},
     "sglang": {"eagle": "EAGLE", "eagle3": "EAGLE3", "draft_model": "STANDALONE", "ngram": "NGRAM"},
     "trtllm": {"eagle": "Eagle", "eagle3": "Eagle3", "mtp": "MTP", "ngram": "NGram", "draft_model": "DraftTarget",
                "medusa": "Medusa"},
     "hf": {"draft_model": "assistant model", "ngram": "prompt lookup"},
 }
-NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model", "mlp_speculator"})
+NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model"})
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
 OWN_DRAFTERS = ("parallelspec", "chain", "ppd")  # guessers no engine can load (trained by this project)
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees

@@ -39,15 +39,12 @@ if PYTHON is None:
 
 def _drafter_dirs(d: Path, smollm2: Path) -> dict[str, Path]:
     """Config-only drafter folders for the methods vLLM builds from a drafter's config.json: an
-    EAGLE head (one Llama layer of the target's width), Medusa heads, an MLP speculator."""
+    EAGLE head (one Llama layer of the target's width), Medusa heads."""
     base = json.loads((smollm2 / "config.json").read_text())
     configs = {
         "eagle": dict(base, num_hidden_layers=1),
         "medusa": {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": base["hidden_size"],
                    "vocab_size": base["vocab_size"], "num_heads": 5, "num_hidden_layers": 1},
-        "mlp_speculator": {"model_type": "mlp_speculator", "architectures": ["MLPSpeculatorPreTrainedModel"],
-                           "vocab_size": base["vocab_size"], "emb_dim": base["hidden_size"], "inner_dim": 256,
-                           "n_predict": 3, "top_k_tokens_per_head": [1, 1, 1], "n_candidates": 1},
     }
     out = {}
     for name, cfg in configs.items():
@@ -86,8 +83,6 @@ def exports(tmp_path_factory, smollm2) -> dict[str, dict]:
         "eagle": _export(tmp, "eagle", medusa, "--method", "eagle", "--draft-model", drafters["eagle"]),
         "eagle3": _export(tmp, "eagle3", medusa, "--method", "eagle3", "--draft-model", drafters["eagle"]),
         "medusa": _export(tmp, "medusa", medusa, "--method", "medusa", "--draft-model", drafters["medusa"]),
-        "mlp_speculator": _export(tmp, "mlp", medusa, "--method", "mlp_speculator", "--draft-model",
-                                  drafters["mlp_speculator"]),
     }
     methods = {cfg["method"] for cfg in out.values()}
     from planner.export import ENGINE_METHODS

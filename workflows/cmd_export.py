@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", metavar="ENGINE", help="vllm, sglang, trtllm or hf")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write (atomically)")
     p.add_argument("--method", metavar="NAME",
-                   help="the engine's drafter: ngram, medusa, eagle, eagle3, draft_model, mtp, mlp_speculator, suffix "
+                   help="the engine's drafter: ngram, suffix, medusa, eagle, eagle3, draft_model, mtp "
                         "(what the engine offers; default: medusa for medusa plans, draft_model for sequoia plans "
                         "and hf)")
     p.add_argument("--draft-model", metavar="PATH", help="the drafter's weights (medusa, eagle, eagle3, draft_model)")
@@ -63,6 +63,12 @@ def add_arguments(p) -> None:
     p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="ngram: shortest n-gram matched (vllm)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N",
                    help="ngram: longest n-gram matched (vllm prompt_lookup_max, hf max_matching_ngram_size)")
+    p.add_argument("--race", action="store_true",
+                   help="vllm: time the planned config, its other lookup method and vLLM's own ngram and suffix "
+                        "settings in vLLM (scripts/setup_vllm.sh) on the race prompts and write the fastest")
+    p.add_argument("--race-prompts", type=int, default=6, metavar="N", help="race prompts (default 6, at most 40)")
+    p.add_argument("--race-tokens", type=int, default=64, metavar="N", help="new tokens per race prompt (default 64)")
+    p.add_argument("--model", default="smollm2-135m", help="--race: the target model (a name or a folder)")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr (notes are still printed)")
 
 
@@ -90,6 +96,8 @@ def run(args) -> int:
     opts = ExportOptions(engine, method, args.draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
                          str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup)
     result = build(plan, ranges, opts, basis(plan, str(args.plan), ranges, chains, sources), notes)
+    if args.race:
+        _race(args, plan, ranges, accept, profiles, opts, result)
     written = _write(result, out, yaml_out, adaptive_path)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -97,6 +105,45 @@ def run(args) -> int:
         ks = ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
         print(f"wrote {', '.join(written)} ({engine}, {method}); draft length by batch size {ks}", file=sys.stderr)
     return 0
+
+
+def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
+    """--race: the candidates in vLLM itself, one engine each, on the race prompts; the fastest
+    (token-identical to vLLM plain) replaces the planned config, with the measurements as notes."""
+    import dataclasses
+    import json
+    import shlex
+
+    from planner.errors import UserError
+    from planner.export import build
+    from workflows.vllm import RACE_DEFAULTS, race, race_prompts
+
+    if opts.engine != "vllm":
+        raise UserError("--race times configs in vLLM: it needs --engine vllm")
+    planned = {f"planned ({opts.method})": result.settings["speculative_config"]}
+    if opts.method in LOOKUP_METHODS:  # the other lookup method, planned the same way
+        other = next(m for m in LOOKUP_METHODS if m != opts.method)
+        o = dataclasses.replace(opts, method=other, lookup=_lookup(plan, "vllm", other, ranges, accept, profiles, []))
+        planned[f"planned ({other})"] = build(plan, ranges, o, {}, []).settings["speculative_config"]
+    candidates = {"vLLM plain": None, **planned, **RACE_DEFAULTS}
+    model, prompts, warmup = race_prompts(args.model, args.race_prompts)
+    measured = race(model, candidates, prompts, warmup, args.race_tokens)
+    ok = {k: v for k, v in measured.items() if "error" not in v and v["identical"]}
+    if "vLLM plain" not in ok:
+        raise UserError(f"--race: vLLM plain decoding did not run: {measured['vLLM plain'].get('error', 'no result')}")
+    best = max(ok, key=lambda k: ok[k]["tokens_per_s"])
+    table = "; ".join(f"{k} {v['tokens_per_s']:.1f} tokens/s" if "error" not in v else f"{k} failed ({v['error']})"
+                      for k, v in measured.items())
+    if best == "vLLM plain":
+        raise UserError(f"--race: vLLM plain decoding was fastest on {len(prompts)} race prompts ({table}): "
+                        "no speculative config to write")
+    cfg = candidates[best]
+    result.settings["speculative_config"] = cfg
+    result.command_line = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
+    result.notes.append(f"raced in vLLM on {len(prompts)} race prompts x {args.race_tokens} tokens: {table}; "
+                        f"wrote the fastest, {best}")
+    result.basis["race"] = {"prompts": len(prompts), "tokens": args.race_tokens, "chosen": best,
+                            "candidates": {k: candidates[k] for k in measured}, "measured": measured}
 
 
 def _hybrid_notes(plan, engine: str, method: str) -> list[str]:
@@ -137,6 +184,8 @@ def _check_numbers(args) -> None:
     from planner.errors import UserError
     from planner.tree import MAX_BATCH_SIZE
 
+    if not 1 <= args.race_prompts <= 40 or not 1 <= args.race_tokens <= 1024:
+        raise UserError("--race-prompts must be in 1..40 and --race-tokens in 1..1024")
     for name in ("max_batch_size", "ngram_min", "ngram_max"):
         v = getattr(args, name)
         if v is not None and not 1 <= v <= MAX_BATCH_SIZE:

@@ -68,3 +68,47 @@ def decode_request(model_dir: str, config: dict | None, prompts: list[list[int]]
 
 def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- the race
+
+RACE_DEFAULTS = {  # vLLM's own settings, raced beside the planned ones
+    "vLLM ngram (docs example)": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
+    "vLLM suffix (defaults)": {"method": "suffix"},
+}
+
+
+def race_prompts(model: str, n: int) -> tuple[str, list[list[int]], list[int]]:
+    """(model folder, the race split's first n prompts as token ids, a warm-up prompt): the held-out
+    questions autotune races on (training.splits.accept_and_race), through the chat template."""
+    from transformers import AutoTokenizer
+
+    from profiler.registry import model_dir
+    from training.splits import accept_and_race
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts
+
+    folder = str(model_dir(model, progress=False)) if not Path(model).is_dir() else model
+    accept, race = accept_and_race(DEFAULT_QUESTIONS, 1, n)
+    ids = [t.tolist() for t in encode_prompts(AutoTokenizer.from_pretrained(folder), accept + race)]
+    return folder, ids[1:], ids[0]
+
+
+def race(model_dir: str, configs: dict, prompts: list[list[int]], warmup: list[int], max_tokens: int) -> dict:
+    """Every config (None: plain) in its own engine, one after another, on the same prompts:
+    name -> {"tokens_per_s", "identical" (to plain), "drafted", "accepted"} or {"error"}."""
+    out, plain_tokens = {}, None
+    for name, cfg in configs.items():
+        progress(f"race: {name} ...")
+        try:
+            r = run_engine("decode", decode_request(model_dir, cfg, prompts, warmup, max_tokens))
+        except UserError as e:
+            out[name] = {"error": str(e)}
+            continue
+        plain_tokens = r["tokens"] if cfg is None else plain_tokens
+        out[name] = {"tokens_per_s": sum(map(len, r["tokens"])) / sum(r["seconds"]), "tokens": r["tokens"],
+                     "drafted": r["drafted"], "accepted": r["accepted"]}
+        progress(f"race: {name}: {out[name]['tokens_per_s']:.1f} tokens/s")
+    for row in out.values():
+        if "tokens" in row:
+            row["identical"] = plain_tokens is None or row.pop("tokens") == plain_tokens
+    return out
