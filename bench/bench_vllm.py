@@ -44,10 +44,8 @@ sys.path.insert(0, str(ROOT))
 from planner.errors import UserError  # noqa: E402
 
 RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"
-VLLM_DEFAULTS = {
-    "vLLM ngram (docs example)": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
-    "vLLM suffix (defaults)": {"method": "suffix"},
-}
+from workflows.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's own settings, as the race uses them
+
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
 # lists per prompt (and optionally a third: {"drafted", "accepted"}); run in this process, interleaved.
 EXTRA_CONTENDERS: dict = {}
@@ -78,20 +76,24 @@ def prompts(tokenizer, n_chat: int, n_repeat: int) -> tuple[list[tuple[str, str,
     return out, warm[2]
 
 
-def exported_config(export: str | None) -> tuple[dict, str, list[str]]:
-    """The vLLM config to race: an export file's, else the main job's decision exported now."""
+def exported_configs(exports: list[str]) -> dict[str, dict]:
+    """name -> {"config", "file", "notes"}: each export file's vLLM config, else the main job's
+    decision exported now (`planner export --engine vllm`, no race)."""
     from workflows.cli import main
 
-    if export is None:
+    if not exports:
         tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "vllm.json"
         if main(["export", "--engine", "vllm", str(RUN / "chosen.json"), "-q", "-o", str(tmp)]) != 0:
             raise UserError("planner export of the main job's decision failed")
-        export = str(tmp)
-        label = f"planner export --engine vllm {RUN.relative_to(ROOT)}/chosen.json"
-    else:
-        label = export
-    data = json.loads(Path(export).read_text())
-    return data["speculative_config"], label, data.get("notes", [])
+        exports = [str(tmp)]
+    out = {}
+    for f in exports:
+        data = json.loads(Path(f).read_text())
+        raced = (data.get("basis") or {}).get("race")
+        name = "vLLM export, raced" if raced else "vLLM export"
+        name = name if name not in out else f"{name} ({Path(f).stem})"
+        out[name] = {"config": data["speculative_config"], "file": f, "notes": data.get("notes", [])}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- contenders
@@ -207,9 +209,9 @@ def markdown(doc: dict) -> str:
     lines = [f"# vLLM: this project's export against vLLM's own speculation ({doc['model']}, {m['cpu']}, "
              f"{m['cores']} cores, load {doc['load_avg_before']} -> {doc['load_avg_after']})", "",
              f"{len(doc['prompts'])} prompts no tuning step reads ({doc['counts']}), {doc['max_new_tokens']} new tokens, "
-             f"greedy fp32, one request at a time, median of {doc['rounds']} interleaved round(s); vLLM {doc['vllm']} "
-             f"(CPU build, eager); export: `{json.dumps(doc['export_config'], separators=(',', ':'))}` "
-             f"({doc['export_label']}).", "",
+             f"greedy fp32, one request at a time, median of {doc['rounds']} interleaved round(s); {doc['vllm']} "
+             f"(CPU build, eager). Configs: " + "; ".join(
+                 f"{k} `{json.dumps(c, separators=(',', ':'))}`" for k, c in doc["configs"].items()) + ".", "",
              "| contender | tokens/s | vs vLLM plain | " + " | ".join(f"{g} vs plain" for g in doc["groups"]) +
              " | vs generate | accepted / drafted | batch of all: tokens/s | same as vLLM plain | same as generate |",
              "|---|---|---|" + "---|" * len(doc["groups"]) + "---|---|---|---|---|"]
@@ -221,7 +223,8 @@ def markdown(doc: dict) -> str:
                      + " | ".join(f"{r['by_group_vs_vllm_plain'][g]:.2f}x" for g in doc["groups"])
                      + f" | {r['vs_generate']:.2f}x | {acc} | {batch} | {r['same_as_vllm_plain']} / {n} | "
                        f"{r['same_as_generate']} / {n} |")
-    lines += ["", "Export notes: " + " ".join(f"({i + 1}) {t}" for i, t in enumerate(doc["export_notes"]))]
+    for name, e in doc["exports"].items():
+        lines += ["", f"{name} ({e['file']}) notes: " + " ".join(f"({i + 1}) {t}" for i, t in enumerate(e["notes"]))]
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="4 + 4 prompts, 64 tokens, 1 round")
-    p.add_argument("--export", default=None, help="a `planner export --engine vllm` file (default: the main job's)")
+    p.add_argument("--export", action="append", default=[],
+                   help="a `planner export --engine vllm` file, repeatable (default: the main job's decision, exported now)")
     p.add_argument("--plan", default=str(RUN / "chosen.json"), help="this project's plan for its own engine")
     p.add_argument("--profile", default=str(RUN / "profile.json"), help="its matmul paths")
     p.add_argument("--skip", default="", help="comma-separated contenders to leave out")
@@ -269,10 +273,10 @@ def _run(a) -> int:
     rows, warmup = prompts(tok, a.chat, a.repeat)
     ids = [r[2] for r in rows]
     eos = model.generation_config.eos_token_id
-    config, label, notes = exported_config(a.export)
+    exports = exported_configs(a.export)
     tree, guesser = load_plan(a.plan, loaded)
     runs = {"vLLM plain": vllm_contender(model_dir, None, warmup, True),
-            "vLLM export (this project)": vllm_contender(model_dir, config, warmup, True),
+            **{k: vllm_contender(model_dir, e["config"], warmup, True) for k, e in exports.items()},
             **{k: vllm_contender(model_dir, c, warmup, True) for k, c in VLLM_DEFAULTS.items()},
             **local_contenders(model, tree, guesser, a.profile), **EXTRA_CONTENDERS}
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
@@ -288,8 +292,8 @@ def _run(a) -> int:
            "load_avg_after": load_avg(), "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
            "groups": sorted(set(groups)), "counts": f"{a.chat} chat, {a.repeat} repeat",
            "prompts": [{"group": g, "id": i, "length": len(t)} for g, i, t in rows],
-           "export_config": config, "export_label": label, "export_notes": notes, "plan": a.plan,
-           "vllm_defaults": VLLM_DEFAULTS, "results": summarise(results, groups)}
+           "exports": exports, "plan": a.plan,
+           "configs": {k: e["config"] for k, e in exports.items()} | VLLM_DEFAULTS, "results": summarise(results, groups)}
     out = Path(a.out)
     atomic_write_json(out.with_suffix(".json"), doc)
     out.with_suffix(".md").write_text(markdown(doc))

@@ -239,6 +239,9 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     if opts.draft_model:
         cfg["model"] = opts.draft_model
     cfg["num_speculative_tokens"] = _positive(ranges, "vllm")
+    cap = opts.lookup.get("num_speculative_tokens") if opts.method == "suffix" else None
+    if cap:  # suffix decoding stops each draft itself: the cap wherever the chain plan drafts at all
+        ranges = _stretch([DraftRange(r.lo, r.hi, cap if r.k else 0) for r in ranges], ranges[-1].hi)
     if len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
     if opts.method in ("ngram", "suffix"):
@@ -371,6 +374,7 @@ def _hf(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
 
 MEASURED_NGRAMS = (1, 3)  # the n-gram sizes this project's prompt lookup matches (decoder/lookup.py defaults)
 SUFFIX_SPEC_FACTOR = 1.0  # vLLM's: at most this many drafted tokens per matched token
+SUFFIX_MAX_DRAFT = 24  # vLLM's default suffix tree depth: drafts past it are beyond what our acceptance rows show
 
 
 def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> tuple[dict, list[str]]:
@@ -382,11 +386,13 @@ def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> t
     ngram: prompt_lookup_max is the longest n-gram the acceptance was measured with; prompt_lookup_min
     the shortest matched length whose measured acceptance makes a k-token draft pay on the profile
     (with a calibration; without one, the measured range as it is).
-    suffix: num_speculative_tokens k caps the draft; suffix_decoding_min_token_prob is the path
-    probability below which one more drafted token costs more than it brings on the profile,
-    (L(k + 2) - L(k + 1)) * tau_k / L(k + 1) with tau_k the chain's expected tokens per step (the
-    per-step planner's own stopping rule); the tree is deep enough for a k-token match plus a
-    k-token draft."""
+    suffix: decoding stops each draft where its path probability falls below
+    suffix_decoding_min_token_prob, so that is the setting that matters: the path probability at
+    which one more drafted token costs more than it brings, (L(n + 1) - L(n)) * tau_k / L(k + 1)
+    with tau_k / L(k + 1) the planned chain's tokens per second (the per-step planner's own rule),
+    averaged over the draft lengths up to the cap; num_speculative_tokens caps the draft at the
+    longest one whose certainly accepted tokens still pay (at most SUFFIX_MAX_DRAFT); the tree is
+    deep enough for a cap-long match plus a cap-long draft."""
     from planner.cost import step_cost
 
     if k < 1:
@@ -404,17 +410,21 @@ def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> t
                  f"{k}-token draft pay on the profile"])
     c = accept.accuracy[:, 0]
     tau = 1.0 + float(np.sum(np.cumprod(c[:k])))
-    n_hi = min(k + 2, profile.max_input_length)
-    n_lo = n_hi - 1
     rate = tau / float(step_cost(profile, k + 1))  # tokens per second of the planned chain
-    p_min = float(np.clip((float(step_cost(profile, n_hi)) - float(step_cost(profile, n_lo))) * rate, 0.01, 1.0))
-    depth = k + math.ceil(k / SUFFIX_SPEC_FACTOR)
-    cfg = {"suffix_decoding_max_tree_depth": depth, "suffix_decoding_max_spec_factor": SUFFIX_SPEC_FACTOR,
-           "suffix_decoding_min_token_prob": round(p_min, 4)}
-    return cfg, [f"suffix_decoding_min_token_prob {p_min:.3f}: the path probability at which one more drafted "
-                 f"token stops paying on the profile (L({n_hi}) - L({n_lo}) against {rate:.1f} tokens/s of the "
-                 f"planned {k}-token chain); suffix decoding's probabilities are its own frequency counts, "
-                 "not this project's calibrated acceptance"]
+    top = min(SUFFIX_MAX_DRAFT, profile.max_input_length - 1)
+    marginal = np.diff([float(step_cost(profile, n)) for n in range(1, top + 2)]) * rate  # [top] break-even p
+    cap = int(np.argmax(marginal > 1.0)) if (marginal > 1.0).any() else top  # a certain token still pays up to here
+    cap = max(cap, k)
+    p_min = float(np.clip(np.mean(marginal[:cap]), 0.01, 1.0))
+    depth = cap + math.ceil(cap / SUFFIX_SPEC_FACTOR)
+    cfg = {"num_speculative_tokens": cap, "suffix_decoding_max_tree_depth": depth,
+           "suffix_decoding_max_spec_factor": SUFFIX_SPEC_FACTOR, "suffix_decoding_min_token_prob": round(p_min, 4)}
+    return cfg, [f"suffix decoding stops each draft itself: num_speculative_tokens {cap} is the longest draft whose "
+                 f"certainly accepted tokens still pay on the profile (at most {SUFFIX_MAX_DRAFT}); "
+                 f"suffix_decoding_min_token_prob {p_min:.3f} is the path probability at which one more token "
+                 f"stops paying, the profile's mean marginal cost L(n + 1) - L(n) over n = 1..{cap + 1} against "
+                 f"{rate:.1f} tokens/s of the planned {k}-token chain (the per-step planner's rule); suffix "
+                 "decoding's probabilities are its own frequency counts, not this project's calibrated acceptance"]
 
 
 def _ngram_speedup(cal, g: int, k: int, profile) -> float:

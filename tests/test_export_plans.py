@@ -77,9 +77,14 @@ def test_the_main_jobs_decision_exports_to_vllm_as_suffix_decoding(tmp_path, cap
     assert main(["export", "--engine", "vllm", str(RUN / "chosen.json"), "-o", str(out)]) == 0
     data = json.loads(out.read_text())
     cfg = data["speculative_config"]
-    assert cfg["method"] == "suffix" and 1 <= cfg["num_speculative_tokens"] <= 8
-    assert 0 < cfg["suffix_decoding_min_token_prob"] <= 1
-    assert cfg["suffix_decoding_max_tree_depth"] >= cfg["num_speculative_tokens"]
+    assert cfg["method"] == "suffix" and 5 <= cfg["num_speculative_tokens"] <= 24
+    # the break-even path probability from the profile: L(n + 1) - L(n) against the chain's tokens/s
+    from planner.profile import load_profile
+
+    prof = load_profile(str(RUN / "profile.json"))
+    slopes = [prof.latency(n + 1) - prof.latency(n) for n in range(1, 24)]
+    assert min(slopes) * 20 < cfg["suffix_decoding_min_token_prob"] < max(slopes) * 50  # 20..50 tokens/s
+    assert cfg["suffix_decoding_max_tree_depth"] == 2 * cfg["num_speculative_tokens"]
     assert data["basis"]["acceptance"]["field"] == "dynamic.guessers.lookup.prior"
     assert data["basis"]["draft_lengths"].startswith("chains planned")
     notes = " | ".join(data["notes"])

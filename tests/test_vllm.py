@@ -26,9 +26,14 @@ REQUIRED = os.environ.get("TREE_PLANNER_REQUIRE_VLLM") == "1"
 PYTHON = venv_python()
 MAX_TOKENS = 40
 WRONG = "a misspelt key (the check must be able to fail)"
-NOT_CHECKABLE = {  # export kinds whose config vLLM cannot build for a Llama target without a real drafter
-    "mtp": "vLLM's mtp method drafts with the target's own multi-token-prediction layers; SmolLM2 (Llama) has none",
-}
+# vLLM's mtp drafts with the target's own multi-token-prediction layers, which SmolLM2 (Llama) lacks:
+# its export is checked against a config-only DeepSeek-V3-style target with one MTP layer.
+MTP_TARGET = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_nextn_predict_layers": 1,
+              "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "n_routed_experts": 4,
+              "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 64,
+              "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+              "max_position_embeddings": 2048}
 
 if PYTHON is None:
     reason = f"the vLLM environment {venv_dir()} is not set up (bash {SETUP})"
@@ -38,13 +43,14 @@ if PYTHON is None:
 
 
 def _drafter_dirs(d: Path, smollm2: Path) -> dict[str, Path]:
-    """Config-only drafter folders for the methods vLLM builds from a drafter's config.json: an
-    EAGLE head (one Llama layer of the target's width), Medusa heads."""
+    """Config-only folders for the methods vLLM builds from a config.json: an EAGLE head (one Llama
+    layer of the target's width), Medusa heads, and a target with an MTP layer."""
     base = json.loads((smollm2 / "config.json").read_text())
     configs = {
         "eagle": dict(base, num_hidden_layers=1),
         "medusa": {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": base["hidden_size"],
                    "vocab_size": base["vocab_size"], "num_heads": 5, "num_hidden_layers": 1},
+        "mtp_target": MTP_TARGET,
     }
     out = {}
     for name, cfg in configs.items():
@@ -68,8 +74,9 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, smollm2) -> dict[str, dict]:
-    """Every kind of vLLM export, written by `planner export` from the project's own plans."""
+def exports(tmp_path_factory, smollm2) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every kind of vLLM export, written by `planner export` from the project's own plans, and the
+    target folder of those not checked against SmolLM2."""
     tmp = tmp_path_factory.mktemp("vllm-exports")
     drafters = _drafter_dirs(tmp, smollm2)
     batched = ROOT / "exports" / "smollm2-draft-medusa-batched.json"  # a plan with a batch-size schedule
@@ -83,12 +90,12 @@ def exports(tmp_path_factory, smollm2) -> dict[str, dict]:
         "eagle": _export(tmp, "eagle", medusa, "--method", "eagle", "--draft-model", drafters["eagle"]),
         "eagle3": _export(tmp, "eagle3", medusa, "--method", "eagle3", "--draft-model", drafters["eagle"]),
         "medusa": _export(tmp, "medusa", medusa, "--method", "medusa", "--draft-model", drafters["medusa"]),
+        "mtp": _export(tmp, "mtp", medusa, "--method", "mtp"),
     }
-    methods = {cfg["method"] for cfg in out.values()}
     from planner.export import ENGINE_METHODS
 
-    assert methods | set(NOT_CHECKABLE) == set(ENGINE_METHODS["vllm"]), "a vLLM method without an export here"
-    return out
+    assert {cfg["method"] for cfg in out.values()} == set(ENGINE_METHODS["vllm"]), "a vLLM method without an export"
+    return out, {"mtp": str(drafters["mtp_target"])}
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +114,13 @@ def prompts(smollm2) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def runs(exports, prompts, smollm2) -> dict:
     """Three engines, two at a time: plain (with every config check), the ngram chain, suffix."""
+    configs, targets = exports
     warmup, body = prompts[0], prompts[1:]
-    configs = dict(exports, **{WRONG: {"method": "ngram", "num_speculative_tokens": 2, "lookup_max": 3}})
-    jobs = {"plain": decode_request(smollm2, None, body, warmup, MAX_TOKENS) | {"configs": configs},
-            "ngram": decode_request(smollm2, exports["ngram (static lookup chain)"], body, warmup, MAX_TOKENS)}
+    checks = dict(configs, **{WRONG: {"method": "ngram", "num_speculative_tokens": 2, "lookup_max": 3}})
+    jobs = {"plain": decode_request(smollm2, None, body, warmup, MAX_TOKENS) | {"configs": checks, "targets": targets},
+            "ngram": decode_request(smollm2, configs["ngram (static lookup chain)"], body, warmup, MAX_TOKENS)}
     if suffix_available(PYTHON):
-        jobs["suffix"] = decode_request(smollm2, exports["suffix (the main job's per-step plan)"], body, warmup,
+        jobs["suffix"] = decode_request(smollm2, configs["suffix (the main job's per-step plan)"], body, warmup,
                                         MAX_TOKENS)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_engine, "decode", req) for name, req in jobs.items()}
@@ -123,7 +131,7 @@ def test_every_export_kind_builds_in_vllm(runs, exports):
     checked = dict(runs["plain"]["checked"])
     wrong = checked.pop(WRONG)
     assert wrong and "lookup_max" in wrong  # vLLM's config class refuses what it does not know
-    assert set(checked) == set(exports)
+    assert set(checked) == set(exports[0])
     suffix_missing = not suffix_available(PYTHON)
     rejected = {k: v for k, v in checked.items() if v is not None and not (suffix_missing and "suffix" in k)}
     assert not rejected, rejected

@@ -102,7 +102,11 @@ def run(args) -> int:
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     if not args.quiet:
-        ks = ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
+        cfg = result.settings.get("speculative_config") or {}
+        sched = cfg.get("num_speculative_tokens_per_batch_size") or ([[1, ranges[-1].hi, cfg["num_speculative_tokens"]]]
+                                                                     if engine == "vllm" else None)
+        ks = ", ".join(f"{lo}-{hi}: {k}" for lo, hi, k in sched) if sched else \
+            ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
         print(f"wrote {', '.join(written)} ({engine}, {method}); draft length by batch size {ks}", file=sys.stderr)
     return 0
 

@@ -4,7 +4,8 @@ the repository on PYTHONPATH. It imports the standard library and vLLM only (vLL
 transformers; the project's environment never imports vLLM): the caller, workflows/vllm.py, writes
 the request and reads the result.
 
-  check   REQUEST {"model", "configs": {name: speculative_config}}: build vLLM's own engine config
+  check   REQUEST {"model", "configs": {name: speculative_config}, optional "targets": {name: a
+          config-only target folder for that config}}: build vLLM's own engine config
           (EngineArgs(...).create_engine_config(): ModelConfig, SpeculativeConfig and their checks,
           no weights loaded) from each config; RESULT {name: null | "the error, one line"}.
   decode  REQUEST {"model", "config": speculative_config | null, "prompts": [[token ids]],
@@ -37,9 +38,12 @@ def check(request: dict) -> dict:
     from vllm.engine.arg_utils import EngineArgs
 
     out = {}
+    targets = request.get("targets") or {}
     for name, cfg in request["configs"].items():
+        model = targets.get(name, request["model"])  # a config-only target folder: no tokenizer to read
         try:
-            vcfg = EngineArgs(model=request["model"], speculative_config=cfg, **ENGINE_DEFAULTS).create_engine_config()
+            vcfg = EngineArgs(model=model, speculative_config=cfg, skip_tokenizer_init=model != request["model"],
+                              **ENGINE_DEFAULTS).create_engine_config()
             spec = vcfg.speculative_config
             out[name] = None if spec is not None else "vLLM built no speculative config"
         except Exception as e:  # noqa: BLE001  every rejection is the answer, one line each
