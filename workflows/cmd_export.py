@@ -14,7 +14,9 @@ measured basis beside it.
 engines:
   vllm    --speculative-config JSON: num_speculative_tokens and, per batch-size range,
           num_speculative_tokens_per_batch_size [[first, last, K], ...] (K = 0: off). vLLM
-          verifies chains only: K is the best chain per range, planned as a chain.
+          verifies chains only: K is the best chain per range, planned as a chain. Prompt-lookup
+          plans set ngram's prompt_lookup_min/max or suffix decoding's thresholds from the plan's
+          measurements; --race times the candidates in vLLM itself (docs/vllm.md).
   sglang  --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens,
           and per batch size (EAGLE, EAGLE3) --speculative-adaptive with a config file keyed by
           the lowest batch size of each range, written next to FILE as STEM.adaptive.json.
@@ -24,6 +26,9 @@ engines:
   hf      transformers assisted generation (batch size 1): num_assistant_tokens with the
           "constant" schedule, or prompt lookup (prompt_lookup_num_tokens).
 
+--method defaults to what the plan's recorded guesser implies: prompt lookup (alone or in a
+hybrid) -> ngram, or for vLLM suffix decoding when the plan chooses its tree per step; a draft LM
+or PEARL -> draft_model; medusa plans -> medusa, sequoia -> draft_model.
 Draft lengths are planned as chains per batch size with the acceptance statistics and the
 latency profile the plan was made with (its provenance; unchanged files only) or --accept /
 --profile; without them, the plan's tree depths are written, with a note.
@@ -38,6 +43,7 @@ examples:
   planner export --engine sglang trees/medusa-batched.json --method eagle --draft-model DRAFT -o exports/sglang.json
   planner export --engine trtllm trees/medusa-batched.json --method eagle3 --draft-model DRAFT -o exports/trtllm.yaml
   planner export --engine hf trees/medusa-vicuna-7b-n63.json --method ngram --ngram-max 3 -o exports/hf.json
+  planner export --engine vllm runs/RUN/chosen.json --race -o exports/vllm.json   # the main job's decision
 """
 
 
@@ -255,8 +261,8 @@ def _inputs(args, plan, method: str, notes: list[str]):
     from planner.profile import load_batch_profiles
 
     model = None if args.accept else _dynamic_model(plan, method)
-    acc_spec = args.accept or (None if model is not None else _recorded(args, plan, "acceptance", notes))
-    prof_path = args.profile or _recorded(args, plan, "profile", notes)
+    acc_spec = args.accept or (None if model is not None else _recorded(plan, "acceptance", notes))
+    prof_path = args.profile or _recorded(plan, "profile", notes)
     if prof_path is None and plan.dynamic is not None and plan.dynamic.profiled:
         profiles, prof_record = _step_cost_profile(plan), {"file": str(args.plan), "field": "dynamic.step_cost_s"}
     elif prof_path is not None:
@@ -287,7 +293,7 @@ def _step_cost_profile(plan) -> dict:
 
     costs = plan.dynamic.step_cost_s
     data = {"input_lengths": list(range(1, len(costs) + 1)), "latency_s": list(costs)}
-    return {1: profile_from_json(data, label=f"{plan.provenance.get('autotune') or 'plan'}: dynamic.step_cost_s")}
+    return {1: profile_from_json(data, label="the plan's dynamic.step_cost_s")}
 
 
 def _shown(record):
@@ -295,7 +301,7 @@ def _shown(record):
     return ", ".join(map(str, record)) if isinstance(record, list) else record
 
 
-def _recorded(args, plan, kind: str, notes: list[str]) -> str | None:
+def _recorded(plan, kind: str, notes: list[str]) -> str | None:
     """The plan's own acceptance or profile file, when it is still there and unchanged. Plans
     record it in three forms: {"file", "sha256", "name"} (planner plan), a path string (autotune,
     under "accept" for the acceptance), a list of KIND=PATH specs (planner plan dynamic)."""
