@@ -128,3 +128,23 @@ def test_the_plan_records_its_inputs_in_three_forms(tmp_path):
             assert doc["basis"]["draft_lengths"].startswith("the plan's tree depths")
         else:
             assert doc["basis"]["draft_lengths"].startswith("chains planned")
+
+
+def test_prompt_lookup_min_is_the_shortest_match_whose_calibrated_acceptance_pays():
+    """With a lookup calibration (acceptance per matched n-gram length), prompt_lookup_min leaves out
+    the match lengths whose drafts cost more than they bring on the profile."""
+    import numpy as np
+
+    from planner.dynamic import DEPTH_BINS, LOOKUP_COUNTS, Calibration, num_bins
+    from planner.export import lookup_settings
+    from planner.profile import profile_from_json
+
+    C = len(LOOKUP_COUNTS)
+    p = np.zeros((DEPTH_BINS, num_bins("lookup")))
+    p[:, 0:C], p[:, C:2 * C], p[:, 2 * C:] = 0.05, 0.6, 0.9  # 1-gram matches rarely right, 2- and 3-grams often
+    cal = Calibration("lookup", p, np.ones_like(p), np.ones_like(p))
+    profile = profile_from_json({"input_lengths": [1, 8], "latency_s": [0.05, 0.06]})
+    cfg, notes = lookup_settings("ngram", 4, None, profile, cal)
+    assert (cfg["prompt_lookup_min"], cfg["prompt_lookup_max"]) == (2, 3) and "shortest matched n-gram" in notes[0]
+    steep = profile_from_json({"input_lengths": [1, 8], "latency_s": [0.05, 0.5]})  # no draft pays: longest only
+    assert lookup_settings("ngram", 4, None, steep, cal)[0]["prompt_lookup_min"] == 3
