@@ -239,6 +239,9 @@ def main(argv=None) -> int:
                    help="a `planner export --engine vllm` file, repeatable (default: the main job's decision, exported now)")
     p.add_argument("--plan", default=str(RUN / "chosen.json"), help="this project's plan for its own engine")
     p.add_argument("--profile", default=str(RUN / "profile.json"), help="its matmul paths")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of this process's contenders (default 1: vLLM's CPU worker computes on one "
+                        "thread here, the other core serving its front end)")
     p.add_argument("--skip", default="", help="comma-separated contenders to leave out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm"), help="writes OUT.json and OUT.md")
     a = p.parse_args(argv)
@@ -266,6 +269,9 @@ def _run(a) -> int:
     python = venv_python()
     if python is None:
         raise UserError(f"no vLLM environment: run bash {SETUP}")
+    if not 1 <= a.threads <= 256:
+        raise UserError("--threads must be in 1..256")
+    torch.set_num_threads(a.threads)
     load0 = load_avg()
     loaded = load_model("smollm2-135m", device="cpu")
     model, model_dir = loaded.model, str(loaded.tokenizer_dir)
