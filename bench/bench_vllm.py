@@ -165,7 +165,7 @@ def race(runs: dict, ids: list[list[int]], n: int, eos, rounds: int, seed: int =
             for i, s in enumerate(secs):
                 out[name]["seconds"][i].append(s)
             out[name]["tokens"] = out[name]["tokens"] or toks
-            out[name]["extra"].append(extra)
+            out[name]["extra"].append(dict(extra, load_avg_1m=load_avg()))
             print(f"  round {r + 1}/{rounds}: {name}: {sum(map(len, toks)) / sum(secs):.1f} tokens/s "
                   f"({time.perf_counter() - t:.0f} s, load {load_avg()})", file=sys.stderr, flush=True)
     for v in out.values():
@@ -198,6 +198,7 @@ def summarise(results: dict, groups: list[str]) -> dict:
         if batched:
             row["batched_tokens_per_s"] = statistics.median(batched)
             row["batched_identical"] = all(e["batched_identical"] for e in r["extra"])
+        row["load_avg_1m"] = [e.get("load_avg_1m") for e in r["extra"]]
         if any("start_s" in e for e in r["extra"]):
             row["engine_start_s"] = statistics.median(e["start_s"] for e in r["extra"])
         rows[name] = row
@@ -213,8 +214,8 @@ def markdown(doc: dict) -> str:
              f"(CPU build, eager). Configs: " + "; ".join(
                  f"{k} `{json.dumps(c, separators=(',', ':'))}`" for k, c in doc["configs"].items()) + ".", "",
              "| contender | tokens/s | vs vLLM plain | " + " | ".join(f"{g} vs plain" for g in doc["groups"]) +
-             " | vs generate | accepted / drafted | batch of all: tokens/s | same as vLLM plain | same as generate |",
-             "|---|---|---|" + "---|" * len(doc["groups"]) + "---|---|---|---|---|"]
+             " | vs generate | accepted / drafted | batch of all: tokens/s | same as vLLM plain | same as generate "
+             "| load after |", "|---|---|---|" + "---|" * len(doc["groups"]) + "---|---|---|---|---|---|"]
     n = len(doc["prompts"])
     for name, r in doc["results"].items():
         acc = f"{r['accepted']} / {r['drafted']} ({r['accepted_per_drafted']:.2f})" if "drafted" in r else ""
@@ -222,7 +223,7 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['vs_vllm_plain']:.2f}x | "
                      + " | ".join(f"{r['by_group_vs_vllm_plain'][g]:.2f}x" for g in doc["groups"])
                      + f" | {r['vs_generate']:.2f}x | {acc} | {batch} | {r['same_as_vllm_plain']} / {n} | "
-                       f"{r['same_as_generate']} / {n} |")
+                       f"{r['same_as_generate']} / {n} | {', '.join(str(x) for x in r.get('load_avg_1m', []))} |")
     for name, e in doc["exports"].items():
         lines += ["", f"{name} ({e['file']}) notes: " + " ".join(f"({i + 1}) {t}" for i, t in enumerate(e["notes"]))]
     return "\n".join(lines) + "\n"
