@@ -459,6 +459,10 @@ def basis(plan: Tree, plan_file: str, ranges: list[DraftRange], chains: list[Sch
             if b in chain_points:
                 row["chain_predicted_speedup"] = chain_points[b]["speedup"]
             rows.append(row)
+    for b in sorted(set(chain_points) - {r["batch_size"] for r in rows}):  # sizes only the profile planned
+        rows.append({"batch_size": b, "draft_length": next(r.k for r in ranges if r.lo <= b <= r.hi),
+                     "plan_tree": _describe(plan.for_batch(b)), "plan_predicted_speedup": None,
+                     "chain_predicted_speedup": chain_points[b]["speedup"]})
     layout = plan.schedule[0].layout if plan.schedule else None
     tree = plan.for_batch(1) or plan
     return {"plan": {"file": plan_file, "method": plan.method, "layout": layout},
