@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -49,12 +48,6 @@ from workflows.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's 
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
 # lists per prompt (and optionally a third: {"drafted", "accepted"}); run in this process, interleaved.
 EXTRA_CONTENDERS: dict = {}
-
-
-def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def load_avg() -> float:
@@ -262,9 +255,9 @@ def _run(a) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from bench.bench_main_job import load_plan, machine
     from planner.jsonio import atomic_write_json
     from profiler.models import load_model
-    from bench.bench_main_job import load_plan
     from workflows.vllm import SETUP, STAMP, venv_python
 
     python = venv_python()
@@ -294,7 +287,7 @@ def _run(a) -> int:
                 fn([warmup], 16, eos)  # this process's contenders: every shape once (vLLM's warm up in their engine)
         results = race(runs, ids, a.max_new_tokens, eos, a.rounds)
     groups = [r[0] for r in rows]
-    doc = {"model": loaded.name, "machine": machine() | {"torch_threads": torch.get_num_threads()},
+    doc = {"model": loaded.name, "machine": machine(),
            "vllm": (python.parent.parent / STAMP).read_text().split()[0], "load_avg_before": load0,
            "load_avg_after": load_avg(), "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
            "groups": sorted(set(groups)), "counts": f"{a.chat} chat, {a.repeat} repeat",

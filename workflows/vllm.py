@@ -33,7 +33,7 @@ def venv_python() -> Path | None:
 def suffix_available(python: Path) -> bool:
     """Whether suffix decoding's index (arctic-inference) is installed beside vLLM."""
     code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('arctic_inference') is None)"
-    return subprocess.run([str(python), "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
 def run_engine(mode: str, request: dict, timeout_s: float = 900, log=None) -> dict:
@@ -49,7 +49,7 @@ def run_engine(mode: str, request: dict, timeout_s: float = 900, log=None) -> di
         req, res = Path(d) / "request.json", Path(d) / "result.json"
         req.write_text(json.dumps(request))
         try:
-            proc = subprocess.run([str(python), "-m", "workflows.vllm_engine", mode, str(req), str(res)], env=env,
+            proc = subprocess.run([str(python), "-m", "workflows.vllm_engine", mode, str(req), str(res)], env=env, check=False,
                                   cwd=str(ROOT), stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log is None
                                   else log, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
