@@ -365,7 +365,9 @@ class DraftSource(Source):
             self.drafter.skip(int(root[0]))
             pool.fixed = []
             return
+        t0 = time.perf_counter()
         self._draw_shape(pool, root, shape, best)
+        pool.passes_s += time.perf_counter() - t0  # drafting (passes and draws), not the decision's own time
 
     def _draw_shape(self, pool: Pool, root: torch.Tensor, shape: Pool, best: list[int]) -> None:
         """Draft the chosen shape level by level: each node's children are its first k draws."""
