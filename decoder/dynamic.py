@@ -30,6 +30,7 @@ Commit: every pool node whose parent lies on the accepted path is an observation
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 
@@ -113,6 +114,9 @@ def _members(g) -> list[tuple[str, object]]:
 
 
 class DynamicSession:
+    """One sequence under a dynamic plan: each step its sources fill one pool, the session keeps the
+    paths that pay (planner.dynamic.choose) and proposes them; each commit corrects the maps."""
+
     def __init__(self, owner: DynamicGuesser, spec: DynamicSpec, sources: list[Source], ctx: DecodeContext,
                  sampled: bool):
         self.owner, self.spec, self.sources, self.ctx, self.sampled = owner, spec, sources, ctx, sampled
