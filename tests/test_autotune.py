@@ -103,8 +103,8 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
             assert isinstance(r[key], (int, float, str))
         assert r["input_length"] <= 10
         load_tree(r["tree"])
-        if r["measured_speedup"] is not None:  # raced on at least the first stage: errors reported
-            assert r["prompts"] >= 3 and r["identical_to_greedy"] is True
+        if r["measured_speedup"] is not None:  # raced on at least one prompt: errors reported
+            assert r["prompts"] >= 1 and r["identical_to_greedy"] is True
             for key in ("error_tokens_per_step", "error_step_s", "error_speedup", "measured_step_s", "predicted_step_s"):
                 assert isinstance(r[key], float)
     d = saved["decision"]

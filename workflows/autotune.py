@@ -26,9 +26,9 @@ from planner.jsonio import atomic_write_json
 from planner.profile import LatencyProfile, load_profile
 from planner.tree import Tree, TreeState, save_tree
 from workflows.candidates import METHODS, Candidate, drafter_candidates, finalists, pick, plan_candidates, real_input_length  # noqa: F401
-from workflows.choose import MIN_PROMPTS, PLAIN, Arm, Decision, Race, decide, speedup
+from workflows.choose import LEVEL, MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
 from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
-from workflows.race import PEARL_SPLIT, REPORT_RESERVE_S, _Outputs, _race_phase, _stages
+from workflows.race import PEARL_SPLIT, REPORT_RESERVE_S, _Outputs, race_phase
 
 REPO = Path(__file__).resolve().parents[1]
 GUESSERS = ("ppd", "draft", "parallelspec", "chain", "lookup")
@@ -138,8 +138,7 @@ def autotune(s: AutotuneSettings) -> dict:
     pearl = _pearl_phase(run, accepts, profile, accept_ids[0]) if "draft" in run.guessers else None
     candidates += pearl["candidates"] if pearl else []
     racing = finalists(candidates, s.finalists, s.neighbours, s.sweep)
-    race, outputs = _race_phase(run, decode_ids, racing, profile)
-    decision = decide(race.arms)
+    race, outputs, decision = race_phase(run, decode_ids, racing, profile)
     summary = _write_phase(run, racing, race, outputs, decision, profile, profile_path, accepts)
     if pearl:
         summary["pearl"] = {k: v for k, v in pearl.items() if k != "candidates"}
@@ -474,6 +473,7 @@ def _summary(run: _Run, chosen: Candidate | None, decision: Decision, rows: list
     return {
         "chosen": _shown(run.out_dir / "chosen.json"),
         "decision": {"choice": decision.choice, "reason": decision.reason, "measured_speedup": decision.speedup.to_json(),
+                     "p_value": decision.p_value,
                      "predicted_speedup": chosen.predicted_speedup if chosen else 1.0,
                      "guesser": chosen.guesser if chosen else "plain"},
         "chosen_guesser": chosen.guesser if chosen else "plain", "chosen_method": chosen.method if chosen else "plain",
@@ -483,7 +483,7 @@ def _summary(run: _Run, chosen: Candidate | None, decision: Decision, rows: list
                   "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
         "prediction_error": _prediction_errors(measured, chosen),
         "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
-        "race": {"log": race.log, "stages": len(_stages(len(plain.seconds))) if plain.seconds else 0},
+        "race": race.to_json(),
         "rows": rows, "profile": _shown(profile_path),
         "accept": {k: _shown(p) for k, (p, _) in accepts.items()},
         "guessers": {k: _shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
@@ -523,7 +523,7 @@ def _fmt(x, spec: str) -> str:
 
 def format_table(summary: dict) -> str:
     head = (f"{'plan':24} {'n_real':>6} {'tok/step pred':>13} {'meas':>5} {'step ms pred':>12} {'meas':>6} "
-            f"{'speedup pred':>12} {'measured [95% interval]':>24}  note")
+            f"{'speedup pred':>12} {f'measured [{LEVEL:.0%} interval]':>24}  note")
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         iv = r.get("measured_interval")
