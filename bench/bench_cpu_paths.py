@@ -49,7 +49,8 @@ def _setup(args):
         tok = builtin_tokenizer()
     with torch.inference_mode():
         prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model,
-                            first_answer_tokens=8 if args.smoke else 64)
+                            first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
     return loaded, prompts
 
 

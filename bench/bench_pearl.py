@@ -75,7 +75,8 @@ def _setup(args):
         draft, label = _drafter(args.draft, loaded.model), f"smollm2-135m / {args.draft}"
     with torch.inference_mode():
         prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, target,
-                            first_answer_tokens=8 if args.smoke else 64)
+                            first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
     return target, draft, prompts, label
 
 

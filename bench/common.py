@@ -84,9 +84,11 @@ def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def bench_ids(tokenizer, counts: dict[str, int], model=None, first_answer_tokens: int = 64) -> list[BenchIds]:
+def bench_ids(tokenizer, counts: dict[str, int], model=None, first_answer_tokens: int = 64,
+              keep_last: int | None = None) -> list[BenchIds]:
     """counts {group: n} of training.splits.bench_prompts, encoded; a chat's first turn is answered
-    by `model` greedily (first_answer_tokens) before its second turn is asked."""
+    by `model` greedily (first_answer_tokens) before its second turn is asked. keep_last: only the
+    last that many ids (smoke runs on tiny models, which check code paths, not speed)."""
     from planner.errors import UserError
     from training.splits import bench_prompts
 
@@ -104,7 +106,8 @@ def bench_ids(tokenizer, counts: dict[str, int], model=None, first_answer_tokens
                 answer = model.generate(ids[None].to(dev), max_new_tokens=first_answer_tokens, do_sample=False)
                 reply = tokenizer.decode(answer[0, ids.numel():], skip_special_tokens=True)
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn}]
-            out.append(BenchIds(p.id, group, encode_chat(tokenizer, messages)))
+            ids = encode_chat(tokenizer, messages)
+            out.append(BenchIds(p.id, group, ids if keep_last is None else ids[-keep_last:]))
     return out
 
 
@@ -125,13 +128,14 @@ class Timings:
 
 
 def interleaved(runs: dict, items: list, repeats: int, seed: int = 0, warm_up=None, on_item=None,
-                progress: bool = True) -> Timings:
+                progress: bool = True, warm: bool = True) -> Timings:
     """Time runs[name](item) for every item: a warm-up call of each contender first (on warm_up, or
-    the first item), then per item `repeats` rounds, each in a shuffled order. on_item(timings, k)
-    after every item (a benchmark writes what is done, so Ctrl-C keeps it)."""
+    the first item; warm=False: the caller warmed up), then per item `repeats` rounds, each in a
+    shuffled order. on_item(timings, k) after every item (a benchmark writes what is done, so
+    Ctrl-C keeps it)."""
     rng = random.Random(seed)
     names = list(runs)
-    for name in names:
+    for name in names if warm else ():
         runs[name](items[0] if warm_up is None else warm_up)
     t = Timings({k: [] for k in names}, {k: [] for k in names}, {k: [] for k in names})
     for k, item in enumerate(items):
