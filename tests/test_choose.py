@@ -120,6 +120,18 @@ def test_a_load_change_leaves_the_plans_around_it_unpaired_and_a_parallel_plan_u
     assert r2.add_selection(0, runs) == ["a0"]  # loaded between two free plain runs: measured again
 
 
+def test_a_loaded_machine_ranks_parallel_plans_last():
+    """Their loaded runs would not count, so halving keeps plans whose runs will."""
+    r = _race(n_plans=4, predicted={"a0": 5.0, "a1": 1.3, "a2": 1.2, "a3": 1.1}, parallel=("a0",))
+    assert r.leader().key == "a0"
+    r.loaded_now = True
+    assert r.leader().key == "a1"
+    r.halve(1)
+    assert [a.key for a in r.candidates()] == ["a1", "a2"]
+    r.add_selection(0, _runs([PLAIN, "a1", PLAIN], 0, {PLAIN: 1.0, "a1": 0.8}, others=0.0))
+    assert not r.loaded_now  # the last run was on a free machine
+
+
 def _with_ratios(r, ratios: dict[str, list[float]]):
     for k, vals in ratios.items():
         for p, v in enumerate(vals):

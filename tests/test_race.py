@@ -117,6 +117,9 @@ def test_a_parallel_plan_does_not_win_on_a_loaded_machine():
     assert naive.count("pearl") >= 8  # not flagged parallel, the loaded measurement wins
     free = [simulate(dict(speeds, pearl=1.3), 3100 + s, parallel=("pearl",))[1].choice for s in range(10)]
     assert free.count("pearl") >= 9  # on a free machine a parallel plan wins on its merits
+    short = [simulate(dict(speeds, a1=1.3), 3300 + s, parallel=("pearl",), load_at=0.0, slowdowns={"pearl": 1.05},
+                      predicted={"pearl": 5.0}, budget_s=40.0)[1].choice for s in range(10)]
+    assert short.count("a1") >= 8  # a wild prediction for the parallel plan does not take the loaded race's time
     late = [simulate(dict(speeds, pearl=1.3), 3200 + s, parallel=("pearl",), load_at=25.0,
                      slowdowns={"pearl": 1.05}) for s in range(10)]
     for race, d, m in late:  # loaded from the confirmation on: its loaded pairs do not count, nor go on

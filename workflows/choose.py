@@ -206,6 +206,7 @@ class Race:
     selected_on: list[int] = field(default_factory=list)  # selection prompts measured
     confirmation: list[int] = field(default_factory=list)
     winner: Arm | None = None
+    loaded_now: bool = False  # the last run (or the caller's probe before the first) was loaded
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -247,13 +248,13 @@ class Race:
         return (w_m * a.mean_r() + w_p * prior) / (w_m + w_p)
 
     def ranked(self) -> list[Arm]:
-        """Running plans, best posterior first."""
+        """Running plans, best posterior first; while the machine is loaded, parallel plans last
+        (their runs would not count: the time goes to plans whose runs do)."""
         s, off = self.noise(), self.offset()
-        return sorted(self.candidates(), key=lambda a: -self.score(a, s, off))
+        return sorted(self.candidates(), key=lambda a: (a.parallel and self.loaded_now, -self.score(a, s, off)))
 
     def leader(self) -> Arm:
-        ranked = self.ranked()
-        return ranked[0] if ranked else self.plain
+        return next(iter(self.ranked()), self.plain)
 
     def prune(self, stage: int) -> list[Arm]:
         """Drop plans slower than the leader or than plain beyond the noise (Z_DROP)."""
@@ -396,8 +397,7 @@ class Race:
         return bad
 
     def parallel_blocked(self) -> bool:
-        """The winner runs two jobs on their own cores and the machine is loaded now (its last
-        two runs): more confirmation runs would not count."""
+        """A parallel winner's last two runs were loaded: more confirmation runs would not count."""
         w = self.winner
         last = [r for r in self.runs if r.key == w.key][-2:]
         return w.parallel and len(last) == 2 and all(r.loaded for r in last)
@@ -444,6 +444,8 @@ class Race:
     def _record(self, runs: list[Run]) -> None:
         """Keep the runs, and each one's measured / predicted seconds for the time estimates."""
         self.runs += runs
+        known = [r for r in runs if r.others is not None]
+        self.loaded_now = known[-1].loaded if known else self.loaded_now
         for r in runs:
             pred = self.arm(r.key).predicted_s.get(r.prompt, 0.0)
             if pred > 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from planner.profile import LatencyProfile
 from workflows.candidates import Candidate
-from workflows.choose import PLAIN, Arm, Decision, Race, Run, run_race, speedup
+from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_race, speedup
 
 REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept out of the decoding budget
 
@@ -73,7 +73,7 @@ class _Outputs:
 def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyProfile) -> tuple[Race, _Outputs, Decision]:
     """Plain decoding and the finalists on the race prompts (workflows.choose.run_race); returns
     the race (arms, log, every run), each arm's outputs, and the decision."""
-    from profiler.load import OtherLoad
+    from profiler.load import OtherLoad, other_cores
     from profiler.measure import warm_up_shapes
 
     s = run.settings
@@ -89,6 +89,8 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
     device = run.model.get_input_embeddings().weight.device
     meter, t0 = OtherLoad(), time.perf_counter()
+    others = other_cores(0.5)  # before the first run: a loaded machine ranks parallel plans last
+    race.loaded_now = others is not None and others >= LOADED_CORES
 
     def measure(key: str, p: int) -> Run:
         ids = decode_ids[p].to(device)
