@@ -1,5 +1,5 @@
 """MTAD: beam-sampled drafts from a small model, joint likelihood-ratio acceptance by the target
-(../shared/notes/SEEDS_WAVE2.md section 4, ALGORITHMS.md section 5). Deliberately not lossless.
+(docs/seed-systems.md, section 'MTAD'; docs/algorithms.md, section 'Verification'). Deliberately not lossless.
 
     guesser = MTADGuesser(draft_model, width=4, gamma=3)
     out = generate_mtad(target, ids, guesser, tau_acc=0.1, temperature=1.0, top_k=20, top_p=0.9)
@@ -43,7 +43,7 @@ One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rul
 `decode` with that guesser and the warp. By default (beams="tree") the target scores all W final
 beams in one forward pass as a tree (shared prefixes once) and the beam with the longest passing
 prefix wins (ties to the higher draft likelihood); beams="best" scores only the highest-likelihood
-beam (the paper's reading, SEEDS_WAVE2.md 4.2). What the output follows is the same argument with
+beam (the paper's reading; docs/seed-systems.md, section 'MTAD'). What the output follows is the same argument with
 B the beam the verdict picked.
 """
 from __future__ import annotations
@@ -56,9 +56,10 @@ import torch
 
 from decoder.cache import crop_cache
 from decoder.draft import chain_nodes
-from decoder.forward import prefill
+from decoder.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
+from decoder.engine import vocab_size
 from decoder.loop import decode, select_attention
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample
@@ -180,8 +181,8 @@ class MTADGuesser:
         if plan is not None:
             raise UserError(f"{label}: MTAD drafts a chain of gamma tokens; it takes no plan")
 
-    def begin(self, model, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
-        vocab = model.get_input_embeddings().weight.shape[0]
+    def begin(self, target, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
+        vocab = vocab_size(target)
         if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
             raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
                             f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
@@ -250,7 +251,7 @@ class MTADSession:
         C = self.cache.get_seq_length()
         ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]  # [1, m]
         pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
         self.unseen = []
         self.base = self.cache.get_seq_length()
         return out.logits[0, -1]
@@ -258,7 +259,7 @@ class MTADSession:
     def _beam_pass(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """One token per beam row at `position`: logits [B, V]."""
         pos = torch.full((tokens.numel(), 1), position, dtype=torch.long, device=tokens.device)
-        out = self.model(input_ids=tokens[:, None], position_ids=pos, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=tokens[:, None], position_ids=pos, **kv(self.cache), use_cache=True)
         return out.logits[:, -1]
 
     def commit(self, outcome: StepOutcome) -> None:
@@ -448,3 +449,14 @@ def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
     return TextQuality(perplexity(target, prompts, outputs),
                        perplexity(draft, prompts, outputs) if draft is not None else None,
                        {f"distinct_{n}": distinct_n(outputs, n) for n in (1, 2, 3)}, sum(map(len, outputs)))
+
+
+def load(request) -> MTADGuesser:
+    """The registry's loader (planner/guessers.py): the draft LM in request.path; options width, gamma, beams."""
+    from decoder.draft import load_draft_model
+    from decoder.engine import torch_model
+
+    o = request.options
+    return MTADGuesser(load_draft_model(request.path, torch_model(request.target)), width=o.get("width", 4),
+                       gamma=o.get("gamma", 4), label=str(request.path), tau_acc=o.get("tau_acc"),
+                       beams=o.get("beams", "tree"))

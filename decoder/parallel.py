@@ -1,4 +1,4 @@
-"""ParallelSpec: one small drafter pass guesses k + 1 tokens (SEEDS_WAVE2.md section 1).
+"""ParallelSpec: one small drafter pass guesses k + 1 tokens (docs/seed-systems.md, section 'ParallelSpec').
 
     drafter = ParallelDrafter.load("models/smollm2-135m/parallelspec")
     out = generate(target, ids, plan="trees/ps.json", guesser=drafter)   # medusa tree over drafter ranks
@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from decoder.forward import kv
 from decoder.cache import crop_cache
+from decoder.engine import torch_model
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
 from planner.errors import UserError
@@ -96,7 +98,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     def run(self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache=None):
         """inputs [B, L, H] -> hidden [B, L, H] after the final norm (the drafter's predicted features)."""
         out = self.body(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=cache, use_cache=cache is not None)
+                        **kv(cache), use_cache=cache is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor, full: bool = False) -> torch.Tensor:
@@ -136,10 +138,10 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
             raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; the parallel drafter runs medusa trees")
         super().check(plan, label)
 
-    def begin(self, model, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "ParallelSession":
+    def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "ParallelSession":
         if ctx.prompt_hidden is None and prompt_ids.numel() > 1:
             raise UserError("parallel drafter: the decoder did not return the target's hidden states")
-        self.attach(model)
+        self.attach(torch_model(target))
         self.to(device=ctx.device)
         depth = plan.depth if plan is not None else self.num_masks + 1
         nodes = tuple(plan.states[0].nodes) if plan is not None else tuple((0,) * d for d in range(1, depth + 1))
@@ -265,3 +267,13 @@ def slot_mask(m: int, k: int, C: int, dtype, device) -> torch.Tensor:
     visible[:, C:] = block
     mask = torch.zeros(n, C + n, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def load(request) -> ParallelDrafter:
+    """The registry's loader (planner/guessers.py): the ParallelSpec drafter, one pass per step."""
+    return ParallelDrafter.load(request.path, mode="parallel", top_k=request.top_k)
+
+
+def load_chain(request) -> ParallelDrafter:
+    """The registry's loader for the same drafter run as a chain (one token per pass)."""
+    return ParallelDrafter.load(request.path, mode="chain", top_k=request.top_k)

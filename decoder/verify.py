@@ -7,7 +7,7 @@ tokens followed by the base model's own token at the last accepted node, which i
 step's root (kept on the device).
 Greedy verification reads the device once per step: the winning path, its length and the tokens
 along it come back in one copy (every extra read is a device sync on a GPU).
-See ../shared/notes/ALGORITHMS.md section 5.
+See docs/algorithms.md, section 'Verification'.
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from planner.profile import LatencyProfile
 from workflows.candidates import Candidate
 from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_race, speedup
 
-REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept out of the decoding budget
 
 
 def _decode_one(run, cand: Candidate | None, ids):
@@ -80,12 +79,12 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     by_key = {c.label: c for c in racing}
     race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed)
     outputs = _Outputs()
-    deadline = run.clock.budget_s - REPORT_RESERVE_S
+    deadline = run.clock.budget_s - run.budget.report_reserve_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
     run.clock.phase(5, f"racing plain decoding and {len(racing)} plans: selection on {len(race.selection)} held-out "
                        f"prompts, the winner's confirmation against plain on {len(race.confirmation)} others, "
                        f"x {s.decode_tokens} tokens (predicted {eta:.0f} s; the budget halves the field when short)",
-                    min(eta, deadline - run.clock.elapsed()) + REPORT_RESERVE_S)
+                    min(eta, deadline - run.clock.elapsed()) + run.budget.report_reserve_s)
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
     device = run.model.get_input_embeddings().weight.device
     meter, t0 = OtherLoad(), time.perf_counter()
