@@ -5,9 +5,12 @@ predicted against measured, at b = 1, 2, 4, 8, in one run.
     python bench/bench_batch.py --smoke             # a tiny random model, seconds (the test suite runs it)
 
 Steps: profile L_b(n) for both layouts (planner profile's measurement); measure the prompt tokens'
-acceptance on held-out prompts; plan a tree per batch size and layout (planner.batch.plan_schedule,
-the one cost model); then decode the held-out prompts b at a time with plain decoding and the
-planned tree, both layouts, interleaved over rounds after a warm-up (median per configuration);
+acceptance on autotune's acceptance prompts (training.splits.accept_and_race); plan a tree per batch
+size and layout (planner.batch.plan_schedule, the one cost model); then decode the benchmark prompts
+(training.splits.bench_prompts, chats and requests that repeat their input alternating, so every
+batch mixes the groups: a batch's time is shared, so no per-group figure) b at a time with plain
+decoding and the planned tree, both layouts, in a shuffled order per round after a warm-up
+(bench/common.py; median per configuration);
 check every output against single-sequence greedy decoding; count padding against the model's
 E[tau_max] - E[tau]. Writes bench/results/batch.{json,md}.
 """
@@ -15,49 +18,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, bench_ids, builtin_tokenizer, interleaved, machine
 
 LAYOUTS = ("packed", "padded")
 
 
-def _machine() -> dict:
-    import torch
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.machine())
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
-
-
 def _setup(args):
+    """(loaded, guesser, decode prompts [ids], acceptance prompts [ids])."""
     import torch
 
     from decoder import PromptTokens
     from profiler.models import load_model
-
-    torch.set_num_threads(args.threads)
-    if args.smoke:
-        loaded = load_model("tiny", device="cpu")
-        guesser = PromptTokens.random(loaded.model, 2, top_k=4)
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, 1000, (int(t),), generator=g) for t in (5, 9, 3, 12)]
-        return loaded, guesser, prompts, prompts[:2]
-    from transformers import AutoTokenizer
-
     from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
-    loaded = load_model(args.model, device="cpu", dtype="fp32")
-    guesser = PromptTokens.load(str(shipped(loaded.name, "prompt_tokens")), model=loaded.model)
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    accept_texts, decode_texts = held_out_prompts(str(DEFAULT_QUESTIONS), 4, 8)
-    return loaded, guesser, encode_prompts(tok, decode_texts), encode_prompts(tok, accept_texts)
+    torch.set_num_threads(args.threads)
+    loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")
+    if args.smoke:
+        guesser, tok = PromptTokens.random(loaded.model, 2, top_k=4), builtin_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        guesser = PromptTokens.load(str(shipped(loaded.name, "prompt_tokens")), model=loaded.model)
+        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    half = args.num_prompts // 2
+    with torch.inference_mode():
+        chat, rep = (bench_ids(tok, {g: n}, loaded.model, first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
+                     for g, n in (("chat", args.num_prompts - half), ("repeat", half)))
+    prompts = [p.ids for pair in zip(chat, rep + [None]) for p in pair if p is not None]  # the groups alternate
+    accept_texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), args.accept_prompts, 0)
+    return loaded, guesser, prompts, encode_prompts(tok, accept_texts)
 
 
 def _profiles(loaded, args, out: Path) -> dict:
@@ -134,12 +129,12 @@ def run(args) -> dict:
             for warm in (None, tree):  # batched shapes too: one untimed pass of the first batch each
                 _decode(model, prompts[:b], warm, guesser, b, layout, 4)
             runs = {"plain": [], "tree": []}
-            for _ in range(args.rounds):  # interleaved: a slow spell hits both alike
-                runs["plain"].append(_decode(model, prompts, None, guesser, b, layout, args.tokens))
-                runs["tree"].append(_decode(model, prompts, tree, guesser, b, layout, args.tokens))
+            fns = {k: (lambda _, k=k, tr=tr: runs[k].append(_decode(model, prompts, tr, guesser, b, layout, args.tokens)))
+                   for k, tr in (("plain", None), ("tree", tree))}
+            interleaved(fns, [0], args.rounds, progress=False, warm=False)  # shuffled per round: a slow spell hits both alike
             rows.append({"plan": plan_kind, **_row(layout, b, tree, runs, greedy, accept, profiles[layout][b], guessing)})
             print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}), file=sys.stderr)
-    result = {"machine": _machine(), "model": loaded.name, "batch_sizes": args.batch_sizes, "tokens": args.tokens,
+    result = {"machine": machine(), "model": loaded.name, "batch_sizes": args.batch_sizes, "tokens": args.tokens,
               "prompts": len(prompts), "rounds": args.rounds, "context_profiled": args.context,
               "acceptance": accept.accuracy.tolist(), "rows": rows, "wall_s": round(time.time() - t_start, 1)}
     _write(out, result)
@@ -173,8 +168,8 @@ def _write(out: Path, result: dict) -> None:
     atomic_write_json(out / "batch.json", result)
     m = result["machine"]
     lines = ["# Batched decoding: EMS-SD (packed) vs the padded baseline", "",
-             f"{result['model']}, CPU {m['cpu']} ({m['threads']} threads, torch {m['torch']}, load {m['load_avg_1m']}), "
-             f"{result['prompts']} held-out prompts x {result['tokens']} new tokens, medians of {result['rounds']} "
+             f"{result['model']}, CPU {m['cpu']} ({m['torch_threads']} threads, torch {m['torch']}, load {m['load_avg']}), "
+             f"{result['prompts']} benchmark prompts (training.splits.bench_prompts, chats and repeat requests) x {result['tokens']} new tokens, medians of {result['rounds']} "
              f"interleaved rounds; the tree per batch size and layout is the planner's (planner.batch.plan_schedule on "
              f"profiles measured in the same run). Speedups are per sequence, over batched plain decoding in the same layout.", "",
              "Rows \"fixed\": one PPD tree of the same size at every batch size, whatever the planner prefers, "
@@ -205,6 +200,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fixed-input-length", type=int, default=12,
                    help="also decode one PPD tree of this input length at every batch size (0: only the planned ones)")
+    p.add_argument("--num-prompts", type=int, default=8, help="benchmark prompts, half chats, half repeat requests")
+    p.add_argument("--accept-prompts", type=int, default=4, help="acceptance prompts (autotune's acceptance split)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args()
@@ -212,6 +209,9 @@ def main() -> int:
     if args.smoke:
         args.tokens, args.rounds, args.profile_budget, args.max_input_length = 6, 1, 1.5, 8
         args.fixed_input_length = min(args.fixed_input_length, 6)
+        args.num_prompts, args.accept_prompts = 4, 2
+    if not (max(args.batch_sizes) <= args.num_prompts <= 64 and 1 <= args.accept_prompts <= 8):
+        p.error("--num-prompts: at least the largest batch size, at most 64; --accept-prompts 1..8")
     run(args)
     return 0
 

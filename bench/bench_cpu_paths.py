@@ -2,32 +2,29 @@
 chosen paths do to the whole forward L(n), and this project's plain loop against transformers'
 `model.generate` on the same prompt ids, with and without the paths.
 
-    python bench/bench_cpu_paths.py                  # SmolLM2-135M, n = 1..16, 8 prompts x 64 tokens
-    python bench/bench_cpu_paths.py --quick          # n = 1..8, 3 prompts x 32 tokens
+    python bench/bench_cpu_paths.py                  # SmolLM2-135M, n = 1..16, 4 + 4 prompts x 64 tokens
+    python bench/bench_cpu_paths.py --quick          # n = 1..8, 2 + 1 prompts x 32 tokens
     python bench/bench_cpu_paths.py --profile profiles/cpu-smollm2-135m.json   # the paths a profile chose
     python bench/bench_cpu_paths.py --plan trees/autotune-x.json --guesser ppd # + that plan vs generate
     python bench/bench_cpu_paths.py --smoke --out DIR                         # tiny random model, seconds
 
-Decoding runs are interleaved: every round visits the prompts in a shuffled order and each prompt's
-variants in a shuffled order, after one untimed pass of every variant on every prompt (the first
-forward at a new shape costs seconds on this CPU). Ratios are per (prompt, round) against
-generate in the same round, then the median. Outputs: plain with paths must equal plain without
+Prompts: training.splits.bench_prompts (two-turn chats, requests that repeat their input; no tuning
+step reads them), reported per group. Decoding runs are interleaved (bench/common.py): per prompt
+and round the variants in a shuffled order, after one untimed pass of every variant on every
+prompt (the first forward at a new shape costs seconds on this CPU). Ratios are per (prompt,
+round) against generate in the same round, then the median. Outputs: plain with paths must equal plain without
 (identical tokens); against generate a difference may only be a near tie (profiler.compare).
 Writes bench/results/cpu_paths.{json,md} (--out) with the machine and its load average.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, bench_ids, builtin_tokenizer, by_group, interleaved, load, machine
 
 import torch  # noqa: E402
 
@@ -35,32 +32,26 @@ from planner.errors import UserError  # noqa: E402
 
 
 def _machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "mkldnn": torch.backends.mkldnn.is_available(),
-            "capability": torch.backends.cpu.get_cpu_capability()}
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+    return machine() | {"mkldnn": torch.backends.mkldnn.is_available(),
+                        "capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _setup(args):
+    """The model and its benchmark prompts (a tiny random model: the built-in tokenizer's ids)."""
     from profiler.models import load_model
 
-    if args.smoke:
-        loaded = load_model("tiny", device="cpu")
-        g = torch.Generator().manual_seed(0)
-        return loaded, [torch.randint(1, 1000, (int(t),), generator=g) for t in (7, 11)]
-    from transformers import AutoTokenizer
+    loaded = load_model("tiny" if args.smoke else args.model, device="cpu", **({} if args.smoke else {"dtype": "fp32"}))
+    if loaded.tokenizer_dir:
+        from transformers import AutoTokenizer
 
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
-
-    loaded = load_model(args.model, device="cpu", dtype="fp32")
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 0, args.num_prompts)  # never seen by any training or autotune's accept phase
-    return loaded, encode_prompts(tok, texts)
+        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    else:
+        tok = builtin_tokenizer()
+    with torch.inference_mode():
+        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model,
+                            first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
+    return loaded, prompts
 
 
 def _paths(model, args, rows: list[int]) -> dict:
@@ -141,41 +132,26 @@ def _plan_runner(model, loaded, args):
 def _decode(model, prompts, variants: dict, tokens: int, rounds: int, seed: int, progress: bool) -> dict:
     from profiler.compare import classify
 
-    rng = random.Random(seed)
-    for ids in prompts:  # warm-up: every variant at every prompt's shapes
+    ids = [p.ids for p in prompts]
+    for x in ids:  # warm-up: every variant at every prompt's shapes
         for fn in variants.values():
-            fn(ids, min(tokens, 4))
-    times = {k: [[] for _ in prompts] for k in variants}
-    outs = {}
-    for r in range(rounds):
-        order = list(range(len(prompts)))
-        rng.shuffle(order)
-        for i in order:
-            names = list(variants)
-            rng.shuffle(names)
-            for k in names:
-                t0 = time.perf_counter()
-                outs[(k, i)] = variants[k](prompts[i], tokens)
-                times[k][i].append(time.perf_counter() - t0)
-            if progress:
-                print(f"  round {r + 1}/{rounds} prompt {i}: " + ", ".join(f"{k} {times[k][i][-1]:.2f} s" for k in variants),
-                      file=sys.stderr)
+            fn(x, min(tokens, 4))
+    runs = {k: (lambda x, fn=fn: fn(x, tokens)) for k, fn in variants.items()}
+    tm = interleaved(runs, ids, rounds, seed=seed, progress=progress)
+    outs = tm.outputs
     rows = {}
     for k in variants:
-        ratios = [g / t for i in range(len(prompts)) for g, t in zip(times["generate"][i], times[k][i])]
-        n_tok = sum(len(outs[(k, i)]) for i in range(len(prompts)))
+        ratios = [g / t for i in range(len(ids)) for g, t in zip(tm.wall["generate"][i], tm.wall[k][i])]
+        per_prompt = [statistics.median(g / t for g, t in zip(tm.wall["generate"][i], tm.wall[k][i])) for i in range(len(ids))]
+        n_tok = sum(len(o) for o in outs[k])
         rows[k] = {"speed_vs_generate_median": statistics.median(ratios), "speed_vs_generate_min": min(ratios),
-                   "speed_vs_generate_max": max(ratios),
-                   "tokens_per_s": n_tok * rounds / sum(sum(t) for t in times[k]),
-                   "seconds": [[round(x, 4) for x in t] for t in times[k]]}
-        ref = [outs[("generate", i)] for i in range(len(prompts))]
-        rows[k]["vs_generate"] = [classify(model, prompts[i], ref[i], outs[(k, i)])["status"] for i in range(len(prompts))]
-    plain = [outs[("plain", i)] for i in range(len(prompts))]
-    rows["plain + paths"]["identical_to_plain"] = all(outs[("plain + paths", i)] == plain[i] for i in range(len(prompts)))
+                   "speed_vs_generate_max": max(ratios), "by_group": by_group(per_prompt, [p.group for p in prompts]),
+                   "tokens_per_s": n_tok * rounds / sum(sum(t) for t in tm.wall[k]),
+                   "seconds": [[round(x, 4) for x in t] for t in tm.wall[k]]}
+        rows[k]["vs_generate"] = [classify(model, ids[i], outs["generate"][i], outs[k][i])["status"] for i in range(len(ids))]
+    rows["plain + paths"]["identical_to_plain"] = outs["plain + paths"] == outs["plain"]
     if "plan + paths" in rows:
-        with_paths = [outs[("plain + paths", i)] for i in range(len(prompts))]
-        rows["plan + paths"]["identical_to_plain_with_paths"] = all(
-            outs[("plan + paths", i)] == with_paths[i] for i in range(len(prompts)))
+        rows["plan + paths"]["identical_to_plain_with_paths"] = outs["plan + paths"] == outs["plain + paths"]
     return rows
 
 
@@ -185,6 +161,7 @@ def _f(x, scale: float = 1e3, fmt: str = ".1f") -> str:
 
 def _markdown(doc: dict) -> str:
     m, mp, w = doc["machine"], doc["matmul_paths"], doc["whole_model"]
+    groups = list(next(iter(doc["decoding"].values()))["by_group"])
     lines = [f"# CPU matmul paths ({doc['model']})", "",
              f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']} ({m['capability']}); "
              f"load average (1/5/15 min) {doc['load_avg_start']} at start, {doc['load_avg_end']} at end "
@@ -206,13 +183,16 @@ def _markdown(doc: dict) -> str:
               "| L(n)/L(1) F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["default_over_L1"]) + " |",
               "| L(n)/L(1) chosen | " + " | ".join(_f(x, 1, ".2f") for x in w["chosen_over_L1"]) + " |",
               "| chosen / F.linear | " + " | ".join(_f(x, 1, ".2f") for x in w["ratio"]) + " |", "",
-              f"## Decoding: {doc['settings']['prompts']} prompts x {doc['settings']['tokens']} greedy tokens, "
+              f"## Decoding: {doc['settings']['prompts']} benchmark prompts (training.splits.bench_prompts) x "
+              f"{doc['settings']['tokens']} greedy tokens, "
               f"{doc['settings']['rounds']} rounds", "",
-              "| variant | speed vs generate (median, min-max) | tokens/s | outputs vs generate |", "|---|---|---|---|"]
+              "| variant | speed vs generate (median, min-max) | " + " | ".join(groups) +
+              " | tokens/s | outputs vs generate |", "|---|---|" + "---|" * len(groups) + "---|---|"]
     for k, r in doc["decoding"].items():
         st = r["vs_generate"]
         lines.append(f"| {k} | {r['speed_vs_generate_median']:.2f}x ({r['speed_vs_generate_min']:.2f}-"
-                     f"{r['speed_vs_generate_max']:.2f}) | {r['tokens_per_s']:.1f} | {st.count('identical')} identical, "
+                     f"{r['speed_vs_generate_max']:.2f}) | " + "".join(f"{r['by_group'][g]:.2f}x | " for g in groups)
+                     + f"{r['tokens_per_s']:.1f} | {st.count('identical')} identical, "
                      f"{st.count('near_tie')} near ties, {st.count('mismatch')} mismatches |")
     d = doc["decoding"]
     lines += ["", f"plain + paths identical to plain: {d['plain + paths']['identical_to_plain']}"]
@@ -232,26 +212,30 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--budget", type=float, default=60.0, help="seconds for choosing the paths, and again for L(n)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats (training.splits.bench_prompts)")
+    p.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="n = 1..8, 3 prompts x 32 tokens, 2 rounds, 25 s budgets")
+    p.add_argument("--quick", action="store_true", help="n = 1..8, 2 + 1 prompts x 32 tokens, 2 rounds, 25 s budgets")
     p.add_argument("--smoke", action="store_true", help="a tiny random model; checks the whole path in seconds")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick or args.smoke:
-        args.max_n, args.num_prompts, args.tokens, args.rounds = 8, 3, 32, 2
+        args.max_n, args.chat_prompts, args.repeat_prompts, args.tokens, args.rounds = 8, 2, 1, 32, 2
         args.budget, args.repeats = 25.0, 5
     if args.smoke:
-        args.max_n, args.num_prompts, args.tokens, args.rounds = 4, 2, 6, 1
+        args.max_n, args.chat_prompts, args.repeat_prompts, args.tokens, args.rounds = 4, 1, 1, 6, 1
         args.budget, args.repeats, args.context = 2.0, 2, 16
-    for name, lo, hi in (("max-n", 1, 256), ("context", 1, 4096), ("repeats", 1, 100), ("num-prompts", 1, 80),
+    for name, lo, hi in (("max-n", 1, 256), ("context", 1, 4096), ("repeats", 1, 100), ("chat-prompts", 0, 24),
+                         ("repeat-prompts", 0, 64),
                          ("tokens", 1, 1024), ("rounds", 1, 20), ("threads", 1, 256)):
         if not lo <= getattr(args, name.replace("-", "_")) <= hi:
             raise SystemExit(f"--{name}: expected an integer in {lo}..{hi}")
+    if args.chat_prompts + args.repeat_prompts < 1:
+        raise SystemExit("--chat-prompts, --repeat-prompts: one prompt at least")
     if not 0 < args.budget <= 3600:
         raise SystemExit("--budget: expected seconds in (0, 3600]")
     try:
@@ -265,7 +249,7 @@ def _run(args) -> int:
     from planner.jsonio import atomic_write_bytes, atomic_write_json
 
     torch.set_num_threads(args.threads)
-    load_start, t0 = _load(), time.time()
+    load_start, t0 = load(), time.time()
     loaded, prompts = _setup(args)
     model = loaded.model
     rows = list(range(1, args.max_n + 1))
@@ -278,7 +262,7 @@ def _run(args) -> int:
     decoding = _decode(model, prompts, _variants(model, plan_run), args.tokens, args.rounds, args.seed,
                        not args.no_progress)
     doc = {"model": loaded.name + (" (random weights)" if not loaded.has_weights else ""), "machine": _machine(),
-           "load_avg_start": load_start, "load_avg_end": _load(),
+           "load_avg_start": load_start, "load_avg_end": load(),
            "settings": {"context": args.context, "max_n": args.max_n, "prompts": len(prompts), "tokens": args.tokens,
                         "rounds": args.rounds, "repeats": args.repeats, "budget_s": args.budget, "quick": args.quick,
                         "profile": args.profile},

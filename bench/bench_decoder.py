@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, machine
 
 import torch  # noqa: E402
 
@@ -156,9 +154,7 @@ def main() -> int:
               f"outside forward {prof['median_outside_forward_s'] / prof['median_forward_s']:.1%} of the step's forward", flush=True)
 
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                    "cores": os.cpu_count(), "load_average_start_end": [load_start, os.getloadavg()[0]],
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": machine() | {"threads": args.threads, "load_average_start_end": [load_start, os.getloadavg()[0]]},
         "model": {"name": "llama-125m (random weights, fp32)", "parameters": n_params},
         "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
         "plain_tokens_per_s": plain_tps, "rows": rows,

@@ -1,4 +1,4 @@
-"""What a guess costs: every drafter shipped for SmolLM2, decoding held-out prompts as a chain, with the
+"""What a guess costs: every drafter shipped for SmolLM2, decoding benchmark prompts as a chain, with the
 per-step split into the target's forward pass and the guesser's work, against plain decoding in the
 same run. The ParallelSpec drafter runs twice, with its restricted LM head (the shipped one) and
 with the full 49,152-token head, to measure what the restriction saves.
@@ -6,34 +6,25 @@ with the full 49,152-token head, to measure what the restriction saves.
     python bench/bench_drafters.py                    # SmolLM2-135M and its shipped drafters
     python bench/bench_drafters.py --smoke            # a tiny random model, seconds
 
-Runs are interleaved in shuffled order over --rounds after a warm-up; medians per guesser over
-prompts and rounds. Every output is checked against plain greedy decoding.
+Prompts: training.splits.bench_prompts (two-turn chats, requests that repeat their input; no tuning
+step reads them), speedups reported per group. Runs are interleaved in a shuffled order per prompt
+and round after a warm-up (bench/common.py); medians per guesser over prompts and rounds. Every
+output is checked against plain greedy decoding.
 Writes bench/results/drafters.{json,md} (--out) with the machine.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, bench_ids, builtin_tokenizer, interleaved, load, machine
 
 import torch  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
-
-
-def _machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 def _guessers(target, smoke: bool) -> dict:
@@ -60,21 +51,22 @@ def _guessers(target, smoke: bool) -> dict:
 
 
 def _setup(args):
+    """(target, prompts [BenchIds], label); a tiny random model reads them with the built-in tokenizer."""
     from profiler.models import load_model
 
     torch.set_num_threads(args.threads)
-    if args.smoke:
-        loaded = load_model("tiny", device="cpu")
-        g = torch.Generator().manual_seed(0)
-        return loaded.model, [torch.randint(1, 1000, (int(t),), generator=g) for t in (7, 11)], "tiny (random)"
-    from transformers import AutoTokenizer
+    loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")
+    if loaded.tokenizer_dir:
+        from transformers import AutoTokenizer
 
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
-
-    loaded = load_model(args.model, device="cpu", dtype="fp32")
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 1, args.num_prompts)
-    return loaded.model, encode_prompts(tok, texts), loaded.name
+        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    else:
+        tok = builtin_tokenizer()
+    with torch.inference_mode():
+        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model,
+                            first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
+    return loaded.model, prompts, "tiny (random)" if args.smoke else loaded.name
 
 
 def _decode(target, ids, name: str, make, tokens: int):
@@ -99,32 +91,40 @@ def run(args) -> dict:
 
     t0 = time.time()
     target, prompts, label = _setup(args)
-    machine = _machine()
+    mach = machine()
     makers = _guessers(target, args.smoke)
     names = ["plain", *makers]
-    plain = [_decode(target, ids, "plain", None, args.tokens).tokens for ids in prompts]
-    for name in names:  # warm-up: every shape once
-        _decode(target, prompts[0], name, makers.get(name), min(args.tokens, 16))
-    rng = random.Random(0)
+    plain = [_decode(target, p.ids, "plain", None, args.tokens).tokens for p in prompts]
     runs = {n: [] for n in names}
-    for r in range(args.rounds):
-        jobs = [(n, i) for n in names for i in range(len(prompts))]
-        rng.shuffle(jobs)
-        for done, (n, i) in enumerate(jobs, 1):
-            runs[n].append(_row(_decode(target, prompts[i], n, makers.get(n), args.tokens), plain[i]))
-            print(f"\rround {r + 1}/{args.rounds}: {done}/{len(jobs)}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+
+    def job(n):
+        def fn(item):
+            k, ids = item
+            out = _decode(target, ids, n, makers.get(n), min(args.tokens, 16) if k < 0 else args.tokens)
+            if k >= 0:  # not the warm-up
+                runs[n].append(_row(out, plain[k]) | {"group": prompts[k].group})
+        return fn
+
+    interleaved({n: job(n) for n in names}, list(enumerate(p.ids for p in prompts)), args.rounds,
+                warm_up=(-1, prompts[0].ids))
     rows = []
-    plain_tps = sum(x["tokens"] for x in runs["plain"]) / sum(x["total_s"] for x in runs["plain"])
+    groups = sorted({p.group for p in prompts})
+
+    def tps(xs):
+        return sum(x["tokens"] for x in xs) / sum(x["total_s"] for x in xs)
+
     for n in names:
         xs = runs[n]
-        tps = sum(x["tokens"] for x in xs) / sum(x["total_s"] for x in xs)
         fwd, guess = statistics.median(x["forward_ms"] for x in xs), statistics.median(x["guess_ms"] for x in xs)
         rows.append({"guesser": n, "tokens_per_step": sum(x["tokens"] for x in xs) / sum(x["steps"] for x in xs),
                      "forward_ms": fwd, "guess_ms": guess, "guess_over_forward": guess / fwd,
-                     "tokens_per_s": tps, "speedup": tps / plain_tps, "identical": all(x["identical"] for x in xs)})
-    doc = {"machine": machine, "model": label, "prompts": len(prompts), "tokens": args.tokens, "rounds": args.rounds,
-           "rows": rows, "load_avg_end": round(os.getloadavg()[0], 2), "wall_s": time.time() - t0}
+                     "tokens_per_s": tps(xs), "speedup": tps(xs) / tps(runs["plain"]),
+                     "speedup_by_group": {g: tps([x for x in xs if x["group"] == g]) /
+                                          tps([x for x in runs["plain"] if x["group"] == g]) for g in groups},
+                     "identical": all(x["identical"] for x in xs)})
+    doc = {"machine": mach, "model": label, "prompts": len(prompts), "groups": groups,
+           "prompt_groups": ", ".join(f"{sum(p.group == g for p in prompts)} {g}" for g in groups),
+           "tokens": args.tokens, "rounds": args.rounds, "rows": rows, "load_avg_end": load(), "wall_s": time.time() - t0}
     if args.out:
         out = Path(args.out)
         atomic_write_json(out / "drafters.json", doc)
@@ -136,14 +136,16 @@ def run(args) -> dict:
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     lines = [f"# What a guess costs: {doc['model']} on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch "
-             f"threads; load average {m['load_avg_1m']} at start, {doc['load_avg_end']} at end)", "",
-             f"{doc['prompts']} held-out prompts x {doc['tokens']} new tokens, greedy, chains (no tree), "
-             f"{doc['rounds']} rounds interleaved; medians per step.", "",
+             f"threads; load average {m['load_avg']} at start, {doc['load_avg_end']} at end)", "",
+             f"{doc['prompts']} benchmark prompts ({doc['prompt_groups']}; training.splits.bench_prompts) x "
+             f"{doc['tokens']} new tokens, greedy, chains (no tree), {doc['rounds']} rounds interleaved; medians per step.", "",
              "| guesser | tokens/step | target forward (ms) | propose + commit (ms) | guess / forward | tokens/s | speedup | "
-             "identical |", "|---|---|---|---|---|---|---|---|"]
+             + "".join(f"{g} | " for g in doc["groups"]) + "identical |", "|---|---|---|---|---|---|---|" +
+             "---|" * len(doc["groups"]) + "---|"]
     for r in doc["rows"]:
         lines.append(f"| {r['guesser']} | {r['tokens_per_step']:.2f} | {r['forward_ms']:.1f} | {r['guess_ms']:.2f} | "
                      f"{100 * r['guess_over_forward']:.1f} % | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     + "".join(f"{r['speedup_by_group'][g]:.2f}x | " for g in doc["groups"]) +
                      f"{'yes' if r['identical'] else 'NO'} |")
     lines += ["", f"Wall time {doc['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -152,7 +154,8 @@ def markdown(doc: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--chat-prompts", type=int, default=2, help="two-turn chats (training.splits.bench_prompts)")
+    p.add_argument("--repeat-prompts", type=int, default=2, help="requests that repeat their input")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -160,8 +163,10 @@ def main() -> int:
     p.add_argument("--out", default=None, help="default bench/results (not with --smoke)")
     args = p.parse_args()
     if args.smoke:
-        args.tokens, args.rounds, args.threads = 12, 1, 1
-    elif args.out is None:
+        args.tokens, args.rounds, args.threads, args.chat_prompts, args.repeat_prompts = 12, 1, 1, 1, 1
+    if args.chat_prompts + args.repeat_prompts < 1:
+        p.error("--chat-prompts, --repeat-prompts: one prompt at least")
+    if not args.smoke and args.out is None:
         args.out = str(ROOT / "bench" / "results")
     try:
         doc = run(args)

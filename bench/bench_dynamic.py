@@ -1,6 +1,6 @@
 """Per-step (dynamic) trees against transformers' own speculation, on the same prompts, one run.
 
-    python bench/bench_dynamic.py            # SmolLM2-135M: held-out MT-bench + rewrite/summarise prompts
+    python bench/bench_dynamic.py            # SmolLM2-135M: benchmark chats + requests that repeat their input
     python bench/bench_dynamic.py --quick    # 2 + 2 prompts, 32 tokens, every method once after a warm-up
     python bench/bench_dynamic.py --smoke    # tiny random models, seconds; checks identity only
 
@@ -13,23 +13,21 @@ Methods (greedy, fp32):
                    (reports/autotune-cpu-smollm2-135m/trees)
   dynamic/<g>      a dynamic plan (planner plan dynamic) from the calibrated acceptance in
                    reports/dynamic-smollm2-135m/ and the committed profile; hybrids lookup+<g>
-Runs are interleaved per prompt (the method order rotates each repeat) after a warm-up of every
-method; per prompt the median over repeats; every output is compared with hf_generate's.
+Prompts: training.splits.bench_prompts (no tuning step reads them; bench/common.py), per group.
+Runs are interleaved per prompt in a shuffled order each repeat after a warm-up of every method
+(bench/common.py); per prompt the median over repeats; every output is compared with hf_generate's.
 Writes bench/results/dynamic.{json,md} (--out) with the machine and its load average.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, bench_ids, by_group, interleaved, load, machine
 
 import torch  # noqa: E402
 
@@ -44,13 +42,6 @@ DYNAMIC_QUICK = ("lookup", "parallelspec", "lookup+parallelspec")
 # --clock cpu: time a method by the process's CPU time (with --threads 1 that is its own work), for a
 # machine shared with other jobs, where wall time measures the neighbours as much as the method
 CLOCK = {"cpu": False}
-
-
-def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_avg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _guesser(kind: str, model, smoke_draft=None):
@@ -114,43 +105,36 @@ def _tokens_and(out):
     return out.tokens.tolist(), out
 
 
-def run_bench(model, prompts: list[tuple[str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
+def run_bench(model, prompts: list[tuple[str, str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
               on_prompt=None) -> dict:
-    """{method: [per prompt {tokens, seconds (median), report}]}; interleaved, warm-up first.
-    on_prompt(rows) after every prompt (results are written as they come; Ctrl-C keeps them)."""
+    """{method: [per prompt {tokens, seconds (median), report}]} over (id, group, ids) prompts,
+    timed by bench/common.py's interleaved loop. on_prompt(rows) after every prompt (results are
+    written as they come; Ctrl-C keeps them)."""
     names = list(run)
-    for name in names:  # warm-up: every method once on the first prompt (first calls pay shape setup)
-        run[name](prompts[0][1][:32])
     rows = {m: [] for m in names}
-    for pi, (label, ids) in enumerate(prompts):
-        times = {m: [] for m in names}
-        out = {}
-        for r in range(repeats):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for m in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                toks, o = run[m](ids)
-                times[m].append((time.perf_counter() - t0, time.process_time() - c0))
-                out[m] = (toks, o)
+
+    def done(t, k):
+        pid, group, _ = prompts[k]
         for m in names:
-            toks, o = out[m]
+            toks, o = t.outputs[m][k]
             rep = o.stats.dynamic if o is not None and o.stats.dynamic is not None else None
-            wall = statistics.median(t for t, _ in times[m])
-            cpu = statistics.median(c for _, c in times[m])
-            rows[m].append({"prompt": label, "tokens": toks, "seconds": cpu if CLOCK["cpu"] else wall,
+            wall, cpu = statistics.median(t.wall[m][k]), statistics.median(t.cpu[m][k])
+            rows[m].append({"prompt": pid, "group": group, "tokens": toks, "seconds": cpu if CLOCK["cpu"] else wall,
                             "wall_s": wall, "cpu_s": cpu,
                             "steps": o.steps if o is not None else None,
                             "forward_s": sum(o.stats.times["forward"]) if o is not None else None,
                             "decode_s": o.stats.total_s - o.stats.prefill_s if o is not None else None,
-                            "dynamic": None if rep is None else {k: rep[k] for k in (
+                            "dynamic": None if rep is None else {key: rep[key] for key in (
                                 "sizes", "predicted_speedup", "predicted_tokens_per_step", "decide_s_mean",
                                 "corrections")}})
         if progress:
             sp = {m: rows["hf_generate"][-1]["seconds"] / rows[m][-1]["seconds"] for m in names}
-            print(f"[{pi + 1}/{len(prompts)}] {label[:40]!r}: " + ", ".join(f"{m} {v:.2f}x" for m, v in sp.items()),
+            print(f"[{k + 1}/{len(prompts)}] {group} {pid}: " + ", ".join(f"{m} {v:.2f}x" for m, v in sp.items()),
                   file=sys.stderr, flush=True)
         if on_prompt is not None:
             on_prompt(rows)
+
+    interleaved(run, [ids for _, _, ids in prompts], repeats, warm_up=prompts[0][2][:32], on_item=done, progress=False)
     return rows
 
 
@@ -167,6 +151,7 @@ def summarise(rows: dict) -> list[dict]:
                "speedup_vs_generate": (tokens / secs) / (sum(len(r["tokens"]) for r in base) / sum(r["seconds"] for r in base)),
                "per_prompt_vs_generate": per, "min_prompt_vs_plain": min(per_plain),
                "median_prompt_vs_generate": statistics.median(per),
+               "by_group_vs_generate": by_group(per, [r["group"] for r in rs]),
                "identical_to_generate": all(r["tokens"] == b["tokens"] for r, b in zip(rs, base))}
         if rs[0]["steps"] is not None:
             steps = sum(r["steps"] for r in rs)
@@ -193,6 +178,7 @@ def summarise(rows: dict) -> list[dict]:
 
 
 def markdown(doc: dict) -> str:
+    groups = list(doc["summary"][0]["by_group_vs_generate"]) if doc["summary"] else []
     lines = [f"# bench_dynamic ({doc['mode']})", "",
              f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores, torch {doc['machine']['torch']} "
              f"({doc['machine']['torch_threads']} threads); load average before {doc['machine']['load_avg']}, "
@@ -200,15 +186,17 @@ def markdown(doc: dict) -> str:
              f"{doc['repeats']} repeat(s) per prompt after a warm-up, medians; clock: {doc.get('clock', 'wall')}"
              f"{' (process CPU time, 1 thread: the machine is shared)' if doc.get('clock') == 'cpu' else ''}.",
              f"Prompts: {doc['prompt_sets']}.", "",
-             "| method | tokens/s | vs generate | median prompt vs generate | worst prompt vs plain | tokens/step | "
+             "| method | tokens/s | vs generate | " + " | ".join(f"{g} vs generate" for g in groups) + " | "
+             "median prompt vs generate | worst prompt vs plain | tokens/step | "
              "mean size | plain steps | decide / forward | predicted vs plain (decode) | measured vs plain (decode) | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|" + "---|" * len(groups) + "---|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
 
     for r in doc["summary"]:
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | "
+                     + "".join(f"{r['by_group_vs_generate'][g]:.2f}x | " for g in groups) +
                      f"{r['median_prompt_vs_generate']:.2f}x | {r['min_prompt_vs_plain']:.2f}x | "
                      f"{f(r.get('tokens_per_step'))} | {f(r.get('mean_size'), '{:.1f}')} | "
                      f"{f(r.get('plain_step_share'), '{:.0%}')} | {f(r.get('decide_vs_forward'), '{:.2%}')} | "
@@ -234,11 +222,12 @@ def smoke(out_dir: Path | None) -> int:
     guessers = {m: _guesser(m.split("/")[1], model, draft) for m in methods}
     g = torch.Generator().manual_seed(0)
     rep = torch.randint(1, 100, (8,), generator=g)
-    prompts = [("random", torch.randint(1, 100, (12,), generator=g)), ("repeats", torch.cat([rep, rep, rep[:4]]))]
+    # a random model without a tokenizer: random ids (the full run reads training.splits.bench_prompts)
+    prompts = [("s0", "random", torch.randint(1, 100, (12,), generator=g)), ("s1", "repeats", torch.cat([rep, rep, rep[:4]]))]
     rows = run_bench(model, prompts, runners(model, methods, plans, guessers, draft, 16), 1, progress=False)
     summary = summarise(rows)
     bad = [r["method"] for r in summary if not r["identical_to_generate"] and r["method"] not in ("hf_lookup", "hf_assisted")]
-    doc = {"mode": "smoke", "machine": machine(), "load_after": list(os.getloadavg()), "model": "tiny random llama",
+    doc = {"mode": "smoke", "machine": machine(), "load_after": load(), "model": "tiny random llama",
            "max_new_tokens": 16, "repeats": 1, "prompt_sets": "2 random", "summary": summary}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -255,8 +244,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--mt-prompts", type=int, default=4, help="held-out MT-bench questions (the decode half)")
-    ap.add_argument("--rewrite-prompts", type=int, default=4, help="prompts from bench/data/rewrite_prompts.jsonl")
+    ap.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats (training.splits.bench_prompts)")
+    ap.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
@@ -274,8 +263,8 @@ def main(argv=None) -> int:
     if CLOCK["cpu"] and torch.get_num_threads() != 1:
         raise UserError("--clock cpu: give --threads 1 (CPU time of several threads counts their spinning too)")
     if args.quick:
-        args.mt_prompts, args.rewrite_prompts, args.max_new_tokens = 2, 2, 32
-    for name in ("mt_prompts", "rewrite_prompts", "max_new_tokens", "repeats"):
+        args.chat_prompts, args.repeat_prompts, args.max_new_tokens = 2, 2, 32
+    for name in ("chat_prompts", "repeat_prompts", "max_new_tokens", "repeats"):
         if not 0 <= getattr(args, name) <= 1024:
             raise UserError(f"--{name.replace('_', '-')}: expected 0..1024")
     from transformers import AutoTokenizer
@@ -285,16 +274,11 @@ def main(argv=None) -> int:
     from planner.profile import load_profile
     from planner.tree import load_tree
     from profiler.models import load_model
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, read_prompts
-
     mach = machine()
     loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
     model = loaded.model
     tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    _, mt = held_out_prompts(str(DEFAULT_QUESTIONS), 8, 8)  # the half calibration never saw
-    rw = read_prompts(ROOT / "bench" / "data" / "rewrite_prompts.jsonl")
-    texts = [("mt: " + t, t) for t in mt[: args.mt_prompts]] + [("rewrite: " + t, t) for t in rw[: args.rewrite_prompts]]
-    prompts = list(zip([a for a, _ in texts], encode_prompts(tok, [b for _, b in texts])))
+    prompts = [(p.id, p.group, p.ids) for p in bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, model)]
     profile = load_profile(args.profile)
     dyn = DYNAMIC_QUICK if args.quick else DYNAMIC_FULL
     accepts = {k: load_acceptance(str(CAL_DIR / f"accept-{k}.json")) for k in {p for d in dyn for p in d.split("+")}}
@@ -316,12 +300,12 @@ def main(argv=None) -> int:
 
         done = len(rows["hf_generate"])
         doc = {"mode": "quick" if args.quick else "full", "machine": mach,
-               "load_after": [round(x, 2) for x in os.getloadavg()], "model": "smollm2-135m (fp32)",
+               "load_after": load(), "model": "smollm2-135m (fp32)",
                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts_done": done,
                "clock": args.clock,
-               "prompt_sets": f"{args.mt_prompts} held-out MT-bench questions (decode half of "
-                              f"workflows.inputs.held_out_prompts) + {args.rewrite_prompts} rewrite/summarise prompts "
-                              f"(bench/data/rewrite_prompts.jsonl); {done} of {len(prompts)} done",
+               "prompt_sets": f"{args.chat_prompts} two-turn chats + {args.repeat_prompts} requests that repeat "
+                              f"their input (training.splits.bench_prompts, read by no tuning step); "
+                              f"{done} of {len(prompts)} done",
                "profile": args.profile, "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
                "summary": summarise(rows), "rows": rows,
                "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}

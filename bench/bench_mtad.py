@@ -7,15 +7,16 @@ under a perplexity cap, in one run.
     python bench/bench_mtad.py --smoke --out /tmp/mtad                 # a tiny random model, seconds
 
 Steps, after a warm-up of every shape:
- 1. calibrate on held-out MT-bench prompts (set A): plain sampling and MTAD at every grid point give
+ 1. calibrate on autotune's acceptance prompts (held-out MT-bench questions, training.splits): plain sampling and MTAD at every grid point give
     the walks D_j per (W, gamma) and the produced-text perplexity per point and for plain sampling;
  2. time the target's forward L(n), n = 1..gamma_max + 1, the decoder's own work per plain step, and
     one drafter beam step at W rows (t_d(W): cache reorder, forward, warp, Gumbel-top-W) at the
     prompts' context;
  3. plan: planner.mtad.choose, predicted speedup per point, the chosen point under
     --max-perplexity-ratio R (perplexity <= R x plain sampling's), the Pareto front;
- 4. evaluate on the other held-out prompts (set B), interleaved per prompt with one seed per prompt
-    for every method: plain sampling, lossless speculative decoding (a chain of --sd-gamma drafter
+ 4. evaluate on the benchmark prompts (training.splits.bench_prompts: two-turn chats and requests
+    that repeat their input, read by no tuning step; speedups per group), every method on every
+    prompt in a shuffled order (bench/common.py) with one seed per prompt: plain sampling, lossless speculative decoding (a chain of --sd-gamma drafter
     tokens, temperature > 0) and MTAD at every grid point: tokens/step, tokens/s, perplexity under
     the target and the drafter (raw distributions), distinct-n;
  5. write bench/results/mtad.{json,md,png} (--smoke writes only with --out).
@@ -23,32 +24,17 @@ Steps, after a warm-up of every shape:
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, BenchIds, bench_ids, interleaved, machine
 
 GRIDS = {  # (widths, gammas, taus)
     "full": ((2, 4), (2, 3, 4, 5), (0.05, 0.1, 0.3, 0.9)),
     "quick": ((2, 4), (2, 4), (0.1, 0.9)),
     "smoke": ((2,), (2,), (0.1, 0.9)),
 }
-
-
-def _machine() -> dict:
-    import torch
-
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.machine()
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -88,9 +74,9 @@ def _setup(args):
     if args.smoke:
         target = _smoke_model()
         draft, label = _draft(args.draft or "first-layers:1", target)
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(0)  # a 512-token random model has no tokenizer: random ids
         prompts = [torch.randint(1, 500, (int(t),), generator=g) for t in (5, 9)]
-        return "smoke (random 2-layer Llama)", target, draft, label, prompts[:1], prompts[1:]
+        return "smoke (random 2-layer Llama)", target, draft, label, prompts[:1], [BenchIds("s0", "random", prompts[1])]
     from transformers import AutoTokenizer
 
     from profiler.models import load_model
@@ -99,8 +85,10 @@ def _setup(args):
     loaded = load_model(args.model, device="cpu", dtype="fp32")
     draft, label = _draft(args.draft, loaded.model)
     tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    calib, evaluate = held_out_prompts(str(DEFAULT_QUESTIONS), args.calib_prompts, args.num_prompts)
-    return loaded.name, loaded.model, draft, label, encode_prompts(tok, calib), encode_prompts(tok, evaluate)
+    calib, _ = held_out_prompts(str(DEFAULT_QUESTIONS), args.calib_prompts, 0)
+    with torch.inference_mode():
+        evaluate = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model)
+    return loaded.name, loaded.model, draft, label, encode_prompts(tok, calib), evaluate
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -158,28 +146,39 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
 
 
 def _evaluate(target, draft, prompts, points, args) -> list[dict]:
-    """Every method on every prompt, interleaved per prompt (a slow spell hits all alike)."""
+    """Every method on every prompt (BenchIds) in a shuffled order per prompt (bench/common.py: a
+    slow spell hits all alike), one sampling seed per prompt."""
     from decoder.mtad import text_quality
 
     methods = [("plain", None), ("speculative", None)] + [("mtad", p) for p in points]
-    runs = {m: {"tokens": 0, "steps": 0, "seconds": 0.0, "outputs": []} for m in methods}
-    for i, ids in enumerate(prompts):
-        for kind, p in methods:
+    runs = {m: {"tokens": [], "steps": 0, "seconds": [], "outputs": []} for m in methods}
+
+    def method(kind, p):
+        def fn(item):
+            i, ids = item
             out = _run(kind, target, draft, ids, args, 1000 + i, p)
             r = runs[(kind, p)]
-            r["tokens"] += out.tokens.numel()
+            r["tokens"].append(out.tokens.numel())
             r["steps"] += out.steps
-            r["seconds"] += out.stats.total_s
+            r["seconds"].append(out.stats.total_s)
             r["outputs"].append(out.tokens.tolist())
+        return fn
+
+    interleaved({m: method(*m) for m in methods}, list(enumerate(p.ids for p in prompts)), 1, warm=False,
+                progress=False)  # _warm_up ran every shape already
+    groups = sorted({p.group for p in prompts})
     rows = []
     for (kind, p), r in runs.items():
-        q = text_quality(target, prompts, r["outputs"], draft).to_json()
-        rows.append({"method": kind, "name": p.name if p else kind, "settings": _settings(p), "tokens": r["tokens"],
-                     "tokens_per_step": r["tokens"] / max(r["steps"], 1), "tokens_per_s": r["tokens"] / r["seconds"],
-                     **q})
+        q = text_quality(target, [x.ids for x in prompts], r["outputs"], draft).to_json()
+        tps = {g: sum(n for n, x in zip(r["tokens"], prompts) if x.group == g) /
+               sum(s for s, x in zip(r["seconds"], prompts) if x.group == g) for g in groups}
+        rows.append({"method": kind, "name": p.name if p else kind, "settings": _settings(p), "tokens": sum(r["tokens"]),
+                     "tokens_per_step": sum(r["tokens"]) / max(r["steps"], 1),
+                     "tokens_per_s": sum(r["tokens"]) / sum(r["seconds"]), "tokens_per_s_by_group": tps, **q})
     plain_tps, plain_ppl = rows[0]["tokens_per_s"], rows[0]["perplexity"]
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / plain_tps
+        row["speedup_by_group"] = {g: v / rows[0]["tokens_per_s_by_group"][g] for g, v in row["tokens_per_s_by_group"].items()}
         row["perplexity_ratio"] = row["perplexity"] / plain_ppl if row["perplexity"] and plain_ppl else None
     return rows
 
@@ -261,7 +260,7 @@ def run(args) -> dict:
     widths, gammas, taus = GRIDS["smoke" if args.smoke else "quick" if args.quick else "full"]
     points = grid(widths, gammas, taus)
     name, target, draft, draft_label, calib, evaluate = _setup(args)
-    _warm_up(target, draft, evaluate + calib, points, args)
+    _warm_up(target, draft, [p.ids for p in evaluate] + calib, points, args)
     cal = _calibrate(target, draft, calib, points, args)
     L, draft_s = _timings(target, draft, calib[0], widths, max(widths) * max(gammas) + 1, args)  # up to W beams' tree
     profile = _profile(L, cal["overhead_s"])
@@ -275,7 +274,7 @@ def run(args) -> dict:
                                                    "calibration_perplexity": p.perplexity}
         row["chosen"] = choice.chosen is not None and row["name"] == choice.chosen.settings.name
     result = {
-        "machine": _machine(), "model": name, "draft": draft_label,
+        "machine": machine(), "model": name, "draft": draft_label,
         "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
         "max_new_tokens": args.max_new_tokens, "calibration_prompts": len(calib), "evaluation_prompts": len(evaluate),
         "sd_gamma": args.sd_gamma, "grid": {"widths": widths, "gammas": gammas, "taus": taus},
@@ -295,26 +294,30 @@ def run(args) -> dict:
 
 def markdown(r: dict) -> str:
     m, s, c = r["machine"], r["sampling"], r["choice"]
+    groups = list(r["methods"][0]["speedup_by_group"])
     chosen = c["chosen"]["name"] if c["chosen"] else "none (no point meets the cap: decode plainly)"
     lines = [
         "# MTAD: speed against perplexity", "",
-        f"{r['model']} with drafter {r['draft']}; CPU {m['cpu']} ({m['threads']} threads, {m['cores']} cores, torch "
-        f"{m['torch']}, load {m['load_avg_1m']}). Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p "
+        f"{r['model']} with drafter {r['draft']}; CPU {m['cpu']} ({m['torch_threads']} threads, {m['cores']} cores, torch "
+        f"{m['torch']}, load {m['load_avg']}). Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p "
         f"{s['top_p']} (target and drafter alike); {r['max_new_tokens']} new tokens per prompt. Planner inputs (walks, "
-        f"perplexity per point, plain perplexity) from {r['calibration_prompts']} held-out prompts; the table measures "
-        f"{r['evaluation_prompts']} other held-out prompts, every method per prompt in turn with the same seed. "
+        f"perplexity per point, plain perplexity) from {r['calibration_prompts']} held-out MT-bench prompts (autotune's "
+        f"acceptance split); the table measures {r['evaluation_prompts']} benchmark prompts no tuning step read "
+        f"(training.splits.bench_prompts), every method per prompt in a shuffled order with the same seed. "
         f"Perplexity: under the target's (and the drafter's) raw distribution; distinct-n within each text.", "",
         f"Planner's choice under perplexity <= {c['max_perplexity_ratio']} x plain sampling's "
         f"({c['plain_perplexity']:.2f} on the calibration prompts): **{chosen}**.", "",
-        "| method | tokens/step pred | meas | tok/s | speedup pred | meas | ppl target | ratio | ppl draft | distinct-2 | front | chosen |",
-        "|" + "---|" * 12,
+        "| method | tokens/step pred | meas | tok/s | speedup pred | meas | " + "".join(f"{g} | " for g in groups)
+        + "ppl target | ratio | ppl draft | distinct-2 | front | chosen |",
+        "|" + "---|" * (12 + len(groups)),
     ]
     front = set(c["front"])
     for x in r["methods"]:
         p = x["predicted"] or {}
         lines.append(
             f"| {x['name']} | {_f(p.get('tokens_per_step'))} | {x['tokens_per_step']:.2f} | {x['tokens_per_s']:.1f} | "
-            f"{_f(p.get('speedup'))} | {x['speedup']:.2f} | {_f(x['perplexity'])} | {_f(x['perplexity_ratio'])} | "
+            f"{_f(p.get('speedup'))} | {x['speedup']:.2f} | " + "".join(f"{x['speedup_by_group'][g]:.2f} | " for g in groups)
+            + f"{_f(x['perplexity'])} | {_f(x['perplexity_ratio'])} | "
             f"{_f(x['draft_perplexity'])} | {_f(x['distinct_2'], 3)} | {'yes' if x['name'] in front else ''} | "
             f"{'**yes**' if x['chosen'] else ''} |")
     lines += ["", "front: the predicted (speedup, calibration perplexity) Pareto front. speculative: lossless, a chain "
@@ -380,8 +383,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft", default=None, metavar="DIR|first-layers:N",
                    help="the drafter: a draft_lm (or Hugging Face) directory, or the target's first N layers "
                         "(untrained; default: models/smollm2-135m/draft_lm)")
-    p.add_argument("--calib-prompts", type=int, default=8, help="held-out prompts for the planner's inputs")
-    p.add_argument("--num-prompts", type=int, default=8, help="other held-out prompts for the measured table")
+    p.add_argument("--calib-prompts", type=int, default=8, help="held-out prompts (acceptance split) for the planner's inputs")
+    p.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats for the measured table (bench_prompts)")
+    p.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input, for the measured table")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=20)
@@ -390,12 +394,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-perplexity-ratio", type=float, default=1.0, metavar="R")
     p.add_argument("--repeats", type=int, default=7, help="timing repeats for L(n) and t_d(W)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="a small grid, 4 + 4 prompts, 32 tokens")
+    p.add_argument("--quick", action="store_true", help="a small grid, 4 calibration + 2 + 2 prompts, 32 tokens")
     p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
     p.add_argument("--out", default=None, help="default bench/results")
     args = p.parse_args(argv)
     if args.quick:
-        args.calib_prompts, args.num_prompts, args.max_new_tokens = 4, 4, 32
+        args.calib_prompts, args.chat_prompts, args.repeat_prompts, args.max_new_tokens = 4, 2, 2, 32
+    if not (1 <= args.calib_prompts <= 8 and args.chat_prompts + args.repeat_prompts >= 1):
+        p.error("--calib-prompts 1..8; --chat-prompts, --repeat-prompts: one prompt at least")
     if args.smoke:
         args.max_new_tokens, args.repeats, args.sd_gamma = 8, 2, 2
         args.max_perplexity_ratio = 10.0  # random weights: any point will do, the code paths are the test

@@ -11,7 +11,9 @@ Steps:
     threads (plain decoding and SD); c = L(1) / t_d at the split;
  2. does the split split? the target's gamma-token forward and the drafter's gamma forwards, alone,
     one after the other, and at the same time in two threads; eta = 1 - (together - max) / min;
- 3. decoding on held-out MT-bench prompts, interleaved after a warm-up, `--repeats` times: plain
+ 3. decoding on the benchmark prompts (training.splits.bench_prompts: two-turn chats and requests
+    that repeat their input, read by no tuning step), interleaved in a shuffled order per prompt and
+    repeat after a warm-up (bench/common.py), `--repeats` times: plain
     (generate_plain), SD (decoder.generate, DraftModelGuesser, plan=None: a chain of gamma), PEARL
     concurrent, PEARL serial (booked as max(draft, verify) + decide per round); medians over repeats;
     every output checked against plain greedy decoding;
@@ -23,15 +25,12 @@ Writes bench/results/pearl.{json,md,png} (--out) with the machine (CPU model, th
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import ROOT, bench_ids, builtin_tokenizer, interleaved, load, machine
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -39,13 +38,6 @@ import torch  # noqa: E402
 from planner.errors import UserError  # noqa: E402
 
 METHODS = ("plain", "sd", "pearl", "pearl_serial")
-
-
-def _machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -66,24 +58,26 @@ def _drafter(spec: str, target):
 
 
 def _setup(args):
-    """(target, drafter, prompts, label)."""
+    """(target, drafter, prompts [BenchIds], label). A tiny random model reads the prompts through the
+    built-in model's tokenizer (same vocabulary)."""
     from profiler.models import load_model
 
     if args.smoke:
-        target = load_model("tiny", device="cpu").model
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, 4000, (12,), generator=g)]
-        return target, _drafter("first-layers:1", target), prompts, "tiny (random) / first-layers:1"
-    from transformers import AutoTokenizer
+        target, tok = load_model("tiny", device="cpu").model, builtin_tokenizer()
+        draft, label = _drafter("first-layers:1", target), "tiny (random) / first-layers:1"
+    else:
+        from transformers import AutoTokenizer
 
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
-
-    loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
-    if not loaded.has_weights:
-        raise UserError("smollm2-135m: no weights in the local cache (the bench measures the real model)")
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    _, texts = held_out_prompts(str(DEFAULT_QUESTIONS), 0, args.num_prompts)
-    return loaded.model, _drafter(args.draft, loaded.model), encode_prompts(tok, texts), f"smollm2-135m / {args.draft}"
+        loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
+        if not loaded.has_weights:
+            raise UserError("smollm2-135m: no weights in the local cache (the bench measures the real model)")
+        target, tok = loaded.model, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+        draft, label = _drafter(args.draft, loaded.model), f"smollm2-135m / {args.draft}"
+    with torch.inference_mode():
+        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, target,
+                            first_answer_tokens=8 if args.smoke else 64,
+                            keep_last=24 if args.smoke else None)
+    return target, draft, prompts, label
 
 
 from profiler.overlap import side_latencies as _latencies  # noqa: E402
@@ -123,16 +117,22 @@ def _record(method: str, out, gamma: int) -> dict:
 
 
 def _decode_all(target, draft, prompts, gammas, args, split) -> list[dict]:
-    """Every (method, gamma, prompt) `repeats` times, interleaved; the first pass of each is a warm-up."""
+    """Every (method, gamma, prompt) `repeats` times, interleaved (bench/common.py), after a warm-up."""
     configs = [("plain", 0)] + [(m, g) for g in gammas for m in METHODS[1:]]
-    for m, g in configs:  # warm-up: every shape once
-        _run(m, target, draft, prompts[0], max(g, 1), 4, split, args.threads)
-    runs = []
-    for rep in range(args.repeats):
-        for i, ids in enumerate(prompts):
-            for m, g in configs:
-                out = _run(m, target, draft, ids, max(g, 1), args.max_new_tokens, split, args.threads)
-                runs.append({"method": m, "gamma": g, "prompt": i, "repeat": rep, **_record(m, out, max(g, 1))})
+    runs, seen = [], {}
+
+    def config(m, g):
+        def fn(item):
+            k, ids = item
+            out = _run(m, target, draft, ids, max(g, 1), 4 if k < 0 else args.max_new_tokens, split, args.threads)
+            if k >= 0:  # not the warm-up
+                rep = seen[m, g, k] = seen.get((m, g, k), -1) + 1
+                runs.append({"method": m, "gamma": g, "prompt": k, "group": prompts[k].group, "repeat": rep,
+                             **_record(m, out, max(g, 1))})
+        return fn
+
+    interleaved({f"{m}/{g}": config(m, g) for m, g in configs}, list(enumerate(p.ids for p in prompts)), args.repeats,
+                warm_up=(-1, prompts[0].ids))
     plain = {(r["prompt"], r["repeat"]): r["ids"] for r in runs if r["method"] == "plain"}
     for r in runs:
         r["identical_to_plain"] = r["ids"] == plain[(r["prompt"], r["repeat"])]
@@ -149,11 +149,16 @@ def _medians(runs: list[dict], repeats: int) -> dict:
         fields = ("tokens", "rounds", "mode_a", "accepted", "rejected", "decide_s")
         agg = {f: sum(r.get(f, 0) for r in rows) for f in fields}
         agg["tokens_per_s"] = statistics.median(per_rep)
+        agg["tokens_per_s_by_group"] = {
+            grp: statistics.median(sum(r["tokens"] for r in rep if r["group"] == grp) /
+                                   sum(r["seconds"] for r in rep if r["group"] == grp) for rep in reps)
+            for grp in sorted({r["group"] for r in rows})}
         agg["identical_to_plain"] = all(r["identical_to_plain"] for r in rows)
         out[key] = agg
-    plain = out[("plain", 0)]["tokens_per_s"]
+    plain = out[("plain", 0)]
     for v in out.values():
-        v["speedup"] = v["tokens_per_s"] / plain
+        v["speedup"] = v["tokens_per_s"] / plain["tokens_per_s"]
+        v["speedup_by_group"] = {grp: x / plain["tokens_per_s_by_group"][grp] for grp, x in v["tokens_per_s_by_group"].items()}
     return out
 
 
@@ -274,9 +279,10 @@ def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, ro
 
 def _markdown(doc: dict) -> str:
     m, lat, sc, pr = doc["machine"], doc["latency"], doc["split_check"], doc["prediction"]
-    lines = [f"# PEARL on {m['cpu']} ({m['cores']} cores; load average {m['load_avg_1m']} at start, "
+    lines = [f"# PEARL on {m['cpu']} ({m['cores']} cores; load average {m['load_avg']} at start, "
              f"{doc['load_avg_end']} at end)", "",
-             f"Models: {doc['models']}; {doc['prompts']} prompts, {doc['max_new_tokens']} new tokens, greedy, "
+             f"Models: {doc['models']}; {doc['prompts']} benchmark prompts (training.splits.bench_prompts: "
+             f"{doc['prompt_groups']}), {doc['max_new_tokens']} new tokens, greedy, "
              f"{doc['repeats']} repeats (medians). Thread split (target, drafter) = {tuple(lat['split'])}; "
              f"plain and SD use {lat['total_threads']} threads.", "",
              f"Per forward: L(1) = {lat['L_split_s'][1] * 1e3:.1f} ms at the split ({lat['L_full_s'][1] * 1e3:.1f} ms "
@@ -295,6 +301,10 @@ def _markdown(doc: dict) -> str:
                      f"({r['serial_booked_speedup_pred']:.2f}x) | "
                      f"{r['sd_tokens_per_step']:.2f} ({r['sd_tokens_per_step_pred']:.2f}) | {r['sd_speedup']:.2f}x "
                      f"({r['sd_speedup_pred']:.2f}x) |")
+    lines += ["", "Measured speedup over plain per prompt group:", "",
+              "| method | gamma | " + " | ".join(doc["groups"]) + " |", "|---|---|" + "---|" * len(doc["groups"])]
+    lines += [f"| {r['method']} | {r['gamma']} | " + " | ".join(f"{r['speedup_by_group'][g]:.2f}x" for g in doc["groups"])
+              + " |" for r in doc["methods"]]
     lines += ["", f"Plain: {doc['plain_tokens_per_s']:.1f} tokens/s. Every output identical to plain greedy decoding: "
               f"{doc['all_identical']}.",
               f"gamma: planner {pr['planner_gamma']}, paper round(c) {pr['paper_gamma']}, measured best "
@@ -318,12 +328,12 @@ def run(args) -> dict:
 
     t_start = time.time()
     torch.set_num_threads(args.threads)
-    machine = _machine()
+    mach = machine()
     target, draft, prompts, label = _setup(args)
     from decoder.pearl import split_threads
 
     split = split_threads(args.threads)
-    context = prompts[0]
+    context = prompts[0].ids
     lat = _latencies(target, draft, context, range(1, max(args.gammas) + 2), split, args.threads, args.forward_repeats)
     sc = _split_check(target, draft, context, args.gammas[len(args.gammas) // 2], split, args.forward_repeats)
     runs = _decode_all(target, draft, prompts, args.gammas, args, split)
@@ -331,16 +341,18 @@ def run(args) -> dict:
     accept_alpha, source = _accept_alpha(args)
     pred = _predict(med, lat, sc, args.gammas, accept_alpha)
     out = Path(args.out)
-    timeline = _timeline(target, draft, prompts[0], pred["planner_gamma"], args.max_new_tokens, split,
+    timeline = _timeline(target, draft, prompts[0].ids, pred["planner_gamma"], args.max_new_tokens, split,
                          out / "pearl.png")
-    doc = {"machine": machine, "models": label, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    groups = sorted({p.group for p in prompts})
+    doc = {"machine": mach, "models": label, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "groups": groups, "prompt_groups": ", ".join(f"{sum(p.group == g for p in prompts)} {g}" for g in groups),
            "repeats": args.repeats, "gammas": args.gammas, "latency": lat, "split_check": sc,
            "methods": [{"method": k[0], "gamma": k[1], **v} for k, v in med.items()],
            "plain_tokens_per_s": med[("plain", 0)]["tokens_per_s"], "prediction": pred, "alpha_source": source,
            "all_identical": all(r["identical_to_plain"] for r in runs),
            "runs": [{k: v for k, v in r.items() if k != "ids"} for r in runs], "timeline": timeline,
            "gpu_estimate": _gpu_estimate(target, draft, pred["alpha_pooled"], args.gammas),
-           "load_avg_end": round(os.getloadavg()[0], 2), "wall_s": time.time() - t_start}
+           "load_avg_end": load(), "wall_s": time.time() - t_start}
     atomic_write_json(out / "pearl.json", doc)
     atomic_write_bytes(out / "pearl.md", _markdown(doc).encode())
     print(_markdown(doc))
@@ -361,7 +373,8 @@ def main() -> int:
     p.add_argument("--draft", default=str(ROOT / "models" / "smollm2-135m" / "draft_lm"),
                    help="a draft LM directory (default: the project's trained one) or first-layers:N (untrained)")
     p.add_argument("--gammas", default="2,3,4,5,6")
-    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--chat-prompts", type=int, default=2, help="two-turn chats (training.splits.bench_prompts)")
+    p.add_argument("--repeat-prompts", type=int, default=2, help="requests that repeat their input")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--forward-repeats", type=int, default=15)
@@ -375,6 +388,9 @@ def main() -> int:
     if args.smoke:
         # one thread (split (1, 1)): the smoke checks the code, and a 2-thread team on a busy machine is slow
         args.gammas, args.max_new_tokens, args.repeats, args.forward_repeats, args.threads = [2, 3], 10, 1, 3, 1
+        args.chat_prompts, args.repeat_prompts = 1, 1
+    if args.chat_prompts + args.repeat_prompts < 1:
+        p.error("--chat-prompts, --repeat-prompts: one prompt at least")
     try:
         doc = run(args)
     except UserError as e:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, shared by every benchmark
 
 from planner.errors import UserError  # noqa: E402
 
@@ -255,7 +256,8 @@ def _run(a) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from bench.bench_main_job import load_plan, machine
+    from bench_main_job import load_plan
+    from common import machine
     from planner.jsonio import atomic_write_json
     from profiler.models import load_model
     from workflows.vllm import SETUP, STAMP, venv_python

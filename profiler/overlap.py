@@ -39,6 +39,14 @@ def forward_seconds(model, context: torch.Tensor, n: int, threads: int, repeats:
     return statistics.median(times)
 
 
+def pearl_splits(total: int) -> list[tuple[int, int]]:
+    """(target, drafter) thread splits of `total` worth measuring: the drafter on one thread (a
+    draft LM is small) and the threads halved. One thread: (1, 1), the two sides take turns."""
+    if total < 2:
+        return [(1, 1)]
+    return sorted({(total - 1, 1), (total - total // 2, total // 2)}, reverse=True)
+
+
 def side_latencies(target, draft, context, lengths, split, total: int, repeats: int) -> dict:
     """L(n) and t_d at the split and at all threads; the split's sides each run in a thread of their own."""
     with ThreadPoolExecutor(1) as pool:  # the drafter's numbers come from a worker thread, as in PEARL

@@ -98,8 +98,8 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
             assert isinstance(r[key], (int, float, str))
         assert r["input_length"] <= 10
         load_tree(r["tree"])
-        if r["measured_speedup"] is not None:  # raced on at least the first stage: errors reported
-            assert r["prompts"] >= 3 and r["identical_to_greedy"] is True
+        if r["measured_speedup"] is not None:  # raced on at least one prompt: errors reported
+            assert r["prompts"] >= 1 and r["identical_to_greedy"] is True
             for key in ("error_tokens_per_step", "error_step_s", "error_speedup", "measured_step_s", "predicted_step_s"):
                 assert isinstance(r[key], float)
     d = saved["decision"]
@@ -140,6 +140,9 @@ def test_autotune_runs_every_drafter_and_pearl(tmp_path):
     summary = autotune(s)
     assert summary["identical_to_greedy"] is True
     assert {r["guesser"] for r in summary["rows"]} >= {"draft", "parallelspec", "chain"}
+    assert summary["pearl"]["split"] == [1, 1] and [s["split"] for s in summary["pearl"]["splits"]] == [[1, 1]]
+    pearl = [r for r in summary["rows"] if r["guesser"] == "pearl"]
+    assert pearl and all(load_tree(r["tree"]).settings["pearl"]["threads"] == [1, 1] for r in pearl)  # decode runs it so
     for kind in ("draft", "parallelspec", "chain"):
         acc = json.loads((tmp_path / "run" / f"accept-{kind}.json").read_text())
         assert len(acc["accuracy"][0]) > 1  # ranks measured (the chain's as a comb)

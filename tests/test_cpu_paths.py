@@ -192,3 +192,52 @@ def test_decode_cli_runs_the_profile_paths(tmp_path, capsys):
     prof.write_text(json.dumps(bad))
     assert main(args + ["--profile", str(prof)]) != 0
     assert "field 'matmul_paths.rows'" in capsys.readouterr().err
+
+
+def _all_rows(model, path="t"):
+    return matmul_paths_from_json(_table_json(model, list(range(1, 24)), lambda M, s: path if M % 2 else "onednn"))
+
+
+def test_new_weights_rebuild_the_layouts():
+    """load_state_dict, an in-place edit, a replaced parameter: the paths compute with the new weights
+    (their transposed / packed copies are rebuilt); writes through .data need refresh_paths."""
+    m, other = tiny_model("llama", seed=2), tiny_model("llama", seed=3)
+    ids = torch.tensor([5, 9, 2, 7])
+    want = generate_plain(other, ids, max_new_tokens=12).tokens.tolist()
+    cp.install_paths(m, _all_rows(m))
+    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() != want  # two different models
+    m.load_state_dict(other.state_dict())
+    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() == want == reference(other, ids, 12)
+    lin = m.model.layers[0].mlp.up_proj
+    x = torch.randn(1, 3, lin.in_features)
+    with torch.no_grad():
+        lin.weight.mul_(0.5)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    lin.weight = torch.nn.Parameter(torch.randn_like(lin.weight))
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+        lin.weight.data.mul_(2.0)  # invisible to the version counter ...
+        assert not torch.allclose(lin(x), torch.nn.functional.linear(x, lin.weight))
+        cp.refresh_paths(m)  # ... until refreshed
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_another_dtype_falls_back_to_f_linear_and_back_again():
+    """A table measured in fp32 on a model moved to bf16: F.linear (no stale fp32 copies, no error);
+    moved back to fp32: the paths again."""
+    m = tiny_model("llama", seed=4)
+    ids = torch.tensor([3, 8, 1])
+    bare = tiny_model("llama", seed=4).to(torch.bfloat16)
+    cp.install_paths(m, _all_rows(m))
+    assert cp.installed_bytes(m) > 0
+    m.to(torch.bfloat16)
+    got = generate_plain(m, ids, max_new_tokens=12).tokens.tolist()
+    assert got == generate_plain(bare, ids, max_new_tokens=12).tokens.tolist()
+    assert cp.installed_bytes(m) == 0  # every Linear fell back and let its fp32 copies go
+    tree_out = generate(m, ids, plan=static_tree("medusa", 6, 2), guesser=PromptTokens.random(m, 2, seed=0, top_k=4),
+                        max_new_tokens=12)
+    assert tree_out.tokens.tolist() == got
+    m.to(torch.float32)  # the bf16-rounded weights, in fp32 again
+    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() == reference(bare.to(torch.float32), ids, 12)
+    assert cp.installed_bytes(m) > 0  # rebuilt on the first call

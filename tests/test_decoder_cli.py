@@ -6,6 +6,7 @@ import torch
 from test_decoder_utils import ppd_tree, static_tree
 
 from planner.accept import load_acceptance
+from planner.errors import UserError
 from planner.tree import save_tree
 from workflows.cli import main
 
@@ -111,3 +112,27 @@ def test_bad_input_is_one_line_error(files, capsys, argv, message):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert err.startswith(f"planner {argv[0]}: error: ") and message in err and "\n" not in err
+
+
+def test_decode_runs_a_pearl_plan_at_the_thread_split_autotune_measured():
+    """autotune records PEARL's (target, drafter) threads in the plan; decode --plan runs that split."""
+    from argparse import Namespace
+
+    from planner.tree import Tree, TreeState
+    from workflows.cmd_decode import _follow_recorded_pearl
+
+    def args():
+        return Namespace(guesser=None, plan="RUN/trees/pearl-pearl-3.json", pearl=False, gamma=4, batch_size=1,
+                         verify="greedy", mtad=None)
+
+    tree = Tree("medusa", [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "pearl", "pearl": {"gamma": 3, "threads": [1, 1]}})
+    a = args()
+    assert _follow_recorded_pearl(a, tree) is None
+    assert a.pearl and a.gamma == 3 and a.pearl_threads == (1, 1) and a.guesser == "draft"
+    tree.settings["pearl"]["threads"] = [0, 1]
+    with pytest.raises(UserError, match=r"pearl-pearl-3.json: settings.pearl.threads: expected \[target, drafter\]"):
+        _follow_recorded_pearl(args(), tree)
+    del tree.settings["pearl"]["threads"]  # plans written before the split was recorded: decode's default split
+    a = args()
+    _follow_recorded_pearl(a, tree)
+    assert a.pearl_threads is None

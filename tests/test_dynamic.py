@@ -70,7 +70,7 @@ def _guesser(kind, target, family):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["lookup", "draft", "parallelspec", "chain", "ppd",
-                                  "lookup+draft", "lookup+parallelspec", "lookup+ppd"])
+                                  "lookup+draft", "lookup+parallelspec", "lookup+chain", "lookup+ppd"])
 @pytest.mark.parametrize("profiled", [False, True], ids=["flat", "knee"])
 def test_greedy_dynamic_equals_generate(family, kind, profiled):
     target = tiny_model(family, seed=1)

@@ -391,3 +391,11 @@ def test_bench_smoke(tmp_path):
     assert "smoke: ok" in r.stdout
     doc = json.loads((tmp_path / "pearl.json").read_text())
     assert all(row["identical_to_plain"] for row in doc["runs"]) and (tmp_path / "pearl.png").is_file()
+
+
+def test_thread_splits_worth_measuring():
+    from profiler.overlap import pearl_splits
+
+    assert pearl_splits(1) == [(1, 1)] and pearl_splits(2) == [(1, 1)]
+    assert pearl_splits(4) == [(3, 1), (2, 2)] and pearl_splits(5) == [(4, 1), (3, 2)]
+    assert all(a + b == 16 for a, b in pearl_splits(16))

@@ -82,7 +82,7 @@ def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
         assert accepted > 0  # trained guessers are right some of the time
 
 
-@pytest.mark.parametrize("kind", ["lookup+parallelspec", "draft"])
+@pytest.mark.parametrize("kind", ["lookup+parallelspec", "lookup+chain", "draft"])
 def test_dynamic_plans_are_token_identical(smol, prompts, kind):
     """Per-step trees (a hybrid, and the draft LM's expanding tree) on SmolLM2: what model.generate gives."""
     from decoder.dynamic import HybridGuesser
@@ -97,7 +97,8 @@ def test_dynamic_plans_are_token_identical(smol, prompts, kind):
     if kind == "draft":
         g = DraftModelGuesser(load_draft_model(SHIPPED / "draft_lm", model), top_k=4)
     else:
-        g = HybridGuesser(PromptLookupGuesser(), ParallelDrafter.load(SHIPPED / "parallelspec"), "parallelspec")
+        mode = "chain" if kinds[1] == "chain" else "parallel"  # lookup+chain: the main job's quiet-machine choice
+        g = HybridGuesser(PromptLookupGuesser(), ParallelDrafter.load(SHIPPED / "parallelspec", mode=mode), kinds[1])
     accepted = 0
     for ids in prompts:
         out = generate(model, ids, plan=plan, guesser=g, max_new_tokens=16)

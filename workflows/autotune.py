@@ -28,9 +28,8 @@ from planner.jsonio import atomic_write_json
 from workflows.autotune_measure import acceptance_phase, pearl_phase, profile_phase
 from workflows.autotune_write import format_table, report_phase, write_phase
 from workflows.candidates import METHODS, finalists, plan_phase
-from workflows.choose import decide
 from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
-from workflows.race import _race_phase
+from workflows.race import race_phase
 from workflows.runs import Budget, Clock, Run, default_out, shown
 
 # the kinds autotune can race: a registered guesser of its own (no hybrid: those are built from these)
@@ -85,8 +84,7 @@ def autotune(s: AutotuneSettings) -> dict:
     pearl = pearl_phase(run, drafter, accepts, profiled.profile, accept_ids[0]) if drafter else None
     candidates += pearl["candidates"] if pearl else []
     racing = finalists(candidates, s.finalists, s.neighbours, s.sweep)
-    race, outputs = _race_phase(run, race_ids, racing, profiled.profile)
-    decision = decide(race.arms)
+    race, outputs, decision = race_phase(run, race_ids, racing, profiled.profile)
     summary = write_phase(run, racing, race, outputs, decision, profiled, accepts)
     if pearl:
         summary["pearl"] = {k: v for k, v in pearl.items() if k != "candidates"}

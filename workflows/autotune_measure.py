@@ -18,7 +18,6 @@ from planner.guessers import kind as guesser_kind
 from planner.guessers import kinds as guesser_kinds
 from planner.jsonio import atomic_write_json
 from planner.profile import LatencyProfile, load_profile
-from workflows.race import PEARL_SPLIT
 from workflows.runs import Run, shown
 
 
@@ -142,24 +141,35 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
 
 def pearl_phase(run: Run, drafter: str, accepts: dict[str, Measured], profile: LatencyProfile, context) -> dict:
     """PEARL needs each side's latency at its share of the cores and how much the two really
-    overlap (eta): both measured here, then one candidate per gamma (workflows.candidates)."""
+    overlap (eta): both measured here at every thread split worth trying (profiler.overlap), one
+    candidate per gamma (workflows.candidates). The split whose best plan is predicted fastest
+    stays; it is recorded in the summary and in every PEARL plan (settings.pearl.threads), so the
+    race and `planner decode --plan` run it the same way."""
     import torch
 
     from planner.cost import plain_step
-    from profiler.overlap import side_latencies, split_check
+    from profiler.overlap import pearl_splits, side_latencies, split_check
     from workflows.candidates import pearl_candidates
 
     total = torch.get_num_threads()
-    split = PEARL_SPLIT if total >= 2 else (1, 1)
     draft = run.guessers[drafter].draft_model
-    run.clock.phase(4, f"PEARL: target and draft LM at threads {split} and {total}, and their overlap", run.clock.left())
+    splits = pearl_splits(total)
+    run.clock.phase(4, f"PEARL: target and draft LM at thread splits {', '.join(map(str, splits))} and {total}, "
+                       "and their overlap", run.clock.left())
     ctx = context.to(run.model.device)
-    lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
-    check = split_check(run.model, draft, ctx, 4, split, repeats=3)
-    torch.set_num_threads(total)
-    eta = max(0.0, min(1.0, check["eta"]))
     own_loop = next(k.name for k in guesser_kinds() if k.loop is not None)  # PEARL's kind
-    cands = pearl_candidates(accepts[drafter].accept, lat, eta, plain_step(profile), own_loop)
-    return {"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta}
+    tried = []
+    for split in splits:
+        lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
+        check = split_check(run.model, draft, ctx, 4, split, repeats=3)
+        torch.set_num_threads(total)
+        eta = max(0.0, min(1.0, check["eta"]))
+        cands = pearl_candidates(accepts[drafter].accept, lat, eta, plain_step(profile), own_loop)
+        for c in cands:
+            c.tree.settings["pearl"]["threads"] = list(split)
+        tried.append({"candidates": cands, "split": list(split), "latencies": lat, "split_check": check, "eta": eta,
+                      "best_predicted_speedup": max((c.predicted_speedup for c in cands), default=0.0)})
+    best = max(tried, key=lambda t: t["best_predicted_speedup"])
+    return best | {"splits": [{k: t[k] for k in ("split", "eta", "best_predicted_speedup")} for t in tried]}
 
 

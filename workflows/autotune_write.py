@@ -12,8 +12,8 @@ from pathlib import Path
 from planner.guessers import kind as guesser_kind
 from planner.tree import PPD, Tree, TreeState, save_tree
 from workflows.candidates import Candidate
-from workflows.choose import MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
-from workflows.race import _Outputs, _stages
+from workflows.choose import LEVEL, MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
+from workflows.race import _Outputs
 from workflows.runs import Run, shown
 
 def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
@@ -118,6 +118,7 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
     return {
         "chosen": shown(run.out_dir / "chosen.json"),
         "decision": {"choice": decision.choice, "reason": decision.reason, "measured_speedup": decision.speedup.to_json(),
+                     "p_value": decision.p_value,
                      "predicted_speedup": chosen.predicted_speedup if chosen else 1.0,
                      "guesser": chosen.guesser if chosen else PLAIN},
         "chosen_guesser": chosen.guesser if chosen else PLAIN, "chosen_method": chosen.method if chosen else PLAIN,
@@ -127,7 +128,7 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
                   "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
         "prediction_error": _prediction_errors(measured, chosen),
         "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
-        "race": {"log": race.log, "stages": len(_stages(len(plain.seconds))) if plain.seconds else 0},
+        "race": race.to_json(),
         "rows": rows, "profile": shown(profile_path),
         "accept": {k: shown(m.path) for k, m in accepts.items()},
         "guessers": {k: shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
@@ -168,7 +169,7 @@ def _fmt(x, spec: str) -> str:
 
 def format_table(summary: dict) -> str:
     head = (f"{'plan':24} {'n_real':>6} {'tok/step pred':>13} {'meas':>5} {'step ms pred':>12} {'meas':>6} "
-            f"{'speedup pred':>12} {'measured [95% interval]':>24}  note")
+            f"{'speedup pred':>12} {f'measured [{LEVEL:.0%} interval]':>24}  note")
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         iv = r.get("measured_interval")

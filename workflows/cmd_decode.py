@@ -236,7 +236,8 @@ def _pearl(model, guesser, ids, args, gen_kw):
     """PEARL with the draft model the guesser loaded (CPU threads: --threads split between the sides)."""
     from decoder.pearl import generate_pearl
 
-    return generate_pearl(model, guesser.draft_model, ids, args.gamma, concurrent=not args.pearl_serial, **gen_kw)
+    return generate_pearl(model, guesser.draft_model, ids, args.gamma, concurrent=not args.pearl_serial,
+                          threads=getattr(args, "pearl_threads", None), **gen_kw)
 
 
 def _pearl_summary(results: list[dict]) -> dict:
@@ -255,6 +256,11 @@ def _follow_recorded_pearl(args, tree):
         return tree
     where = tree.provenance.get("guesser_dir")
     args.guesser = f"draft:{where}" if isinstance(where, str) else "draft"
+    threads = tree.settings["pearl"].get("threads")  # the (target, drafter) split autotune measured it at
+    if threads is not None and not (isinstance(threads, list) and len(threads) == 2
+                                    and all(type(k) is int and k >= 1 for k in threads)):
+        raise UserError(f"{args.plan}: settings.pearl.threads: expected [target, drafter] threads >= 1, got {threads!r}")
+    args.pearl_threads = tuple(threads) if threads else None
     args.pearl, args.gamma, args.plan = True, int(tree.settings["pearl"]["gamma"]), None
     _check_pearl(args)
     return None

@@ -1,18 +1,20 @@
-"""The race of the main job: plain decoding and the finalists decode the race prompts, stage by stage
-(workflows.choose holds the statistics); moved out of workflows/autotune.py unchanged.
-`run` is autotune's _Run (settings, model, guessers, clock, say)."""
+"""The race of the main job: plain decoding and the finalists decode the race prompts, timed one
+decode at a time with the machine's load beside each (profiler.load); workflows.choose decides.
+
+    race, outputs, decision = race_phase(run, decode_ids, racing, profile)
+
+`run` is autotune's _Run (settings, model, guessers, clock, say). Every output is checked against
+plain greedy decoding as it comes: a plan whose output differs leaves the race at once.
+"""
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 
 from planner.profile import LatencyProfile
 from workflows.candidates import Candidate
-from workflows.choose import MIN_PROMPTS, PLAIN, Arm, Race, speedup
+from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_race, speedup
 
-REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept out of the decoding budget
-PEARL_SPLIT = (1, 1)  # target threads, drafter threads: the two cores of this machine, one each
 
 
 def _decode_one(run, cand: Candidate | None, ids):
@@ -23,9 +25,9 @@ def _decode_one(run, cand: Candidate | None, ids):
     n = run.settings.decode_tokens
     if cand is None:
         return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False)
-    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter
+    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter, at the split measured for it
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
-                              threads=PEARL_SPLIT)
+                              threads=tuple(cand.tree.settings["pearl"]["threads"]))
     return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
                     phase_times=False)
 
@@ -40,21 +42,14 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
     def prefill(ids) -> float:
         return float(profile.latency(min(max(int(ids.numel()) - 1, 1), profile.max_input_length)))
 
-    def arm(key, cost, up):
-        return Arm(key, cost, up, {p: prefill(ids) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)})
+    def arm(key, cost, up, parallel=False):
+        return Arm(key, cost, up, {p: prefill(ids) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)},
+                   parallel=parallel)
 
     out = [arm(PLAIN, 1.0, 1.0)]
     for c in racing:
         cost = c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)  # step time / plain's
-        out.append(arm(c.label, cost, c.predicted_speedup))
-    return out
-
-
-def _stages(num_prompts: int) -> list[list[int]]:
-    """The first stage has enough prompts for an interval; later ones add two at a time."""
-    first = min(MIN_PROMPTS, num_prompts)
-    out = [list(range(first))]
-    out += [list(range(i, min(i + 2, num_prompts))) for i in range(first, num_prompts, 2)]
+        out.append(arm(c.label, cost, c.predicted_speedup, parallel=c.guesser == "pearl"))
     return out
 
 
@@ -74,77 +69,70 @@ class _Outputs:
         self.states.setdefault(key, []).extend(st for st in getattr(out.stats, "states", []) if st >= 0)
 
 
-def _race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyProfile) -> tuple[Race, _Outputs]:
-    """Plain decoding and the finalists on the decode prompts, stage by stage (workflows.choose.Race)."""
+def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyProfile) -> tuple[Race, _Outputs, Decision]:
+    """Plain decoding and the finalists on the race prompts (workflows.choose.run_race); returns
+    the race (arms, log, every run), each arm's outputs, and the decision."""
+    from profiler.load import OtherLoad, other_cores
     from profiler.measure import warm_up_shapes
 
     s = run.settings
     by_key = {c.label: c for c in racing}
-    race = Race(_arms(run, racing, profile, decode_ids))
+    race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed)
     outputs = _Outputs()
-    rng = random.Random(s.seed)
-    deadline = run.clock.budget_s - REPORT_RESERVE_S
-    stages = _stages(len(decode_ids))
-    eta = sum(race.stage_seconds(st) for st in stages) * s.rounds
-    run.clock.phase(5, f"racing plain decoding and {len(racing)} plans on {len(decode_ids)} held-out prompts x "
-                       f"{s.decode_tokens} tokens in {len(stages)} stages (predicted {eta:.0f} s for all; the budget "
-                       "cuts the slower half when short)", min(eta, deadline - run.clock.elapsed()) + REPORT_RESERVE_S)
+    deadline = run.clock.budget_s - run.budget.report_reserve_s
+    eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
+    run.clock.phase(5, f"racing plain decoding and {len(racing)} plans: selection on {len(race.selection)} held-out "
+                       f"prompts, the winner's confirmation against plain on {len(race.confirmation)} others, "
+                       f"x {s.decode_tokens} tokens (predicted {eta:.0f} s; the budget halves the field when short)",
+                    min(eta, deadline - run.clock.elapsed()) + run.budget.report_reserve_s)
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
-    for k, prompts in enumerate(stages, 1):
-        while (run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline
-               and len(race.running()) > 3 and race.halve(k)):  # two plans left: the race ends instead
-            pass
-        if run.clock.elapsed() + race.stage_seconds(prompts) * s.rounds > deadline and k > 1:
-            race.log.append(f"stage {k}: stopped, the budget's time is spent")
-            break
-        _run_stage(run, race, by_key, decode_ids, prompts, outputs, rng)
-        _disqualify_mismatches(run, race, outputs, decode_ids, prompts)
-        race.prune(k)
-        lead = race.leader()
-        left = sum(race.stage_seconds(st) for st in stages[k:]) * s.rounds
-        run.say(f"      stage {k}/{len(stages)}: {len(race.running()) - 1} plans left; leader {lead.key} "
-                f"{speedup(lead, race.plain) if lead is not race.plain else '1.00x'} plain; about "
-                f"{min(left, max(deadline - run.clock.elapsed(), 0)) + REPORT_RESERVE_S:.0f} s left")
-    return race, outputs
+    device = run.model.get_input_embeddings().weight.device
+    meter, t0 = OtherLoad(), time.perf_counter()
+    others = other_cores(0.5)  # before the first run: a loaded machine ranks parallel plans last
+    race.loaded_now = others is not None and others >= LOADED_CORES
+
+    def measure(key: str, p: int) -> Run:
+        ids = decode_ids[p].to(device)
+        meter.start()
+        start = time.perf_counter()
+        out = _decode_one(run, by_key.get(key), ids)
+        seconds = time.perf_counter() - start
+        if p not in outputs.tokens.get(key, {}):
+            outputs.add(key, p, out)
+        return Run(key, p, seconds, start - t0, meter.stop())
+
+    def check(p: int, keys: list[str]) -> None:
+        _disqualify_mismatches(run, race, outputs, decode_ids, p, set(keys) - {PLAIN})
+
+    def progress(phase: str, p: int) -> None:
+        others = [r.others for r in race.runs if r.prompt == p and r.others is not None]
+        load = f"; other processes {max(others):.1f} cores" if others else ""
+        if phase == "selection":
+            lead = race.leader()
+            run.say(f"      selection prompt {race.selected_on.index(p) + 1}/{len(race.selection)}: "
+                    f"{len(race.candidates())} plans left; leader {lead.key} {speedup(lead)} plain{load}")
+        else:
+            w = race.winner
+            run.say(f"      confirmation prompt {race.confirmation.index(p) + 1}/{len(race.confirmation)}: {w.key} "
+                    f"{len(w.pairs)} pairs{load}; about {max(deadline - run.clock.elapsed(), 0):.0f} s left")
+
+    decision = run_race(race, measure, lambda: deadline - run.clock.elapsed(), check, progress)
+    return race, outputs, decision
 
 
-def _run_stage(run, race: Race, by_key: dict, decode_ids: list, prompts: list[int], outputs: _Outputs, rng) -> None:
-    """Every running arm on every prompt of the stage, in a shuffled order per prompt and round, so a
-    slow spell of the machine spreads over all of them; each (arm, prompt) time is the median."""
-    import statistics
-
-    w = run.model.get_input_embeddings().weight
-    for p in prompts:
-        ids = decode_ids[p].to(w.device)
-        times: dict[str, list[float]] = {}
-        for _ in range(run.settings.rounds):
-            arms = race.running()
-            rng.shuffle(arms)
-            for a in arms:
-                t0 = time.perf_counter()
-                out = _decode_one(run, by_key.get(a.key), ids)
-                times.setdefault(a.key, []).append(time.perf_counter() - t0)
-                if p not in outputs.tokens.get(a.key, {}):
-                    outputs.add(a.key, p, out)
-        for a in race.running():
-            a.seconds[p] = statistics.median(times[a.key])
-
-
-def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, prompts: list[int]) -> None:
-    """A plan whose output differs from plain greedy decoding (beyond a near tie of the target's
-    top two logits, profiler.compare) leaves the race: it is never the decision."""
+def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, p: int, keys: set[str]) -> None:
+    """A plan whose output on prompt p differs from plain greedy decoding (beyond a near tie of
+    the target's top two logits, profiler.compare) leaves the race: it is never the decision."""
     from profiler.compare import classify
 
-    plain = outputs.tokens[PLAIN]
-    for a in race.running():
-        if a is race.plain:
+    plain = outputs.tokens[PLAIN][p].tolist()
+    for key in sorted(keys):
+        a = race.arm(key)
+        if a.dropped.startswith("output differs") or p not in outputs.tokens.get(key, {}):
             continue
-        for p in prompts:
-            status = classify(run.model, decode_ids[p], plain[p].tolist(), outputs.tokens[a.key][p].tolist())["status"]
-            if status == "mismatch":
-                a.dropped = f"output differs from plain greedy decoding on prompt {p}"
-                race.log.append(f"{a.key}: {a.dropped}")
-                break
+        if classify(run.model, decode_ids[p], plain, outputs.tokens[key][p].tolist())["status"] == "mismatch":
+            a.dropped = f"output differs from plain greedy decoding on prompt {p}"
+            race.log.append(f"{a.key}: {a.dropped}")
 
 
 def _step_lengths(run, tried: list[Candidate]) -> set[int]:
