@@ -79,3 +79,19 @@ class LookupSession:
     def commit(self, outcome: StepOutcome) -> None:
         # the accepted candidates join the history; the new root joins at the next propose
         self.history.extend(outcome.verdict.emitted[:-1])
+
+
+def available_lengths(prompt: list[int], answer: list[int], num_tokens: int, max_ngram: int = 3,
+                      min_ngram: int = 1) -> tuple[list[int], list[int]]:
+    """Per answer position i (answer[:i] emitted, the root is the last token so far): how many tokens
+    lookup offers there, and how many of them plain decoding would accept (the matching prefix of its
+    continuation and answer[i:]). The oracle ceiling's input (planner/ceiling.py)."""
+    offered, available = [], []
+    for i in range(len(answer)):
+        follow = find_continuation(prompt + answer[:i], max_ngram, min_ngram, num_tokens)
+        a = 0
+        while a < len(follow) and i + a < len(answer) and follow[a] == answer[i + a]:
+            a += 1
+        offered.append(len(follow))
+        available.append(a)
+    return offered, available
