@@ -1,0 +1,241 @@
+"""The llama.cpp engine (decoder/llama_engine.py) on the default model's own Q4_1 GGUF file.
+
+The reference is llama.cpp's plain greedy decoding from the same build (llama-cpp-python's
+`Llama.generate`, top-k 1). Chains must give logits bit-identical to one-token steps; every guesser
+the engine runs must give exactly the plain tokens.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoder.engine import StepInput
+from decoder.layout import layout_for
+from decoder.llama_engine import batch_shape, binary_tree_shape, chain_shape
+from planner.errors import UserError
+
+N_NEW = 32
+
+
+def test_batch_shape_depth_first_rank_zero_first():
+    # root 0 -> children 1 (rank 0), 2 (rank 1); 1 -> 3 (rank 0), 4 (rank 1); 2 -> 5
+    kids = [[1, 2], [3, 4], [5], [], [], []]
+    s = batch_shape(kids)
+    assert s.order == (0, 1, 3, 4, 2, 5)
+    assert s.depth == (0, 1, 2, 2, 1, 2)
+    assert s.n_paths == 3  # leaves 3, 4, 5 in that order
+    assert s.seqs[0] == (0, 1, 2) and s.seqs[1] == (0, 1) and s.seqs[2] == (0,) and s.seqs[4] == (2,)
+    assert s.path_of == (0, 0, 2, 0, 1, 2)
+    assert not s.identity and [s.order[i] for i in s.inverse] == [0, 1, 2, 3, 4, 5]
+    c = chain_shape(4)
+    assert c.identity and c.n_paths == 1 and c.depth == (0, 1, 2, 3)
+    b = binary_tree_shape(7)
+    assert b.n_paths == 4 and max(b.depth) == 2
+
+
+# ---------------------------------------------------------------------------------------------- with llama.cpp
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    from profiler.registry import gguf_file
+
+    try:
+        return gguf_file("smollm2-135m")
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def engine(gguf):
+    from decoder.llama_engine import LlamaEngine
+
+    eng = LlamaEngine(gguf, n_ctx=1024)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from transformers import AutoTokenizer
+
+    from profiler.registry import model_dir
+    from workflows.inputs import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+    texts = ["What is the capital of France? Answer in one sentence.",
+             "Rewrite the following text in simpler words, keeping every fact.\n\nThe committee postponed the "
+             "vote on the new budget because several members were absent, and the chair said the vote would be "
+             "held next Tuesday at the usual time.",
+             "Write a Python function that returns the factorial of n, then explain it.",
+             "List three colours of the rainbow, then repeat the list in reverse order."]
+    return encode_prompts(tok, texts)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf, prompts, engine):
+    """llama-cpp-python's own plain greedy decoding (same build, same threads)."""
+    llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_threads=engine.threads, n_threads_batch=engine.threads,
+                          verbose=False)
+    out = []
+    for ids in prompts:
+        toks = []
+        for t in llm.generate(ids.tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if t in engine.eos_ids() or len(toks) == N_NEW:
+                break
+            toks.append(int(t))
+        out.append(toks)
+    llm.close()
+    return out
+
+
+def decode(engine, ids, guesser=None, plan=None, max_new=N_NEW):
+    """A small greedy loop over the engine: propose, score, verify, commit (the decoding loop's step)."""
+    from decoder.guesser import DecodeContext, PlainGuesser, StepOutcome
+    from decoder.verify import Sampling, verify
+
+    sampling = Sampling()
+    gen = torch.Generator().manual_seed(0)
+    seq, _ = engine.start(ids)
+    session = (guesser or PlainGuesser()).begin(None, plan, ids, DecodeContext(sampling, gen, torch.float32,
+                                                                                torch.device("cpu")))
+    new, accepted = [], []
+    eos = engine.eos_ids()
+    while len(new) < max_new:
+        prop = session.propose(seq.root)
+        tree_ids = torch.cat([seq.root, prop.tokens])
+        scored = seq.score(StepInput(tree_ids, prop.layout))
+        verdict = verify(scored.logits[: prop.layout.num_tree], tree_ids, prop.layout, sampling, gen)
+        seq.commit(verdict)
+        accepted.append(len(verdict.nodes) - 1)
+        for t in verdict.emitted:
+            if t in eos or len(new) == max_new:
+                return new, accepted
+            new.append(t)
+        session.commit(StepOutcome(prop, verdict, scored.logits, None, seq.context_length))
+    return new, accepted
+
+
+def test_plain_loop_equals_llama_generate(engine, prompts, reference):
+    for ids, ref in zip(prompts, reference):
+        assert decode(engine, ids)[0] == ref
+
+
+def test_chain_rows_bit_identical_to_one_token_steps(engine, prompts, reference):
+    """Score root + the plain continuation as one chain: every row equals the one-token step's logits."""
+    ids, ref = prompts[1], reference[1]
+    seq, _ = engine.start(ids)
+    C = seq.context_length
+    one = []
+    for t in [int(ids[-1])] + ref[:7]:
+        scored = seq.score(StepInput(torch.tensor([t]), layout_for((), 1, torch.float32, "cpu")))
+        one.append(scored.logits[0].clone())
+        seq.context_length += 1  # keep it: a one-token chain commits by a tail cut of nothing
+        seq._shape = None
+    seq.rollback(C)
+    chain = tuple((0,) * d for d in range(1, 8))
+    scored = seq.score(StepInput(torch.tensor([int(ids[-1])] + ref[:7]), layout_for(chain, 1, torch.float32, "cpu")))
+    assert torch.equal(scored.logits, torch.stack(one))
+
+
+def test_lookup_chains_token_identical(engine, prompts, reference):
+    from decoder.lookup import PromptLookupGuesser
+
+    total = 0
+    for k in (2, 6):
+        for ids, ref in zip(prompts, reference):
+            out, accepted = decode(engine, ids, PromptLookupGuesser(num_tokens=k))
+            assert out == ref
+            total += sum(accepted)
+    assert total > 0  # lookup guessed right somewhere: chains were really committed
+
+
+class _Oracle:
+    """A tree guesser that knows the plain answer: rank r at depth d is the right token when r equals
+    a scripted rank, a wrong one otherwise, so steps accept paths other than the first."""
+
+    needs_hidden = False
+
+    def __init__(self, answer: list[int], nodes, vocab: int):
+        self.answer, self.nodes, self.vocab = answer, nodes, vocab
+
+    def begin(self, model, plan, ids, ctx):
+        return _OracleSession(self, ids.numel())
+
+
+class _OracleSession:
+    def __init__(self, g: _Oracle, prompt_len: int):
+        self.g, self.done, self.step = g, 0, 0
+        self.layout = layout_for(g.nodes, 3, torch.float32, "cpu")
+        self.max_input_length = self.layout.input_length
+
+    def propose(self, root):
+        from decoder.guesser import Proposal
+
+        right_rank = self.step % 3  # the step's correct rank: 0, 1, 2 in turn (paths beyond the first)
+        toks = []
+        for p in self.g.nodes:
+            d = len(p)
+            ok = all(r == right_rank for r in p)
+            truth = self.g.answer[self.done + d - 1] if self.done + d - 1 < len(self.g.answer) else 0
+            toks.append(truth if ok else (truth + 1 + p[-1]) % self.g.vocab)
+        return Proposal(self.layout, torch.tensor(toks, dtype=torch.long))
+
+    def commit(self, outcome):
+        self.done += len(outcome.verdict.emitted)
+        self.step += 1
+
+
+def test_trees_token_identical_on_every_path(engine, prompts, reference):
+    nodes = ((0,), (1,), (2,), (0, 0), (1, 1), (2, 2), (0, 0, 0), (2, 2, 2))
+    for ids, ref in zip(prompts, reference):
+        out, accepted = decode(engine, ids, _Oracle(ref, nodes, engine.vocab_size))
+        assert out == ref
+        assert max(accepted) >= 2
+
+
+def test_commit_leaves_only_the_accepted_path(engine, prompts, reference):
+    lib, mem = engine.lib, engine._mem
+    nodes = ((0,), (1,), (0, 0), (1, 0))
+    ids, ref = prompts[0], reference[0]
+    seq, _ = engine.start(ids)
+    C = seq.context_length
+    lay = layout_for(nodes, 2, torch.float32, "cpu")
+    wrong = (ref[0] + 1) % engine.vocab_size
+    tokens = torch.tensor([int(ids[-1]), wrong, ref[0], wrong, ref[1]])  # the second path is right
+    from decoder.verify import Sampling, verify
+
+    scored = seq.score(StepInput(tokens, lay))
+    verdict = verify(scored.logits, tokens, lay, Sampling())
+    assert verdict.nodes == [0, 2, 4]
+    seq.commit(verdict)
+    assert seq.context_length == C + 3
+    assert lib.llama_memory_seq_pos_max(mem, 0) == C + 2
+    assert all(lib.llama_memory_seq_pos_max(mem, s) == -1 for s in range(1, 4))
+    seq.rollback(C)
+    assert lib.llama_memory_seq_pos_max(mem, 0) == C - 1
+
+
+def test_refuses_hidden_states_and_prompt_token_inputs(engine, prompts):
+    with pytest.raises(UserError, match="hidden states"):
+        engine.start(prompts[0], hidden=True)
+    seq, _ = engine.start(prompts[0])
+    from decoder.layout import build_layout
+
+    lay = build_layout(0, [(0,)], [0, 1], 1, 1, torch.float32, "cpu")  # one prompt-token slot
+    with pytest.raises(UserError, match="vocabulary tokens only"):
+        seq.score(StepInput(torch.tensor([1, 2]), lay, extra_embeds=torch.zeros(1, 576)))
+    with pytest.raises(UserError, match="outside the model's vocabulary"):
+        engine.start(torch.tensor([1, engine.vocab_size]))
+
+
+def test_forward_timer_runs_trees_and_chains(engine):
+    for tree in (True, False):
+        timer = engine.forward_timer(64, tree=tree)
+        for n in (1, 5, 16):
+            timer.sample(n)()
+        assert engine.lib.llama_memory_seq_pos_max(engine._mem, 0) == 64 + 16 - 1
+        timer.sample(1)
+        assert engine.lib.llama_memory_seq_pos_max(engine._mem, 0) == 63
