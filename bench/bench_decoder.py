@@ -33,6 +33,7 @@ from decoder import (  # noqa: E402
     generate_plain,
 )
 from decoder.cache import crop_cache  # noqa: E402
+from decoder.forward import kv  # noqa: E402
 from decoder.forward import prefill  # noqa: E402
 from planner.accept import load_acceptance  # noqa: E402
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
@@ -61,7 +62,7 @@ def plain_forward_time(model, context: torch.Tensor, n: int, repeats: int) -> fl
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        model(input_ids=x, past_key_values=cache, use_cache=True)
+        model(input_ids=x, **kv(cache), use_cache=True)
         dt = time.perf_counter() - t0
         crop_cache(cache, C)
         if i:  # first one is warm-up

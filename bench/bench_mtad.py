@@ -208,6 +208,7 @@ def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
     import torch
 
     from decoder.cache import crop_cache
+    from decoder.forward import kv
     from decoder.forward import prefill
     from decoder.mtad import beam_step, draft_logprobs
     from decoder.verify import Sampling
@@ -219,7 +220,7 @@ def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
 
     def forward(model, cache, rows: int, n: int):
         x = torch.randint(1, vocab, (rows, n))
-        out = model(input_ids=x, position_ids=torch.arange(C, C + n).expand(rows, n), past_key_values=cache,
+        out = model(input_ids=x, position_ids=torch.arange(C, C + n).expand(rows, n), **kv(cache),
                     use_cache=True)
         crop_cache(cache, C)
         return out.logits[:, -1]

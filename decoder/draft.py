@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from decoder.cache import compact_cache
-from decoder.forward import ancestor_matrix, prefill, tree_depths
+from decoder.engine import vocab_size
+from decoder.forward import ancestor_matrix, kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.verify import Sampling
@@ -119,8 +120,8 @@ class DraftModelGuesser:
         if ranks >= self.top_k:
             raise UserError(f"{label}: the plan uses rank {ranks}, the draft guesser gives top-{self.top_k} per node")
 
-    def begin(self, model, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
-        vocab = model.get_input_embeddings().weight.shape[0]
+    def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
+        vocab = vocab_size(target)
         if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
             raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
                             f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
@@ -171,7 +172,7 @@ class DraftSession:
         ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
         ids = torch.cat([ids, root])[None]  # [1, m]
         pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
         self.unseen = []
         self.base = self.cache.get_seq_length()
         return out.logits[0, -1]
@@ -194,7 +195,7 @@ class DraftSession:
         root_pos = self.base - 1
         pos = torch.tensor([[root_pos + sh.depth[u] for u in fed]], device=dev)
         out = self.model(input_ids=tokens[fed][None], position_ids=pos, attention_mask=mask[None, None].to(dev),
-                         past_key_values=self.cache, use_cache=True)
+                         **kv(self.cache), use_cache=True)
         for i, u in enumerate(fed):
             self.slots[u] = L + i
         return {u: out.logits[0, i] for i, u in enumerate(fed)}

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from decoder.cache import compact_cache, crop_cache
-from decoder.forward import prefill
+from decoder.engine import torch_model, vocab_size
+from decoder.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from planner.dynamic import (
@@ -425,7 +426,7 @@ class ParallelSource(_Source):
         from decoder.parallel import ParallelSession
 
         self.kind = "chain" if g.mode == "chain" else "parallelspec"
-        g.attach(model)
+        g.attach(torch_model(model))
         g.to(device=ctx.device)
         depth = g.num_masks + 1 if g.mode == "parallel" else min(spec.max_depth, 16)
         nodes = tuple((0,) * d for d in range(1, depth + 1))
@@ -564,7 +565,7 @@ class DraftSource(_Source):
     def __init__(self, gm, g, spec, model, prompt_ids, ctx, sampled: bool):
         super().__init__(gm)
         self.m, self.ctx, self.sampled, self.spec = g.draft_model, ctx, sampled, spec
-        vocab = model.get_input_embeddings().weight.shape[0]
+        vocab = vocab_size(model)
         if self.m.get_input_embeddings().weight.shape[0] != vocab:
             raise UserError(f"{g.label}: a drafter must share the target's vocabulary")
         ids = prompt_ids.reshape(-1)
@@ -581,7 +582,7 @@ class DraftSource(_Source):
         C = self.cache.get_seq_length()
         ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]
         pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.m(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.m(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
         self.unseen = []
         self.base = self.cache.get_seq_length()
         self.slots = {-1: self.base - 1}
@@ -604,7 +605,7 @@ class DraftSource(_Source):
         pos = torch.tensor([[self.base - 1 + pool.depth[u] for u in fed]], device=dev)
         toks = torch.tensor([[pool.tokens[u] for u in fed]], device=dev)
         out = self.m(input_ids=toks, position_ids=pos, attention_mask=mask[None, None].to(dev),
-                     past_key_values=self.cache, use_cache=True)
+                     **kv(self.cache), use_cache=True)
         for i, u in enumerate(fed):
             self.slots[u] = L + i
         return out.logits[0]

@@ -82,13 +82,22 @@ class Sequence(Protocol):
 class ForwardTimer(Protocol):
     """The profiler's cheap timing call: forwards of n new tokens after a fixed context."""
 
+    def warm(self, n: int, times: int = 1) -> None:
+        """Build the input for n tokens and run it `times` times untimed (first-call costs)."""
+        ...
+
     def sample(self, n: int) -> Callable[[], None]:
         """Reset the cache to the context (untimed) and return one forward of n tokens to time."""
+        ...
+
+    def drop(self, n: int) -> None:
+        """Forget length n (after an out-of-memory error there) and restore the context."""
         ...
 
 
 class Engine(Protocol):
     caps: EngineCaps
+    model_name: str  # what records (acceptance, profiles) call the target
     vocab_size: int
     device: torch.device
     dtype: torch.dtype  # of the logits it returns and of any input embeddings it takes
@@ -98,15 +107,33 @@ class Engine(Protocol):
         """The model's end-of-sequence tokens."""
         ...
 
-    def start(self, prompt_ids: torch.Tensor, hidden: bool = False) -> tuple[Sequence, torch.Tensor | None]:
+    def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
+              pad_to: dict[int, int] | None = None) -> tuple[Sequence, torch.Tensor | None]:
         """Prefill every prompt token but the last, which becomes the first root. Returns the sequence
-        and, with hidden=True, the last hidden state over the prefilled tokens [T-1, hidden]."""
+        and, with hidden=True, the last hidden state over the prefilled tokens [T-1, hidden].
+        pad_to {n: m}: run n-input steps at m inputs where the profile measured m cheaper (inputs
+        nothing reads; planner.profile's padding, which a plan records); an engine may ignore it."""
+        ...
+
+    def check_room(self, seq: Sequence, max_new_tokens: int, step_input: int) -> None:
+        """A one-line error when prompt + max_new_tokens + the largest step input cannot fit the engine
+        (the model's positions, a sliding window, a context size)."""
+        ...
+
+    def teacher_forced(self, ids: torch.Tensor, hidden: bool = False) -> Scored:
+        """Logits [T, V] (and hidden states) at every position of a token sequence [T] in one pass,
+        no cache kept: the acceptance pass reads what the target predicts along a known text."""
         ...
 
     def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True) -> ForwardTimer:
         """Forwards after a random context of `context_length` tokens: a tree (node i under (i-1)//2,
         every logit) or a chain; batch_size sequences where the engine batches."""
         ...
+
+    # engines with caps.batches also have:
+    #   batch_runner(layout, seqs, started_sequences, want_hidden) -> a runner with forward(live,
+    #   proposals, stats) -> per-sequence (logits, hidden), commit(live, proposals, verdicts, stats),
+    #   drop(finished), close()  (decoder/batch.py drives it)
 
 
 @dataclass(frozen=True)
@@ -130,3 +157,21 @@ def refuse(caps: EngineCaps, kind: str, needs: Needs) -> None:
     if lacking:
         raise UserError(f"--engine {caps.name}: the {kind} guesser needs {' and '.join(lacking)}, which the "
                         f"{caps.name} engine does not give; use --engine hf, or another guesser")
+
+
+def torch_model(target):
+    """The transformers model behind a target (an HFEngine's, or a bare model): for guessers that
+    share the target's embeddings or LM head (ParallelSpec, the project's draft LM)."""
+    model = getattr(target, "model", None) if hasattr(target, "caps") else target
+    if model is None or not hasattr(model, "get_input_embeddings"):
+        name = target.caps.name if hasattr(target, "caps") else type(target).__name__
+        raise UserError(f"--engine {name}: this guesser shares the target's torch modules, which the {name} engine "
+                        "does not have; use --engine hf")
+    return model
+
+
+def vocab_size(target) -> int:
+    """The target's vocabulary size (an engine's, or a bare model's embedding rows)."""
+    if hasattr(target, "caps"):
+        return int(target.vocab_size)
+    return int(target.get_input_embeddings().weight.shape[0])

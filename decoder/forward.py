@@ -57,6 +57,26 @@ def step_mask(mask_block: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return mask
 
 
+def _cache_keyword() -> str:
+    """transformers renamed the forward's KV-cache argument from `past_key_values` to `cache` (the
+    old name warns and goes in 5.40); the GPU machines' 5.17 knows only the old one."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+_CACHE_KEYWORD: list[str] = []
+
+
+def kv(cache) -> dict:
+    """The KV cache as the forward's keyword argument: model(input_ids=x, **kv(cache), use_cache=True)."""
+    if not _CACHE_KEYWORD:
+        _CACHE_KEYWORD.append(_cache_keyword())
+    return {_CACHE_KEYWORD[0]: cache}
+
+
 class ForwardOut(NamedTuple):
     logits: torch.Tensor  # [B, n, V] (prefill: [B, 1, V], the last position only)
     hidden: torch.Tensor | None  # [B, n, hidden] last hidden state (after the final norm), when asked
@@ -73,9 +93,8 @@ def prefill(model, input_ids: torch.Tensor, hidden: bool = False) -> ForwardOut:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                output_hidden_states=hidden)
-    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, out.past_key_values)
+    out = model(input_ids=input_ids, **kv(cache), use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
+    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, cache)
 
 
 @torch.inference_mode()
@@ -98,7 +117,7 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
         inputs_embeds=inputs_embeds,
         position_ids=position_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
+        **kv(cache),
         use_cache=True,
         output_hidden_states=hidden,
         **extra,

@@ -56,9 +56,10 @@ import torch
 
 from decoder.cache import crop_cache
 from decoder.draft import chain_nodes
-from decoder.forward import prefill
+from decoder.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
+from decoder.engine import vocab_size
 from decoder.loop import decode, select_attention
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample
@@ -180,8 +181,8 @@ class MTADGuesser:
         if plan is not None:
             raise UserError(f"{label}: MTAD drafts a chain of gamma tokens; it takes no plan")
 
-    def begin(self, model, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
-        vocab = model.get_input_embeddings().weight.shape[0]
+    def begin(self, target, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
+        vocab = vocab_size(target)
         if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
             raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
                             f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
@@ -250,7 +251,7 @@ class MTADSession:
         C = self.cache.get_seq_length()
         ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]  # [1, m]
         pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
         self.unseen = []
         self.base = self.cache.get_seq_length()
         return out.logits[0, -1]
@@ -258,7 +259,7 @@ class MTADSession:
     def _beam_pass(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """One token per beam row at `position`: logits [B, V]."""
         pos = torch.full((tokens.numel(), 1), position, dtype=torch.long, device=tokens.device)
-        out = self.model(input_ids=tokens[:, None], position_ids=pos, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=tokens[:, None], position_ids=pos, **kv(self.cache), use_cache=True)
         return out.logits[:, -1]
 
     def commit(self, outcome: StepOutcome) -> None:

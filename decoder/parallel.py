@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from decoder.forward import kv
 from decoder.cache import crop_cache
+from decoder.engine import torch_model
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
 from planner.errors import UserError
@@ -96,7 +98,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     def run(self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache=None):
         """inputs [B, L, H] -> hidden [B, L, H] after the final norm (the drafter's predicted features)."""
         out = self.body(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
-                        past_key_values=cache, use_cache=cache is not None)
+                        **kv(cache), use_cache=cache is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor, full: bool = False) -> torch.Tensor:
@@ -136,10 +138,10 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
             raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; the parallel drafter runs medusa trees")
         super().check(plan, label)
 
-    def begin(self, model, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "ParallelSession":
+    def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "ParallelSession":
         if ctx.prompt_hidden is None and prompt_ids.numel() > 1:
             raise UserError("parallel drafter: the decoder did not return the target's hidden states")
-        self.attach(model)
+        self.attach(torch_model(target))
         self.to(device=ctx.device)
         depth = plan.depth if plan is not None else self.num_masks + 1
         nodes = tuple(plan.states[0].nodes) if plan is not None else tuple((0,) * d for d in range(1, depth + 1))

@@ -37,10 +37,14 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder.cache import crop_cache
+from decoder.forward import kv
 from decoder.draft import draft_children
-from decoder.loop import _eos_set, _ids_1d
+from decoder.engine import StepInput, vocab_size
+from decoder.hf_engine import as_engine
+from decoder.layout import layout_for
+from decoder.loop import _eos, _ids_1d
 from decoder.output import truncate
-from decoder.verify import Sampling, probabilities, residual
+from decoder.verify import Sampling, Verdict, probabilities, residual
 from planner.errors import UserError
 
 SIDES = ("draft", "target", "coordinator")
@@ -136,13 +140,14 @@ class PearlState:
     pending: list[int]  # drafted, not yet verified (mode B)
     pending_q: list[torch.Tensor | None]  # q [V] (host, float64) each pending token was drawn from; None: greedy
     mode: str
-    target_cache: object
+    target_cache: object  # the target sequence's transformers cache (hf engine), for the tests' checks
     draft_cache: object
+    target: object = None  # the target's engine sequence (decoder/engine.py): its cache holds accepted[:-1]
 
 
 @dataclass
 class _Side:
-    model: object
+    model: object  # the drafter's transformers model; the target's engine (decoder/engine.py)
     threads: int | None
     stream: object  # torch.cuda.Stream or None
 
@@ -194,17 +199,18 @@ def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: i
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
     sampling = Sampling(temperature, top_k, top_p)
-    device = target.get_input_embeddings().weight.device
+    engine = as_engine(target)
+    device = engine.device
     ids = _ids_1d(input_ids, device).tolist()
-    _check_pair(target, draft_model, len(ids), max_new_tokens, gamma)
+    _check_pair(engine, draft_model, len(ids), max_new_tokens, gamma)
     split = split_threads(threads) if device.type == "cpu" else None
     streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else (None, None)
-    tside = _Side(target, split[0] if split else None, streams[0])
+    tside = _Side(engine, split[0] if split else None, streams[0])
     dside = _Side(draft_model.eval(), split[1] if split else None, streams[1])
     caller_threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft")
     try:
-        return _decode(tside, dside, pool, ids, gamma, max_new_tokens, sampling, _eos_set(target, eos_token_id),
+        return _decode(tside, dside, pool, ids, gamma, max_new_tokens, sampling, _eos(engine, eos_token_id),
                        seed, concurrent, split, on_round)
     finally:
         pool.shutdown(wait=True)
@@ -225,15 +231,19 @@ def split_threads(threads) -> tuple[int, int]:
     return pair
 
 
-def _check_pair(target, draft, prompt_len: int, max_new_tokens: int, gamma: int) -> None:
-    vt = target.get_input_embeddings().weight.shape[0]
+def _check_pair(engine, draft, prompt_len: int, max_new_tokens: int, gamma: int) -> None:
+    vt = vocab_size(engine)
     vd = draft.get_input_embeddings().weight.shape[0]
     if vt != vd:
         raise UserError(f"draft model: vocabulary of {vd} tokens, the target has {vt}: a drafter must share the "
                         "target's tokenizer")
     # the drafter runs up to 2 gamma - 1 tokens past the accepted text (a B round's pending + its new drafts)
     longest = prompt_len + max_new_tokens + 2 * gamma
-    for name, m in (("target", target), ("draft model", draft)):
+    if engine.max_positions is not None and longest > engine.max_positions:
+        raise UserError(f"target: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + 2 gamma "
+                        f"({2 * gamma}) exceeds the model's {engine.max_positions} positions")
+    models = [("draft model", draft)] + ([("target", engine.model)] if hasattr(engine, "model") else [])
+    for name, m in models:
         max_pos = getattr(m.config, "max_position_embeddings", None)
         if max_pos is not None and longest > max_pos:
             raise UserError(f"{name}: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + 2 gamma "
@@ -252,12 +262,12 @@ def _decode(tside: _Side, dside: _Side, pool, ids: list[int], gamma: int, max_ne
     clock = lambda: time.perf_counter() - t0  # noqa: E731
     gens = (torch.Generator().manual_seed(seed),  # the drafter's draws (its thread only)
             torch.Generator().manual_seed(seed + 1))  # the coordinator's draws
-    (dcache, ds), (tcache, ts) = _both(pool, concurrent, lambda: _prefill(dside, ids, clock),
-                                       lambda: _prefill(tside, ids, clock))
+    (dcache, ds), (tseq, ts) = _both(pool, concurrent, lambda: _prefill(dside, ids, clock),
+                                     lambda: _start_target(tside, ids, clock))
     stats.events += [PhaseEvent("target", "prefill", *ts), PhaseEvent("draft", "prefill", *ds)]
     stats.prefill_s = clock()
     stats.prefill_booked_s = max(ts[1] - ts[0], ds[1] - ds[0])
-    st = PearlState(list(ids), [], [], "A", tcache, dcache)
+    st = PearlState(list(ids), [], [], "A", getattr(tseq, "cache", None), dcache, tseq)
     new: list[int] = []
     while len(new) < max_new_tokens:
         kept, stop = _round(st, tside, dside, pool, gamma, s, gens, concurrent, clock, stats, eos,
@@ -280,7 +290,7 @@ def _round(st: PearlState, tside: _Side, dside: _Side, pool, gamma: int, s: Samp
     fed = st.accepted[-1:] + st.pending  # n = 1 (A) or gamma (B)
     draft, scored = _both(pool, concurrent,
                           lambda: _draft_job(dside, st.draft_cache, seq, gamma, s, gens[0], clock),
-                          lambda: _target_job(tside, st.target_cache, fed, len(st.accepted) - 1, s, clock))
+                          lambda: _target_job(tside, st.target, fed, s, clock))
     d0 = clock()
     produced, accepted = _decide(st, draft, scored, s, gens[1])
     kept, stop = truncate(produced, eos, room)
@@ -312,10 +322,19 @@ def _prefill(side: _Side, ids: list[int], clock):
         cache = DynamicCache(config=side.model.config)
         if len(ids) > 1:
             dev = side.model.get_input_embeddings().weight.device
-            side.model(input_ids=torch.tensor([ids[:-1]], device=dev), past_key_values=cache, use_cache=True,
+            side.model(input_ids=torch.tensor([ids[:-1]], device=dev), **kv(cache), use_cache=True,
                        logits_to_keep=1)
             _sync(side)
         return cache, (t, clock())
+
+
+def _start_target(side: _Side, ids: list[int], clock):
+    """The target engine's sequence over every prompt token but the last."""
+    with torch.inference_mode(), side.context():
+        t = clock()
+        seq, _ = side.model.start(torch.tensor(ids, dtype=torch.long, device=side.model.device))
+        _sync(side)
+        return seq, (t, clock())
 
 
 def _sync(side: _Side) -> None:
@@ -333,7 +352,7 @@ def _draft_job(side: _Side, cache, seq: list[int], gamma: int, s: Sampling, gen,
         tokens, qs = [], []
         for i in range(gamma):
             out = side.model(input_ids=torch.tensor([[tok]], device=dev),
-                             position_ids=torch.tensor([[pos + i]], device=dev), past_key_values=cache, use_cache=True)
+                             position_ids=torch.tensor([[pos + i]], device=dev), **kv(cache), use_cache=True)
             x, q = draft_children(out.logits[0, -1], 1, s, sampled, gen)
             tok = int(x[0])  # a host read: the job ends synchronised
             tokens.append(tok)
@@ -341,15 +360,17 @@ def _draft_job(side: _Side, cache, seq: list[int], gamma: int, s: Sampling, gen,
         return _Draft(tokens, qs, (t, clock()))
 
 
-def _target_job(side: _Side, cache, fed: list[int], pos: int, s: Sampling, clock) -> _Scored:
-    """One forward over `fed` from position `pos` (a causal chain): each row's argmax, and p when sampling."""
+def _target_job(side: _Side, seq, fed: list[int], s: Sampling, clock) -> _Scored:
+    """One forward over `fed` (a causal chain after the target's cache, which holds accepted[:-1]),
+    kept in the cache: each row's argmax, and p when sampling."""
     with torch.inference_mode(), side.context():
         t = clock()
-        dev = side.model.get_input_embeddings().weight.device
-        positions = torch.arange(pos, pos + len(fed), device=dev)[None]
-        out = side.model(input_ids=torch.tensor([fed], device=dev), position_ids=positions, past_key_values=cache,
-                         use_cache=True)
-        logits = out.logits[0]  # [n, V]
+        n = len(fed)
+        layout = layout_for(tuple((0,) * d for d in range(1, n)), 1, side.model.dtype, side.model.device)
+        tokens = torch.tensor(fed, dtype=torch.long, device=side.model.device)
+        logits, _ = seq.score(StepInput(tokens, layout))  # [n, V]
+        keep = list(range(n))
+        seq.commit(Verdict(torch.arange(n, device=tokens.device), keep, [], tokens[-1:]))
         if s.rule == "greedy":
             return _Scored(logits.argmax(-1).tolist(), None, (t, clock()))
         p = probabilities(logits, s).double().cpu()  # [n, V]
@@ -370,7 +391,7 @@ def _decide(st: PearlState, draft: _Draft, scored: _Scored, s: Sampling, gen) ->
         st.accepted += produced
         st.pending, st.pending_q, st.mode = [], [], "A"
         keep = len(st.accepted) - 1  # everything before y'
-        crop_cache(st.target_cache, keep)
+        st.target.rollback(keep)
         crop_cache(st.draft_cache, keep)
         return produced, i
     st.accepted += produced

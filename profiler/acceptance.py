@@ -67,12 +67,12 @@ class Measuring:
     def check(self, plan, label: str = "plan") -> None:
         pass
 
-    def begin(self, model, plan, prompt_ids, ctx):
+    def begin(self, target, plan, prompt_ids, ctx):
         from decoder.layout import layout_for
 
         nodes = comb_nodes(self.depth, self.width)
         tree = Tree("medusa", [TreeState(0, nodes, 1.0, 1 + len(nodes))], 1.0)
-        return _MeasuringSession(self, self.inner.begin(model, tree, prompt_ids, ctx),
+        return _MeasuringSession(self, self.inner.begin(target, tree, prompt_ids, ctx),
                                  layout_for((), 1, ctx.dtype, ctx.device), ctx.device)
 
 
@@ -166,10 +166,17 @@ def accuracy_json(hits: np.ndarray, totals: np.ndarray, positions: int, prompts:
         "conditional": conditional,
         "positions": positions,
         "prompts": prompts,
-        "model": getattr(model.config, "name_or_path", "") or getattr(model.config, "model_type", ""),
+        "model": model_name(model),
         "guesser": guesser,
         "source": source,
     }
+
+
+def model_name(target) -> str:
+    """What an acceptance record calls the target: an engine's model name, or a model's config name."""
+    if hasattr(target, "caps"):
+        return str(target.model_name)
+    return getattr(target.config, "name_or_path", "") or getattr(target.config, "model_type", "")
 
 
 def guessing_record(guesser, runner, depth: int) -> dict:
@@ -297,6 +304,7 @@ def measure_sampled_acceptance(model, draft_model, prompts: list[torch.Tensor], 
     from tqdm import tqdm
 
     from decoder import generate_plain
+    from decoder.hf_engine import as_engine
     from decoder.verify import Sampling, probabilities
 
     s = Sampling(temperature)
@@ -306,7 +314,7 @@ def measure_sampled_acceptance(model, draft_model, prompts: list[torch.Tensor], 
         out = generate_plain(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         seq = torch.cat([ids.cpu(), out.tokens])[None].to(ids.device)
         T = ids.numel()
-        p = probabilities(model(input_ids=seq).logits[0, T - 1: -1], s).double().cpu()  # [new, V]
+        p = probabilities(as_engine(model).teacher_forced(seq[0]).logits[T - 1: -1], s).double().cpu()  # [new, V]
         q = torch.softmax(draft_model(input_ids=seq).logits[0, T - 1: -1].double() / temperature, -1).cpu()
         for i in range(p.shape[0]):
             total += sibling_acceptance(p[i], q[i], width, samples, gen)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from decoder.forward import kv
 from decoder.cpu_paths import (
     install_paths,
     installed_bytes,
@@ -163,7 +164,7 @@ def _forward_once(model, cache, prefix, x) -> float:
     for layer, (k, v) in zip(cache.layers, prefix):
         layer.keys, layer.values = k, v
     t0 = time.perf_counter()
-    model(**x, past_key_values=cache, use_cache=True)
+    model(**x, **kv(cache), use_cache=True)
     return time.perf_counter() - t0
 
 

@@ -23,21 +23,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.cache import crop_cache
-from decoder.forward import (
-    ancestor_matrix,
-    prefill,
-    tree_attention_mask,
-    tree_depths,
-    tree_forward,
+from decoder.hf_engine import HFEngine
+from decoder.hf_timer import (  # noqa: F401 (TreeInput, Runner, make_tree_input: re-exported for tests)
+    TREE_BRANCHING,
+    HFForwardTimer,
+    Runner,
+    TreeInput,
+    is_oom,
+    make_tree_input,
+    pack_cache,
+    packed_input,
 )
 from planner.errors import UserError
 from profiler.fit import fit_latency
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
 from profiler.models import LoadedModel, config_hash, dtype_name
-
-TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4
-
 
 def check_lengths(input_lengths: list[int], context_length: int, max_positions: int | None, model=None,
                   batch_size: int = 1, device=None) -> None:
@@ -116,55 +116,6 @@ def coarse_to_fine(m: int) -> list[int]:
     return order
 
 
-def is_oom(e: BaseException) -> bool:
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return True
-    msg = str(e)
-    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
-
-
-@dataclass
-class TreeInput:
-    """Inputs of one tree forward: ids [B, n], position ids [B, n], mask [B, 1, n, C + n], and the
-    parents [n] for a model switched to the tree kernels (which ignore the dense mask)."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    mask: torch.Tensor
-    parents: list[int]
-    segments: object = None  # packed layout: decoder.batch.PackedSegments (one row, b sequences)
-
-
-def packed_input(x: TreeInput, batch_size: int, context_length: int) -> TreeInput:
-    """The same b trees packed into one row after b contexts of C tokens (EMS-SD's layout)."""
-    from decoder.batch import PackedSegments
-
-    b, n = x.input_ids.shape
-    C = context_length
-    block = x.mask[0, 0, :, C:]  # [n, n] additive, the tree among its own tokens
-    seg = PackedSegments([(i * C, C) for i in range(b)], [n] * b, [block] * b, b * C)
-    return TreeInput(x.input_ids.reshape(1, b * n), x.position_ids.reshape(1, b * n), None, x.parents, seg)
-
-
-def pack_cache(cache) -> None:
-    """A [b, H, C, d] cache of b equal-length contexts as one row [1, H, b C, d] (segment i = rows i C ..)."""
-    for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
-            continue
-        b, H, C, d = layer.keys.shape
-        layer.keys = layer.keys.permute(1, 0, 2, 3).reshape(1, H, b * C, d)
-        layer.values = layer.values.permute(1, 0, 2, 3).reshape(1, H, b * C, d)
-
-
-def make_tree_input(n: int, batch_size: int, context_length: int, vocab: int, dtype, device, gen) -> TreeInput:
-    parents = [-1] + [(i - 1) // TREE_BRANCHING for i in range(1, n)]
-    depth = torch.tensor(tree_depths(parents), dtype=torch.long)
-    mask = tree_attention_mask(ancestor_matrix(parents), context_length, dtype, device)  # [1, 1, n, C + n]
-    ids = torch.randint(0, vocab, (batch_size, n), generator=gen).to(device)
-    pos = (context_length + depth).expand(batch_size, n).to(device)
-    return TreeInput(ids, pos, mask.expand(batch_size, -1, -1, -1), parents)
-
-
 class Timer:
     """Seconds spent in fn(): CUDA events on GPU (device time between the two events, which includes
     any wait for kernel launches, as a decoding step has), perf_counter on CPU."""
@@ -183,71 +134,6 @@ class Timer:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-
-
-class Runner:
-    """Runs one length's forward over a cache of C tokens, eagerly or as a replayed CUDA graph.
-
-    Before every pass the cache is reset to the same C-token prefix tensors, which this object
-    keeps alive: captured graphs read them, so they must never be freed or rewritten.
-    """
-
-    def __init__(self, model, cache, cuda_graphs: bool):
-        self.model, self.cache, self.cuda_graphs = model, cache, cuda_graphs
-        self.kernel_path = getattr(model.config, "_attn_implementation", None) == "tree_triton"
-        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [B, H_kv, C, head_dim] each
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    def reset(self) -> None:
-        for layer, (k, v) in zip(self.cache.layers, self.prefix):
-            layer.keys, layer.values = k, v
-
-    def forward(self, x: TreeInput) -> None:
-        if x.segments is not None:  # packed batch: per-sequence attention (decoder.batch)
-            self.model(input_ids=x.input_ids, position_ids=x.position_ids, past_key_values=self.cache, use_cache=True,
-                       packed_segments=x.segments)
-        elif self.kernel_path:  # the decoder's kernel path: the tree as parents, no dense mask
-            from decoder.attention import prepare_tree
-
-            tree = prepare_tree(x.parents, x.input_ids.device)
-            tree_forward(self.model, x.input_ids, x.position_ids, None, self.cache, tree=tree)
-        else:
-            tree_forward(self.model, x.input_ids, x.position_ids, x.mask, self.cache)
-
-    def warm(self, n: int, x: TreeInput, times: int) -> None:
-        """`times` untimed passes; with CUDA graphs, then capture (warm-up on a side stream first,
-        as graph capture requires)."""
-        if not self.cuda_graphs:
-            for _ in range(times):
-                self.reset()
-                self.forward(x)
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(max(times, 2)):
-                self.reset()
-                self.forward(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        self.reset()
-        try:
-            with torch.cuda.graph(graph):
-                self.forward(x)
-        except RuntimeError as e:
-            if is_oom(e):
-                raise
-            raise UserError(f"--cuda-graphs: capture failed at input length {n} ({str(e).splitlines()[0]})") from None
-        finally:
-            self.reset()
-        self.graphs[n] = graph
-
-    def sample_fn(self, n: int, x: TreeInput):
-        """The thing to time: a graph replay, or one eager pass (the reset happens here, untimed)."""
-        if self.cuda_graphs:
-            return self.graphs[n].replay
-        self.reset()
-        return lambda: self.forward(x)
 
 
 @dataclass
@@ -325,6 +211,7 @@ class _Settings:
     bar: object
     layout: str = "padded"  # batch rows ("padded": b rectangular rows) or one packed row (EMS-SD)
     n_samples: int = 0
+    engine: object = None  # the engine whose forward_timer is timed (decoder/engine.py)
 
     def tick(self, b: int) -> None:
         self.n_samples += 1
@@ -371,6 +258,7 @@ def profile_model(
                warmup, seed, time_budget_s, progress)
     attn_before = getattr(hf.config, "_attn_implementation", None)
     st.layout = _layout(hf, layout, cuda_graphs)
+    st.engine = HFEngine(hf)
     lengths, bar = st.lengths, st.bar
     batch_sizes = [int(b) for b in batch_sizes]
     load_start = _load()
@@ -471,7 +359,7 @@ def _layout(hf, layout: str, cuda_graphs: bool) -> str:
     if layout == "packed":
         if cuda_graphs:
             raise UserError("--layout packed: not with --cuda-graphs (per-sequence attention loops on the host)")
-        from decoder.batch import enable_packed_attention
+        from decoder.hf_batch import enable_packed_attention
 
         enable_packed_attention(hf)
     return layout
@@ -504,37 +392,31 @@ def _measure_batch(st: _Settings, s: Series, deadline: float) -> None:
     """Every length at one batch size: round one coarse to fine, then shuffled rounds until each
     length's median is tight enough or the deadline passes."""
     b = s.batch_size
-    ctx = torch.randint(0, st.vocab, (b, st.context_length), generator=st.gen).to(st.device)
     try:
-        cache = _guarded(lambda: prefill(st.hf, ctx).cache)
+        timer = _guarded(lambda: st.engine.forward_timer(st.context_length, b, packed=st.layout == "packed",
+                                                         cuda_graphs=st.cuda_graphs, seed=st.rng.randrange(2**31)))
     except _OutOfMemory:
         s.stopped = {"reason": "out of memory", "batch_size": b, "input_length": 0, "at": "prefill"}
         _free(st.device)
         return
-    if st.layout == "packed":
-        pack_cache(cache)
-    runner = Runner(st.hf, cache, st.cuda_graphs)
-    inputs: dict[int, TreeInput] = {}
     st.bar.set_description(f"profiling b={b}{' packed' if st.layout == 'packed' else ''}")
-    active = _first_round(st, s, runner, inputs, deadline)
-    _later_rounds(st, s, runner, inputs, active, deadline)
-    del runner, cache, inputs
+    active = _first_round(st, s, timer, deadline)
+    _later_rounds(st, s, timer, active, deadline)
+    del timer
     _free(st.device)
 
 
-def _drop_from(st: _Settings, s: Series, runner: Runner, inputs: dict, n: int, *queues: list[int]) -> None:
+def _drop_from(st: _Settings, s: Series, timer, n: int, *queues: list[int]) -> None:
     """Out of memory at n: lengths from n up that have no sample yet are dropped; measured ones are kept."""
-    inputs.pop(n, None)
-    runner.graphs.pop(n, None)
+    timer.drop(n)
     _free(st.device)
-    runner.reset()
     if s.stopped is None or n < s.stopped["input_length"]:
         s.stopped = {"reason": "out of memory", "batch_size": s.batch_size, "input_length": n}
     for q in queues:
         q[:] = [m for m in q if m < n]
 
 
-def _first_round(st: _Settings, s: Series, runner: Runner, inputs: dict, deadline: float) -> list[int]:
+def _first_round(st: _Settings, s: Series, timer, deadline: float) -> list[int]:
     """Coarse to fine (ends, then midpoints): if the budget runs out here the measured lengths still
     span the range. Each length is warmed up just before its first sample. Returns the lengths measured."""
     todo = [st.lengths[i] for i in coarse_to_fine(len(st.lengths))]
@@ -544,15 +426,11 @@ def _first_round(st: _Settings, s: Series, runner: Runner, inputs: dict, deadlin
             break
         n = todo.pop(0)
         try:
-            inputs[n] = _guarded(lambda: make_tree_input(n, s.batch_size, st.context_length, st.vocab, st.dtype,
-                                                         st.device, st.gen))
-            if st.layout == "packed":
-                inputs[n] = packed_input(inputs[n], s.batch_size, st.context_length)
-            _guarded(lambda: runner.warm(n, inputs[n], st.warmup))
-            s.samples[n] = [_guarded(lambda: st.timer(runner.sample_fn(n, inputs[n])))]
+            _guarded(lambda: timer.warm(n, st.warmup))
+            s.samples[n] = [_guarded(lambda: st.timer(timer.sample(n)))]
             st.tick(s.batch_size)
         except _OutOfMemory:
-            _drop_from(st, s, runner, inputs, n, todo, active)
+            _drop_from(st, s, timer, n, todo, active)
             continue
         active.append(n)
     if todo:
@@ -560,7 +438,7 @@ def _first_round(st: _Settings, s: Series, runner: Runner, inputs: dict, deadlin
     return active
 
 
-def _later_rounds(st: _Settings, s: Series, runner: Runner, inputs: dict, active: list[int], deadline: float) -> None:
+def _later_rounds(st: _Settings, s: Series, timer, active: list[int], deadline: float) -> None:
     """Unfinished lengths in a fresh random order each round, until done or out of time."""
     while active:
         st.rng.shuffle(active)
@@ -568,10 +446,10 @@ def _later_rounds(st: _Settings, s: Series, runner: Runner, inputs: dict, active
             if time.time() > deadline or n not in active:
                 break
             try:
-                s.samples[n].append(_guarded(lambda: st.timer(runner.sample_fn(n, inputs[n]))))
+                s.samples[n].append(_guarded(lambda: st.timer(timer.sample(n))))
                 st.tick(s.batch_size)
             except _OutOfMemory:
-                _drop_from(st, s, runner, inputs, n, active)
+                _drop_from(st, s, timer, n, active)
         done = [n for n in active if len(s.samples[n]) >= st.max_repeats
                 or (len(s.samples[n]) >= st.min_repeats and median_rel_ci(s.samples[n]) <= st.target_rel_ci)]
         if time.time() > deadline:
@@ -624,21 +502,19 @@ def _free(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def warm_up_shapes(model, prompts: list[torch.Tensor], input_lengths) -> None:
+def warm_up_shapes(target, prompts: list[torch.Tensor], input_lengths) -> None:
     """One untimed pass at every shape a timed decoding run will meet: each prompt's prefill and a
     tree step of every input length (the first forward at a new shape can cost many times a
-    warm one on the CPU), so that no timing pays a first-call cost."""
-    dev = model.get_input_embeddings().weight.device
-    dtype = model.get_input_embeddings().weight.dtype
-    vocab = model.get_input_embeddings().weight.shape[0]
+    warm one on the CPU), so that no timing pays a first-call cost. target: an engine or a model."""
+    from decoder.hf_engine import as_engine
+
+    engine = as_engine(target)
     gen = torch.Generator().manual_seed(0)
-    cache = None
-    for T in sorted({int(p.numel()) for p in prompts}):
-        cache = prefill(model, torch.randint(0, vocab, (1, max(T - 1, 1)), generator=gen).to(dev)).cache
-    if cache is None:
+    lengths = sorted({int(p.numel()) for p in prompts})
+    if not lengths:
         return
-    C = cache.get_seq_length()
+    for T in lengths:
+        engine.start(torch.randint(0, engine.vocab_size, (max(T, 2),), generator=gen).to(engine.device))
+    timer = engine.forward_timer(max(lengths[-1] - 1, 1))
     for n in sorted({int(n) for n in input_lengths}):
-        x = make_tree_input(n, 1, C, vocab, dtype, dev, gen)
-        Runner(model, cache, False).forward(x)
-        crop_cache(cache, C)
+        timer.warm(n, 1)

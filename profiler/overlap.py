@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from decoder.forward import kv
 from decoder.pearl import set_thread_count
 
 
@@ -31,7 +32,7 @@ def forward_seconds(model, context: torch.Tensor, n: int, threads: int, repeats:
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=x, position_ids=pos, **kv(cache), use_cache=True)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
         crop_cache(cache, C)
@@ -65,7 +66,7 @@ def _job(model, cache, n_tokens: int, passes: int, threads: int, start=None) -> 
         start.wait()
     t0 = time.perf_counter()
     for i in range(passes):
-        model(input_ids=xs[i], position_ids=torch.arange(C, C + n_tokens)[None] + i * n_tokens, past_key_values=cache,
+        model(input_ids=xs[i], position_ids=torch.arange(C, C + n_tokens)[None] + i * n_tokens, **kv(cache),
               use_cache=True)
     t1 = time.perf_counter()
     crop_cache(cache, C)

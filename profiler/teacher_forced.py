@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from decoder.guesser import DecodeContext, StepOutcome
+from decoder.hf_engine import as_engine
 from decoder.loop import generate
 from decoder.verify import Sampling, Verdict
 from profiler.acceptance import Measuring, accuracy_json, chain_plan, count_hits, guessing_record
@@ -81,36 +82,33 @@ class _NoGuess:
     def check(self, plan, label="plan"):
         pass
 
-    def begin(self, model, plan, prompt_ids, ctx):
+    def begin(self, target, plan, prompt_ids, ctx):
         from decoder.guesser import PlainGuesser
 
-        return PlainGuesser().begin(model, plan, prompt_ids, ctx)
+        return PlainGuesser().begin(target, plan, prompt_ids, ctx)
 
 
 @torch.inference_mode()
-def target_pass(model, prompt: torch.Tensor, tokens: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_pass(target, prompt: torch.Tensor, tokens: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [L, V] and last hidden states [L, H] (after the final norm, as the decoder returns
-    them) over prompt + continuation, L = T + N."""
-    w = model.get_input_embeddings().weight
-    seq = torch.cat([prompt, tokens]).to(w.device)[None]
-    out = model(input_ids=seq, output_hidden_states=hidden, use_cache=False)
-    return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
+    them) over prompt + continuation, L = T + N; target: an engine or a model."""
+    return as_engine(target).teacher_forced(torch.cat([prompt, tokens]), hidden)
 
 
 @torch.inference_mode()
-def replay_guesses(model, guesser, prompt: torch.Tensor, tokens: torch.Tensor, depth: int, width: int,
+def replay_guesses(target, guesser, prompt: torch.Tensor, tokens: torch.Tensor, depth: int, width: int,
                    runner: Measuring | None = None, steps: int | None = None) -> torch.Tensor:
     """The guesser's comb [G, depth, width] at every root of the known continuation (G = N, or
     `steps`), its session fed the root-only outcomes of one teacher-forced target forward."""
-    w = model.get_input_embeddings().weight
+    engine = as_engine(target)
     runner = runner or Measuring(guesser, depth, width)
     T, N = prompt.numel(), tokens.numel()
     G = N if steps is None else min(N, steps)
-    logits, hidden = target_pass(model, prompt, tokens, guesser.needs_hidden)
-    seq = torch.cat([prompt, tokens]).to(w.device)
-    ctx = DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), w.dtype, w.device, "acceptance",
+    logits, hidden = target_pass(engine, prompt, tokens, guesser.needs_hidden)
+    seq = torch.cat([prompt, tokens]).to(engine.device)
+    ctx = DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), engine.dtype, engine.device, "acceptance",
                         None if hidden is None else hidden[: T - 1])
-    session = runner.begin(model, None, seq[:T], ctx)
+    session = runner.begin(engine, None, seq[:T], ctx)
     made = []
     for i in range(G):
         root = seq[T - 1 + i: T + i]  # [1]
@@ -119,7 +117,8 @@ def replay_guesses(model, guesser, prompt: torch.Tensor, tokens: torch.Tensor, d
         if i == G - 1:
             break
         nxt = seq[T + i: T + i + 1]
-        verdict = Verdict(path=torch.zeros(1, dtype=torch.long, device=w.device), nodes=[0], emitted=[int(nxt)], root=nxt)
+        verdict = Verdict(path=torch.zeros(1, dtype=torch.long, device=engine.device), nodes=[0], emitted=[int(nxt)],
+                          root=nxt)
         rows = slice(T - 1 + i, T + i)
         session.commit(StepOutcome(proposal, verdict, logits[rows], None if hidden is None else hidden[rows], T + i))
     return torch.stack(made)

@@ -9,6 +9,7 @@ import torch
 
 from planner.errors import UserError
 from planner.profile import load_profile
+from decoder import hf_timer
 from profiler import measure
 from profiler.fit import fit_latency, interpolate, isotonic
 from profiler.lengths import parse_lengths
@@ -235,7 +236,7 @@ def test_length_beyond_max_position(small_model):
 
 
 def _oom_at(n_min: int):
-    real = measure.tree_forward
+    real = hf_timer.tree_forward
 
     def fake(model, input_ids, position_ids, attention_mask, cache, **kw):
         if input_ids.shape[1] >= n_min:
@@ -246,14 +247,14 @@ def _oom_at(n_min: int):
 
 
 def test_oom_keeps_shorter_lengths(small_model, monkeypatch):
-    monkeypatch.setattr(measure, "tree_forward", _oom_at(16))
+    monkeypatch.setattr(hf_timer, "tree_forward", _oom_at(16))
     prof = profile_model(small_model, [1, 4, 8, 16, 32], context_length=8, **QUICK)
     assert prof["input_lengths"] == [1, 4, 8]
     assert prof["incomplete"] == [{"reason": "out of memory", "batch_size": 1, "input_length": 16}]
 
 
 def test_oom_at_every_length_is_an_error(small_model, monkeypatch):
-    monkeypatch.setattr(measure, "tree_forward", _oom_at(1))
+    monkeypatch.setattr(hf_timer, "tree_forward", _oom_at(1))
     with pytest.raises(UserError, match="out of memory at input length 1"):
         profile_model(small_model, [1, 2], context_length=8, **QUICK)
 
@@ -264,7 +265,7 @@ def test_cpu_allocator_failure_counts_as_oom():
 
 
 def test_ctrl_c_keeps_points_measured(small_model, monkeypatch):
-    real, calls = measure.tree_forward, []
+    real, calls = hf_timer.tree_forward, []
 
     def fake(*a, **kw):
         calls.append(1)
@@ -272,7 +273,7 @@ def test_ctrl_c_keeps_points_measured(small_model, monkeypatch):
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(measure, "tree_forward", fake)
+    monkeypatch.setattr(hf_timer, "tree_forward", fake)
     prof = profile_model(small_model, [1, 2, 4, 8], context_length=8, time_budget_s=60, min_repeats=50,
                          max_repeats=50, warmup=1, progress=False)
     assert prof["input_lengths"] and prof["incomplete"][-1]["reason"] == "interrupted"
@@ -342,7 +343,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(argv, match, tmp_path, cap
 
 
 def test_cli_oom_keeps_points_and_says_where(small_config, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(measure, "tree_forward", _oom_at(8))
+    monkeypatch.setattr(hf_timer, "tree_forward", _oom_at(8))
     out = tmp_path / "p.json"
     rc = main(["profile", "--model", str(small_config), "--input-lengths", "1,2,4,8,16", "--context-length", "4",
                "--time-budget", "1", "--no-progress", "-o", str(out)])
@@ -389,13 +390,13 @@ def test_fit_interpolates_and_planner_reads_it(tmp_path):
 def test_budget_running_out_in_round_one_still_spans_the_range(small_model, monkeypatch):
     import time
 
-    real = measure.tree_forward
+    real = hf_timer.tree_forward
 
     def slow(*a, **kw):
         time.sleep(0.05)
         return real(*a, **kw)
 
-    monkeypatch.setattr(measure, "tree_forward", slow)
+    monkeypatch.setattr(hf_timer, "tree_forward", slow)
     prof = profile_model(small_model, list(range(1, 10)), context_length=8, time_budget_s=0.25, warmup=1, progress=False)
     assert prof["input_lengths"][0] == 1 and prof["input_lengths"][-1] == 9 and len(prof["input_lengths"]) < 9
     unmeasured = prof["unmeasured_input_lengths"]["1"]
@@ -403,7 +404,7 @@ def test_budget_running_out_in_round_one_still_spans_the_range(small_model, monk
 
 
 def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
-    real, calls = measure.tree_forward, {"n": 0}
+    real, calls = hf_timer.tree_forward, {"n": 0}
 
     def fake(model, input_ids, *a, **kw):
         calls["n"] += 1
@@ -411,7 +412,7 @@ def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         return real(model, input_ids, *a, **kw)
 
-    monkeypatch.setattr(measure, "tree_forward", fake)
+    monkeypatch.setattr(hf_timer, "tree_forward", fake)
     prof = profile_model(small_model, [1, 2, 4, 8], context_length=8, time_budget_s=2, min_repeats=3, max_repeats=3,
                          warmup=1, progress=False)
     assert prof["input_lengths"] == [1, 2, 4, 8] and prof["incomplete"][0]["input_length"] == 4
@@ -433,7 +434,7 @@ def test_runner_resets_to_the_prefix(small_model):
 
 
 def test_cli_ctrl_c_writes_points_and_exits_130(small_config, tmp_path, monkeypatch, capsys):
-    real, calls = measure.tree_forward, []
+    real, calls = hf_timer.tree_forward, []
 
     def fake(*a, **kw):
         calls.append(1)
@@ -441,7 +442,7 @@ def test_cli_ctrl_c_writes_points_and_exits_130(small_config, tmp_path, monkeypa
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(measure, "tree_forward", fake)
+    monkeypatch.setattr(hf_timer, "tree_forward", fake)
     out = tmp_path / "p.json"
     rc = main(["profile", "--model", str(small_config), "--input-lengths", "1:4", "--context-length", "4",
                "--time-budget", "60", "--min-repeats", "50", "--no-progress", "-o", str(out)])

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from decoder.forward import kv
 from decoder.layout import prompt_block_mask
 from decoder.prompt_tokens import PromptTokens
 from planner.errors import UserError
@@ -88,13 +89,13 @@ def prompt_forward(model, embeddings: torch.Tensor, ensemble: int, x: torch.Tens
     P = embeddings.shape[0] // E
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        teacher = model(input_ids=x, past_key_values=cache, use_cache=True).logits  # [B, T, V]
+        teacher = model(input_ids=x, **kv(cache), use_cache=True).logits  # [B, T, V]
     H = embeddings.shape[1]
     inputs = embeddings[None, None].expand(B, m, P * E, H).reshape(B, m * P * E, H)
     offsets = torch.arange(P * E, device=x.device) // E + 1  # slot (j, e) sits at i + j + 1
     positions = (inserts[:, :, None] + offsets).reshape(B, m * P * E)
     mask = insertion_mask(inserts, T, P, E, inputs.dtype)
-    out = model(inputs_embeds=inputs, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(inputs_embeds=inputs, position_ids=positions, attention_mask=mask, **kv(cache), use_cache=True)
     student = out.logits.view(B, m, P, E, -1).mean(dim=3)  # [B, m, P, V]
     return student, teacher
 
