@@ -216,7 +216,7 @@ class LlamaEngine:
                                threads=self.threads)
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.max_positions = self.n_ctx
-        self.name = path.name
+        self.model_name = path.name
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
@@ -317,7 +317,9 @@ class LlamaEngine:
 
     # --------------------------------------------------------------------------------------- the protocol
 
-    def start(self, prompt_ids: torch.Tensor, hidden: bool = False) -> tuple["LlamaSequence", None]:
+    def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
+              pad_to: dict[int, int] | None = None) -> tuple["LlamaSequence", None]:
+        """pad_to is ignored: llama.cpp's forward grows with every token (no cheaper longer length)."""
         if hidden:
             raise UserError("--engine llama.cpp: llama.cpp returns no hidden states; use --engine hf for guessers "
                             "that read them")
@@ -334,10 +336,36 @@ class LlamaEngine:
         self.prefill(ids[:-1])
         return LlamaSequence(self, len(ids) - 1, ids[-1]), None
 
-    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True) -> "LlamaTimer":
+    def check_room(self, seq: "LlamaSequence", max_new_tokens: int, step_input: int) -> None:
+        T = seq.context_length + 1
+        if T + max_new_tokens + step_input > self.n_ctx:
+            raise UserError(f"llama.cpp engine: prompt ({T}) + max_new_tokens ({max_new_tokens}) + step input "
+                            f"({step_input}) exceed its context of {self.n_ctx} tokens (n_ctx)")
+        if step_input > self.max_step:
+            raise UserError(f"llama.cpp engine: steps of {step_input} tokens exceed max_step {self.max_step}")
+
+    def teacher_forced(self, ids: torch.Tensor, hidden: bool = False) -> Scored:
+        """Logits [T, V] at every position of a token sequence, in chunks of max_step (a chain each); the
+        cache is cleared after. Row i is what one-token decoding would compute there (chain exactness)."""
+        if hidden:
+            raise UserError("--engine llama.cpp: llama.cpp returns no hidden states")
+        toks = [int(t) for t in torch.as_tensor(ids).reshape(-1).tolist()]
+        if not toks or len(toks) > self.n_ctx:
+            raise UserError(f"teacher forcing: expected 1..{self.n_ctx} tokens, got {len(toks)}")
+        self._generation += 1
+        self.clear()
+        rows = []
+        for start in range(0, len(toks), self.max_step):
+            chunk = toks[start: start + self.max_step]
+            rows.append(torch.from_numpy(self.decode_step(chunk, chain_shape(len(chunk)), start).copy()))
+        self.clear()
+        return Scored(torch.cat(rows), None)
+
+    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True, seed: int = 0,
+                      **_) -> "LlamaTimer":
         if batch_size != 1:
             raise UserError("--engine llama.cpp: profiles batch size 1 only (one sequence per context)")
-        return LlamaTimer(self, context_length, tree)
+        return LlamaTimer(self, context_length, tree, seed)
 
 
 class LlamaSequence:
@@ -415,3 +443,11 @@ class LlamaTimer:
             eng.decode_step(tokens, shape, C)
 
         return forward
+
+    def warm(self, n: int, times: int = 1) -> None:
+        for _ in range(times):
+            self.sample(n)()
+        self.engine.keep(self.context_length)
+
+    def drop(self, n: int) -> None:
+        self.engine.keep(self.context_length)

@@ -41,7 +41,8 @@ class StockLlama:
         self.eos = {i for i in (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)) if i >= 0}
 
     def greedy(self, prompt_ids, max_new_tokens: int) -> tuple[list[int], float]:
-        """Greedy tokens (EOS not included) and the wall time from the call to the last token, prefill included."""
+        """Greedy tokens (up to and including EOS, as the decoding loop keeps it) and the wall time from the
+        call to the last token, prefill included."""
         ids = [int(t) for t in prompt_ids]
         if len(ids) + max_new_tokens + (self.lookup or 0) + 1 > self.llm.n_ctx():
             raise UserError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceed n_ctx {self.llm.n_ctx()}")
@@ -50,10 +51,8 @@ class StockLlama:
         t0 = time.perf_counter()
         if max_new_tokens > 0:
             for t in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                if t in self.eos:
-                    break
                 out.append(int(t))
-                if len(out) == max_new_tokens:
+                if t in self.eos or len(out) == max_new_tokens:
                     break
         return out, time.perf_counter() - t0
 

@@ -83,39 +83,21 @@ def reference(gguf, prompts, engine):
     for ids in prompts:
         toks = []
         for t in llm.generate(ids.tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if t in engine.eos_ids() or len(toks) == N_NEW:
-                break
             toks.append(int(t))
+            if t in engine.eos_ids() or len(toks) == N_NEW:
+                break  # the loop keeps the EOS token, as decoder.output.truncate does
         out.append(toks)
     llm.close()
     return out
 
 
 def decode(engine, ids, guesser=None, plan=None, max_new=N_NEW):
-    """A small greedy loop over the engine: propose, score, verify, commit (the decoding loop's step)."""
-    from decoder.guesser import DecodeContext, PlainGuesser, StepOutcome
-    from decoder.verify import Sampling, verify
+    """The project's one decoding loop over the engine -> (tokens, accepted per step)."""
+    from decoder.guesser import PlainGuesser
+    from decoder.loop import generate
 
-    sampling = Sampling()
-    gen = torch.Generator().manual_seed(0)
-    seq, _ = engine.start(ids)
-    session = (guesser or PlainGuesser()).begin(None, plan, ids, DecodeContext(sampling, gen, torch.float32,
-                                                                                torch.device("cpu")))
-    new, accepted = [], []
-    eos = engine.eos_ids()
-    while len(new) < max_new:
-        prop = session.propose(seq.root)
-        tree_ids = torch.cat([seq.root, prop.tokens])
-        scored = seq.score(StepInput(tree_ids, prop.layout))
-        verdict = verify(scored.logits[: prop.layout.num_tree], tree_ids, prop.layout, sampling, gen)
-        seq.commit(verdict)
-        accepted.append(len(verdict.nodes) - 1)
-        for t in verdict.emitted:
-            if t in eos or len(new) == max_new:
-                return new, accepted
-            new.append(t)
-        session.commit(StepOutcome(prop, verdict, scored.logits, None, seq.context_length))
-    return new, accepted
+    out = generate(engine, ids, plan=plan, guesser=guesser or PlainGuesser(), max_new_tokens=max_new)
+    return out.tokens.tolist(), out.stats.accepted
 
 
 def test_plain_loop_equals_llama_generate(engine, prompts, reference):
@@ -126,14 +108,15 @@ def test_plain_loop_equals_llama_generate(engine, prompts, reference):
 def test_chain_rows_bit_identical_to_one_token_steps(engine, prompts, reference):
     """Score root + the plain continuation as one chain: every row equals the one-token step's logits."""
     ids, ref = prompts[1], reference[1]
+    from decoder.verify import Verdict
+
     seq, _ = engine.start(ids)
     C = seq.context_length
     one = []
-    for t in [int(ids[-1])] + ref[:7]:
+    for t, nxt in zip([int(ids[-1])] + ref[:7], ref[:8]):
         scored = seq.score(StepInput(torch.tensor([t]), layout_for((), 1, torch.float32, "cpu")))
         one.append(scored.logits[0].clone())
-        seq.context_length += 1  # keep it: a one-token chain commits by a tail cut of nothing
-        seq._shape = None
+        seq.commit(Verdict(torch.tensor([0]), [0], [nxt], torch.tensor([nxt])))
     seq.rollback(C)
     chain = tuple((0,) * d for d in range(1, 8))
     scored = seq.score(StepInput(torch.tensor([int(ids[-1])] + ref[:7]), layout_for(chain, 1, torch.float32, "cpu")))
@@ -160,6 +143,9 @@ class _Oracle:
 
     def __init__(self, answer: list[int], nodes, vocab: int):
         self.answer, self.nodes, self.vocab = answer, nodes, vocab
+
+    def check(self, plan, label="plan"):
+        pass
 
     def begin(self, model, plan, ids, ctx):
         return _OracleSession(self, ids.numel())
