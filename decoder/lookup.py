@@ -81,6 +81,12 @@ class LookupSession:
         self.history.extend(outcome.verdict.emitted[:-1])
 
 
+def load(request) -> PromptLookupGuesser:
+    """The registry's loader (planner/guessers.py): chains of request.depth tokens (default 4)."""
+    return PromptLookupGuesser(num_tokens=request.depth if request.depth is not None else 4,
+                               max_ngram=request.options.get("max_ngram", 3), min_ngram=request.options.get("min_ngram", 1))
+
+
 def available_lengths(prompt: list[int], answer: list[int], num_tokens: int, max_ngram: int = 3,
                       min_ngram: int = 1) -> tuple[list[int], list[int]]:
     """Per answer position i (answer[:i] emitted, the root is the last token so far): how many tokens
