@@ -14,16 +14,20 @@ accepted node). Commit keeps the accepted path's sequence and drops the other pa
 (one path) needs only a cut of its tail.
 
 Exactness. With the llamafile matmul path off (scripts/setup.sh builds so), llama.cpp computes every
-row of a batched matmul exactly as a one-token evaluation, and attention sums over KV cells in cell
-order. A chain's tokens land in the cells a one-token loop would give them (the context, then the
-chain in order; a cut tail frees the cells right after the kept ones, which the next step fills), so
-chain steps are bit-identical to plain decoding. A tree's tokens are laid out depth-first with the
-rank-0 child first, so its first path is bit-identical as well; a token of another path sits in
-other cells than a one-token loop would use, which changes the order of the attention sums (rounding
-only: differences of order 1e-6, a different greedy choice only at a near-exact tie).
-With the llamafile path on (the default build), multi-token evaluation rounds differently from one
-token and greedy choices flip where the top two logits are within about 0.2: `llamafile_build()`
-detects it and the engine says so once.
+row of a batched matmul exactly as a one-token evaluation. Its CPU attention (flash attention off, as
+llama-cpp-python's `Llama`) sums over KV cells in SIMD lanes and 8-cell chunks by cell index, so a
+token's logits equal one-token decoding's bit for bit only when its visible cells sit where a
+one-token loop puts them: position p in cell p. A chain's tokens land exactly there (the context, then
+the chain in order; a cut tail frees the cells right after the kept ones, which the next step fills),
+so chain steps are bit-identical to plain decoding (tests/test_llama_engine.py checks every row). In a
+tree only one path can own cells C..C+d; a token of another path sits elsewhere, its sums round
+differently (order 1e-7), and llama.cpp's 8-bit quantisation of activations before each matmul turns
+that into logit differences of about 0.3 (measured), which flips greedy choices at near ties (seen
+within 32 tokens). So the engine scores one chain per step (caps.trees False) unless built with
+trees=True, where a tree is laid out depth-first with the rank-0 chain first: that path stays
+bit-identical and the others are approximate (for experiments, not for exact decoding).
+With the llamafile path on (the default build) even chains round differently from one-token
+evaluation: `llamafile_build()` detects it and the engine says so once.
 """
 from __future__ import annotations
 
@@ -83,6 +87,14 @@ def build_info() -> dict:
     lib = llama_lib()
     return {"llama_cpp_python": getattr(lib, "__version__", "?"), "system_info": system_info().strip(),
             "llamafile": llamafile_build()}
+
+
+def _warn_llamafile() -> None:
+    if not _BACKEND.get("warned") and llamafile_build():
+        print("note: this llama.cpp was built with the llamafile matmul path (GGML_LLAMAFILE=ON): its multi-token "
+              "steps round differently from one-token steps, so guesses may change greedy output; rebuild with "
+              "scripts/setup.sh", file=sys.stderr)
+    _BACKEND["warned"] = True
 
 
 def default_threads() -> int:
@@ -173,7 +185,7 @@ class LlamaEngine:
     root-to-leaf paths of a step tree (sequence ids); max_step: most tokens in one step."""
 
     def __init__(self, gguf_path, threads: int | None = None, n_ctx: int = 4096, max_paths: int = 64,
-                 max_step: int = 256, n_batch: int = 512):
+                 max_step: int = 256, n_batch: int = 512, trees: bool = False):
         lib = llama_lib()
         _backend(lib)
         path = Path(gguf_path)
@@ -212,8 +224,9 @@ class LlamaEngine:
         self._batch = lib.llama_batch_init(self.n_batch, 0, max_paths)
         self._shapes: dict[int, tuple[object, BatchShape]] = {}
         self._generation = 0  # start() count: a Sequence of an earlier start is stale
-        self.caps = EngineCaps("llama.cpp", hidden_states=False, input_embeddings=False, trees=True, batches=False,
+        self.caps = EngineCaps("llama.cpp", hidden_states=False, input_embeddings=False, trees=trees, batches=False,
                                threads=self.threads)
+        _warn_llamafile()
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.max_positions = self.n_ctx
         self.model_name = path.name
@@ -365,7 +378,7 @@ class LlamaEngine:
                       **_) -> "LlamaTimer":
         if batch_size != 1:
             raise UserError("--engine llama.cpp: profiles batch size 1 only (one sequence per context)")
-        return LlamaTimer(self, context_length, tree, seed)
+        return LlamaTimer(self, context_length, tree and self.caps.trees, seed)
 
 
 class LlamaSequence:
@@ -391,6 +404,9 @@ class LlamaSequence:
         if step.hidden:
             raise UserError("--engine llama.cpp: llama.cpp returns no hidden states")
         shape = eng.shape_of(lay)
+        if shape.n_paths > 1 and not eng.caps.trees:
+            raise UserError("--engine llama.cpp: scores one chain per step (a tree's other paths would not be "
+                            "token-identical to plain decoding, docs/llama-cpp.md); use a chain plan")
         logits = eng.decode_step(step.tokens.tolist(), shape, self.context_length)  # [n, V] batch order
         self._shape = shape
         out = torch.from_numpy(logits)
@@ -418,7 +434,8 @@ class LlamaSequence:
 
 class LlamaTimer:
     """Forwards of n tokens after a random context, as the profiler times them: the tree (node i under
-    (i - 1) // 2, one sequence id per path) or a chain, every row's logits."""
+    (i - 1) // 2, one sequence id per path) or a chain, every row's logits. A chain-only engine (the
+    default) times the one shape it scores, a chain, whatever `tree` says."""
 
     def __init__(self, engine: LlamaEngine, context_length: int, tree: bool, seed: int = 0):
         if not 1 <= context_length < engine.n_ctx - engine.max_step:

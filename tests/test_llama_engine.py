@@ -15,6 +15,7 @@ from decoder.llama_engine import batch_shape, binary_tree_shape, chain_shape
 from planner.errors import UserError
 
 N_NEW = 32
+THREADS = 1  # correctness only; one thread is not slowed by a busy machine (llama.cpp's threads spin at barriers)
 
 
 def test_batch_shape_depth_first_rank_zero_first():
@@ -52,7 +53,7 @@ def gguf():
 def engine(gguf):
     from decoder.llama_engine import LlamaEngine
 
-    eng = LlamaEngine(gguf, n_ctx=1024)
+    eng = LlamaEngine(gguf, n_ctx=1024, threads=THREADS)
     yield eng
     eng.close()
 
@@ -135,54 +136,42 @@ def test_lookup_chains_token_identical(engine, prompts, reference):
     assert total > 0  # lookup guessed right somewhere: chains were really committed
 
 
-class _Oracle:
-    """A tree guesser that knows the plain answer: rank r at depth d is the right token when r equals
-    a scripted rank, a wrong one otherwise, so steps accept paths other than the first."""
+@pytest.fixture(scope="module")
+def tree_engine(gguf):
+    from decoder.llama_engine import LlamaEngine
 
-    needs_hidden = False
-
-    def __init__(self, answer: list[int], nodes, vocab: int):
-        self.answer, self.nodes, self.vocab = answer, nodes, vocab
-
-    def check(self, plan, label="plan"):
-        pass
-
-    def begin(self, model, plan, ids, ctx):
-        return _OracleSession(self, ids.numel())
+    eng = LlamaEngine(gguf, n_ctx=1024, threads=THREADS, trees=True)
+    yield eng
+    eng.close()
 
 
-class _OracleSession:
-    def __init__(self, g: _Oracle, prompt_len: int):
-        self.g, self.done, self.step = g, 0, 0
-        self.layout = layout_for(g.nodes, 3, torch.float32, "cpu")
-        self.max_input_length = self.layout.input_length
+def test_tree_first_path_bit_identical_and_trees_refused_by_default(engine, tree_engine, prompts, reference):
+    """A tree's depth-first first path owns the cells a one-token loop would use: its rows equal the
+    plain one-token logits bit for bit. The default engine scores chains only."""
+    from decoder.verify import Verdict
 
-    def propose(self, root):
-        from decoder.guesser import Proposal
-
-        right_rank = self.step % 3  # the step's correct rank: 0, 1, 2 in turn (paths beyond the first)
-        toks = []
-        for p in self.g.nodes:
-            d = len(p)
-            ok = all(r == right_rank for r in p)
-            truth = self.g.answer[self.done + d - 1] if self.done + d - 1 < len(self.g.answer) else 0
-            toks.append(truth if ok else (truth + 1 + p[-1]) % self.g.vocab)
-        return Proposal(self.layout, torch.tensor(toks, dtype=torch.long))
-
-    def commit(self, outcome):
-        self.done += len(outcome.verdict.emitted)
-        self.step += 1
-
-
-def test_trees_token_identical_on_every_path(engine, prompts, reference):
-    nodes = ((0,), (1,), (2,), (0, 0), (1, 1), (2, 2), (0, 0, 0), (2, 2, 2))
-    for ids, ref in zip(prompts, reference):
-        out, accepted = decode(engine, ids, _Oracle(ref, nodes, engine.vocab_size))
-        assert out == ref
-        assert max(accepted) >= 2
+    ids, ref = prompts[3], reference[3]
+    seq, _ = tree_engine.start(ids)
+    C = seq.context_length
+    one = []
+    for t, nxt in zip([int(ids[-1])] + ref[:3], ref[:4]):
+        one.append(seq.score(StepInput(torch.tensor([t]), layout_for((), 1, torch.float32, "cpu"))).logits[0].clone())
+        seq.commit(Verdict(torch.tensor([0]), [0], [nxt], torch.tensor([nxt])))
+    seq.rollback(C)
+    nodes = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1))
+    wrong = [(t + 5) % tree_engine.vocab_size for t in ref[:3]]
+    tokens = torch.tensor([int(ids[-1]), ref[0], wrong[0], ref[1], wrong[1], ref[2], wrong[2]])
+    lay = layout_for(nodes, 2, torch.float32, "cpu")
+    scored = seq.score(StepInput(tokens, lay))
+    first_path = [0, 1, 3, 5]  # root, (0,), (0, 0), (0, 0, 0)
+    assert torch.equal(scored.logits[first_path], torch.stack(one))
+    seq2, _ = engine.start(ids)
+    with pytest.raises(UserError, match="one chain per step"):
+        seq2.score(StepInput(tokens, lay))
 
 
-def test_commit_leaves_only_the_accepted_path(engine, prompts, reference):
+def test_commit_leaves_only_the_accepted_path(tree_engine, prompts, reference):
+    engine = tree_engine
     lib, mem = engine.lib, engine._mem
     nodes = ((0,), (1,), (0, 0), (1, 0))
     ids, ref = prompts[0], reference[0]
@@ -217,11 +206,13 @@ def test_refuses_hidden_states_and_prompt_token_inputs(engine, prompts):
         engine.start(torch.tensor([1, engine.vocab_size]))
 
 
-def test_forward_timer_runs_trees_and_chains(engine):
-    for tree in (True, False):
-        timer = engine.forward_timer(64, tree=tree)
+def test_forward_timer_runs_trees_and_chains(engine, tree_engine):
+    for eng, tree in ((engine, True), (tree_engine, True), (tree_engine, False)):
+        timer = eng.forward_timer(64, tree=tree)
+        assert timer.tree == (tree and eng.caps.trees)  # a chain-only engine times chains
         for n in (1, 5, 16):
             timer.sample(n)()
-        assert engine.lib.llama_memory_seq_pos_max(engine._mem, 0) == 64 + 16 - 1
+        deepest = 64 + (4 if timer.tree else 15)  # node 15 of the binary tree: 15 -> 7 -> 3 -> 1 -> 0
+        assert max(eng.lib.llama_memory_seq_pos_max(eng._mem, s) for s in range(8)) == deepest
         timer.sample(1)
-        assert engine.lib.llama_memory_seq_pos_max(engine._mem, 0) == 63
+        assert max(eng.lib.llama_memory_seq_pos_max(eng._mem, s) for s in range(8)) == 63
