@@ -4,8 +4,8 @@ The timing loop is profiler/measure.py's (first round coarse to fine, later roun
 done when its median's 95 % interval is within `target_rel_ci`), over the engine's `forward_timer`:
 n new tokens after a random context, every row's logits (what verification reads), as a tree (node i
 under (i - 1) // 2, one sequence id per path) and as a chain (what prompt lookup runs), at each
-context length. The file's top level (what planner.profile reads) is the tree at the first context
-length, the cost of any plan's step; "shapes" keeps every (shape, context length) series. It also
+context length (chains only for the default chain-only engine, decoder/llama_engine.py). The file's
+top level (what planner.profile reads) is the first shape at the first context length; "shapes" keeps every (shape, context length) series. It also
 records the loop's own per-step work outside the forward ("decoder_overhead", the cost model adds it)
 and the build ("llamafile": whether multi-token evaluation rounds like one-token evaluation).
 """
@@ -44,7 +44,8 @@ def profile_llama(engine, input_lengths: list[int], context_lengths: list[int], 
                    target_rel_ci, warmup, torch.float32, engine.vocab_size, torch.Generator().manual_seed(seed),
                    random.Random(seed), Timer(torch.device("cpu")), time.time(), bar)
     load_start = _load()
-    runs = [(C, shape) for C in context_lengths for shape in SHAPES]
+    shapes_timed = SHAPES if engine.caps.trees else ("chain",)  # a chain-only engine scores chains only
+    runs = [(C, shape) for C in context_lengths for shape in shapes_timed]
     shapes, interrupted = [], False
     try:
         for i, (C, shape) in enumerate(runs):

@@ -34,6 +34,23 @@ def test_batch_shape_depth_first_rank_zero_first():
     assert b.n_paths == 4 and max(b.depth) == 2
 
 
+def test_numpy_chain_verification_equals_the_torch_rule():
+    from decoder.verify import verify_greedy, verify_greedy_chain
+
+    gen = torch.Generator().manual_seed(0)
+    for d in (0, 1, 4):
+        lay = layout_for(tuple((0,) * k for k in range(1, d + 1)), 1, torch.float32, "cpu")
+        for accept in range(d + 1):
+            logits = torch.randn(d + 1, 50, generator=gen)
+            top = logits.argmax(1).tolist()
+            tokens = [7] + [top[i] if i < accept else (top[i] + 1) % 50 for i in range(d)]
+            a = verify_greedy_chain(logits, torch.tensor(tokens), lay)
+            b = verify_greedy(logits, torch.tensor(tokens), lay)
+            assert (a.nodes, a.emitted, a.path.tolist(), a.root.tolist()) == (b.nodes, b.emitted, b.path.tolist(),
+                                                                              b.root.tolist())
+            assert len(a.nodes) == accept + 1
+
+
 # ---------------------------------------------------------------------------------------------- with llama.cpp
 
 llama_cpp = pytest.importorskip("llama_cpp")
