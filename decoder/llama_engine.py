@@ -334,7 +334,7 @@ class LlamaEngine:
     # --------------------------------------------------------------------------------------- the protocol
 
     def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
-              pad_to: dict[int, int] | None = None) -> tuple["LlamaSequence", None]:
+              pad_to: dict[int, int] | None = None) -> tuple[LlamaSequence, None]:
         """pad_to is ignored: llama.cpp's forward grows with every token (no cheaper longer length)."""
         if hidden:
             raise UserError("--engine llama.cpp: llama.cpp returns no hidden states; use --engine hf for guessers "
@@ -352,7 +352,7 @@ class LlamaEngine:
         self.prefill(ids[:-1])
         return LlamaSequence(self, len(ids) - 1, ids[-1]), None
 
-    def check_room(self, seq: "LlamaSequence", max_new_tokens: int, step_input: int) -> None:
+    def check_room(self, seq: LlamaSequence, max_new_tokens: int, step_input: int) -> None:
         T = seq.context_length + 1
         if T + max_new_tokens + step_input > self.n_ctx:
             raise UserError(f"llama.cpp engine: prompt ({T}) + max_new_tokens ({max_new_tokens}) + step input "
@@ -378,7 +378,7 @@ class LlamaEngine:
         return Scored(torch.cat(rows), None)
 
     def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True, seed: int = 0,
-                      **_) -> "LlamaTimer":
+                      **_) -> LlamaTimer:
         if batch_size != 1:
             raise UserError("--engine llama.cpp: profiles batch size 1 only (one sequence per context)")
         return LlamaTimer(self, context_length, tree and self.caps.trees, seed)
