@@ -35,7 +35,7 @@ def random_gguf_path(preset: str, qtype: str = "Q4_K") -> Path:
     return gguf_dir() / f"{preset}-{qtype}.gguf"
 
 
-def _shapes(cfg: dict, label: str) -> dict:
+def _shapes(cfg: dict, label: str, block: int) -> dict:
     """The preset's Llama shapes, checked: a one-line error names the missing or bad field."""
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     out = {}
@@ -50,8 +50,9 @@ def _shapes(cfg: dict, label: str) -> dict:
     out["rope_theta"] = float(cfg.get("rope_theta", 10000.0))
     out["eps"] = float(cfg.get("rms_norm_eps", 1e-5))
     out["context"] = int(cfg.get("max_position_embeddings", 4096))
-    if out["hidden_size"] % 256 or out["intermediate_size"] % 256 or (out["head_dim"] * out["num_attention_heads"]) % 256:
-        raise UserError(f"{label}: hidden, feed-forward and attention sizes must be multiples of 256 for 4-bit blocks")
+    if out["hidden_size"] % block or out["intermediate_size"] % block or (out["head_dim"] * out["num_attention_heads"]) % block:
+        raise UserError(f"{label}: hidden, feed-forward and attention sizes must be multiples of {block} (the 4-bit "
+                        "type's block); try --quant Q4_0")
     return out
 
 
@@ -114,9 +115,9 @@ def random_gguf(preset: str, qtype: str = "Q4_K", progress: bool = True, seed: i
     out = random_gguf_path(preset, qtype)
     if out.is_file():
         return out
-    s = _shapes(read_json(cfg_file), str(cfg_file))
-    tensors = _tensors(s)
     qt = getattr(gguf.GGMLQuantizationType, qtype)
+    s = _shapes(read_json(cfg_file), str(cfg_file), gguf.GGML_QUANT_SIZES[qt][0])
+    tensors = _tensors(s)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     total = sum(r * c for _, shape, quant in tensors if quant for r, c in [shape])
