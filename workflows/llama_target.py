@@ -94,3 +94,39 @@ def refuse_hf_only(args, options: dict) -> None:
     for flag, value in options.items():
         if value:
             raise UserError(f"{flag}: not with --engine llama.cpp (it belongs to the hf engine)")
+
+
+def llama_plain_report(model_name: str, prompts: list, max_new_tokens: int, hf_tokens_per_s: float | None,
+                       threads: int | None = None) -> dict:
+    """llama.cpp plain decoding (llama-cpp-python's Llama.generate, greedy) of the model's own GGUF file on the
+    hf main job's race prompts: which engine is faster on this machine. A reason instead when it cannot run."""
+    import importlib.util
+    import os
+    import time
+
+    from profiler.registry import MODELS, gguf_file
+
+    if model_name not in MODELS:
+        return {"skipped": f"no GGUF file ships for {model_name}"}
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"skipped": "llama-cpp-python is not installed (scripts/setup.sh builds it)"}
+    from decoder.llama_stock import StockLlama
+
+    import torch
+
+    before = torch.get_num_threads()
+    stock = StockLlama(gguf_file(model_name), threads)
+    stock.greedy(prompts[0], 8)  # warm-up
+    tokens = seconds = 0
+    t0 = time.time()
+    for ids in prompts:
+        toks, sec = stock.greedy(ids, max_new_tokens)
+        tokens, seconds = tokens + len(toks), seconds + sec
+    stock.close()
+    torch.set_num_threads(before)
+    tps = tokens / seconds if seconds > 0 else None
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tps, "threads": stock.threads,
+            "vs_hf_plain": tps / hf_tokens_per_s if tps and hf_tokens_per_s else None,
+            "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": time.time() - t0,
+            "how": "llama-cpp-python Llama.generate (greedy) on the model's GGUF file, same race prompt ids and "
+                   "new tokens; `planner autotune --engine llama.cpp` plans for that engine"}
