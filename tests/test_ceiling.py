@@ -33,3 +33,35 @@ def test_available_lengths_match_the_answer():
     assert offered[0] == 0 and available[0] == 0
     assert offered[1] == 3 and available[1] == 2  # 6, 7 right, 8 wrong (answer has 1)
     assert available[5] == 1 and oracle_ceiling(available, [1.0, 1.1]).guesses[-1] == 0  # the end caps it
+
+
+def test_per_step_lookup_index_finds_what_a_scan_finds():
+    """decoder.dynamic.LookupSource keeps an n-gram index (a dict read per step, not a scan of the text):
+    its continuation is decoder.lookup's, and its follow counts are a scan's."""
+    import random
+
+    import torch
+
+    from decoder.dynamic import LookupSource
+    from decoder.lookup import PromptLookupGuesser, find_continuation
+
+    class Spec:
+        max_depth = 6
+
+    rng = random.Random(0)
+    for _ in range(200):
+        vocab = rng.choice([3, 6, 30])
+        text = [rng.randrange(vocab) for _ in range(rng.randrange(3, 50))]
+        g = PromptLookupGuesser(4, max_ngram=rng.choice([1, 2, 3]))
+        src = LookupSource(None, g, Spec, torch.tensor(text[:2]), None)
+        h = text[:1]
+        for t in text[1:]:
+            src._push([t])
+            h.append(t)
+            follow, n, counts = src.continuation()
+            assert follow == find_continuation(h, g.max_ngram, g.min_ngram, 6)
+            if follow:
+                starts = [s for s in range(len(h) - n) if h[s: s + n] == h[len(h) - n:]]
+                for j, c in enumerate(counts):
+                    starts = [s for s in starts if s + n + j < len(h) and h[s + n + j] == follow[j]]
+                    assert c == max(1, len(starts))
