@@ -80,9 +80,25 @@ def open_llama(spec: str | None, threads: int | None = None, n_ctx: int = DEFAUL
     from decoder.llama_engine import LlamaEngine
 
     gguf, name, source, tok_dir, from_gguf = resolve_gguf(spec, quant, progress)
-    engine = LlamaEngine(gguf, threads=threads, n_ctx=n_ctx)
+    engine = LlamaEngine(gguf, threads=busy_threads(threads), n_ctx=n_ctx)
     engine.model_name = name
     return LlamaTarget(engine, gguf, name, source, tok_dir, from_gguf)
+
+
+def busy_threads(threads: int | None) -> int | None:
+    """--threads as given; unset on a machine busier than its cores, 1 (with a note): llama.cpp's threads
+    spin at every barrier, and a 2-thread forward then took 10-20x its quiet time (1 thread: 2-3x)."""
+    import os
+    import sys
+
+    if threads is not None or not hasattr(os, "getloadavg"):
+        return threads
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores and cores > 1:
+        print(f"note: the machine is busy (load {load:.1f} on {cores} cores): llama.cpp runs 1 thread (pass --threads "
+              "to choose); timings will be noisy", file=sys.stderr)
+        return 1
+    return threads
 
 
 def is_llama(args) -> bool:
