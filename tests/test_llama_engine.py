@@ -233,3 +233,25 @@ def test_forward_timer_runs_trees_and_chains(engine, tree_engine):
         assert max(eng.lib.llama_memory_seq_pos_max(eng._mem, s) for s in range(8)) == deepest
         timer.sample(1)
         assert max(eng.lib.llama_memory_seq_pos_max(eng._mem, s) for s in range(8)) == 63
+
+
+def test_lookup_acceptance_and_calibration_replayed_equal_decoded(engine, prompts):
+    """One shared greedy decode serves lookup's acceptance and calibration (autotune --engine llama.cpp):
+    replaying the text gives exactly the counts that decoding with the guesser gives."""
+    import numpy as np
+
+    from decoder.registry import LoadRequest, load_guesser
+    from profiler.acceptance import measure_accuracy
+    from profiler.calibration import measure_calibration, replay_calibration
+    from profiler.teacher_forced import greedy_continuations, replay_accuracy
+
+    lookup = load_guesser("lookup", LoadRequest(engine, depth=6))
+    some = prompts[1:3]
+    decoded = measure_accuracy(engine, lookup, some, max_new_tokens=24, depth=6, width=1)
+    cont = greedy_continuations(engine, some, 24)
+    replayed = replay_accuracy(engine, lookup, cont, 6, 1)
+    assert replayed["counts"] == decoded["counts"] and replayed["totals"] == decoded["totals"]
+    prior = np.array(decoded["accuracy"])
+    a = measure_calibration(engine, lookup, some, prior, max_new_tokens=24)
+    b = replay_calibration(lookup, cont.prompts, cont.tokens, prior)
+    assert a["hits"] == b["hits"] and a["totals"] == b["totals"] and a["p"] == b["p"]

@@ -17,6 +17,7 @@ to share (the project's draft LM); docs/llama-cpp.md says why and what a draft w
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -69,7 +70,8 @@ def autotune_llama(s: LlamaAutotune) -> dict:
     say(f"[1/5] profiling {target.name} in llama.cpp ({target.engine.threads} threads), chains of 1..{MAX_INPUT} "
         f"after {', '.join(map(str, CONTEXTS))} tokens  ({left():.0f} s left)")
     profile_path, profile = _profile(s, target, out)
-    say(f"[2/5] lookup acceptance and calibration on {len(accept_ids)} held-out prompts x {s.accept_tokens} tokens")
+    say(f"[2/5] lookup acceptance and calibration on {len(accept_ids)} held-out prompts x {s.accept_tokens} tokens "
+        f"(one greedy decode each)  ({left():.0f} s left)")
     accept_path, accept = _acceptance(s, target, accept_ids, out)
     say("[3/5] planning lookup chains and per-step lookup plans")
     racing = _plan(s, accept, profile, accept_path, profile_path, out)
@@ -100,19 +102,21 @@ def _profile(s: LlamaAutotune, target, out: Path):
 
 
 def _acceptance(s: LlamaAutotune, target, accept_ids: list, out: Path):
+    """One greedy decode per prompt in llama.cpp, shared: lookup's acceptance and its calibration are replayed
+    over the known text (tests/test_llama_engine.py: the counts equal decoding with the guesser)."""
     import numpy as np
 
     from decoder.registry import LoadRequest, load_guesser
     from planner.accept import load_acceptance
-    from profiler.acceptance import measure_accuracy
-    from profiler.calibration import measure_calibration
+    from profiler.calibration import replay_calibration
+    from profiler.teacher_forced import greedy_continuations, replay_accuracy
 
     lookup = load_guesser("lookup", LoadRequest(target.engine, depth=8))
-    acc = measure_accuracy(target.engine, lookup, accept_ids, max_new_tokens=s.accept_tokens)
-    acc["calibration"] = measure_calibration(target.engine, lookup, accept_ids, np.array(acc["accuracy"]),
-                                             max_new_tokens=s.accept_tokens)
-    acc.update({"engine": "llama.cpp", "source": f"planner autotune --engine llama.cpp: {target.name}, "
-                f"{len(accept_ids)} held-out prompts, {acc['positions']} positions"})
+    cont = greedy_continuations(target.engine, accept_ids, s.accept_tokens)
+    acc = replay_accuracy(target.engine, lookup, cont, 8, 1)
+    acc["calibration"] = replay_calibration(lookup, cont.prompts, cont.tokens, np.array(acc["accuracy"]))
+    acc.update({"engine": "llama.cpp", "decode_s": cont.decode_s, "source": f"planner autotune --engine llama.cpp: "
+                f"{target.name}, {len(accept_ids)} held-out prompts, {acc['positions']} positions (one greedy decode each)"})
     acc["guesser"].update(kind="lookup", dir=None)
     path = atomic_write_json(out / "accept-lookup.json", acc)
     return Path(path), load_acceptance(str(path))
@@ -251,8 +255,20 @@ def _write(s: LlamaAutotune, target, racing: list, race: dict, profile, out: Pat
         "oracle_ceiling": ceiling, "rows": rows, "race_prompts": len(prompts), "rounds": s.rounds,
         "interrupted": race["interrupted"], "load_avg_1m": _load(), "wall_s": wall_s,
     }
+    summary = _finite(summary)
     atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+def _finite(x):
+    """JSON has no infinities: an interval over too few prompts (no bound) is written as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _per_prompt(arm, plain, prompts) -> list[float]:
@@ -297,7 +313,8 @@ def _table(summary: dict) -> str:
     for r in summary["rows"]:
         m = r["measured_speedup"]
         share = r["captured_share_of_ceiling"]
-        lines.append(f"{r['plan']:<28} {r['predicted_speedup']:>8.2f}x {m['mean']:>8.2f}x [{m['lo']:.2f}, {m['hi']:.2f}] "
+        bounds = f"[{m['lo']:.2f}, {m['hi']:.2f}]" if m["lo"] is not None and m["hi"] is not None else "(no interval)"
+        lines.append(f"{r['plan']:<28} {r['predicted_speedup']:>8.2f}x {m['mean']:>8.2f}x {bounds:>13} "
                      f"{'' if share is None else f'{share:>12.0%}'}  {r['identical_to_plain']}"
                      + ("  CHOSEN" if r["chosen"] else ""))
     p = summary["plain"]
