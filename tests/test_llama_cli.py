@@ -79,3 +79,21 @@ def test_refusals_are_one_line(args, message):
 def test_decode_with_a_contradicting_engine_is_refused(flow):
     r = planner("decode", "--plan", str(flow / "plan.json"), "--engine", "hf", "--prompt", "x", ok=False)
     assert r.returncode != 0 and "made for the llama.cpp engine" in r.stderr
+
+
+def test_autotune_on_llama_cpp_writes_only_its_run_folder(tmp_path):
+    """The llama.cpp main job end to end at toy sizes: a decision that names its engine, outputs identical to
+    plain decoding, the oracle ceiling per race prompt, nothing written outside the run folder."""
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    run = tmp_path / "run"
+    planner("autotune", "--engine", "llama.cpp", "--out", str(run), "--accept-prompts", "2", "--decode-prompts", "3",
+            "--accept-tokens", "24", "--decode-tokens", "16", "--rounds", "1", "--profile-budget", "4", "--threads", "1",
+            "--quiet")
+    chosen = json.loads((run / "chosen.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert chosen["engine"] == "llama.cpp" and summary["engine"] == "llama.cpp"
+    assert summary["identical_to_greedy"] and summary["race_prompts"] == 3
+    assert len(summary["oracle_ceiling"]["per_prompt"]) == 3 and summary["oracle_ceiling"]["speedup"] >= 1.0
+    assert {p.name for p in run.iterdir()} == {"profile.json", "accept-lookup.json", "trees", "chosen.json", "summary.json"}
+    assert json.loads((run / "accept-lookup.json").read_text())["calibration"]["guesser"] == "lookup"
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout == before
