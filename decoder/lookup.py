@@ -20,7 +20,7 @@ import torch
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.pool import Decider, Pool, Source
-from planner.dynamic import DynamicSpec, GuesserModel, lookup_bins
+from planner.dynamic import DEPTH_BINS, DynamicSpec, GuesserModel, lookup_bin_list
 from planner.errors import UserError
 from planner.tree import Tree
 
@@ -29,52 +29,56 @@ from planner.tree import Tree
 class Match:
     tokens: list[int]  # what followed the most recent earlier occurrence of the suffix n-gram (at most k)
     ngram: int  # the matched n-gram length (0: no match)
-    starts: np.ndarray  # [m] every earlier occurrence of the suffix n-gram, oldest first
+    starts: list[int]  # every earlier occurrence of the suffix n-gram, oldest first
 
 
 class History:
-    """The text so far in a growing buffer (amortised appends), searched with array compares."""
+    """The text so far, with every n-gram's start positions (n in `ngrams`) indexed as tokens arrive:
+    a step's search is a few dict reads instead of a scan of the whole text, which matters against
+    llama.cpp's ~9 ms step (a scan per step cost about as much as the rest of the decision)."""
 
-    def __init__(self, ids: list[int]):
-        self.buf = np.zeros(len(ids) + 4096, dtype=np.int64)
-        self.T = len(ids)
-        self.buf[: self.T] = ids
+    def __init__(self, ids: list[int], ngrams: range):
+        self.h: list[int] = []
+        self.starts: dict[int, dict[tuple, list[int]]] = {n: {} for n in ngrams}
+        self.push(ids)
+
+    @property
+    def T(self) -> int:
+        return len(self.h)
 
     def push(self, toks: list[int]) -> None:
-        need = self.T + len(toks)
-        if need > len(self.buf):
-            self.buf = np.concatenate([self.buf, np.zeros(max(need, 2 * len(self.buf)) - len(self.buf), dtype=np.int64)])
-        self.buf[self.T: need] = toks
-        self.T = need
+        h = self.h
+        for t in toks:
+            h.append(int(t))
+            end = len(h)
+            for n, index in self.starts.items():
+                if end >= n:
+                    index.setdefault(tuple(h[end - n:]), []).append(end - n)
 
     def continuation(self, max_ngram: int, min_ngram: int, k: int) -> Match:
         """The longest suffix n-gram (max_ngram down to min_ngram) with an earlier occurrence; the
         at most k tokens that followed its most recent one (never the suffix itself)."""
-        h, T = self.buf, self.T
+        h, T = self.h, len(self.h)
         for n in range(min(max_ngram, T - 1), min_ngram - 1, -1):
-            m = np.ones(T - n, dtype=bool)  # candidate starts 0..T-n-1
-            for j in range(n):
-                m &= h[j: T - n + j] == h[T - n + j]
-            starts = np.flatnonzero(m)
-            if len(starts):  # a start s <= T-n-1 is always followed by h[s + n]
-                s = int(starts[-1])
-                return Match(h[s + n: min(s + n + k, T)].tolist(), n, starts)
-        return Match([], 0, np.zeros(0, dtype=np.int64))
+            starts = self.starts[n].get(tuple(h[T - n:]), [])[:-1]  # the last start is the suffix itself
+            if starts:  # a start s <= T-n-1 is always followed by h[s + n]
+                s = starts[-1]
+                return Match(h[s + n: min(s + n + k, T)], n, starts)
+        return Match([], 0, [])
 
     def follow_counts(self, match: Match) -> list[int]:
         """Per proposed token: the occurrences of the n-gram whose text continued with the match so far."""
-        h, T, n = self.buf, self.T, match.ngram
+        h, T, n = self.h, len(self.h), match.ngram
         counts, alive = [], match.starts
         for j, tok in enumerate(match.tokens):
-            alive = alive[alive + n + j < T]
-            alive = alive[h[alive + n + j] == tok]
+            alive = [a for a in alive if a + n + j < T and h[a + n + j] == tok]
             counts.append(max(1, len(alive)))
         return counts
 
 
 def find_continuation(history: list[int], max_ngram: int, min_ngram: int, num_tokens: int) -> list[int]:
     """The tokens that followed the most recent earlier occurrence of the longest matching suffix n-gram."""
-    return History(history).continuation(max_ngram, min_ngram, num_tokens).tokens
+    return History(history, range(min_ngram, max_ngram + 1)).continuation(max_ngram, min_ngram, num_tokens).tokens
 
 
 class PromptLookupGuesser:
@@ -115,7 +119,7 @@ class PromptLookupGuesser:
 class LookupSession:
     def __init__(self, g: PromptLookupGuesser, k: int, prompt: list[int], ctx: DecodeContext):
         self.g, self.k, self.ctx = g, k, ctx
-        self.history = History(prompt[:-1])  # everything before the root; the root joins at propose
+        self.history = History(prompt[:-1], range(g.min_ngram, g.max_ngram + 1))  # the root joins at propose
         self.max_input_length = 1 + k
         self.proposed = 0
 
@@ -142,7 +146,7 @@ class LookupSource(Source):
     def __init__(self, gm: GuesserModel, g: PromptLookupGuesser, spec: DynamicSpec, prompt_ids: torch.Tensor):
         super().__init__(gm)
         self.g, self.k = g, min(spec.max_depth, 16)
-        self.history = History(prompt_ids.reshape(-1).tolist()[:-1])  # the root joins at extend
+        self.history = History(prompt_ids.reshape(-1).tolist()[:-1], range(g.min_ngram, g.max_ngram + 1))
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
         self.history.push([int(root[0])])
@@ -150,12 +154,16 @@ class LookupSource(Source):
         if not match.tokens:
             return
         follow = match.tokens
-        depth = np.arange(1, len(follow) + 1)
-        bins = lookup_bins(np.full(len(follow), match.ngram), np.array(self.history.follow_counts(match)))
-        cells = self.model.cells(depth, np.zeros(len(follow), dtype=np.int64), bins)
-        c = session.c_of(self.kind, cells)
+        bins = lookup_bin_list(match.ngram, self.history.follow_counts(match))  # plain ints: numpy's per-call
+        if self.model.calibration is not None:                                   # cost was most of the decision
+            width = self.model.calibration.p.shape[1]
+            cells = [(min(d, DEPTH_BINS) - 1) * width + b for d, b in enumerate(bins, start=1)]
+        else:
+            cells = self.model.cells(np.arange(1, len(follow) + 1), np.zeros(len(follow), dtype=np.int64),
+                                     np.asarray(bins)).tolist()
+        c = session.c_of(self.kind, np.asarray(cells, dtype=np.int64))
         parent = -1
-        for tok, ci, cell, b in zip(follow, c.tolist(), cells.tolist(), bins.tolist()):
+        for tok, ci, cell, b in zip(follow, c.tolist(), cells, bins):
             parent = pool.add(tok, parent, ci, (self.kind, cell, b))
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
@@ -166,3 +174,19 @@ def load(request) -> PromptLookupGuesser:
     """The registry's loader (planner/guessers.py): chains of request.depth tokens (default 4)."""
     return PromptLookupGuesser(num_tokens=request.depth if request.depth is not None else 4,
                                max_ngram=request.options.get("max_ngram", 3), min_ngram=request.options.get("min_ngram", 1))
+
+
+def available_lengths(prompt: list[int], answer: list[int], num_tokens: int, max_ngram: int = 3,
+                      min_ngram: int = 1) -> tuple[list[int], list[int]]:
+    """Per answer position i (answer[:i] emitted, the root is the last token so far): how many tokens
+    lookup offers there, and how many of them plain decoding would accept (the matching prefix of its
+    continuation and answer[i:]). The oracle ceiling's input (planner/ceiling.py)."""
+    offered, available = [], []
+    for i in range(len(answer)):
+        follow = find_continuation(prompt + answer[:i], max_ngram, min_ngram, num_tokens)
+        a = 0
+        while a < len(follow) and i + a < len(answer) and follow[a] == answer[i + a]:
+            a += 1
+        offered.append(len(follow))
+        available.append(a)
+    return offered, available

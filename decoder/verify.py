@@ -101,6 +101,19 @@ def verify_greedy(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout) -
     return Verdict(path, buf.paths_list[b][: a + 1], toks[1: a + 1] + [tops[a]], top[path[a:]])
 
 
+def verify_greedy_chain(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout) -> Verdict:
+    """verify_greedy for a chain on the CPU, in numpy: one argmax per row and a prefix match, no small
+    torch ops (each costs microseconds; against llama.cpp's ~9 ms forward they add up)."""
+    top = logits.numpy().argmax(axis=1)  # [num_tree]
+    toks = tokens.tolist()
+    a = 0
+    while a + 1 < len(toks) and toks[a + 1] == top[a]:
+        a += 1
+    last = int(top[a])
+    return Verdict(buf.paths[0, : a + 1], list(range(a + 1)), toks[1: a + 1] + [last],
+                   torch.tensor([last], dtype=torch.long))
+
+
 def verify_typical(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator) -> Verdict:
     """Medusa typical acceptance: p(x) > min(eps, delta * exp(-H(p))) at the parent; not lossless."""
     p = probabilities(logits, s)  # [num_tree, V]
@@ -198,6 +211,8 @@ def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampl
     distribution each node's children were sampled from (sampled drafts); None: deterministic guesses."""
     rule = s.rule
     if rule == "greedy":
+        if logits.device.type == "cpu" and buf.depth == buf.num_tree - 1 and not logits.requires_grad:
+            return verify_greedy_chain(logits.float(), tokens, buf)
         return verify_greedy(logits, tokens, buf)
     if rule == "typical":
         return verify_typical(logits, tokens, buf, s, generator)

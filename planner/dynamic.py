@@ -58,6 +58,14 @@ def lookup_bins(ngram: np.ndarray, follows: np.ndarray) -> np.ndarray:
     return g * len(LOOKUP_COUNTS) + c
 
 
+def lookup_bin_list(ngram: int, follows: list[int]) -> list[int]:
+    """lookup_bins for one match (its n-gram length and each token's follow count), in plain ints."""
+    from bisect import bisect_right
+
+    g = (min(max(ngram, 1), LOOKUP_NGRAMS) - 1) * len(LOOKUP_COUNTS)
+    return [g + max(bisect_right(LOOKUP_COUNTS, f) - 1, 0) for f in follows]
+
+
 def num_bins(signal: str) -> int:
     return len(Q_EDGES) - 1 if signal == "q" else LOOKUP_NGRAMS * len(LOOKUP_COUNTS)
 

@@ -87,7 +87,7 @@ def plan_dynamic(accepts: list[tuple[str | None, object]], profile=None, max_siz
                 predicted_speedup=float(best["speedup"]) if profile is not None else None,
                 settings={"guesser": name, "max_size": max_size,
                           "max_depth": max_depth, "prior_prediction": preds},
-                dynamic=spec)
+                dynamic=spec, engine=profile.source.get("engine") if profile is not None else None)
     return tree
 
 

@@ -116,6 +116,7 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
         tree.provenance["profile"] = {k: v for k, v in profile.source.items() if isinstance(v, (str, int, float))}
         if isinstance(profile.source.get("simulated"), dict):
             tree.provenance["profile"]["simulated"] = profile.source["simulated"]
+        tree.engine = profile.source.get("engine")  # a plan runs in the engine its profile timed
     return tree
 
 

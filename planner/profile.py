@@ -98,7 +98,7 @@ def profile_from_json(data, label: str = "profile", source: dict | None = None,
         lat, pad = _padded(data, n, lat)
     src = dict(source or {})
     src.setdefault("file", label)
-    for k in ("device", "model", "dtype", "context_length", "batch_size"):
+    for k in ("device", "model", "dtype", "context_length", "batch_size", "engine"):
         if k in data:
             src[k] = data[k]
     if isinstance(data.get("simulated"), dict):  # computed, not measured: every plan made from it says so

@@ -29,6 +29,7 @@ METHODS = (MEDUSA, SEQUOIA, PPD)  # static trees (what tune and the searches pla
 DYNAMIC = "dynamic"  # a tree chosen at every step (planner/dynamic.py); states[0] holds the prior's tree
 CHAIN = "chain"  # a medusa tree of rank-0 guesses only: speculative decoding's draft (autotune's method name)
 FILE_METHODS = METHODS + (DYNAMIC,)
+ENGINES = ("hf", "llama.cpp")  # target engines a plan can name (decoder/engine.py); absent: hf
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
 
 Path_ = tuple[int, ...]
@@ -94,6 +95,7 @@ class Tree:
     provenance: dict = field(default_factory=dict)
     schedule: list[ScheduleEntry] | None = None  # per batch-size range; None: this tree at every batch size
     dynamic: object = None  # planner.dynamic.DynamicSpec for method "dynamic": trees chosen at every step
+    engine: str | None = None  # the target engine it was planned for ("hf", "llama.cpp"); None: hf (older files)
 
     def state(self, s: int) -> TreeState:
         for st in self.states:
@@ -145,6 +147,8 @@ class Tree:
             d["schedule"] = [e.to_json() for e in self.schedule]
         if self.dynamic is not None:
             d["dynamic"] = self.dynamic.to_json()
+        if self.engine is not None:
+            d["engine"] = self.engine
         d["settings"] = self.settings
         d["provenance"] = self.provenance
         return d
@@ -244,6 +248,9 @@ def tree_from_json(data, label: str = "tree") -> Tree:
     sp = data.get("predicted_speedup")
     if sp is not None and not _is_num(sp):
         raise UserError(f"{label}: field 'predicted_speedup' must be a number")
+    engine = data.get("engine")
+    if engine is not None and engine not in ENGINES:
+        raise UserError(f"{label}: field 'engine' is {engine!r}, expected one of {', '.join(ENGINES)}")
     tree = Tree(
         method=data["method"],
         states=states,
@@ -255,6 +262,7 @@ def tree_from_json(data, label: str = "tree") -> Tree:
         provenance=data.get("provenance", {}) or {},
         schedule=_schedule_from_json(data["schedule"], label) if data.get("schedule") is not None else None,
         dynamic=_dynamic_from_json(data, label),
+        engine=engine,
     )
     validate_tree(tree, label)
     return tree

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from decoder.dynamic import DynamicGuesser, DynamicSession, guesser_kind
-from decoder.guesser import Proposal
+from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.loop import generate
 from decoder.pool import Pool
+from decoder.verify import Sampling, Verdict
 from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
 from planner.errors import UserError
 from planner.guessers import kind as registered_kind
@@ -83,6 +84,35 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
         rec.begin = begin
         out = generate(model, ids, plan=plan, guesser=rec, max_new_tokens=max_new_tokens)
         per_prompt.append(observations(sess["s"].records, out.tokens.tolist()))
+    return _calibration_doc(kind, per_prompt, len(prompts), max_new_tokens)
+
+
+def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list[torch.Tensor], prior: np.ndarray,
+                       max_depth: int = 8) -> dict:
+    """measure_calibration without the target, for guessers whose pools read only the text (prompt lookup):
+    the session is fed each known greedy continuation's tokens as its roots, so one shared greedy decode
+    serves acceptance and calibration alike."""
+    kind = guesser_kind(guesser)
+    if kind != "lookup":
+        raise UserError(f"calibration replay: the {kind} guesser's pool reads the target; measure it by decoding")
+    plan = _plan(kind, prior, max_depth)
+    per_prompt = []
+    ctx = DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), torch.float32, torch.device("cpu"), "calibration")
+    for ids, toks in zip(prompts, continuations):
+        session = _Recording(guesser, plan).begin(None, plan, ids, ctx)
+        text = toks.tolist()
+        roots = [int(ids[-1])] + text
+        for i in range(len(text)):
+            session.propose(torch.tensor(roots[i: i + 1]))
+            verdict = Verdict(torch.zeros(1, dtype=torch.long), [0], [roots[i + 1]], torch.tensor(roots[i + 1: i + 2]))
+            session.commit(StepOutcome(Proposal(layout_for((), 1, torch.float32, "cpu"), torch.empty(0, dtype=torch.long)),
+                                       verdict, torch.empty(0), None, 0))
+        per_prompt.append(observations(session.records, text))
+    return _calibration_doc(kind, per_prompt, len(prompts), max(len(t) for t in continuations) if continuations else 0)
+
+
+def _calibration_doc(kind: str, per_prompt: list, n_prompts: int, max_new_tokens: int) -> dict:
+    """Fit the map on every prompt's observations, with a 2-fold cross-fitted reliability table."""
     if not per_prompt or sum(len(o[0]) for o in per_prompt) == 0:
         raise UserError("calibration: no candidate was ever observed (too few tokens decoded?)")
     signal = registered_kind(kind).signal
@@ -110,6 +140,6 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
     doc = cal.to_json()
     doc.update({"reliability": sorted(merged.values(), key=lambda r: (r["depth_bin"], r["bin"])),
                 "reliability_method": "2-fold cross-fit over prompts (each half scored by the map fitted on the other)",
-                "prompts": len(prompts), "observations": int(sum(len(o[0]) for o in per_prompt)),
+                "prompts": n_prompts, "observations": int(sum(len(o[0]) for o in per_prompt)),
                 "guesser": kind, "max_new_tokens": max_new_tokens})
     return doc

@@ -98,3 +98,11 @@ def _convert(m: RegistryModel, src: Path, out: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def gguf_file(name: str) -> Path:
+    """The registry model's own GGUF file (what llama.cpp runs), inside its installed package."""
+    if name not in MODELS:
+        raise UserError(f"model '{name}': no GGUF ships for it (registry models: {', '.join(MODELS)}); give a .gguf file")
+    m = MODELS[name]
+    return _package_dir(m) / m.gguf_file

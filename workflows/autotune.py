@@ -88,6 +88,7 @@ def autotune(s: AutotuneSettings) -> dict:
     summary = write_phase(run, racing, race, outputs, decision, profiled, accepts)
     if pearl:
         summary["pearl"] = {k: v for k, v in pearl.items() if k != "candidates"}
+    summary["llama_cpp_plain"] = _llama_plain(run, race_ids, summary)
     _finish(run, summary)
     run.say(format_table(summary))
     if s.report:
@@ -95,6 +96,18 @@ def autotune(s: AutotuneSettings) -> dict:
     _finish(run, summary)
     run.say(f"run folder: {shown(run.out_dir)}  ({summary['wall_s']:.0f} s); decision: {shown(run.out_dir / 'chosen.json')}")
     return summary
+
+
+def _llama_plain(run: Run, race_ids: list, summary: dict) -> dict:
+    """llama.cpp plain decoding of the model's own GGUF on the same race prompts (workflows/llama_target.py)."""
+    from workflows.llama_target import llama_plain_report
+
+    rep = llama_plain_report(run.loaded.name, race_ids, run.settings.decode_tokens,
+                             (summary.get("plain") or {}).get("tokens_per_s"), run.settings.threads)
+    if rep.get("tokens_per_s"):
+        run.say(f"      llama.cpp plain decoding of the same GGUF on the race prompts: {rep['tokens_per_s']:.1f} tokens/s "
+                f"({rep['vs_hf_plain']:.2f}x this engine's plain); plan for it: planner autotune --engine llama.cpp")
+    return rep
 
 
 def _finish(run: Run, summary: dict) -> None:

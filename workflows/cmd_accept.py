@@ -16,10 +16,12 @@ from workflows.inputs import (
     load_everything,
     read_prompts,
 )
+from workflows.llama_target import add_engine_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_engine_argument(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens decoded per prompt")
     p.add_argument("--plan", default=None, metavar="TREE",
                    help="also decode with this plan and record its state transitions next to its Markov model")
@@ -82,6 +84,10 @@ def _sampled(args) -> int:
 
 
 def run(args) -> int:
+    if getattr(args, "engine", None) == "llama.cpp":
+        from workflows.llama_runs import accept_llama
+
+        return accept_llama(args)
     if args.temperature != 0:
         return _sampled(args)
     if args.max_new_tokens < 2:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from workflows.autotune import GUESSERS, METHODS, AutotuneSettings
+from workflows.llama_target import add_engine_argument
 
 MAX_PROMPTS = 40  # held-out MT-bench questions: 16, split between acceptance and decoding
 MAX_TOKENS = 4096
@@ -27,21 +28,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-prompts", type=int, default=d.accept_prompts)
     p.add_argument("--decode-prompts", type=int, default=d.decode_prompts)
     p.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="greedy tokens per prompt for acceptance")
-    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="new tokens per prompt when decoding")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help=f"new tokens per prompt when decoding (default {d.decode_tokens}; 96 with --engine llama.cpp)")
     p.add_argument("--max-input-length", type=int, default=d.max_input_length,
                    help="largest forward pass planned (and profiled)")
     p.add_argument("--context-length", type=int, default=d.context_length, help="KV-cache length for the profile")
     p.add_argument("--methods", default=",".join(METHODS), help="PPD's tree families: a subset of ppd,medusa,sequoia")
-    p.add_argument("--budget", type=float, default=d.budget_minutes, metavar="MINUTES",
-                   help=f"bounds the whole run, loading to report (default {d.budget_minutes:g}); the race of the "
-                        "plans gets what the other phases leave")
+    p.add_argument("--budget", type=float, default=None, metavar="MINUTES",
+                   help=f"bounds the whole run, loading to report (default {d.budget_minutes:g}; 10 with --engine "
+                        "llama.cpp); the race of the plans gets what the other phases leave")
     p.add_argument("--finalists", type=int, default=d.finalists,
                    help="(guesser, method) families whose best predicted plan races against plain decoding")
     p.add_argument("--neighbours", type=int, default=d.neighbours,
                    help="sizes either side of the best predicted plan that also race")
     p.add_argument("--sweep", type=int, default=d.sweep, help="sizes of the best predicted method spread over its range "
                                                                "that also race (0: none)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="runs of each (plan, prompt) in the race (the median counts)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"runs of each (plan, prompt) in the race, the median counts (default {d.rounds}; 3 with "
+                        "--engine llama.cpp, whose runs take a second)")
+    add_engine_argument(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
     p.add_argument("--accept", default=None, help="reuse this PPD acceptance file instead of measuring")
@@ -78,10 +83,41 @@ def _check(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return methods, guessers
 
 
+def _defaults(args) -> None:
+    """Defaults that differ by engine: llama.cpp decodes ten times faster, so its race affords more."""
+    llama = args.engine == "llama.cpp"
+    d = AutotuneSettings()
+    for name, hf, ll in (("decode_tokens", d.decode_tokens, 96), ("rounds", d.rounds, 3),
+                         ("budget", d.budget_minutes, 10.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, ll if llama else hf)
+
+
+def _llama(args) -> int:
+    from planner.errors import UserError
+    from workflows.autotune_llama import LlamaAutotune, autotune_llama
+
+    for flag, given in (("--device", args.device), ("--dtype", args.dtype), ("--prompt-tokens", args.prompt_tokens),
+                        ("--draft", args.draft), ("--parallelspec", args.parallelspec), ("--accept", args.accept),
+                        ("--guessers", args.guessers != "auto")):
+        if given:
+            raise UserError(f"{flag}: not with --engine llama.cpp (it races prompt lookup, the guesser llama.cpp runs)")
+    summary = autotune_llama(LlamaAutotune(
+        model=args.model, out=args.out, questions=args.questions, accept_prompts=args.accept_prompts,
+        decode_prompts=args.decode_prompts, accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens,
+        rounds=args.rounds, finalists=min(args.finalists, 8), neighbours=args.neighbours, threads=args.threads,
+        n_ctx=args.n_ctx, profile=args.profile, profile_budget_s=args.profile_budget, budget_minutes=args.budget,
+        progress=not args.quiet))
+    return 0 if summary["identical_to_greedy"] else 1
+
+
 def run(args) -> int:
     from workflows.autotune import autotune
 
+    _defaults(args)
     methods, guessers = _check(args)
+    if args.engine == "llama.cpp":
+        return _llama(args)
     from planner.guessers import kinds
 
     # each directory flag names one kind of files; every guesser kind reading such files takes it

@@ -20,6 +20,7 @@ from workflows.inputs import (
     parse_guesser,
     read_prompts,
 )
+from workflows.llama_target import add_engine_argument
 
 # ------------------------------------------------------------------ planner decode
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tree file from `planner plan` (or autotune); needed by --guesser ppd, optional for the "
                         "others (default: a chain as deep as the drafter guesses, lookup: 4 tokens)")
     add_model_arguments(p)
+    add_engine_argument(p)
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="a profile from `planner profile`: run every Linear on the matmul paths it chose for this CPU "
                         "('matmul_paths'; a profile without them changes nothing)")
@@ -130,6 +132,10 @@ def run(args) -> int:
     from planner.tree import load_tree
 
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
+    from workflows.llama_runs import decode_llama, engine_of
+
+    if engine_of(args, tree) == "llama.cpp":  # the plan's engine, or --engine
+        return decode_llama(args, tree)
     paths = _matmul_paths(args.profile)
     tree = _follow_recorded_pearl(args, tree)
     args.guesser = args.guesser or _recorded_guesser(tree) or DEFAULT_GUESSER
@@ -390,7 +396,7 @@ def _format(s: dict, method: str) -> str:
             f"({s['tokens_per_step']:.2f} tokens/step")
     if s.get("tokens_per_s"):
         line += f", {s['tokens_per_s']:.1f} tokens/s"
-    if "speedup" in s and s["speedup"]:
+    if s.get("speedup"):
         line += f"; plain {s['plain_tokens_per_s']:.1f} tokens/s, speedup {s['speedup']:.2f}x, identical: {s['identical_to_plain']}"
     if s.get("perplexity") is not None:
         line += f"; perplexity {s['perplexity']:.2f}"

@@ -53,9 +53,14 @@ def add_arguments(p) -> None:
     p.description = DESCRIPTION
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("plan", metavar="PLAN", help="tree file written by `planner plan`")
-    p.add_argument("--engine", metavar="ENGINE", help="vllm, sglang, trtllm or hf")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write (atomically)")
+    p.add_argument("plan", metavar="PLAN", nargs="?", help="tree file written by `planner plan`")
+    p.add_argument("--plan", dest="plan_opt", metavar="PLAN", help="the same as the positional PLAN")
+    p.add_argument("--engine", metavar="ENGINE", help="vllm, sglang, trtllm, hf or llama-server")
+    p.add_argument("-o", "--output", metavar="FILE", help="where to write (atomically; required except for llama-server, "
+                                                         "which prints its command line)")
+    p.add_argument("--model-file", metavar="GGUF", help="llama-server: the model (default: the plan's, else SmolLM2's GGUF)")
+    p.add_argument("--threads", type=int, default=None, help="llama-server: threads (default: the plan's, else the cores)")
+    p.add_argument("--draft-p-min", type=float, default=None, help="llama-server with a draft model: --spec-draft-p-min")
     p.add_argument("--method", metavar="NAME",
                    help="the engine's drafter: ngram, suffix, medusa, eagle, eagle3, draft_model, mtp "
                         "(what the engine offers; default: medusa for medusa plans, draft_model for sequoia plans "
@@ -84,8 +89,17 @@ def run(args) -> int:
     from planner.jsonio import writable_target
     from planner.tree import load_tree
 
+    if args.plan_opt and args.plan and args.plan_opt != args.plan:
+        raise UserError("PLAN: give it once (positional or --plan)")
+    args.plan = args.plan or args.plan_opt
+    if args.plan is None:
+        raise UserError("PLAN is required: a tree file from `planner plan` or autotune (positional or --plan)")
+    if args.engine == "llama-server":
+        return _llama_server(args)
     if args.engine is None:
-        raise UserError("--engine is required: one of vllm, sglang, trtllm, hf")
+        raise UserError("--engine is required: one of vllm, sglang, trtllm, hf, llama-server")
+    if args.output is None:
+        raise UserError(f"-o FILE is required for --engine {args.engine}")
     engine = check_engine(args.engine)
     _check_numbers(args)
     out = writable_target(args.output)
@@ -188,6 +202,53 @@ def _lookup(plan, engine: str, method: str, ranges, accept, profiles, notes: lis
     cfg, why = lookup_settings(method, k, accept, profiles[min(profiles)], getattr(model, "calibration", None))
     notes += why
     return cfg
+
+
+def _llama_server(args) -> int:
+    """The llama-server command line the plan maps to (planner/export_llama.py), printed; -o also writes it."""
+    from decoder.llama_engine import check_threads
+    from planner.export_llama import llama_server_export
+    from planner.jsonio import atomic_write_json, writable_target
+    from planner.tree import load_tree
+
+    out = writable_target(args.output) if args.output else None
+    plan = load_tree(args.plan)
+    model = args.model_file or _plan_model_file(plan)
+    threads = check_threads(args.threads or _plan_threads(plan))
+    result = llama_server_export(plan, model, threads, draft_model=args.draft_model, draft_p_min=args.draft_p_min)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(result.command_line)
+    if out is not None:
+        atomic_write_json(out, result.to_json())
+        if not args.quiet:
+            print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _plan_profile(plan) -> dict:
+    from planner.jsonio import read_json
+
+    rec = plan.provenance.get("profile")
+    path = rec.get("file") if isinstance(rec, dict) else rec
+    try:
+        return read_json(path) if isinstance(path, str) and Path(path).is_file() else {}
+    except Exception:  # noqa: BLE001 (an unreadable profile only loses the defaults)
+        return {}
+
+
+def _plan_model_file(plan) -> str:
+    found = _plan_profile(plan).get("model_file")
+    if isinstance(found, str):
+        return found
+    from profiler.registry import gguf_file
+
+    return str(gguf_file("smollm2-135m"))
+
+
+def _plan_threads(plan) -> int | None:
+    t = _plan_profile(plan).get("threads")
+    return t if isinstance(t, int) else None
 
 
 def _check_numbers(args) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from planner.errors import UserError
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, parse_lengths
+from workflows.llama_target import add_engine_argument
 
 
 def parse_batch_sizes(values: list[str]) -> list[int]:
@@ -53,9 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute the profile for this GPU instead of measuring (an additive roofline fitted to "
                         "published measurements; the file is marked \"simulated\"); see --list-gpus")
     p.add_argument("--list-gpus", action="store_true", help="print the GPUs --simulate knows, with datasheet figures")
-    p.add_argument("--engine", default=None, choices=["graphs", "eager"],
-                   help="with --simulate: graphs (CUDA graphs / fused kernels: SGLang, TensorRT-LLM, gpt-fast; "
-                        "default) or eager (Hugging Face eager code with its CPU launch floor per layer)")
+    add_engine_argument(p, extra=("graphs", "eager"))
+    p.add_argument("--context-lengths", default="128,512", metavar="C,C,...",
+                   help="--engine llama.cpp: context lengths to time at; the first is the profile's (default 128,512)")
+    p.add_argument("--quant", default="Q4_K", choices=["Q4_K", "Q4_0", "Q4_1"],
+                   help="--engine llama.cpp with a preset: the 4-bit type of its random-filled GGUF (default Q4_K)")
+    p.add_argument("--remove-cached", action="store_true",
+                   help="delete the random-filled GGUF files of --model (every preset without --model) and exit")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
                    help="default: bf16 (fp16 without bf16 support) on GPU, fp32 on CPU")
@@ -130,10 +135,21 @@ def run(args) -> int:
     if args.list_models:
         print("\n".join(preset_names()))
         return 0
+    if args.remove_cached:
+        from profiler.gguf_random import remove_random_gguf
+
+        gone = remove_random_gguf(args.model)
+        print(f"removed {len(gone)} random-filled GGUF file(s): {', '.join(str(g) for g in gone) or 'none cached'}",
+              file=sys.stderr)
+        return 0
     if args.list_gpus or args.simulate:
+        if args.engine in ("hf", "llama.cpp"):
+            raise UserError(f"--engine {args.engine}: not with --simulate (there: graphs or eager)")
         return _simulate(args)
-    if args.engine:
-        raise UserError("--engine: only with --simulate GPU (a measured profile times what this machine runs)")
+    if args.engine in ("graphs", "eager"):
+        raise UserError(f"--engine {args.engine}: only with --simulate GPU (a measured profile times what this machine runs)")
+    if args.engine == "llama.cpp":
+        return _llama(args)
     lengths = parse_lengths(args.input_lengths)
     if args.matmul_max_rows > 1024 or (args.matmul_budget or 0) > 86400:
         raise UserError("--matmul-max-rows: at most 1024; --matmul-budget: at most 86400 s")
@@ -207,6 +223,41 @@ def run(args) -> int:
             f"out of memory {where} (batch size {stop['batch_size']}, context {args.context_length}); "
             f"stopped there and kept the {kept} points measured so far in {out}"
         )
+    return 0
+
+
+def _llama(args) -> int:
+    """--engine llama.cpp: L(n) of the model's GGUF file for chains (and trees, where the engine scores
+    them) at each --context-lengths, every row's logits; profiler/llama_profile.py."""
+    from planner.jsonio import atomic_write_json
+    from profiler.llama_profile import profile_llama
+    from workflows.llama_target import open_llama, refuse_hf_only
+
+    refuse_hf_only(args, {"--device": args.device, "--dtype": args.dtype, "--cuda-graphs": args.cuda_graphs,
+                          "--plot": args.plot, "--attention tree": args.attention != "sdpa",
+                          "--layout packed": args.layout != "padded", "--batch-sizes": args.batch_size != ["1"]})
+    lengths = parse_lengths(args.input_lengths)
+    contexts = parse_batch_sizes([args.context_lengths])  # positive integers, order kept
+    if max(contexts) > 65536 or (args.time_budget or 0) > 86400:
+        raise UserError("--context-lengths: at most 65536; --time-budget: at most 86400 s")
+    out = Path(args.output) if args.output else None
+    _check_writable("-o", out or Path("profiles") / "x")
+    target = open_llama(args.model, args.threads, max(args.n_ctx, max(contexts) + max(lengths) + 1), args.quant,
+                        progress=not args.no_progress)
+    print(f"profiling {target.name} in llama.cpp ({target.engine.threads} threads): {len(lengths)} lengths "
+          f"{lengths[0]}..{lengths[-1]}, contexts {contexts}", file=sys.stderr)
+    profile = profile_llama(target.engine, lengths, contexts, args.time_budget or 30.0, args.min_repeats,
+                            args.max_repeats, args.target_ci, args.warmup, args.seed, not args.no_progress,
+                            target.record())
+    out = out or Path("profiles") / f"cpu-llama.cpp-{target.name}.json"
+    atomic_write_json(out, profile)
+    n, lat = profile["input_lengths"], profile["latency_s"]
+    print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms "
+          f"({profile['shapes'][0]['shape']}, context {profile['context_length']}), {profile['wall_s']:.1f} s",
+          file=sys.stderr)
+    if profile.get("incomplete"):
+        print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)
+        raise KeyboardInterrupt
     return 0
 
 

@@ -1,0 +1,280 @@
+"""llama.cpp on prompts no tuning step read: this project's plan in llama.cpp against llama.cpp's own decoding.
+
+    python3 bench/bench_llamacpp.py --plan runs/<autotune --engine llama.cpp run>/chosen.json
+    python3 bench/bench_llamacpp.py --plan A.json --plan B.json --repeats 5 --threads 2
+    python3 bench/bench_llamacpp.py --smoke                      # 2 prompts x 16 tokens, seconds
+
+Prompts: training.splits.bench_prompts("chat", n) (two-turn hand-written chats: the first turn, and the
+second after llama.cpp's own greedy answer to the first) and bench_prompts("repeat", n) (requests that
+repeat their input: rewrite, summarise, correct, extract). Prompt ids: the model's chat template.
+Contenders, on the same ids, interleaved in a shuffled order per (repeat, prompt) after a warm-up,
+medians over --repeats, every time from the call to the last token (prefill included):
+  llama.cpp plain       llama-cpp-python Llama.generate, greedy (top-k 1): the baseline
+  llama.cpp lookup K    the same with its LlamaPromptLookupDecoding(num_pred_tokens=K), K = 4, 10
+  engine plain          this project's loop in llama.cpp with root-only steps (the loop's own cost)
+  plan NAME             this project's loop with the plan (its recorded guesser) in llama.cpp
+  transformers generate model.generate on the fp32 Hugging Face weights, greedy (--no-hf: skipped)
+Reports per contender tokens/s, per-prompt speedup over llama.cpp plain (geometric mean, min, per group),
+whether each output equals llama.cpp plain's, and beside every plan the oracle ceiling on the same prompts
+(planner/ceiling.py, from the plan's profile and the real answers) and the share of its gain the plan
+captured. Writes bench/results/llamacpp.{json,md} (--out) with the machine and its load. Ctrl-C writes
+what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from planner.errors import UserError  # noqa: E402
+
+BASE = "llama.cpp plain"
+
+
+def machine(threads: int) -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.machine())
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def build_prompts(tokenizer, stock, n_chat: int, n_repeat: int) -> list[tuple[str, str, torch.Tensor]]:
+    """(id, group, prompt ids): chat first turns, chat second turns after llama.cpp's greedy first answer,
+    and repeat requests."""
+    from training.splits import bench_prompts
+
+    def ids(messages) -> torch.Tensor:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return torch.tensor(list(out["input_ids"] if hasattr(out, "keys") else out), dtype=torch.long)
+
+    rows = []
+    for bp in bench_prompts("chat", n_chat):
+        first = [{"role": "user", "content": bp.turns[0]}]
+        rows.append((f"{bp.id}/1", "chat", ids(first)))
+        if len(bp.turns) > 1:
+            answer, _ = stock.greedy(rows[-1][2], 96)
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            rows.append((f"{bp.id}/2", "chat", ids(first + [{"role": "assistant", "content": text},
+                                                            {"role": "user", "content": bp.turns[1]}])))
+    for bp in bench_prompts("repeat", n_repeat):
+        rows.append((bp.id, "repeat", ids([{"role": "user", "content": bp.turns[0]}])))
+    return rows
+
+
+def contenders(args, target, plans: dict, stock: dict, hf) -> dict:
+    """name -> fn(ids) -> (tokens, seconds)."""
+    from decoder.guesser import PlainGuesser
+    from decoder.loop import generate
+    from decoder.registry import LoadRequest, load_guesser
+
+    eng = target.engine
+    out = {BASE: lambda ids: stock["plain"].greedy(ids, args.tokens)}
+    for k in (4, 10):
+        out[f"llama.cpp lookup {k}"] = (lambda s: lambda ids: s.greedy(ids, args.tokens))(stock[k])
+
+    def ours(tree, guesser):
+        def run(ids):
+            o = generate(eng, ids, plan=tree, guesser=guesser, max_new_tokens=args.tokens, phase_times=False)
+            run.last = o
+            return o.tokens.tolist(), o.stats.total_s
+        return run
+
+    out["engine plain"] = ours(None, PlainGuesser())
+    for name, tree in plans.items():
+        kind = tree.settings.get("guesser", "plain")
+        g = load_guesser(kind, LoadRequest(eng, depth=8)) if kind != "plain" else PlainGuesser()
+        out[f"plan {name}"] = ours(tree if kind != "plain" else None, g)
+    if hf is not None:
+        model, eos = hf
+
+        def transformers(ids):
+            torch.set_num_threads(args.threads)  # the llama engine keeps torch on one thread
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                y = model.generate(ids[None], max_new_tokens=args.tokens, do_sample=False, eos_token_id=eos,
+                                   pad_token_id=eos[0])
+            sec = time.perf_counter() - t0
+            torch.set_num_threads(1)
+            return y[0, ids.numel():].tolist(), sec
+        out["transformers generate"] = transformers
+    return out
+
+
+def measure(args, prompts, fns: dict) -> tuple[dict, dict, bool]:
+    """seconds[name][prompt id] -> [per repeat], tokens[name][prompt id]; interleaved, warm-up first."""
+    rng = random.Random(args.seed)
+    seconds = {n: {} for n in fns}
+    tokens = {n: {} for n in fns}
+    for fn in fns.values():  # warm-up: first calls at new shapes, thread pools
+        fn(prompts[0][2][: max(8, prompts[0][2].numel() // 2)])
+    interrupted = False
+    try:
+        for r in range(args.repeats):
+            for pid, _, ids in prompts:
+                order = list(fns)
+                rng.shuffle(order)
+                for n in order:
+                    toks, sec = fns[n](ids)
+                    seconds[n].setdefault(pid, []).append(sec)
+                    tokens[n][pid] = toks
+            print(f"repeat {r + 1}/{args.repeats} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: writing what is measured", file=sys.stderr)
+    return seconds, tokens, interrupted
+
+
+def ceilings(prompts, answers: dict, profile, max_guesses: int = 15) -> dict:
+    """Per prompt: the oracle ceiling of prompt lookup on llama.cpp plain's own answer (planner/ceiling.py)."""
+    from decoder.lookup import available_lengths
+    from planner.ceiling import oracle_ceiling, simulate_fixed
+    from planner.cost import step_cost
+
+    G = min(profile.max_input_length - 1, max_guesses)
+    cost = [float(step_cost(profile, g + 1)) for g in range(G + 1)]
+    out = {}
+    for pid, _, ids in prompts:
+        if pid not in answers:
+            continue
+        offered, avail = available_lengths(ids.tolist(), answers[pid], G)
+        c = oracle_ceiling(avail, cost)
+        stock4 = simulate_fixed([min(o, 4) for o in offered], avail, cost)
+        out[pid] = {"ceiling": c.speedup, "oracle_s": c.oracle_s, "plain_s": c.plain_s,
+                    "lookup4_predicted": c.plain_s / stock4}
+    return out
+
+
+def summarise(prompts, seconds, tokens, ceil: dict) -> dict:
+    ids = [pid for pid, _, _ in prompts if all(pid in seconds[n] for n in seconds)]
+    group = {pid: g for pid, g, _ in prompts}
+    med = {n: {p: statistics.median(seconds[n][p]) for p in ids} for n in seconds}
+    rows = {}
+    for n in seconds:
+        ratio = {p: med[BASE][p] / med[n][p] for p in ids}
+        toks = sum(len(tokens[n][p]) for p in ids)
+        row = {"tokens": toks, "seconds": sum(med[n].values()), "tokens_per_s": toks / sum(med[n].values()),
+               "speedup_geomean": math.exp(statistics.fmean(math.log(r) for r in ratio.values())),
+               "speedup_min": min(ratio.values()), "per_prompt": {p: round(r, 4) for p, r in ratio.items()},
+               "identical_to_llama_plain": [p for p in ids if tokens[n][p] != tokens[BASE][p]] == [],
+               "differs_on": [p for p in ids if tokens[n][p] != tokens[BASE][p]]}
+        for g in ("chat", "repeat"):
+            rs = [ratio[p] for p in ids if group[p] == g]
+            if rs:
+                row[f"speedup_{g}"] = math.exp(statistics.fmean(math.log(r) for r in rs))
+        if n.startswith("plan ") and ceil:
+            cs = [ceil[p] for p in ids if p in ceil]
+            ceiling = sum(c["plain_s"] for c in cs) / sum(c["oracle_s"] for c in cs)
+            overall = row["tokens_per_s"] / (sum(len(tokens[BASE][p]) for p in ids) / sum(med[BASE].values()))
+            row.update(ceiling=ceiling, speedup_overall=overall,
+                       ceiling_share=(overall - 1) / (ceiling - 1) if ceiling > 1 + 1e-9 else None)
+        rows[n] = row
+    lk = rows.get("llama.cpp lookup 4")
+    for n, row in rows.items():
+        if n.startswith("plan ") and lk:
+            row["vs_llama_lookup4"] = row["tokens_per_s"] / lk["tokens_per_s"]
+    return {"prompts": ids, "rows": rows}
+
+
+def to_markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [f"# llama.cpp benchmark ({doc['model']}, {doc['tokens']} greedy tokens, {len(doc['result']['prompts'])} "
+             f"prompts, medians of {doc['repeats']})", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; load {doc['load_before']} before, "
+             f"{doc['load_after']} after. llama.cpp build: llamafile {doc['llama_cpp']['llamafile']}.", "",
+             "| contender | tokens/s | x llama.cpp plain (geomean) | min | chat | repeat | identical | ceiling | share |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, r in doc["result"]["rows"].items():
+        f = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else ""  # noqa: E731
+        lines.append(f"| {n} | {r['tokens_per_s']:.1f} | {r['speedup_geomean']:.3f} | {r['speedup_min']:.3f} | "
+                     f"{f('speedup_chat')} | {f('speedup_repeat')} | {r['identical_to_llama_plain']} | {f('ceiling')} | "
+                     f"{f('ceiling_share')} |")
+    for n, r in doc["result"]["rows"].items():
+        if "vs_llama_lookup4" in r:
+            lines.append(f"\n{n}: {r['vs_llama_lookup4']:.2f}x llama.cpp's 4-token prompt lookup; overall "
+                         f"{r['speedup_overall']:.3f}x plain against an oracle ceiling of {r['ceiling']:.3f}x.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", action="append", default=[], help="a llama.cpp plan (repeatable), e.g. RUN/chosen.json")
+    p.add_argument("--profile", default=None, help="the L(n) for the ceiling (default: the first plan's profile)")
+    p.add_argument("--chat", type=int, default=6, help="two-turn chats (each gives 2 prompts)")
+    p.add_argument("--repeat", type=int, default=8, help="prompts that repeat their input")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp and torch threads (default: the cores)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--smoke", action="store_true", help="2 prompts x 16 tokens, one repeat, no transformers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "llamacpp"))
+    args = p.parse_args()
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"bench_llamacpp: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    from decoder.llama_engine import check_threads
+    from decoder.llama_stock import StockLlama
+    from planner.jsonio import atomic_write_bytes, atomic_write_json
+    from planner.profile import load_profile
+    from planner.tree import load_tree
+    from workflows.llama_target import open_llama
+
+    if args.smoke:
+        args.chat, args.repeat, args.tokens, args.repeats, args.no_hf = 1, 0, 16, 1, True
+    if not (1 <= args.tokens <= 2048 and 1 <= args.repeats <= 100 and 0 <= args.chat <= 50 and 0 <= args.repeat <= 50):
+        raise UserError("--tokens in 1..2048, --repeats in 1..100, --chat and --repeat in 0..50")
+    args.threads = check_threads(args.threads)
+    plans = {Path(f).parent.name + "/" + Path(f).stem: load_tree(f) for f in args.plan}
+    for f, t in zip(args.plan, plans.values()):
+        if t.engine != "llama.cpp":
+            raise UserError(f"--plan {f}: made for the {t.engine or 'hf'} engine, not llama.cpp")
+    prof_path = args.profile or next((t.provenance.get("profile") for t in plans.values()
+                                      if isinstance(t.provenance.get("profile"), str)), None)
+    profile = load_profile(prof_path) if prof_path else None
+    load_before = round(os.getloadavg()[0], 2)
+    target = open_llama("smollm2-135m", args.threads)
+    tokenizer = target.tokenizer()
+    stock = {"plain": StockLlama(target.gguf, args.threads), 4: StockLlama(target.gguf, args.threads, lookup=4),
+             10: StockLlama(target.gguf, args.threads, lookup=10)}
+    prompts = build_prompts(tokenizer, stock["plain"], args.chat, args.repeat)
+    hf = None
+    if not args.no_hf:
+        from profiler.models import load_model
+
+        hf_model = load_model("smollm2-135m", device="cpu", dtype="fp32").model
+        hf = (hf_model, sorted(target.engine.eos_ids()))
+    fns = contenders(args, target, plans, stock, hf)
+    seconds, tokens, interrupted = measure(args, prompts, fns)
+    ceil = ceilings(prompts, tokens[BASE], profile) if profile is not None else {}
+    result = summarise(prompts, seconds, tokens, ceil)
+    doc = {"model": target.name, "model_file": str(target.gguf), "tokens": args.tokens, "repeats": args.repeats,
+           "machine": machine(args.threads), "load_before": load_before, "load_after": round(os.getloadavg()[0], 2),
+           "llama_cpp": target.engine.describe(), "plans": args.plan, "profile": prof_path,
+           "prompts": [{"id": pid, "group": g, "length": int(ids.numel())} for pid, g, ids in prompts],
+           "ceilings": ceil, "result": result, "seconds": seconds, "interrupted": interrupted,
+           "command": "python3 bench/bench_llamacpp.py " + " ".join(sys.argv[1:])}
+    if not args.smoke:
+        atomic_write_json(args.out + ".json", doc)
+        atomic_write_bytes(args.out + ".md", to_markdown(doc).encode())
+        print(f"wrote {args.out}.json and .md", file=sys.stderr)
+    print(to_markdown(doc))
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
