@@ -10,7 +10,7 @@ import pytest
 
 from planner.export import ENGINES
 from planner.tree import load_tree, save_tree
-from workflows.autotune import plain_plan
+from workflows.autotune_write import plain_plan
 from workflows.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
