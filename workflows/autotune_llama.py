@@ -6,7 +6,8 @@
   2 acceptance  prompt lookup's acceptance and its live-signal calibration, decoding in llama.cpp
   3 plan        lookup chains of 1..8 tokens and per-step (dynamic) lookup plans, predicted with the cost model
   4 race        the finalists against llama.cpp plain decoding (this project's loop, root-only steps) on
-                other held-out prompts, interleaved, medians over rounds; every output must equal plain's;
+                other held-out prompts: the hf main job's race (workflows/choose.py: selection, then the
+                winner's confirmation on prompts it was not chosen on); every output must equal plain's;
                 llama-cpp-python's own Llama.generate runs beside as a reference (not a candidate)
   5 write       RUN/chosen.json (a plan with "engine": "llama.cpp"; plain decoding when nothing is faster
                 beyond the noise), RUN/trees/, RUN/summary.json with the oracle ceiling per race prompt
@@ -18,10 +19,9 @@ to share (the project's draft LM); docs/llama-cpp.md says why and what a draft w
 from __future__ import annotations
 
 import math
-import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.errors import UserError
@@ -77,7 +77,7 @@ def autotune_llama(s: LlamaAutotune) -> dict:
     racing = _plan(s, accept, profile, accept_path, profile_path, out)
     say(f"[4/5] racing {len(racing)} plans against plain decoding on {len(race_ids)} other held-out prompts "
         f"x {s.decode_tokens} tokens, {s.rounds} rounds  ({left():.0f} s left)")
-    race = _race(s, target, racing, race_ids, left, say)
+    race = _race(s, target, racing, race_ids, profile, left, say)
     say("[5/5] writing the decision")
     summary = _write(s, target, racing, race, profile, out, time.time() - t0)
     say(_table(summary))
@@ -135,129 +135,162 @@ def _plan(s: LlamaAutotune, accept, profile, accept_path: Path, profile_path: Pa
     return racing
 
 
+REPORT_RESERVE_S = 15.0  # writing the run folder, kept out of the race
+
+
 @dataclass
-class _Arm:
-    key: str
-    cand: object  # workflows.candidates.Candidate; None: plain decoding (or the stock reference)
-    seconds: dict  # prompt -> [seconds per round]
-    tokens: dict  # prompt -> tokens
-    decide_s: list
-    steps: int = 0
-    emitted: int = 0
-    mismatch: str = ""
+class _Record:
+    """What each race arm decoded: per prompt its first tokens; steps, tokens and decision times."""
+
+    tokens: dict = field(default_factory=dict)  # key -> {prompt: tokens}
+    steps: dict = field(default_factory=dict)  # key -> steps over its runs
+    emitted: dict = field(default_factory=dict)  # key -> tokens over its runs
+    decide_s: dict = field(default_factory=dict)  # key -> per-run median decision seconds (dynamic plans)
+    reference: dict = field(default_factory=dict)  # prompt -> (tokens, seconds) of llama-cpp-python's generate
 
 
-def _race(s: LlamaAutotune, target, racing: list, race_ids: list, left, say) -> dict:
+def _arms(racing: list, race_ids: list, profile, n: int) -> list:
+    """Plain decoding and every finalist as race arms (workflows/choose.py), with predicted seconds per prompt."""
+    from planner.cost import plain_step
+    from workflows.choose import PLAIN, Arm
+
+    step = plain_step(profile)
+
+    def arm(key, cost, up):
+        return Arm(key, cost, up, {p: n * step / max(up, 1e-3)
+                                   for p in range(len(race_ids))})
+
+    return [arm(PLAIN, 1.0, 1.0)] + [arm(c.label, c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9),
+                                          c.predicted_speedup) for c in racing]
+
+
+def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left, say) -> dict:
+    """The hf main job's race (workflows/choose.py: selection, then the winner's confirmation against
+    plain on prompts it was not chosen on, a sign-flip test), decoding in llama.cpp; llama-cpp-python's
+    own Llama.generate decodes each prompt once beside plain's first run, as a reference."""
     from decoder.guesser import PlainGuesser
     from decoder.llama_stock import StockLlama
     from decoder.loop import generate
     from decoder.registry import LoadRequest, load_guesser
+    from profiler.load import OtherLoad, other_cores
+    from workflows.choose import LOADED_CORES, PLAIN, Race, Run, run_race, speedup
 
     eng = target.engine
     lookup = load_guesser("lookup", LoadRequest(eng, depth=8))
-    arms = [_Arm("plain", None, {}, {}, [])] + [_Arm(c.label, c, {}, {}, []) for c in racing]
+    by_key = {c.label: c for c in racing}
+    race = Race(_arms(racing, race_ids, profile, s.decode_tokens), list(range(len(race_ids))), rounds=s.rounds,
+                seed=s.seed)
+    rec = _Record()
     stock = StockLlama(target.gguf, threads=eng.threads, n_ctx=eng.n_ctx)
-    ref = _Arm("llama.cpp generate", None, {}, {}, [])
-    for a in arms:  # warm every shape once (first calls at a new length cost more)
-        generate(eng, race_ids[0], plan=a.cand.tree if a.cand else None, guesser=lookup if a.cand else PlainGuesser(),
-                 max_new_tokens=8)
+
+    def decode(key: str, ids, n: int):
+        cand = by_key.get(key)
+        return generate(eng, ids, plan=cand.tree if cand else None, guesser=lookup if cand else PlainGuesser(),
+                        max_new_tokens=n, phase_times=False)
+
+    for a in race.arms:  # warm every shape once (first calls at a new length cost more)
+        decode(a.key, race_ids[0], 8)
     stock.greedy(race_ids[0], 8)
-    rng = random.Random(s.seed)
-    per_block = None
+    meter, t0 = OtherLoad(), time.perf_counter()
+    others = other_cores(0.5)
+    race.loaded_now = others is not None and others >= LOADED_CORES
+
+    def measure(key: str, p: int) -> Run:
+        meter.start()
+        start = time.perf_counter()
+        o = decode(key, race_ids[p], s.decode_tokens)
+        run = Run(key, p, time.perf_counter() - start, start - t0, meter.stop())
+        rec.tokens.setdefault(key, {}).setdefault(p, o.tokens.tolist())
+        rec.steps[key] = rec.steps.get(key, 0) + o.steps
+        rec.emitted[key] = rec.emitted.get(key, 0) + len(o.tokens)
+        if o.stats.dynamic:
+            rec.decide_s.setdefault(key, []).append(o.stats.dynamic["decide_s_median"])
+        if key == PLAIN and p not in rec.reference:
+            rec.reference[p] = stock.greedy(race_ids[p], s.decode_tokens)
+        return run
+
+    def check(p: int, keys: list[str]) -> None:
+        plain = rec.tokens[PLAIN][p]
+        for k in set(keys) - {PLAIN}:
+            a = race.arm(k)
+            if not a.dropped and rec.tokens[k][p] != plain:
+                a.dropped = f"output differs from plain decoding on race prompt {p}"
+                race.log.append(f"{k}: {a.dropped}")
+
+    def progress(phase: str, p: int) -> None:
+        lead = race.leader() if phase == "selection" else race.winner
+        say(f"      {phase} prompt {p}: {len(race.candidates())} plans left; "
+            f"{lead.key} {speedup(lead)} plain ({left():.0f} s left)")
+
     interrupted = False
     try:
-        for r in range(s.rounds):
-            for p, ids in enumerate(race_ids):
-                if per_block is not None and left() < per_block + 20:
-                    raise TimeoutError
-                t_block = time.time()
-                order = arms + [ref]
-                rng.shuffle(order)
-                for a in order:
-                    if a is ref:
-                        toks, sec = stock.greedy(ids, s.decode_tokens)
-                        a.seconds.setdefault(p, []).append(sec)
-                        a.tokens[p] = toks
-                        continue
-                    o = generate(eng, ids, plan=a.cand.tree if a.cand else None,
-                                 guesser=lookup if a.cand else PlainGuesser(), max_new_tokens=s.decode_tokens,
-                                 phase_times=False)
-                    a.seconds.setdefault(p, []).append(o.stats.total_s)
-                    a.tokens[p] = o.tokens.tolist()
-                    a.steps += o.steps
-                    a.emitted += len(a.tokens[p])
-                    if o.stats.dynamic:
-                        a.decide_s += [o.stats.dynamic["decide_s_median"]]
-                per_block = time.time() - t_block
-            say(f"      round {r + 1}/{s.rounds} done")
-    except TimeoutError:
-        say("      the budget ends the race here; deciding on the prompts every arm decoded")
+        decision = run_race(race, measure, lambda: left() - REPORT_RESERVE_S, check, progress)
     except KeyboardInterrupt:
         interrupted = True
         say("      interrupted: deciding on what was measured")
+        decision = race.decide()
     stock.close()
-    plain = arms[0]
-    for a in arms[1:] + [ref]:
-        bad = [p for p in plain.tokens if a.tokens.get(p) is not None and a.tokens[p] != plain.tokens[p]]
-        if bad:
-            a.mismatch = f"output differs from plain decoding on race prompt(s) {bad}"
-    return {"arms": arms, "reference": ref, "race_ids": race_ids, "interrupted": interrupted}
+    return {"race": race, "decision": decision, "record": rec, "race_ids": race_ids, "interrupted": interrupted}
 
 
-def _medians(a: _Arm, prompts) -> dict:
-    return {p: statistics.median(a.seconds[p]) for p in prompts if a.seconds.get(p)}
-
-
-def _write(s: LlamaAutotune, target, racing: list, race: dict, profile, out: Path, wall_s: float) -> dict:
+def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Path, wall_s: float) -> dict:
     from planner.tree import save_tree
     from workflows.autotune_write import plain_plan
-    from workflows.choose import Arm, decide, speedup
+    from workflows.choose import PLAIN, speedup
 
-    arms, ref = race["arms"], race["reference"]
-    plain = arms[0]
-    prompts = [p for p in plain.seconds if all(p in a.seconds for a in arms)]
-    if len(prompts) == 0:
-        raise UserError("the race measured no prompt on every arm (budget too small?); nothing decided")
-    scored = [Arm(a.key, 1.0, seconds=_medians(a, prompts), dropped=a.mismatch) for a in arms]
-    decision = decide(scored)
-    chosen = next((a for a in arms[1:] if a.key == decision.choice), None)
+    race, decision, rec = raced["race"], raced["decision"], raced["record"]
+    plain = race.plain
+    prompts = sorted(plain.seconds)
+    if not prompts:
+        raise UserError("the race measured no prompt (budget too small?); nothing decided")
     (out / "trees").mkdir(exist_ok=True)
+    ceiling = _ceilings(raced["race_ids"], rec.tokens[PLAIN], profile, prompts)
     rows = []
-    ceiling = _ceilings(race, plain, profile, prompts)
-    for a, sc in zip(arms[1:], scored[1:]):
-        c = a.cand
+    for c in racing:
+        a = race.arm(c.label)
         path = save_tree(c.tree, out / "trees" / f"{c.guesser}-{c.method}-{c.size}.json")
-        up = speedup(sc, scored[0])
+        up = speedup(a) if a.ratios else None
+        confirmed = decision.speedup if decision.choice == a.key else None
+        best = confirmed or up
         rows.append({"plan": a.key, "method": c.method, "size": c.size, "predicted_speedup": c.predicted_speedup,
                      "predicted_tokens_per_step": c.predicted_tokens_per_step,
-                     "measured_speedup": up.to_json(), "per_prompt_speedup": _per_prompt(sc, scored[0], prompts),
-                     "measured_tokens_per_step": a.emitted / max(a.steps, 1),
-                     "captured_share_of_ceiling": _share(up.mean, ceiling["speedup"]),
-                     "decide_s_median": statistics.median(a.decide_s) if a.decide_s else None,
-                     "identical_to_plain": not a.mismatch, "mismatch": a.mismatch or None,
-                     "chosen": a is chosen, "tree": shown(path)})
-    tree = chosen.cand.tree if chosen else plain_plan(decision.reason)
+                     "measured_speedup": up.to_json() if up else None,
+                     "confirmed_speedup": confirmed.to_json() if confirmed else None,
+                     "per_prompt_speedup": _per_prompt(a, plain),
+                     "measured_tokens_per_step": rec.emitted.get(a.key, 0) / max(rec.steps.get(a.key, 0), 1),
+                     "captured_share_of_ceiling": _share(best.mean, ceiling["speedup"]) if best else None,
+                     "decide_s_median": statistics.median(rec.decide_s[a.key]) if rec.decide_s.get(a.key) else None,
+                     "identical_to_plain": not a.dropped.startswith("output differs"), "dropped": a.dropped or None,
+                     "chosen": decision.choice == a.key, "tree": shown(path)})
+    chosen = by_label(racing).get(decision.choice)
+    tree = chosen.tree if chosen else plain_plan(decision.reason)
     tree.engine = "llama.cpp"
     save_tree(tree, out / "chosen.json")
-    plain_tokens = sum(len(plain.tokens[p]) for p in prompts)
-    plain_s = sum(_medians(plain, prompts).values())
-    ref_s = sum(_medians(ref, prompts).values()) if all(ref.seconds.get(p) for p in prompts) else None
+    plain_tokens = sum(len(rec.tokens[PLAIN][p]) for p in prompts)
+    plain_s = sum(plain.seconds[p] for p in prompts)
+    ref = [rec.reference[p] for p in prompts if p in rec.reference]
+    ref_s = sum(sec for _, sec in ref)
     summary = {
         "engine": "llama.cpp", "model": target.name, "model_file": str(target.gguf), "llama_cpp": target.engine.describe(),
         "chosen": shown(out / "chosen.json"), "decision": decision.choice, "decision_reason": decision.reason,
-        "speedup": decision.speedup.to_json(),
+        "speedup": decision.speedup.to_json(), "p_value": decision.p_value,
         "plain": {"tokens": plain_tokens, "seconds": plain_s, "tokens_per_s": plain_tokens / plain_s},
-        "llama_cpp_generate": {"tokens_per_s": sum(len(ref.tokens[p]) for p in prompts) / ref_s if ref_s else None,
-                               "identical_to_plain": not ref.mismatch,
+        "llama_cpp_generate": {"tokens_per_s": sum(len(t) for t, _ in ref) / ref_s if ref_s else None,
+                               "identical_to_plain": all(rec.reference[p][0] == rec.tokens[PLAIN][p]
+                                                         for p in prompts if p in rec.reference),
                                "note": "llama-cpp-python's own Llama.generate on the same prompt ids: the loop's "
                                        "overhead against it, a reference, not a candidate"},
-        "identical_to_greedy": all(not a.mismatch for a in arms[1:]),
-        "oracle_ceiling": ceiling, "rows": rows, "race_prompts": len(prompts), "rounds": s.rounds,
-        "interrupted": race["interrupted"], "load_avg_1m": _load(), "wall_s": wall_s,
+        "identical_to_greedy": all(r["identical_to_plain"] for r in rows),
+        "oracle_ceiling": ceiling, "rows": rows, "race": race.to_json(), "race_prompts": len(prompts),
+        "rounds": s.rounds, "interrupted": raced["interrupted"], "load_avg_1m": _load(), "wall_s": wall_s,
     }
     summary = _finite(summary)
     atomic_write_json(out / "summary.json", summary)
     return summary
+
+
+def by_label(racing: list) -> dict:
+    return {c.label: c for c in racing}
 
 
 def _finite(x):
@@ -271,15 +304,16 @@ def _finite(x):
     return x
 
 
-def _per_prompt(arm, plain, prompts) -> list[float]:
-    return [round(plain.seconds[p] / arm.seconds[p], 4) for p in prompts if p in arm.seconds]
+def _per_prompt(arm, plain) -> dict[int, float]:
+    """plain's seconds over the arm's, per prompt both decoded (medians of their runs there)."""
+    return {p: round(plain.seconds[p] / arm.seconds[p], 4) for p in sorted(arm.seconds) if p in plain.seconds}
 
 
 def _share(measured: float, ceiling: float) -> float | None:
     return (measured - 1.0) / (ceiling - 1.0) if ceiling > 1.0 + 1e-9 else None
 
 
-def _ceilings(race: dict, plain, profile, prompts) -> dict:
+def _ceilings(race_ids: list, plain_tokens: dict, profile, prompts) -> dict:
     """The oracle ceiling of prompt lookup on each race prompt: plain's own answer, lookup's offers
     along it, priced with the profile's L(n) and per-step overhead (planner/ceiling.py)."""
     from decoder.lookup import available_lengths
@@ -290,7 +324,7 @@ def _ceilings(race: dict, plain, profile, prompts) -> dict:
     cost = [float(step_cost(profile, g + 1)) for g in range(G + 1)]
     per, plain_s, oracle_s = [], 0.0, 0.0
     for p in prompts:
-        _, avail = available_lengths(race["race_ids"][p].tolist(), plain.tokens[p], G)
+        _, avail = available_lengths(race_ids[p].tolist(), plain_tokens[p], G)
         c = oracle_ceiling(avail, cost)
         per.append(round(c.speedup, 4))
         plain_s, oracle_s = plain_s + c.plain_s, oracle_s + c.oracle_s
@@ -311,7 +345,7 @@ def _load() -> float | None:
 def _table(summary: dict) -> str:
     lines = [f"{'plan':<28} {'predicted':>9} {'measured':>22} {'ceiling share':>13}  identical"]
     for r in summary["rows"]:
-        m = r["measured_speedup"]
+        m = r["confirmed_speedup"] or r["measured_speedup"] or {"mean": float("nan"), "lo": None, "hi": None}
         share = r["captured_share_of_ceiling"]
         bounds = f"[{m['lo']:.2f}, {m['hi']:.2f}]" if m["lo"] is not None and m["hi"] is not None else "(no interval)"
         lines.append(f"{r['plan']:<28} {r['predicted_speedup']:>8.2f}x {m['mean']:>8.2f}x {bounds:>13} "
