@@ -26,6 +26,7 @@ from decoder.guesser import (
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, verify
 from planner.errors import UserError
+from planner.plan_settings import plan_settings
 from planner.tree import Tree, load_tree
 
 
@@ -172,7 +173,7 @@ def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, s
     stats = DecodeStats(guesses=[] if record_guesses else None)
     gen = torch.Generator().manual_seed(seed)
     t_start = time.perf_counter()
-    pad_to = plan.settings.get("pad_to") if plan is not None else None
+    pad_to = plan_settings(plan.settings, label).pad_to if plan is not None else None
     seq, prompt_hidden = engine.start(ids, hidden=guesser.needs_hidden, pad_to=pad_to)
     ctx = DecodeContext(sampling, gen, engine.dtype, engine.device, label, prompt_hidden)
     session = guesser.begin(engine, plan, ids, ctx)

@@ -265,6 +265,9 @@ def tree_from_json(data, label: str = "tree") -> Tree:
         engine=engine,
     )
     validate_tree(tree, label)
+    from planner.plan_settings import plan_settings
+
+    plan_settings(tree.settings, label)  # the runtime fields the decoder reads: checked on load
     return tree
 
 

@@ -234,6 +234,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
 
 
 def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Path, wall_s: float) -> dict:
+    from planner.plan_settings import RacedWith
     from planner.tree import save_tree
     from workflows.autotune_write import plain_plan
     from workflows.choose import PLAIN, speedup
@@ -265,6 +266,8 @@ def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Pa
     chosen = by_label(racing).get(decision.choice)
     tree = chosen.tree if chosen else plain_plan(decision.reason)
     tree.engine = "llama.cpp"
+    tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json(),
+                         raced_with=RacedWith("llama.cpp", target.engine.threads).to_json())
     save_tree(tree, out / "chosen.json")
     plain_tokens = sum(len(rec.tokens[PLAIN][p]) for p in prompts)
     plain_s = sum(plain.seconds[p] for p in prompts)

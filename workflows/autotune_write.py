@@ -83,6 +83,7 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
         c.tree.provenance.update({"accept": shown(accepts[_measured_as(c.guesser, accepts)].path),
                                   "profile": shown(profile_path), "autotune": shown(run.out_dir),
                                   "guesser_dir": shown(g.source_dir) if g.source_dir else None})
+        c.tree.settings["raced_with"] = raced_with(run, profile_path, g.source_dir, run.out_dir / "trees")
         save_tree(c.tree, run.out_dir / "trees" / name)
         arm = arms[c.label]
         measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
@@ -91,10 +92,26 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
             chosen = c
             rows[-1]["chosen"] = True
     tree = chosen.tree if chosen else plain_plan(decision.reason)
-    tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json())
+    files = run.guessers[_measured_as(chosen.guesser, accepts)].source_dir if chosen else None
+    tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json(),
+                         raced_with=raced_with(run, profile_path, files, run.out_dir))
     save_tree(tree, run.out_dir / "chosen.json")
     return _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts) | {
         "dtype": dtype_name(next(run.model.parameters()).dtype)}
+
+
+def raced_with(run: Run, profile_path: Path, guesser_dir, plan_dir: Path) -> dict:
+    """What the plan was raced with, by path relative to the plan file's folder and a checksum, so
+    `planner decode --plan` runs it the same way (planner/plan_settings.py): the engine, the threads,
+    the profile whose matmul paths the hf engine ran on the CPU, the guesser's files."""
+    import torch
+
+    from planner.plan_settings import RacedWith, file_ref
+
+    paths = run.device == "cpu" and run.engine.caps.name == "hf"
+    return RacedWith(run.engine.caps.name, torch.get_num_threads(),
+                     file_ref(profile_path, plan_dir) if paths else None,
+                     file_ref(guesser_dir, plan_dir) if guesser_dir else None).to_json()
 
 
 def _measured_as(kind: str, accepts: dict) -> str:

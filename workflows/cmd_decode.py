@@ -94,11 +94,17 @@ def _check(args) -> None:
     _check_pearl(args)
 
 
+def _draft_lm(args) -> bool:
+    """--pearl and --mtad draft with a draft LM: a guesser kind whose files are the draft LM's."""
+    k = guesser_kind(parse_guesser(args.guesser or DEFAULT_GUESSER)[0])
+    return k.files is not None and k.files == guesser_kind("draft").files and not k.hybrid
+
+
 def _check_pearl(args) -> None:
     """--pearl: a draft model, a chain of --gamma, batch size 1, lossless."""
     if not getattr(args, "pearl", False):
         return
-    if parse_guesser(args.guesser or DEFAULT_GUESSER)[0] != "draft" or getattr(args, "mtad", None):
+    if not _draft_lm(args) or getattr(args, "mtad", None):
         raise UserError(f"--pearl: needs --guesser draft[:DIR] (a draft model) and no --mtad, "
                         f"got {args.guesser or 'ppd'}")
     if args.plan or args.batch_size != 1 or args.verify == "typical" or args.gamma < 1:
@@ -116,7 +122,7 @@ def _check_mtad(args) -> None:
         if ratio is not None:
             raise UserError("--max-perplexity-ratio: needs --mtad")
         return
-    if parse_guesser(args.guesser or DEFAULT_GUESSER)[0] != "draft":
+    if not _draft_lm(args):
         raise UserError(f"--mtad: needs --guesser draft[:DIR] (a draft model), got {args.guesser or 'ppd'}")
     if args.plan:
         raise UserError("--mtad: drafts a chain of GAMMA tokens; drop --plan")
@@ -134,11 +140,12 @@ def run(args) -> int:
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
     from workflows.llama_runs import decode_llama, engine_of
 
+    _as_raced(args, tree)
     if engine_of(args, tree) == "llama.cpp":  # the plan's engine, or --engine
         return decode_llama(args, tree)
     paths = _matmul_paths(args.profile)
     tree = _follow_recorded_pearl(args, tree)
-    args.guesser = args.guesser or _recorded_guesser(tree) or DEFAULT_GUESSER
+    args.guesser = args.guesser or _recorded_guesser(tree, getattr(args, "guesser_files", None)) or DEFAULT_GUESSER
     if tree is None and guesser_kind(parse_guesser(args.guesser)[0]).needs_embeddings:
         raise UserError(f"--plan: needed with --guesser {args.guesser} (prompt tokens: plan one with `planner plan ppd` "
                         "or take trees/autotune-*.json)")
@@ -255,28 +262,66 @@ def _pearl_summary(results: list[dict]) -> dict:
             "mean_tokens_per_round": tokens / rounds if rounds else 0.0}
 
 
+def _as_raced(args, tree) -> None:
+    """A plan autotune raced carries what it was raced with (planner/plan_settings.py): the profile
+    whose matmul paths ran, the threads and the guesser's files, each checked against its recorded
+    checksum (a missing or changed file is a one-line error); a flag given overrides each."""
+    from pathlib import Path
+
+    from planner.plan_settings import plan_settings
+
+    raced = plan_settings(tree.settings, args.plan).raced_with if tree is not None else None
+    if raced is None:
+        return
+    plan_dir, used = Path(args.plan).parent, []
+    if args.profile is None and raced.profile is not None:
+        args.profile = str(raced.profile.check(plan_dir, args.plan, "the profile (matmul paths)"))
+        used.append(f"matmul paths of {args.profile}")
+    if args.threads is None and raced.threads is not None:
+        args.threads = raced.threads
+        used.append(f"{args.threads} threads")
+    if args.guesser is None and raced.guesser is not None and tree.settings.get("guesser"):
+        where = raced.guesser.check(plan_dir, args.plan, "the guesser's files")
+        args.guesser_files = str(where)
+        used.append(f"guesser files {where}")
+    if used and not args.no_progress:
+        print(f"decoding as raced: {', '.join(used)} (flags override)", file=sys.stderr)
+
+
 def _follow_recorded_pearl(args, tree):
     """A plan autotune chose for PEARL (its tree is the draft chain): decode it with --pearl and
-    its gamma, the draft LM it was measured with; the chain itself is not a plan PEARL takes."""
-    if tree is None or tree.settings.get("guesser") != "pearl" or args.guesser is not None:
+    its gamma and thread split, the draft LM it was measured with; the chain itself is not a plan
+    PEARL takes."""
+    from planner.plan_settings import plan_settings
+
+    if tree is None or args.guesser is not None:
         return tree
-    where = tree.provenance.get("guesser_dir")
-    args.guesser = f"draft:{where}" if isinstance(where, str) else "draft"
-    threads = tree.settings["pearl"].get("threads")  # the (target, drafter) split autotune measured it at
-    if threads is not None and not (isinstance(threads, list) and len(threads) == 2
-                                    and all(type(k) is int and k >= 1 for k in threads)):
-        raise UserError(f"{args.plan}: settings.pearl.threads: expected [target, drafter] threads >= 1, got {threads!r}")
-    args.pearl_threads = tuple(threads) if threads else None
-    args.pearl, args.gamma, args.plan = True, int(tree.settings["pearl"]["gamma"]), None
+    run = plan_settings(tree.settings, args.plan)
+    if run.pearl is None or guesser_kind(run.guesser).loop is None:
+        return tree
+    drafter = _drafter_of(run.guesser)
+    where = getattr(args, "guesser_files", None) or tree.provenance.get("guesser_dir")
+    args.guesser = f"{drafter}:{where}" if isinstance(where, str) else drafter
+    args.pearl_threads = run.pearl.threads
+    args.pearl, args.gamma, args.plan = True, run.pearl.gamma, None
     _check_pearl(args)
     return None
 
 
-def _recorded_guesser(tree) -> str | None:
-    """The guesser a plan was made for (autotune writes it into the tree file), as KIND[:DIR]."""
+def _drafter_of(kind: str) -> str:
+    """The guesser a kind with its own loop (PEARL) drafts with: the one with its files and the one loop."""
+    from planner.guessers import kinds
+
+    own = guesser_kind(kind)
+    return next(k.name for k in kinds(hybrids=False) if k.files == own.files and k.loop is None and k.autotune)
+
+
+def _recorded_guesser(tree, files: str | None = None) -> str | None:
+    """The guesser a plan was made for (autotune writes it into the tree file), as KIND[:DIR]: the
+    files raced with (checked), else the recorded directory."""
     if tree is None or not isinstance(tree.settings.get("guesser"), str):
         return None
-    kind, where = tree.settings["guesser"], tree.provenance.get("guesser_dir")
+    kind, where = tree.settings["guesser"], files or tree.provenance.get("guesser_dir")
     return f"{kind}:{where}" if isinstance(where, str) and guesser_kind(kind).files is not None else kind
 
 
