@@ -92,8 +92,10 @@ def test_autotune_on_llama_cpp_writes_only_its_run_folder(tmp_path):
     chosen = json.loads((run / "chosen.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     assert chosen["engine"] == "llama.cpp" and summary["engine"] == "llama.cpp"
-    assert summary["identical_to_greedy"] and summary["race_prompts"] == 3
-    assert len(summary["oracle_ceiling"]["per_prompt"]) == 3 and summary["oracle_ceiling"]["speedup"] >= 1.0
+    # the race measures plain on its selection prompts, and on the confirmation's when a plan is confirmed
+    assert summary["identical_to_greedy"] and 1 <= summary["race_prompts"] <= 3
+    assert len(summary["oracle_ceiling"]["per_prompt"]) == summary["race_prompts"]
+    assert summary["oracle_ceiling"]["speedup"] >= 1.0
     assert {p.name for p in run.iterdir()} == {"profile.json", "accept-lookup.json", "trees", "chosen.json", "summary.json"}
     assert json.loads((run / "accept-lookup.json").read_text())["calibration"]["guesser"] == "lookup"
     assert subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout == before
