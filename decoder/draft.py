@@ -25,7 +25,7 @@ from decoder.engine import vocab_size
 from decoder.forward import ancestor_matrix, kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.verify import Sampling
+from decoder.verify import Sampling, draw_children
 from planner.errors import UserError
 from planner.tree import Tree
 
@@ -83,7 +83,7 @@ class TreeShape:
 
 def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
     """k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
-    they were sampled (without replacement) rather than taken as the top-k.
+    they were sampled (without replacement, decoder.verify.draw_children) rather than taken as the top-k.
 
     q is the drafter's distribution at the target's temperature, without top-k / top-p: any q is
     lossless as long as verification uses the same one, and a full support always has k tokens.
@@ -91,7 +91,7 @@ def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen
     if not sampled:
         return logits.float().topk(k).indices, None
     q = torch.softmax(logits.float() / s.temperature, dim=-1)  # [V]
-    return torch.multinomial(q.cpu(), k, replacement=False, generator=gen).to(logits.device), q
+    return torch.tensor(draw_children(q, k, gen), dtype=torch.long, device=logits.device), q
 
 
 class DraftModelGuesser:
