@@ -308,3 +308,12 @@ def load_draft_model(path, target):
             raise UserError(f"{path}: cannot load a draft model ({str(e).splitlines()[0]})") from None
         return model.to(target.device).eval()
     raise UserError(f"{path}: neither a draft LM ({DRAFT_LM_CONFIG}) nor a Hugging Face model directory (config.json)")
+
+
+def load(request) -> DraftModelGuesser:
+    """The registry's loader (planner/guessers.py): the draft LM in request.path on the target."""
+    from decoder.engine import torch_model
+
+    depth = request.depth if request.depth is not None else 4
+    return DraftModelGuesser(load_draft_model(request.path, torch_model(request.target)), top_k=request.top_k or 8,
+                             depth=depth, label=str(request.path))

@@ -740,3 +740,16 @@ class DraftSource(_Source):
         compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
         self.unseen = list(outcome.verdict.emitted[len(fed):-1])
 
+
+
+def load_hybrid(request) -> HybridGuesser:
+    """The registry's loader for a hybrid (planner/guessers.py): prompt lookup and the drafter named
+    by the kind's members, the drafter's files in request.path."""
+    from dataclasses import replace
+
+    from decoder.registry import load_guesser
+
+    spec = request.options["kind"]  # the hybrid's GuesserKind (load_guesser passes it)
+    member, drafter = spec.members
+    lookup = load_guesser(member, replace(request, path=None))
+    return HybridGuesser(lookup, load_guesser(drafter, request), drafter)

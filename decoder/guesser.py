@@ -196,3 +196,8 @@ class DistanceSession:
             self.guesses = None
         if self.plan is not None:
             self.layout = self.plan.next(k)
+
+
+def load_plain(request) -> PlainGuesser:
+    """The registry's loader for plain decoding (planner/guessers.py)."""
+    return PlainGuesser()

@@ -22,7 +22,7 @@ def batch_runner(model, layout: str, seqs, caches, want_hidden: bool):
     return (_Packed if layout == "packed" else _Padded)(model, seqs, caches, want_hidden)
 
 
-def _step_input(model, s: _Seq, p) -> torch.Tensor:
+def _step_input(model, s, p) -> torch.Tensor:
     """[n, hidden] embeddings of one sequence's step input (tree tokens, then PPD prompt slots)."""
     ids = torch.cat([s.root, p.tokens])
     x = model.get_input_embeddings()(ids)

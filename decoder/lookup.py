@@ -79,3 +79,9 @@ class LookupSession:
     def commit(self, outcome: StepOutcome) -> None:
         # the accepted candidates join the history; the new root joins at the next propose
         self.history.extend(outcome.verdict.emitted[:-1])
+
+
+def load(request) -> PromptLookupGuesser:
+    """The registry's loader (planner/guessers.py): chains of request.depth tokens (default 4)."""
+    return PromptLookupGuesser(num_tokens=request.depth if request.depth is not None else 4,
+                               max_ngram=request.options.get("max_ngram", 3), min_ngram=request.options.get("min_ngram", 1))

@@ -21,7 +21,6 @@ from decoder.guesser import (
     DecodeContext,
     GuessSession,
     PlainGuesser,
-    Proposal,
     StepOutcome,
 )
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate

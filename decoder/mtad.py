@@ -449,3 +449,14 @@ def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
     return TextQuality(perplexity(target, prompts, outputs),
                        perplexity(draft, prompts, outputs) if draft is not None else None,
                        {f"distinct_{n}": distinct_n(outputs, n) for n in (1, 2, 3)}, sum(map(len, outputs)))
+
+
+def load(request) -> MTADGuesser:
+    """The registry's loader (planner/guessers.py): the draft LM in request.path; options width, gamma, beams."""
+    from decoder.draft import load_draft_model
+    from decoder.engine import torch_model
+
+    o = request.options
+    return MTADGuesser(load_draft_model(request.path, torch_model(request.target)), width=o.get("width", 4),
+                       gamma=o.get("gamma", 4), label=str(request.path), tau_acc=o.get("tau_acc"),
+                       beams=o.get("beams", "tree"))

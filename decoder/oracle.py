@@ -50,3 +50,16 @@ class OracleGuesser(DistanceGuesser):
         acc = acc[:k, : self.top_k]
         probs = torch.cat([acc, (1 - acc.sum(1, keepdim=True)).clamp(min=0)], dim=1)  # [k, K+1]
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]  # [k]
+
+
+def load(request) -> OracleGuesser:
+    """The registry's loader (planner/guessers.py): options["sequence"] (prompt + continuation) is required."""
+    from decoder.engine import vocab_size
+    from planner.errors import UserError
+
+    seq = request.options.get("sequence")
+    if seq is None:
+        raise UserError("--guesser oracle: needs the known continuation (options['sequence']); it is for tests "
+                        "and ceilings, not for decoding new text")
+    return OracleGuesser(torch.as_tensor(seq), vocab_size(request.target), request.depth or 4, top_k=request.top_k or 1,
+                         accuracy=request.options.get("accuracy"), seed=request.options.get("seed", 0))

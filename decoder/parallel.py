@@ -267,3 +267,13 @@ def slot_mask(m: int, k: int, C: int, dtype, device) -> torch.Tensor:
     visible[:, C:] = block
     mask = torch.zeros(n, C + n, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def load(request) -> ParallelDrafter:
+    """The registry's loader (planner/guessers.py): the ParallelSpec drafter, one pass per step."""
+    return ParallelDrafter.load(request.path, mode="parallel", top_k=request.top_k)
+
+
+def load_chain(request) -> ParallelDrafter:
+    """The registry's loader for the same drafter run as a chain (one token per pass)."""
+    return ParallelDrafter.load(request.path, mode="chain", top_k=request.top_k)

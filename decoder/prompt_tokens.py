@@ -134,3 +134,15 @@ class PromptTokens(DistanceGuesser, nn.Module):
 def _model_meta(model) -> dict:
     cfg = model.config
     return {"model": getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", ""), "model_config_hash": config_fingerprint(cfg)}
+
+
+def load(request) -> PromptTokens:
+    """The registry's loader (planner/guessers.py): trained prompt tokens from request.path, or, with
+    options["random"] = P, untrained ones (P random vocabulary embeddings, options["ensemble"] copies)."""
+    from decoder.engine import torch_model
+
+    model = torch_model(request.target)
+    random_p = request.options.get("random")
+    if request.path is None and random_p is not None:
+        return PromptTokens.random(model, random_p, ensemble=request.options.get("ensemble", 1), top_k=request.top_k or 10)
+    return PromptTokens.load(request.path, model=model, top_k=request.top_k)

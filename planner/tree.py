@@ -24,8 +24,10 @@ from planner.jsonio import atomic_write_json, read_json
 
 FORMAT = "tree-planner/tree"
 VERSION = 1
-METHODS = ("medusa", "sequoia", "ppd")  # static trees (what tune and the searches plan)
+MEDUSA, SEQUOIA, PPD = "medusa", "sequoia", "ppd"  # static tree families (planner/candidate.py, planner/ppd.py)
+METHODS = (MEDUSA, SEQUOIA, PPD)  # static trees (what tune and the searches plan)
 DYNAMIC = "dynamic"  # a tree chosen at every step (planner/dynamic.py); states[0] holds the prior's tree
+CHAIN = "chain"  # a medusa tree of rank-0 guesses only: speculative decoding's draft (autotune's method name)
 FILE_METHODS = METHODS + (DYNAMIC,)
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
 

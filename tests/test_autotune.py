@@ -9,14 +9,9 @@ from planner.accept import from_entry
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import load_tree
-from workflows.autotune import (
-    AutotuneSettings,
-    autotune,
-    pick,
-    plan_candidates,
-    profile_lengths,
-    real_input_length,
-)
+from workflows.autotune_measure import profile_lengths
+from workflows.candidates import pick, plan_candidates, real_input_length
+from workflows.autotune import AutotuneSettings, autotune
 from workflows.inputs import REPO, held_out_prompts
 
 ACC = from_entry({"accuracy": [[0.5, 0.2, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], [0.2, 0.1, 0.1, 0.05]]})

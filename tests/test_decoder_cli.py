@@ -64,7 +64,7 @@ def test_accept_with_prompt_lookup(files):
 
 def test_decode_runs_autotunes_plain_decision(files):
     """autotune writes 'plain decoding' as a plan with no candidates and guesser plain: decode takes it."""
-    from workflows.autotune import plain_plan
+    from workflows.autotune_write import plain_plan
 
     plan = save_tree(plain_plan("no plan measured faster than plain"), files["dir"] / "chosen.json")
     out = files["dir"] / "plain.json"

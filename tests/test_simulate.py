@@ -257,7 +257,7 @@ def test_autotune_refuses_to_measure_on_a_simulated_profile(sim_profile, tmp_pat
     with pytest.raises(UserError, match="simulated profile.*planner autotune measures"):
         refuse_to_measure(load_profile(str(sim_profile)))
     refuse_to_measure(load_profile(str(ROOT / "reports" / "autotune-cpu-smollm2-135m" / "profile.json")))  # measured: fine
-    from workflows.autotune import _profile_phase
+    from workflows.autotune_measure import profile_phase as _profile_phase
 
     run = SimpleNamespace(settings=SimpleNamespace(profile=str(sim_profile), max_input_length=8), say=print)
     with pytest.raises(UserError, match="simulated"):

@@ -1,13 +1,12 @@
-"""The plans autotune weighs: for every guesser, the trees (or chains) the planner offers, each with
-its predicted tokens per step and speedup from the one cost model (planner.cost).
+"""The plans autotune weighs (phase 3, `plan_phase`): for every guesser, the trees (or chains) the
+planner offers, each with its predicted tokens per step and speedup from the one cost model
+(planner.cost). Which families fit a guesser is its registry entry's `static` (planner/guessers.py):
 
-- ppd (PPD prompt tokens): the paper's shared-budget sweep, the planner's per-state-budget tree,
-  and medusa / sequoia trees carrying prompt tokens on every node;
-- draft (a draft LM): chains of gamma tokens (speculative decoding), and the medusa / sequoia
-  trees the planner sizes for the drafter's pass time (one pass per level);
-- parallelspec (one drafter pass for every distance): medusa trees up to depth K + 1, and chains;
-- chain (the same drafter, one token per pass, EAGLE-style): chains;
-- lookup (prompt lookup, near-zero cost): chains.
+- prompt tokens (PPD): the paper's shared-budget sweep, the planner's per-state-budget tree, and
+  medusa / sequoia trees carrying prompt tokens on every node;
+- drafters and lookup: chains of 1..depth tokens, and the medusa (and sequoia) trees the planner
+  sizes for the drafter's pass time, where the kind's proposals branch;
+- every kind with a confidence signal, and lookup's hybrids: per-step trees (planner/dynamic.py).
 """
 from __future__ import annotations
 
@@ -17,26 +16,29 @@ from planner.accept import Acceptance
 from planner.candidate import tree_tau
 from planner.cost import Guessing, default_guessing, input_lengths, mean_input_length, padding, predict
 from planner.errors import PlainIsFastest, UserError
+from planner.guessers import kind as guesser_kind
+from planner.guessers import kinds as guesser_kinds
 from planner.plan import plan
 from planner.profile import LatencyProfile
-from planner.tree import Tree, TreeState
+from planner.tree import CHAIN, DYNAMIC, MEDUSA, PPD, SEQUOIA, Tree, TreeState
 
-METHODS = ("ppd", "medusa", "sequoia")
+METHODS = (PPD, MEDUSA, SEQUOIA)  # the prompt-token guesser's tree families
 MAX_CHAIN = 8
+DYNAMIC_MAX_SIZE = 15  # per-step trees up to this many candidates: inputs to 16 rows, where the matmul paths are chosen
 
 
 @dataclass
 class Candidate:
     """One plan autotune considers: its guesser, its tree and the model's prediction for this machine."""
 
-    method: str  # ppd, medusa, sequoia or chain
+    method: str  # ppd, medusa, sequoia, chain or dynamic (planner.tree's method names)
     tree: Tree
     size: int  # candidates (medusa/sequoia/chain) or planned input length (ppd)
     input_length: float  # real forward length in the decoder (amortised over states for ppd)
     predicted_tokens_per_step: float
     predicted_speedup: float
     variant: str = ""  # ppd: "shared budget" (the paper's) or "per-state budgets" (hardware-aware)
-    guesser: str = "ppd"  # ppd, draft, parallelspec, chain, lookup
+    guesser: str = PPD  # the guesser's kind (planner/guessers.py)
     guessing: Guessing = field(default_factory=Guessing)
     measured: dict = field(default_factory=dict)
     tag: str = ""  # tells apart two plans of one (guesser, method, size)
@@ -64,13 +66,13 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
     """PPD prompt tokens: every size of `method` whose real forward pass fits `max_input_length`."""
     g = Guessing(prompt_tokens=True, ensemble=ensemble)
     out = []
-    if method == "ppd":
+    if method == PPD:
         # The paper's shared budget gives a real size sweep (every state spends up to n tokens);
         # the planner's hardware-aware tree (each state spends what the latency curve says pays)
         # is one more plan, usually equal in speed to the best of the sweep or better.
-        sized = [(n, plan("ppd", accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
+        sized = [(n, plan(PPD, accept, input_length=n, prompt_tokens=prompt_tokens), "shared budget")
                  for n in range(1 + prompt_tokens, max_input_length + 1)]
-        auto = plan("ppd", accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length,
+        auto = plan(PPD, accept, profile=profile, prompt_tokens=prompt_tokens, max_input_length=max_input_length,
                     guessing=g)
         sized.append((auto.max_input_length, auto, "per-state budgets"))
         seen = set()
@@ -78,14 +80,14 @@ def plan_candidates(method: str, accept: Acceptance, profile: LatencyProfile, pr
             if tree.shape() in seen or max(input_lengths(tree, g)) > max_input_length:
                 continue
             seen.add(tree.shape())
-            out.append(_candidate(method, tree, n, profile, g, "ppd", variant))
+            out.append(_candidate(method, tree, n, profile, g, PPD, variant))
         return out
     depth = min(prompt_tokens, accept.max_depth or prompt_tokens)
     for size in range(1, max_input_length):
         tree = plan(method, accept, size=size, max_depth=depth)
         if real_input_length(tree, ensemble) > max_input_length:
             break
-        out.append(_candidate(method, tree, size, profile, g, "ppd"))
+        out.append(_candidate(method, tree, size, profile, g, PPD))
     return out
 
 
@@ -93,18 +95,17 @@ def chain_tree(accept: Acceptance, depth: int) -> Tree:
     """A chain of `depth` rank-0 guesses (speculative decoding's draft), tau from the acceptance."""
     nodes = [(0,) * d for d in range(1, depth + 1)]
     tau = tree_tau(accept.rows(depth), nodes)
-    return Tree("medusa", [TreeState(0, nodes, tau, 1 + depth)], tau, settings={"chain": depth})
+    return Tree(MEDUSA, [TreeState(0, nodes, tau, 1 + depth)], tau, settings={CHAIN: depth})
 
 
 def drafter_candidates(kind: str, accept: Acceptance, profile: LatencyProfile, max_input_length: int,
                        max_depth: int | None = None) -> list[Candidate]:
     """Chains of 1..depth, and for tree-capable drafters the medusa (and, for a draft LM, sequoia)
     trees the planner sizes for the drafter's measured pass time."""
-    g = default_guessing("medusa", accept)
+    g = default_guessing(MEDUSA, accept)
     deepest = min(max_depth or MAX_CHAIN, accept.max_depth or MAX_CHAIN, max_input_length - 1)
-    out = [_candidate("chain", chain_tree(accept, d), d, profile, g, kind) for d in range(1, deepest + 1)]
-    methods = {"draft": ("medusa", "sequoia"), "parallelspec": ("medusa",)}.get(kind, ())
-    for method in methods:
+    out = [_candidate(CHAIN, chain_tree(accept, d), d, profile, g, kind) for d in range(1, deepest + 1)]
+    for method in (m for m in guesser_kind(kind).static if m != CHAIN):
         try:
             tree = plan(method, accept, profile=profile, max_size=max_input_length - 1, max_depth=deepest, guessing=g)
         except PlainIsFastest:
@@ -161,7 +162,7 @@ def finalists(candidates: list[Candidate], families: int, neighbours: int = 1, s
 
 
 def pearl_candidates(accept: Acceptance, latencies: dict, eta: float, plain_s: float,
-                     gammas=range(2, 7)) -> list[Candidate]:
+                     kind: str, gammas=range(2, 7)) -> list[Candidate]:
     """PEARL with the draft LM, one candidate per gamma: the two-state chain's tokens per round and
     round time (planner.pearl) with each side's latency at the thread count it really gets and the
     measured overlap eta. The candidate's tree is the chain of gamma (what the drafter drafts)."""
@@ -178,10 +179,10 @@ def pearl_candidates(accept: Acceptance, latencies: dict, eta: float, plain_s: f
             break
         p = predict_pearl(alpha, g, latencies["t_draft_split_s"], split, eta, plain_s)
         tree = chain_tree(accept, g)
-        tree.settings = dict(tree.settings, guesser="pearl", pearl={"gamma": g, "alpha": alpha, "eta": eta,
-                                                                     "pi_a": p.pi_a, "round_s": p.round_s})
+        tree.settings = dict(tree.settings, guesser=kind, pearl={"gamma": g, "alpha": alpha, "eta": eta,
+                                                                  "pi_a": p.pi_a, "round_s": p.round_s})
         tree.predicted_speedup = p.speedup
-        out.append(Candidate("pearl", tree, g, float(g), p.tokens_per_round, p.speedup, "overlapped", "pearl",
+        out.append(Candidate(kind, tree, g, float(g), p.tokens_per_round, p.speedup, "overlapped", kind,
                              Guessing(draft_s=latencies["t_draft_split_s"])))
     return out
 
@@ -198,7 +199,7 @@ def dynamic_candidates(kind: str, accept, profile: LatencyProfile | None, max_si
     prior alone would choose every time); per-step choice adds what the average hides, so measure."""
     from planner.dynamic_plan import plan_dynamic
 
-    kinds = kind.split("+")
+    kinds = list(guesser_kind(kind).members) or [kind]
     accepts = accept if isinstance(accept, dict) else {kinds[0]: accept}
     missing = [k for k in kinds if k not in accepts]
     if missing:
@@ -209,7 +210,58 @@ def dynamic_candidates(kind: str, accept, profile: LatencyProfile | None, max_si
         preds = tree.settings["prior_prediction"]
         best = max(preds.values(), key=lambda p: p["speedup"])
         tree.settings = dict(tree.settings, guesser=kind)
-        out.append(Candidate("dynamic", tree, tree.dynamic.max_size, float(1 + best["size"]), best["tokens_per_step"],
+        out.append(Candidate(DYNAMIC, tree, tree.dynamic.max_size, float(1 + best["size"]), best["tokens_per_step"],
                              best["speedup"], "per-step trees", kind,
-                             default_guessing("medusa", accepts[kinds[-1]])))
+                             default_guessing(MEDUSA, accepts[kinds[-1]])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- phase 3
+
+
+def plan_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
+    """Every size of every (guesser, method) and the per-step trees, predicted with the one cost
+    model. accepts: kind -> workflows.autotune_measure.Measured. run: workflows.runs.Run."""
+    s = run.settings
+    run.clock.phase(3, f"planning {', '.join(accepts)} up to input length {s.max_input_length}", run.clock.left())
+    candidates = []
+    for kind, m in accepts.items():
+        g = run.guessers[kind]
+        if guesser_kind(kind).needs_embeddings:  # prompt tokens ride on every node: PPD's own families
+            for method in s.methods:
+                candidates += plan_candidates(method, m.accept, profile, g.num_prompt_tokens, g.ensemble,
+                                              s.max_input_length)
+        else:
+            candidates += drafter_candidates(kind, m.accept, profile, s.max_input_length)
+    candidates += _dynamic_phase(run, accepts, profile)
+    if not candidates:
+        raise UserError(f"--max-input-length {s.max_input_length}: no plan fits")
+    return candidates
+
+
+def _dynamic_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
+    """Per-step trees (planner/dynamic.py) for every guesser with a confidence signal, and every
+    registered hybrid whose members were measured (it joins run.guessers)."""
+    from decoder.dynamic import HybridGuesser
+
+    size = min(DYNAMIC_MAX_SIZE, run.settings.max_input_length - 1)
+    kinds = [k for k in accepts if guesser_kind(k).dynamic]
+    for h in guesser_kinds():
+        if h.hybrid and all(m in accepts for m in h.members):
+            kinds.append(h.name)
+            lookup, drafter = (run.guessers[m] for m in h.members)
+            hybrid = HybridGuesser(lookup, drafter, h.members[1])
+            hybrid.kind, hybrid.source_dir = h.name, drafter.source_dir
+            run.guessers[h.name] = hybrid
+    out = []
+    for kind in kinds:
+        members = guesser_kind(kind).members or (kind,)
+        try:
+            cands = dynamic_candidates(kind, {k: accepts[k].accept for k in members}, profile, max_size=size)
+        except UserError as e:  # a guesser the dynamic planner cannot model: the static plans still race
+            run.say(f"      dynamic {kind}: skipped ({e})")
+            continue
+        for c in cands:
+            c.tree.settings.update(padding(profile))
+        out += cands
     return out

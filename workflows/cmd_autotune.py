@@ -82,8 +82,11 @@ def run(args) -> int:
     from workflows.autotune import autotune
 
     methods, guessers = _check(args)
-    dirs = {k: v for k, v in (("ppd", args.prompt_tokens), ("draft", args.draft), ("parallelspec", args.parallelspec),
-                               ("chain", args.parallelspec)) if v}
+    from planner.guessers import kinds
+
+    # each directory flag names one kind of files; every guesser kind reading such files takes it
+    by_files = {"prompt_tokens": args.prompt_tokens, "draft_lm": args.draft, "parallelspec": args.parallelspec}
+    dirs = {k.name: by_files[k.files] for k in kinds(hybrids=False) if by_files.get(k.files)}
     s = AutotuneSettings(
         model=args.model, guessers=guessers, guesser_dirs=dirs, device=args.device, dtype=args.dtype, out=args.out,
         questions=args.questions, accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts,

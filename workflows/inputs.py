@@ -124,93 +124,54 @@ def load_everything(args):
     return loaded, tokenizer, guesser
 
 
-GUESSER_KINDS = ("ppd", "draft", "parallelspec", "chain", "lookup", "plain")  # plain: no guesses (autotune's plain decision)
-SHIPPED_KIND = {"ppd": "prompt_tokens", "draft": "draft_lm", "parallelspec": "parallelspec", "chain": "parallelspec"}
-
-
-HYBRIDS = ("lookup+draft", "lookup+parallelspec", "lookup+chain", "lookup+ppd")  # dynamic plans only
-
-
 def parse_guesser(spec: str) -> tuple[str, str | None]:
-    kind, _, path = str(spec).partition(":")
-    if kind in HYBRIDS:
-        return kind, path or None  # the path is the drafter's
-    if kind not in GUESSER_KINDS:
-        raise UserError(f"--guesser {spec}: expected KIND[:PATH] with KIND one of {', '.join(GUESSER_KINDS)}")
-    if kind in ("lookup", "plain") and path:
-        raise UserError(f"--guesser {kind} takes no path ({'prompt lookup' if kind == 'lookup' else 'plain decoding'} has no model)")
-    return kind, path or None
+    """--guesser KIND[:PATH] -> (kind, path or None); the kinds are the registry's (planner/guessers.py)."""
+    from planner.guessers import kind, names
+
+    name, _, path = str(spec).partition(":")
+    try:
+        k = kind(name)
+    except UserError:
+        raise UserError(f"--guesser {spec}: expected KIND[:PATH] with KIND one of {', '.join(names())}") from None
+    if k.files is None and path:
+        raise UserError(f"--guesser {name} takes no path ({k.summary.split(':')[0]} has no files)")
+    return k.name, path or None
 
 
-def make_guesser(args, loaded, spec: str):
-    """The guesser --guesser names, with its files (a path, else the ones shipped for a named model)."""
-    kind, path = parse_guesser(getattr(args, "guesser", None) or "ppd")
-    if kind in HYBRIDS:  # prompt lookup's continuation and a drafter's candidates in one step's tree
-        from decoder.dynamic import HybridGuesser
-        from decoder.lookup import PromptLookupGuesser
+def make_guesser(args, loaded, spec: str, target=None):
+    """The guesser --guesser names, with its files (a path, else the ones shipped for a named model),
+    built by the registry's loader (decoder/registry.py) against `target` (an engine; default the
+    loaded model)."""
+    from decoder.registry import LoadRequest, load_guesser
+    from planner.guessers import kind
 
-        drafter_kind = kind.split("+")[1]
-        spec_args = argparse.Namespace(**vars(args))
-        spec_args.guesser = drafter_kind + (f":{path}" if path else "")
-        g = HybridGuesser(PromptLookupGuesser(), make_guesser(spec_args, loaded, spec), drafter_kind)
-        if drafter_kind == "ppd":
-            args.prompt_tokens = spec_args.prompt_tokens
-        return g
-    if kind != "ppd" and (args.prompt_tokens or args.random_prompt_tokens):
-        raise UserError(f"--prompt-tokens / --random-prompt-tokens belong to --guesser ppd, not {kind}")
-    if kind == "ppd":
-        if path:
-            args.prompt_tokens = path
-        return _prompt_tokens(args, loaded, spec)
-    if kind == "plain":
-        from decoder.guesser import PlainGuesser
-
-        g = PlainGuesser()
-        g.source_dir = None
-        return g
-    if kind == "lookup":
-        from decoder.lookup import PromptLookupGuesser
-
-        g = PromptLookupGuesser()
-        g.source_dir = None
-        return g
-    if path is None:
-        found = shipped(spec, SHIPPED_KIND[kind]) if spec == loaded.name else None
+    name, path = parse_guesser(getattr(args, "guesser", None) or "ppd")
+    k = kind(name)
+    pt_flags = args.prompt_tokens or args.random_prompt_tokens
+    if pt_flags and not k.needs_embeddings:
+        raise UserError(f"--prompt-tokens / --random-prompt-tokens belong to a guesser with prompt tokens "
+                        f"(ppd, lookup+ppd), not {name}")
+    options = {}
+    if k.needs_embeddings:
+        path = path or args.prompt_tokens
+        if path is None and args.random_prompt_tokens is not None:
+            options = {"random": args.random_prompt_tokens, "ensemble": args.ensemble}
+        elif path is None:
+            found = shipped(spec, k.files) if spec == loaded.name else None
+            if found is None:
+                raise UserError(f"--model {spec}: no prompt tokens ship for it; pass --prompt-tokens DIR (train them "
+                                "with `planner train-prompts`) or --random-prompt-tokens P (untrained, output still exact)")
+            path = str(found)
+        args.prompt_tokens = path
+    elif k.files is not None and path is None:
+        found = shipped(spec, k.files) if spec == loaded.name else None
         if found is None:
-            raise UserError(f"--guesser {kind}: no {SHIPPED_KIND[kind]} ships for model {spec}; give {kind}:DIR "
+            raise UserError(f"--guesser {name}: no {k.files} ships for model {spec}; give {name}:DIR "
                             "(train one with `planner train-drafter`)")
         path = str(found)
-    if kind == "draft":
-        from decoder.draft import DraftModelGuesser, load_draft_model
-
-        g = DraftModelGuesser(load_draft_model(path, loaded.model), top_k=args.top_k_guesses, label=path)
-    else:
-        from decoder.parallel import ParallelDrafter
-
-        g = ParallelDrafter.load(path, mode="chain" if kind == "chain" else "parallel", top_k=args.top_k_guesses)
-    g.source_dir = path
-    return g
-
-
-def _prompt_tokens(args, loaded, spec: str):
-    """Trained prompt tokens (--prompt-tokens, else those shipped for a named model), or random
-    ones only when asked for (--random-prompt-tokens): never a silent fallback."""
-    from decoder.prompt_tokens import PromptTokens
-
-    pt_dir = args.prompt_tokens
-    if pt_dir is None and args.random_prompt_tokens is None:
-        default = shipped(spec, "prompt_tokens") if spec == loaded.name else None
-        if default is None:
-            raise UserError(f"--model {spec}: no prompt tokens ship for it; pass --prompt-tokens DIR (train them with "
-                            "`planner train-prompts`) or --random-prompt-tokens P (untrained, output still exact)")
-        pt_dir = str(default)
-    if pt_dir is not None:
-        guesser = PromptTokens.load(pt_dir, model=loaded.model, top_k=args.top_k_guesses)
-    else:
-        guesser = PromptTokens.random(loaded.model, args.random_prompt_tokens, ensemble=args.ensemble,
-                                      top_k=args.top_k_guesses)
-    guesser.source_dir = pt_dir  # None: random, untrained
-    return guesser
+    request = LoadRequest(target if target is not None else loaded.model, path, top_k=args.top_k_guesses,
+                          options=options, label=str(path or name))
+    return load_guesser(name, request)
 
 
 def encode(tokenizer, texts: list[str], vocab_size: int) -> list:

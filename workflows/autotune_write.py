@@ -1,0 +1,191 @@
+"""The main job's last phases: every finalist's tree and row, the decision as RUN/chosen.json, the
+summary with the prediction errors, the report, and the table printed at the end.
+
+    write_phase(run, racing, race, outputs, decision, profiled, accepts) -> summary dict
+    report_phase(run, summary, profiled, accepts)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from planner.guessers import kind as guesser_kind
+from planner.tree import PPD, Tree, TreeState, save_tree
+from workflows.candidates import Candidate
+from workflows.choose import MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
+from workflows.race import _Outputs, _stages
+from workflows.runs import Run, shown
+
+def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
+    """ppd: how often each state was visited while decoding, next to the Markov model's pi."""
+    if tree.method != PPD or not states:
+        return None
+    counts = {st.state: 0 for st in tree.states}
+    for s_ in states:
+        counts[s_] += 1
+    total = sum(counts.values())
+    return {str(st.state): {"measured": counts[st.state] / total, "predicted": st.stationary_probability}
+            for st in tree.states}
+
+
+def plain_plan(reason: str) -> Tree:
+    """The decision 'plain decoding' as a plan: one state, no candidates (`planner decode --plan` runs it)."""
+    return Tree("medusa", [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": PLAIN, "decision": reason})
+
+
+def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: float) -> dict:
+    """A finalist's measurements next to the cost model's predictions, with the prediction errors."""
+    prompts = sorted(arm.seconds)
+    tokens = sum(int(outputs.tokens[arm.key][p].numel()) for p in prompts)
+    steps = sum(outputs.steps[arm.key][p] for p in prompts)
+    decode_s = sum(outputs.decode_s[arm.key][p] for p in prompts)
+    up = speedup(arm, plain)
+    tps = tokens / max(steps, 1)
+    pred_step = step_s * c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)
+    meas_step = decode_s / max(steps, 1)
+    return {"prompts": len(prompts), "tokens": tokens, "steps": steps,
+            "measured_tokens_per_step": tps, "measured_speedup": up.mean, "measured_interval": up.to_json(),
+            "predicted_step_s": pred_step, "measured_step_s": meas_step,
+            "error_tokens_per_step": tps / c.predicted_tokens_per_step - 1,
+            "error_step_s": meas_step / pred_step - 1, "error_speedup": c.predicted_speedup / up.mean - 1,
+            "measured_tokens_per_s": tokens / max(sum(arm.seconds[p] for p in prompts), 1e-9)}
+
+
+def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int]) -> dict:
+    row = {
+        "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size, "label": c.label,
+        "input_length": round(c.input_length, 3), "planned_input_length": c.tree.max_input_length,
+        "draft_s": c.guessing.draft_s, "draft_passes": c.guessing.draft_passes,
+        "predicted_tokens_per_step": c.predicted_tokens_per_step, "predicted_speedup": c.predicted_speedup,
+        "cost_vs_plain_step": arm.cost, "dropped": arm.dropped or None, "chosen": False, "tree": shown(path),
+        "measured_tokens_per_step": None, "measured_speedup": None, "identical_to_greedy": None,
+        "state_frequencies": state_frequencies(c.tree, states),
+    }
+    if measured:
+        row.update(measured)
+        row["identical_to_greedy"] = not arm.dropped.startswith("output differs")
+    return row
+
+
+def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs, decision: Decision,
+                profiled, accepts: dict) -> dict:
+    """Every finalist's tree and row, the decision as RUN/chosen.json, and the summary."""
+    from planner.cost import plain_step
+    from profiler.models import dtype_name
+
+    profile, profile_path = profiled.profile, profiled.path
+    run.clock.phase(6, "writing the run folder", run.budget.report_reserve_s)
+    arms = {a.key: a for a in race.arms}
+    rows, chosen = [], None
+    for c in racing:
+        name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}{c.tag}.json"
+        g = run.guessers[_measured_as(c.guesser, accepts)]
+        c.tree.provenance.update({"accept": shown(accepts[_measured_as(c.guesser, accepts)].path),
+                                  "profile": shown(profile_path), "autotune": shown(run.out_dir),
+                                  "guesser_dir": shown(g.source_dir) if g.source_dir else None})
+        save_tree(c.tree, run.out_dir / "trees" / name)
+        arm = arms[c.label]
+        measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
+        rows.append(_row(c, arm, run.out_dir / "trees" / name, measured, outputs.states.get(c.label, [])))
+        if c.label == decision.choice:
+            chosen = c
+            rows[-1]["chosen"] = True
+    tree = chosen.tree if chosen else plain_plan(decision.reason)
+    tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json())
+    save_tree(tree, run.out_dir / "chosen.json")
+    return _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts) | {
+        "dtype": dtype_name(next(run.model.parameters()).dtype)}
+
+
+def _measured_as(kind: str, accepts: dict) -> str:
+    """The guesser whose acceptance and files a candidate uses: a hybrid's are its drafter's; a kind
+    with its own loop (PEARL) drafts with the measured guesser that has the same files (the draft LM)."""
+    spec = guesser_kind(kind)
+    if spec.members:
+        return spec.members[-1]
+    if kind in accepts:
+        return kind
+    return next(k for k in accepts if guesser_kind(k).files == spec.files and not guesser_kind(k).members)
+
+
+def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[dict], race: Race, outputs: _Outputs,
+             profile_path: Path, accepts: dict) -> dict:
+    s = run.settings
+    plain = race.plain
+    plain_tokens = sum(int(t.numel()) for t in outputs.tokens[PLAIN].values())
+    measured = [r for r in rows if r["measured_speedup"] is not None]
+    best = max(measured, key=lambda r: r["measured_speedup"], default=None)
+    return {
+        "chosen": shown(run.out_dir / "chosen.json"),
+        "decision": {"choice": decision.choice, "reason": decision.reason, "measured_speedup": decision.speedup.to_json(),
+                     "predicted_speedup": chosen.predicted_speedup if chosen else 1.0,
+                     "guesser": chosen.guesser if chosen else PLAIN},
+        "chosen_guesser": chosen.guesser if chosen else PLAIN, "chosen_method": chosen.method if chosen else PLAIN,
+        "chosen_size": chosen.size if chosen else 0,
+        "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows),
+        "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
+                  "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
+        "prediction_error": _prediction_errors(measured, chosen),
+        "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
+        "race": {"log": race.log, "stages": len(_stages(len(plain.seconds))) if plain.seconds else 0},
+        "rows": rows, "profile": shown(profile_path),
+        "accept": {k: shown(m.path) for k, m in accepts.items()},
+        "guessers": {k: shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
+        "model": run.loaded.name, "device": run.device,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
+        "wall_s": None,
+    }
+
+
+def _prediction_errors(measured: list[dict], chosen: Candidate | None) -> dict:
+    """How far the cost model was from the measurements: per row in the rows, summarised here."""
+    def med_abs(key):
+        vals = sorted(abs(r[key]) for r in measured)
+        return vals[len(vals) // 2] if vals else None
+
+    out = {"median_abs_tokens_per_step": med_abs("error_tokens_per_step"), "median_abs_step_s": med_abs("error_step_s"),
+           "median_abs_speedup": med_abs("error_speedup"), "rows": len(measured)}
+    row = next((r for r in measured if chosen is not None and r["label"] == chosen.label), None)
+    if row:
+        out["chosen"] = {k: row[k] for k in ("error_tokens_per_step", "error_step_s", "error_speedup")}
+    return out
+
+
+def report_phase(run: Run, summary: dict, profiled, accepts: dict) -> None:
+    from workflows.report import write_report
+
+    # the size curves of the prompt-token families
+    specs = [str(m.path) for k, m in accepts.items() if guesser_kind(k).needs_embeddings]
+    index = write_report(run.out_dir / "report", profiles=[str(profiled.path)], accepts=specs,
+                         trees=[summary["chosen"]], run_dir=str(run.out_dir))
+    summary["report"] = shown(index)
+    run.say(f"report: {shown(index)}")
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(summary: dict) -> str:
+    head = (f"{'plan':24} {'n_real':>6} {'tok/step pred':>13} {'meas':>5} {'step ms pred':>12} {'meas':>6} "
+            f"{'speedup pred':>12} {'measured [95% interval]':>24}  note")
+    lines = [head, "-" * len(head)]
+    for r in summary["rows"]:
+        iv = r.get("measured_interval")
+        meas = f"{iv['mean']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" if iv and iv["prompts"] >= MIN_PROMPTS else (
+            _fmt(r["measured_speedup"], ".2f"))
+        note = "CHOSEN" if r["chosen"] else ("out: " + r["dropped"].split(":")[0] if r["dropped"] else "")
+        if r["identical_to_greedy"] is False:
+            note = "OUTPUT DIFFERS"
+        lines.append(
+            f"{r['label']:24} {r['input_length']:>6.1f} {r['predicted_tokens_per_step']:>13.2f} "
+            f"{_fmt(r['measured_tokens_per_step'], '.2f'):>5} {_fmt(r.get('predicted_step_s') and r['predicted_step_s'] * 1e3, '.1f'):>12} "
+            f"{_fmt(r.get('measured_step_s') and r['measured_step_s'] * 1e3, '.1f'):>6} {r['predicted_speedup']:>12.2f} "
+            f"{meas:>24}  {note}")
+    p, d = summary["plain"], summary["decision"]
+    ms = d["measured_speedup"]
+    lines.append(f"plain decoding: {p['tokens_per_s']:.1f} tokens/s over {p['prompts']} prompts")
+    lines.append(f"decision: {d['choice']} -- measured {ms['mean']:.2f}x plain"
+                 + (f" [{ms['lo']:.2f}, {ms['hi']:.2f}]" if ms["prompts"] >= MIN_PROMPTS and d["choice"] != PLAIN else "")
+                 + f", predicted {d['predicted_speedup']:.2f}x; {d['reason']}")
+    return "\n".join(lines)

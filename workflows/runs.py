@@ -1,0 +1,79 @@
+"""What the main job's phases share: the run (model, engine, guessers, run folder), its clock, and
+one `Budget` that holds every time budget of the run."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = 6
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Every time budget of one autotune run, in one place (seconds unless a share)."""
+
+    total_s: float = 240.0  # the whole run, model loading to report (--budget)
+    profile_max_s: float = 45.0  # profiling at most this long (--profile-budget) ...
+    profile_share: float = 0.2  # ... and at most this share of the whole run
+    matmul_share: float = 0.35  # of the profiling time (CPU): choosing each Linear's matmul path; the rest times L(n)
+    acceptance_share: float = 0.35  # of the time left when acceptance starts (the race needs the rest)
+    report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
+
+    @property
+    def profile_s(self) -> float:
+        return min(self.profile_max_s, self.profile_share * self.total_s)
+
+
+@dataclass
+class Clock:
+    """Elapsed time against the budget, and one progress line per phase with the time left."""
+
+    budget_s: float
+    say: object
+    t0: float = field(default_factory=time.time)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def phase(self, k: int, text: str, eta_s: float) -> None:
+        self.say(f"[{k}/{PHASES}] {text}  ({self.elapsed():.0f} s in; about {max(eta_s, 0):.0f} s left, "
+                 f"budget {self.budget_s / 60:.1f} min)")
+
+
+@dataclass
+class Run:
+    """One autotune run: what every phase reads."""
+
+    settings: object  # workflows.autotune.AutotuneSettings
+    loaded: object  # profiler.models.LoadedModel
+    engine: object  # the target engine every decode runs on (decoder/engine.py)
+    guessers: dict  # kind -> guesser (decoder/registry.py)
+    tokenizer: object
+    device: str
+    out_dir: Path
+    say: object  # print, or a no-op when quiet
+    clock: Clock
+    budget: Budget
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+
+def shown(path) -> str:
+    """Paths under the working directory are recorded relative to it, so a run folder can be moved or committed."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def default_out(device: str, model_name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return REPO / "runs" / f"{stamp}-{device}-{model_name}"
