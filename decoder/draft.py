@@ -8,8 +8,10 @@ of `depth` tokens, classic speculative decoding). Each step the drafter runs one
 level over its own KV cache: first the tokens it has not seen yet (the last step's accepted leaf,
 if any, and the root), then the nodes of each level that have children, as a tree with a dense
 mask. A node's children are its rank-ordered guesses: at temperature 0 (and for typical
-acceptance) the top-k tokens of the drafter's distribution q; for lossless sampling, tokens drawn
-from q without replacement, in order, with q handed to verification (decoder.verify.verify_sampled).
+acceptance) the top-k tokens of the drafter's distribution; for lossless sampling, tokens drawn
+without replacement, in order, from the drafter's warped distribution q (the target's temperature,
+top-k, top-p), with q handed to verification (decoder.verify.verify_sampled); siblings beyond q's
+support are the drafter's next tokens by logit, verified as deterministic guesses.
 After verification the drafter's cache keeps exactly the accepted tokens it has fed (KV compaction,
 as the target's), so it always equals a prefill of the accepted text.
 """
@@ -25,7 +27,7 @@ from decoder.engine import vocab_size
 from decoder.forward import ancestor_matrix, kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.verify import Sampling, draw_children
+from decoder.verify import Sampling, draw_children, probabilities
 from planner.errors import UserError
 from planner.tree import Tree
 
@@ -81,17 +83,30 @@ class TreeShape:
         return [u for u in range(len(self.parents)) if self.depth[u] == d and self.children[u]]
 
 
-def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
+def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen,
+                   exclude=()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Up to k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
     they were sampled (without replacement, decoder.verify.draw_children) rather than taken as the top-k.
 
-    q is the drafter's distribution at the target's temperature, without top-k / top-p: any q is
-    lossless as long as verification uses the same one, and a full support always has k tokens.
+    q is the drafter's own warped distribution (the target's temperature, top-k and top-p): on
+    SmolLM2 and its draft LM at T = 0.7 / top-p 0.9 its first child is accepted more often than
+    with the unwarped softmax(logits / T) (docs/sampling.md). A warped q can hold fewer than k
+    tokens: then fewer come back (`fill_children` completes a static tree's siblings).
+    exclude: earlier siblings' tokens (a hybrid's deterministic guesses), never drawn.
     """
     if not sampled:
         return logits.float().topk(k).indices, None
-    q = torch.softmax(logits.float() / s.temperature, dim=-1)  # [V]
-    return torch.tensor(draw_children(q, k, gen), dtype=torch.long, device=logits.device), q
+    q = probabilities(logits, s)  # [V]
+    return torch.tensor(draw_children(q, k, gen, exclude), dtype=torch.long, device=logits.device), q
+
+
+def fill_children(logits: torch.Tensor, have: torch.Tensor, n: int) -> torch.Tensor:
+    """n more siblings after `have` once q's support is spent: the drafter's best other tokens by
+    logit, as deterministic guesses (point-mass proposals; decoder.verify.verify_sampled). They
+    depend on the node's logits alone, never on a draw, so the tree keeps its shape losslessly."""
+    x = logits.float().clone()
+    x[have] = float("-inf")
+    return x.topk(n).indices
 
 
 class DraftModelGuesser:
@@ -152,19 +167,24 @@ class DraftSession:
         tokens = torch.zeros(len(sh.parents), dtype=torch.long, device=root.device)  # [num_tree], root first
         tokens[0] = root[0]
         q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
+        fixed = [False] * len(sh.parents)  # siblings filled in after a warped q's support ran out
         logits = {0: self._first_pass(root)}  # tree index -> drafter logits [V] at that node
         self.slots = {0: self.base - 1}
         for d in range(max(sh.depth)):
             for u in sh.level(d):
                 kids = sh.children[u]
                 toks, q = draft_children(logits[u], len(kids), self.ctx.sampling, self.sampled, self.ctx.generator)
+                if len(toks) < len(kids):
+                    for c in kids[len(toks):]:
+                        fixed[c] = True
+                    toks = torch.cat([toks, fill_children(logits[u], toks, len(kids) - len(toks))])
                 tokens[kids] = toks
                 if q is not None:
                     q_all[u] = q
             fed = sh.level(d + 1)
             if fed:
                 logits.update(self._level_pass(fed, tokens))
-        return Proposal(self.layout, tokens[1:], draft_probs=q_all)
+        return Proposal(self.layout, tokens[1:], draft_probs=q_all, deterministic=fixed if any(fixed) else None)
 
     def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
         """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""

@@ -90,9 +90,11 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     either happens is recomputed its way (`_nucleus_sorted`): tokens of equal probability on both
     sides of the cut (its unstable sort picks which stay), and a cut within NUCLEUS_MARGIN of top_p
     (it sums the dropped tail in float32, whose rounding then decides)."""
-    probs = x.softmax(-1)
     V = x.shape[-1]
-    m = min(64, V)
+    if V <= 256:  # a small vocabulary: transformers' own sort is the cheaper path
+        return _nucleus_sorted(x.reshape(-1, V), top_p).reshape(x.shape)
+    probs = x.softmax(-1)
+    m = 64
     while True:
         vals, idx = probs.topk(m, dim=-1)  # [..., m] descending
         v64 = vals.double()
@@ -117,7 +119,7 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _nucleus_sorted(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """transformers' own computation, for rows [1, V] the fast path cannot settle: the full
+    """transformers' own computation, for rows [R, V] the fast path cannot settle: the full
     ascending sort, the float32 cumulative mass, drop what stays within 1 - top_p, keep the last."""
     sorted_x, order = torch.sort(x, descending=False)
     drop = sorted_x.softmax(-1).cumsum(-1) <= (1 - top_p)
