@@ -15,19 +15,22 @@ REPORT_RESERVE_S = 12.0  # writing the run folder and drawing the report, kept o
 PEARL_SPLIT = (1, 1)  # target threads, drafter threads: the two cores of this machine, one each
 
 
-def _decode_one(run, cand: Candidate | None, ids):
-    """One prompt decoded with one plan (None: plain decoding); returns the GenerateOutput."""
+def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
+    """One prompt decoded with one plan (None: plain decoding) under the run's sampling settings;
+    every arm decodes a prompt with the same seed. Returns the GenerateOutput."""
     from decoder import generate, generate_plain
     from decoder.pearl import generate_pearl
 
     n = run.settings.decode_tokens
+    s = run.settings.sampling
+    warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
     if cand is None:
-        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False)
+        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, **warp)
     if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
-                              threads=PEARL_SPLIT)
+                              threads=PEARL_SPLIT, **warp)
     return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
-                    phase_times=False)
+                    phase_times=False, verify_rule=s.mode, **warp)
 
 
 def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: list) -> list[Arm]:
@@ -122,7 +125,7 @@ def _run_stage(run, race: Race, by_key: dict, decode_ids: list, prompts: list[in
             rng.shuffle(arms)
             for a in arms:
                 t0 = time.perf_counter()
-                out = _decode_one(run, by_key.get(a.key), ids)
+                out = _decode_one(run, by_key.get(a.key), ids, seed=run.settings.seed + p)
                 times.setdefault(a.key, []).append(time.perf_counter() - t0)
                 if p not in outputs.tokens.get(a.key, {}):
                     outputs.add(a.key, p, out)
@@ -132,9 +135,13 @@ def _run_stage(run, race: Race, by_key: dict, decode_ids: list, prompts: list[in
 
 def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, prompts: list[int]) -> None:
     """A plan whose output differs from plain greedy decoding (beyond a near tie of the target's
-    top two logits, profiler.compare) leaves the race: it is never the decision."""
+    top two logits, profiler.compare) leaves the race: it is never the decision. Sampled outputs
+    differ from plain sampling's with the same seed by design; their law is the distribution
+    tests' to check (tests/test_sampling_rules.py), so a sampled race compares speeds only."""
     from profiler.compare import classify
 
+    if run.settings.sampling.rule != "greedy":
+        return
     plain = outputs.tokens[PLAIN]
     for a in race.running():
         if a is race.plain:

@@ -31,18 +31,19 @@ def add_sampling_arguments(p: argparse.ArgumentParser, what: str = "decoding") -
                    help="sampling: keep the smallest set of most probable tokens whose mass reaches p (1: off)")
 
 
-def sampling_from_args(args, verify: str = "auto", eps: float = 0.09, delta: float = 0.3):
-    """The settings as decoder.verify.Sampling, checked before any model loads."""
+def sampling_from_args(args, verify: str | None = None):
+    """The settings as decoder.verify.Sampling, checked before any model loads. verify: the rule
+    (default: the command's --verify, else auto)."""
     from decoder.verify import Sampling
 
     t, k = args.temperature, args.top_k
-    if isinstance(t, (int, float)) and math.isfinite(t) and t > MAX_TEMPERATURE:
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
         raise UserError(f"--temperature: expected a number in [0, {MAX_TEMPERATURE:g}], got {t}")
     if isinstance(k, int) and k > MAX_TOP_K:
         raise UserError(f"--top-k: expected an integer in 0..{MAX_TOP_K}, got {k}")
     try:
-        return Sampling(t, k, args.top_p, getattr(args, "verify", verify), getattr(args, "eps", eps),
-                        getattr(args, "delta", delta))
+        return Sampling(t, k, args.top_p, verify or getattr(args, "verify", "auto"), getattr(args, "eps", 0.09),
+                        getattr(args, "delta", 0.3))
     except UserError as e:
         field, _, rest = str(e).partition(": ")
         raise UserError(f"{FLAGS.get(field, field)}: {rest}") from None
@@ -78,11 +79,12 @@ def recorded(obj: dict | None) -> dict | None:
     return {"temperature": float(rec["temperature"]), "top_k": int(rec["top_k"]), "top_p": float(rec["top_p"])}
 
 
-def mismatch(rec: dict | None, s, what: str) -> str | None:
+def mismatch(rec: dict | None, s, what: str, made: str = "was tuned for",
+             now: str = "this run uses {}: its choice may not be the fastest here") -> str | None:
     """One line saying that `what` was made for other settings than s, or None when they agree.
     A file recording none was made for greedy decoding (every file before sampled tuning)."""
     want = record(s)
     have = rec if rec is not None else {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
     if have == want:
         return None
-    return f"{what} was tuned for {describe(have)}, this run uses {describe(want)}: its choice may not be the fastest here"
+    return f"{what} {made} {describe(have)}, {now.format(describe(want))}"
