@@ -30,7 +30,7 @@ import torch
 
 from decoder.layout import PlanLayout, StepLayout, layout_for, plan_layout
 from planner.errors import UserError
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 if TYPE_CHECKING:
     from decoder.verify import Sampling, Verdict
@@ -137,11 +137,11 @@ class DistanceGuesser:
         ranks = max((r for st in plan.states for p in st.nodes for r in p), default=-1)
         if ranks >= self.top_k:
             raise UserError(f"{label}: the plan uses rank {ranks}, the guesser gives top-{self.top_k} guesses per distance")
-        need = plan.prompt_tokens_max if plan.method == "ppd" else plan.depth
+        need = plan.prompt_tokens_max if plan.method == PPD else plan.depth
         if need > self.num_distances:
-            what = f"prompt_tokens_max = {need}" if plan.method == "ppd" else f"depth {need}"
+            what = f"prompt_tokens_max = {need}" if plan.method == PPD else f"depth {need}"
             raise UserError(f"{label}: the plan needs {what}, the guesser guesses {self.num_distances} distances")
-        if plan.method != "ppd" and plan.depth == 0:
+        if plan.method != PPD and plan.depth == 0:
             raise UserError(f"{label}: the {plan.method} tree has no candidates")
 
     def layouts(self, plan: Tree, dtype, device) -> PlanLayout:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from decoder.forward import ancestor_matrix, tree_depths
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 
 def prompt_block_mask(num_prompt_tokens: int, ensemble: int = 1) -> torch.Tensor:
@@ -198,7 +198,7 @@ def plan_layout(tree: Tree, top_k: int, ensemble: int, dtype, device) -> PlanLay
 
 
 def _build_plan_layout(tree: Tree, K: int, E: int, dtype, device) -> PlanLayout:
-    static = tree.method != "ppd"
+    static = tree.method != PPD
     states = {}
     if static:
         D = tree.depth

@@ -46,7 +46,7 @@ from planner.cost import Guessing, default_guessing, padded_step_latency, plain_
 from planner.errors import PlainIsFastest, UserError
 from planner.plan import default_max_depth, plan
 from planner.profile import LatencyProfile
-from planner.tree import LAYOUTS, ScheduleEntry, Tree, TreeState
+from planner.tree import LAYOUTS, PPD, ScheduleEntry, Tree, TreeState
 
 MAX_PADDED_CANDIDATES = 12  # sizes of the packed sweep re-scored under the padded model
 PLAIN_FASTEST = "plain decoding is predicted fastest"
@@ -279,7 +279,7 @@ def _resized(method, accept, profile, guessing, plan_kwargs, best: Tree) -> list
     keep = {k: v for k, v in plan_kwargs.items() if k in ("prompt_tokens", "improved", "per_state_budgets")}
     out = []
     for r in (rows[i] for i in picks):
-        if method == "ppd":
+        if method == PPD:
             sized = {"input_length": int(r["planned_input_length"])}
         else:
             sized = {"size": int(r["size"]), "max_depth": int(r.get("depth") or best.settings["max_depth"])}

@@ -29,7 +29,7 @@ import numpy as np
 
 from planner.errors import UserError
 from planner.profile import LatencyProfile
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 DRAFT_PASSES = ("depth", "one")
 
@@ -85,7 +85,7 @@ def state_weights(tree: Tree) -> list[float]:
 
 def input_lengths(tree: Tree, guessing: Guessing = Guessing()) -> list[int]:
     """Tokens in the forward pass of each state (see the module docstring)."""
-    if tree.method == "ppd":
+    if tree.method == PPD:
         return [1 + len(st.nodes) + guessing.ensemble * sum(st.prompt_tokens or []) for st in tree.states]
     st = tree.states[0]
     return [int(guessing.input_length(1 + len(st.nodes), st.depth))]
@@ -159,6 +159,6 @@ def default_guessing(method: str, accept=None, **overrides) -> Guessing:
         fields = {k: record[k] for k in ("prompt_tokens", "ensemble", "draft_s", "draft_passes") if k in record}
     if "prompt_tokens" not in fields:
         names = " ".join(str(accept.source.get(k, "")) for k in ("kind", "label", "name")).lower() if accept else ""
-        fields["prompt_tokens"] = method == "ppd" or "ppd" in names
+        fields["prompt_tokens"] = method == PPD or PPD in names
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return Guessing(**fields)

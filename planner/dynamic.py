@@ -189,7 +189,16 @@ class GuesserModel:
 
     @property
     def signal(self) -> str:
-        return "lookup" if self.kind == "lookup" else "q"
+        from planner.guessers import kind
+
+        return kind(self.kind).signal
+
+    @property
+    def branches(self) -> bool:
+        """Its candidates at a distance can have siblings (lookup proposes one continuation)."""
+        from planner.guessers import kind
+
+        return kind(self.kind).branches
 
     def cells(self, depth: np.ndarray, rank: np.ndarray, bins: np.ndarray) -> np.ndarray:
         """Flat cell index per candidate: its calibration cell, or its (distance, rank) prior cell."""
@@ -257,8 +266,8 @@ def spec_from_json(obj, label: str) -> DynamicSpec:
     models = {}
     for kind, g in gs.items():
         f = f"dynamic.guessers.{kind}"
-        if kind not in GUESSER_KINDS or not isinstance(g, dict):
-            raise UserError(f"{label}: field '{f}': unknown guesser kind (expected one of {', '.join(GUESSER_KINDS)})")
+        if kind not in dynamic_kinds() or not isinstance(g, dict):
+            raise UserError(f"{label}: field '{f}': unknown guesser kind (expected one of {', '.join(dynamic_kinds())})")
         try:
             prior = np.array(g.get("prior"), dtype=np.float64)
         except (TypeError, ValueError):
@@ -275,7 +284,11 @@ def spec_from_json(obj, label: str) -> DynamicSpec:
                        _num(obj.get("decide_s", 0.0), label, "dynamic.decide_s"))
 
 
-GUESSER_KINDS = ("lookup", "draft", "parallelspec", "chain", "ppd")
+def dynamic_kinds() -> list[str]:
+    """The registered kinds a dynamic plan can hold a map for (planner/guessers.py)."""
+    from planner.guessers import kinds
+
+    return [k.name for k in kinds(hybrids=False) if k.dynamic]
 
 
 # ---------------------------------------------------------------------------------------------- the step's decision
@@ -354,7 +367,7 @@ def prior_pool(model: GuesserModel, depth: int, width: int) -> tuple[np.ndarray,
     for d in range(1, min(depth, D) + 1):
         nxt = []
         for parent, _ in frontier:
-            for r in range(width if model.kind != "lookup" else 1):
+            for r in range(width if model.branches else 1):
                 parents.append(parent)
                 c.append(model.prior[d - 1, r])
                 nxt.append((len(parents) - 1, r))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from planner.dynamic import (
-    GUESSER_KINDS,
     MAX_POOL_DEPTH,
     DynamicSpec,
     GuesserModel,
@@ -17,24 +16,23 @@ from planner.dynamic import (
     predict_static_prior,
     prior_pool,
 )
+from planner.dynamic import dynamic_kinds
 from planner.errors import UserError
-
-KIND_OF_RECORD = {"PromptLookupGuesser": "lookup", "DraftModelGuesser": "draft", "ppd": "ppd", "PromptTokens": "ppd"}
+from planner.guessers import hybrid_of, kind_of_record
+from planner.guessers import kind as guesser_kind
 
 
 def kind_of(accept) -> str | None:
     """The guesser kind an acceptance file was measured for (its 'guesser' record), or None."""
-    rec = accept.source.get("guesser") or {}
-    kind = KIND_OF_RECORD.get(rec.get("kind"))
-    if kind is None and rec.get("kind") == "ParallelDrafter":
-        kind = "parallelspec" if rec.get("draft_passes") == "one" else "chain"
-    return kind
+    spec = kind_of_record(accept.source.get("guesser"))
+    return spec.name if spec is not None else None
 
 
 def guesser_model(kind: str, accept) -> GuesserModel:
     rec = accept.source.get("guesser") or {}
-    draft_s = float(rec.get("draft_s", 0.0) or 0.0) if kind != "lookup" else 0.0
-    passes = "one" if kind in ("parallelspec", "lookup") else "depth"
+    spec = guesser_kind(kind)
+    draft_s = float(rec.get("draft_s", 0.0) or 0.0) if spec.signal != "lookup" else 0.0
+    passes = "one" if spec.passes == "one" or spec.signal == "lookup" else "depth"
     prior = accept.rows(accept.max_depth or MAX_POOL_DEPTH)
     return GuesserModel(kind, np.array(prior, dtype=np.float64), accept.source.get("calibration"), draft_s, passes)
 
@@ -55,18 +53,18 @@ def plan_dynamic(accepts: list[tuple[str | None, object]], profile=None, max_siz
         k = kind or kind_of(acc)
         if k is None:
             raise UserError(f"{acc.label}: no guesser record says which guesser this acceptance is for; "
-                            f"name it: --accept KIND=FILE with KIND one of {', '.join(GUESSER_KINDS)}")
-        if k not in GUESSER_KINDS:
-            raise UserError(f"--accept {k}=...: KIND must be one of {', '.join(GUESSER_KINDS)}")
+                            f"name it: --accept KIND=FILE with KIND one of {', '.join(dynamic_kinds())}")
+        if k not in dynamic_kinds():
+            raise UserError(f"--accept {k}=...: KIND must be one of {', '.join(dynamic_kinds())}")
         if k in models:
             raise UserError(f"--accept: two acceptance files for {k}")
         models[k] = guesser_model(k, acc)
-    if len(models) > 1 and ("lookup" not in models or len(models) > 2):
-        raise UserError("--accept: one guesser, or lookup and one drafter (a hybrid)")
+    name = _plan_guesser(list(models))
     per_node = 1
-    if "ppd" in models:
-        rec = dict(next(a for k, a in accepts if (k or kind_of(a)) == "ppd").source.get("guesser") or {})
-        P = int(rec.get("num_prompt_tokens", models["ppd"].prior.shape[0]))
+    pt = next((k for k in models if guesser_kind(k).needs_embeddings), None)  # prompt tokens ride on every node
+    if pt is not None:
+        rec = dict(next(a for k, a in accepts if (k or kind_of(a)) == pt).source.get("guesser") or {})
+        P = int(rec.get("num_prompt_tokens", models[pt].prior.shape[0]))
         per_node = 1 + P * int(rec.get("ensemble", ensemble))
     need = per_node * (max_size + 1)
     cost = None
@@ -87,10 +85,21 @@ def plan_dynamic(accepts: list[tuple[str | None, object]], profile=None, max_siz
     tau = float(best["tokens_per_step"])
     tree = Tree(DYNAMIC, [TreeState(0, nodes, min(tau, 1.0 + len(nodes)), 1 + len(nodes))], tau,
                 predicted_speedup=float(best["speedup"]) if profile is not None else None,
-                settings={"guesser": "+".join(sorted(models, key=lambda k: k != "lookup")), "max_size": max_size,
+                settings={"guesser": name, "max_size": max_size,
                           "max_depth": max_depth, "prior_prediction": preds},
                 dynamic=spec)
     return tree
+
+
+def _plan_guesser(names: list[str]) -> str:
+    """The guesser a dynamic plan decodes with: the one measured, or the registered hybrid of two."""
+    if len(names) == 1:
+        return names[0]
+    for a, b in ((names + names)[:2], (names + names)[1:3]):
+        h = hybrid_of(a, b)
+        if h is not None and len(names) == 2:
+            return h.name
+    raise UserError("--accept: one guesser, or lookup and one drafter (a hybrid)")
 
 
 def _per_node_view(spec: DynamicSpec, per_node: int) -> DynamicSpec:

@@ -34,9 +34,9 @@ from planner.cost import (
 )
 from planner.errors import PlainIsFastest, UserError
 from planner.profile import LatencyProfile
-from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, Tree, TreeState
+from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, MEDUSA, PPD, SEQUOIA, Tree, TreeState
 
-METHODS = ("medusa", "sequoia", "ppd")
+METHODS = (MEDUSA, SEQUOIA, PPD)
 POSITIONAL_DEFAULT_DEPTH = 8  # a positional vector allows any depth; deeper than 8 rarely pays
 
 SHARED_DIR = Path(__file__).resolve().parents[1] / ".." / "shared"  # ../shared/data/... from the repo
@@ -99,12 +99,12 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
     elif draft_latency_s is not None:
         raise UserError("give the draft latency inside `guessing` or as draft_latency_s, not both")
     progress = progress or (lambda it, **_: it)
-    if method == "ppd":
+    if method == PPD:
         tree = _plan_ppd(accept, input_length, prompt_tokens, profile, max_input_length, improved, per_state_budgets,
                          guessing, time_budget_s, progress, size, max_depth)
     else:
         tree = _plan_static(method, accept, size, max_depth, input_length, profile, max_size, guessing)
-    if not any(st.nodes for st in tree.states) and method != "ppd":
+    if not any(st.nodes for st in tree.states) and method != PPD:
         raise PlainIsFastest(f"{accept.label}: the best {method} tree has no candidates (plain decoding is predicted "
                         "fastest); give --size N to plan a tree anyway")
     if profile is not None:
@@ -266,7 +266,7 @@ def _ppd_per_state(accept, P, profile, cap, guessing, best: Tree) -> Tree:
     M = transition_matrix(best.states, accept, P)
     start = PPDResult(best.states, M, stationary_distribution(M), best.expected_tokens_per_step)
     res = improve(accept, start, options_all, P, cap, cost=lambda n: step_cost(profile, n), ensemble=guessing.ensemble)
-    tree = Tree("ppd", res.states, res.tau, prompt_tokens_max=P, settings=dict(best.settings))
+    tree = Tree(PPD, res.states, res.tau, prompt_tokens_max=P, settings=dict(best.settings))
     if predicted_speedup(tree, profile, guessing) > predicted_speedup(best, profile, guessing):
         tree.settings.update(construction="policy-iteration+per-state-budgets", policy_iterations=res.iterations)
         return tree

@@ -32,7 +32,7 @@ from planner.accept import Acceptance
 from planner.candidate import best_paths, num_paths, sort_nodes
 from planner.cost import step_cost
 from planner.errors import UserError
-from planner.tree import Tree, TreeState
+from planner.tree import PPD, Tree, TreeState
 
 NEG = -np.inf
 MAX_ITERATIONS = 50
@@ -345,7 +345,7 @@ def ppd_tree(accept: Acceptance, input_length: int, prompt_tokens: int = 3, impr
             result = improve(accept, result, options, P, input_length, cost=lambda n: step_cost(profile, n))
             how = "policy-iteration+per-state-budgets"
     return Tree(
-        method="ppd",
+        method=PPD,
         states=result.states,
         expected_tokens_per_step=result.tau,
         prompt_tokens_max=P,

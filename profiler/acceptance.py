@@ -13,14 +13,15 @@ import torch
 
 from decoder.loop import as_tree, generate
 from planner.errors import UserError
-from planner.tree import Tree, TreeState
+from planner.guessers import kinds
+from planner.tree import PPD, Tree, TreeState
 
 
 def chain_plan(num_distances: int) -> Tree:
     """Root-only steps carrying every prompt token: one token per step plus guesses for all distances."""
     P = num_distances
     states = [TreeState(s, [], 1.0, 1 + P, prompt_tokens=[P]) for s in range(P + 1)]
-    return Tree("ppd", states, 1.0, prompt_tokens_max=P, settings={"purpose": "acceptance measurement"})
+    return Tree(PPD, states, 1.0, prompt_tokens_max=P, settings={"purpose": "acceptance measurement"})
 
 
 def count_hits(guesses: torch.Tensor, emitted: torch.Tensor, conditional: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -183,8 +184,9 @@ def guessing_record(guesser, runner, depth: int) -> dict:
     """How the guesser feeds trees (planner.cost.Guessing fields) and what it is."""
     import statistics
 
-    if getattr(guesser, "input_embeddings", lambda: None)() is not None:
-        return {"kind": "ppd", "prompt_tokens": True, "ensemble": guesser.ensemble, "top_k": guesser.top_k,
+    if getattr(guesser, "input_embeddings", lambda: None)() is not None:  # prompt tokens (or an oracle riding on them)
+        pt_kind = next(k.name for k in kinds(hybrids=False) if k.needs_embeddings)
+        return {"kind": pt_kind, "prompt_tokens": True, "ensemble": guesser.ensemble, "top_k": guesser.top_k,
                 "num_prompt_tokens": guesser.num_distances,
                 **{k: v for k, v in getattr(guesser, "meta", {}).items() if isinstance(v, (str, int, float))}}
     kind = type(guesser).__name__

@@ -15,6 +15,7 @@ from decoder.layout import layout_for
 from decoder.loop import generate
 from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
 from planner.errors import UserError
+from planner.guessers import kind as registered_kind
 from planner.tree import DYNAMIC, Tree, TreeState
 
 
@@ -83,7 +84,7 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
         per_prompt.append(observations(sess["s"].records, out.tokens.tolist()))
     if not per_prompt or sum(len(o[0]) for o in per_prompt) == 0:
         raise UserError("calibration: no candidate was ever observed (too few tokens decoded?)")
-    signal = "lookup" if kind == "lookup" else "q"
+    signal = registered_kind(kind).signal
 
     def cat(parts, k):
         return np.concatenate([p[k] for p in parts]) if parts else np.zeros(0)

@@ -258,7 +258,6 @@ def profile_model(
                warmup, seed, time_budget_s, progress)
     attn_before = getattr(hf.config, "_attn_implementation", None)
     st.layout = _layout(hf, layout, cuda_graphs)
-    st.engine = HFEngine(hf)
     lengths, bar = st.lengths, st.bar
     batch_sizes = [int(b) for b in batch_sizes]
     load_start = _load()
@@ -348,7 +347,8 @@ def _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, m
                bar_format="{desc} {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s budget{postfix}")
     return _Settings(hf, device, lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci, warmup,
                      next(hf.parameters()).dtype, hf.config.get_text_config().vocab_size,
-                     torch.Generator().manual_seed(seed), random.Random(seed), Timer(device), time.time(), bar)
+                     torch.Generator().manual_seed(seed), random.Random(seed), Timer(device), time.time(), bar,
+                     engine=HFEngine(hf))
 
 
 def _layout(hf, layout: str, cuda_graphs: bool) -> str:

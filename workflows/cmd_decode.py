@@ -9,8 +9,11 @@ import sys
 import time
 
 from planner.errors import UserError
+from planner.guessers import kind as guesser_kind
+from planner.tree import CHAIN
 from workflows.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 from workflows.inputs import (
+    DEFAULT_GUESSER,
     DEFAULT_PROMPTS,
     add_model_arguments,
     encode,
@@ -91,7 +94,7 @@ def _check_pearl(args) -> None:
     """--pearl: a draft model, a chain of --gamma, batch size 1, lossless."""
     if not getattr(args, "pearl", False):
         return
-    if parse_guesser(args.guesser or "ppd")[0] != "draft" or getattr(args, "mtad", None):
+    if parse_guesser(args.guesser or DEFAULT_GUESSER)[0] != "draft" or getattr(args, "mtad", None):
         raise UserError(f"--pearl: needs --guesser draft[:DIR] (a draft model) and no --mtad, "
                         f"got {args.guesser or 'ppd'}")
     if args.plan or args.batch_size != 1 or args.verify == "typical" or args.gamma < 1:
@@ -109,7 +112,7 @@ def _check_mtad(args) -> None:
         if ratio is not None:
             raise UserError("--max-perplexity-ratio: needs --mtad")
         return
-    if parse_guesser(args.guesser or "ppd")[0] != "draft":
+    if parse_guesser(args.guesser or DEFAULT_GUESSER)[0] != "draft":
         raise UserError(f"--mtad: needs --guesser draft[:DIR] (a draft model), got {args.guesser or 'ppd'}")
     if args.plan:
         raise UserError("--mtad: drafts a chain of GAMMA tokens; drop --plan")
@@ -128,9 +131,10 @@ def run(args) -> int:
     warn_settings(tree, args)
     paths = _matmul_paths(args.profile)
     tree = _follow_recorded_pearl(args, tree)
-    args.guesser = args.guesser or _recorded_guesser(tree) or "ppd"
-    if tree is None and parse_guesser(args.guesser)[0] == "ppd":
-        raise UserError("--plan: needed with --guesser ppd (plan one with `planner plan ppd` or take trees/autotune-*.json)")
+    args.guesser = args.guesser or _recorded_guesser(tree) or DEFAULT_GUESSER
+    if tree is None and guesser_kind(parse_guesser(args.guesser)[0]).needs_embeddings:
+        raise UserError(f"--plan: needed with --guesser {args.guesser} (prompt tokens: plan one with `planner plan ppd` "
+                        "or take trees/autotune-*.json)")
     if args.output:
         writable_target(args.output)
     texts = args.prompt or read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
@@ -190,7 +194,7 @@ def run(args) -> int:
         summary.update(_mtad_quality(args, model, guesser, results))
     doc = {
         "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
-        "plan": args.plan, "matmul_paths_profile": args.profile, "method": tree.method if tree is not None else "chain",
+        "plan": args.plan, "matmul_paths_profile": args.profile, "method": tree.method if tree is not None else CHAIN,
         "guesser": guesser_record(args.guesser, guesser),
         "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed,
@@ -200,7 +204,7 @@ def run(args) -> int:
         "planned_input_length_by_state": lengths["planned"],
         "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start,
     }
-    if parse_guesser(args.guesser)[0] == "ppd":
+    if guesser_kind(parse_guesser(args.guesser)[0]).needs_embeddings:
         doc["prompt_tokens"] = doc["guesser"]  # the field earlier tools read
     if args.mtad_settings is not None:
         doc["method"] = "mtad"
@@ -265,7 +269,7 @@ def _recorded_guesser(tree) -> str | None:
     if tree is None or not isinstance(tree.settings.get("guesser"), str):
         return None
     kind, where = tree.settings["guesser"], tree.provenance.get("guesser_dir")
-    return f"{kind}:{where}" if isinstance(where, str) and kind not in ("lookup", "plain") else kind
+    return f"{kind}:{where}" if isinstance(where, str) and guesser_kind(kind).files is not None else kind
 
 
 def _mtad_quality(args, model, guesser, results: list[dict]) -> dict:
@@ -337,12 +341,13 @@ def step_lengths(guesser, tree, w) -> dict:
 
 def guesser_record(spec: str, guesser) -> dict:
     kind, _ = parse_guesser(spec)
+    k = guesser_kind(kind)
     rec = {"kind": kind, "dir": getattr(guesser, "source_dir", None), "top_k": getattr(guesser, "top_k", None)}
-    if "+" in kind:  # a hybrid: lookup and the drafter
+    if k.hybrid:  # lookup and the drafter
         return {"kind": kind, "dir": getattr(guesser, "source_dir", None)}
-    if kind == "ppd":
+    if k.needs_embeddings:  # prompt tokens
         rec.update(P=guesser.num_prompt_tokens, E=guesser.ensemble, random=guesser.source_dir is None)
-    if kind in ("parallelspec", "chain"):
+    if k.needs_hidden:  # the ParallelSpec drafter, in one of its modes
         rec.update(num_masks=guesser.num_masks, mode=guesser.mode)
     return rec
 

@@ -181,7 +181,7 @@ def run(args) -> int:
 def _run_dynamic(args) -> int:
     """planner plan dynamic: the size limit, the step cost at every input length, the guessers' maps."""
     from planner.accept import load_acceptance
-    from planner.dynamic import GUESSER_KINDS
+    from planner.dynamic import dynamic_kinds
     from planner.dynamic_plan import plan_dynamic
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
@@ -193,7 +193,7 @@ def _run_dynamic(args) -> int:
     pairs = []
     for spec in args.accept:
         kind, sep, path = spec.partition("=")
-        if sep and kind in GUESSER_KINDS:
+        if sep and kind in dynamic_kinds():
             pairs.append((kind, load_acceptance(path)))
         else:
             pairs.append((None, load_acceptance(spec)))
@@ -316,8 +316,10 @@ def _version() -> str:
 
 
 def summary(tree, label: str) -> str:
+    from planner.tree import PPD
+
     parts = [f"{tree.method}: tau {tree.expected_tokens_per_step:.4f} tokens/step"]
-    if tree.method == "ppd":
+    if tree.method == PPD:
         per = ", ".join(
             f"s{st.state}: n={st.input_length} c={len(st.nodes)} pi={st.stationary_probability:.3f}" for st in tree.states
         )

@@ -16,6 +16,7 @@ SHARED_DIR = REPO / ".." / "shared"
 DEFAULT_QUESTIONS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
 DEFAULT_PROMPTS = DEFAULT_QUESTIONS  # the prompts decode and accept read by default
 SHIPPED_DIR = REPO / "models"  # models/<model name>/<guesser kind>: what ships with the repository
+DEFAULT_GUESSER = "ppd"  # --guesser's default (planner/guessers.py names the kinds)
 
 
 def shipped(model_name: str, kind: str) -> Path | None:
@@ -145,7 +146,7 @@ def make_guesser(args, loaded, spec: str, target=None):
     from decoder.registry import LoadRequest, load_guesser
     from planner.guessers import kind
 
-    name, path = parse_guesser(getattr(args, "guesser", None) or "ppd")
+    name, path = parse_guesser(getattr(args, "guesser", None) or DEFAULT_GUESSER)
     k = kind(name)
     pt_flags = args.prompt_tokens or args.random_prompt_tokens
     if pt_flags and not k.needs_embeddings:

@@ -11,7 +11,7 @@ cost more than acceptance.
 from __future__ import annotations
 
 from planner.cost import default_guessing
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 from workflows.tune import Config, Source
 
 
@@ -41,13 +41,13 @@ class MeasuredEvaluator:
 
         from decoder import OracleGuesser, PromptTokens
 
-        if tree.method == "ppd" and self.prompt_tokens_dir:
+        if tree.method == PPD and self.prompt_tokens_dir:
             if self._trained is None:
                 self._trained = PromptTokens.load(self.prompt_tokens_dir, self.model)
             if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
                 return self._trained
         K = src.accept.num_ranks
-        depth = tree.prompt_tokens_max if tree.method == "ppd" else max(1, tree.depth)
+        depth = tree.prompt_tokens_max if tree.method == PPD else max(1, tree.depth)
         pt = None
         if default_guessing(tree.method, src.accept, ensemble=src.ept).prompt_tokens:
             # the forward pass carries the prompt-token inputs the planner costed

@@ -32,7 +32,7 @@ from planner.errors import UserError
 from planner.plan import MAX_PROMPT_TOKENS, MAX_SIZE
 from planner.profile import LatencyProfile
 from planner.simulate import refuse_to_measure
-from planner.tree import METHODS, Tree, save_tree
+from planner.tree import MEDUSA, METHODS, PPD, SEQUOIA, Tree, save_tree
 
 OBJECTIVES = ("predicted", "measured")
 MEMORY_OBJECTIVES = ("input_length", "kv_bytes")
@@ -63,7 +63,7 @@ def guess_methods(accept: Acceptance, spec: str) -> tuple[str, ...]:
     named = tuple(m for m in METHODS if m in name)
     if named:
         return named
-    return ("sequoia",) if accept.positional else ("ppd", "medusa")
+    return (SEQUOIA,) if accept.positional else (PPD, MEDUSA)
 
 
 def parse_accept_spec(spec: str) -> Source:
@@ -229,7 +229,7 @@ class Config:
     def to_json(self) -> dict:
         """All fields (Config(**d) rebuilds it); fields the method ignores are dropped for readability."""
         d = dict(self.__dict__)
-        if self.method != "ppd":
+        if self.method != PPD:
             for k in ("prompt_tokens", "per_state_budgets", "input_length"):
                 d.pop(k)
         return d
@@ -244,7 +244,7 @@ def suggest(trial, space: SearchSpace, profile: LatencyProfile | None, tune_veri
     src = next(s for s in sources if s.label == label)
     cfg = Config(method=m, source=label)
     auto = profile is not None and trial.suggest_categorical(f"{m}.size_mode", ["auto", "fixed"]) == "auto"
-    if m == "ppd":
+    if m == PPD:
         cfg.prompt_tokens = trial.suggest_int("ppd.prompt_tokens", 1, space.prompt_tokens_cap(src))
         if profile is not None:
             cfg.per_state_budgets = trial.suggest_categorical("ppd.per_state_budgets", [True, False])
@@ -275,15 +275,15 @@ def front_seed_points(space: SearchSpace, profile: LatencyProfile | None) -> lis
     out = []
     for ref in reference_points(space, profile):
         m = ref["method"]
-        top = profile.max_input_length if m == "ppd" else min(space.max_size, profile.max_input_length - 1)
-        grid, n = [], 2 if m == "ppd" else 1
+        top = profile.max_input_length if m == PPD else min(space.max_size, profile.max_input_length - 1)
+        grid, n = [], 2 if m == PPD else 1
         while n <= top:
             grid.append(n)
             n *= 2
         for n in grid:
             p = dict(ref)
             p[f"{m}.size_mode"] = "fixed"
-            p["ppd.input_length" if m == "ppd" else f"{m}.size"] = n
+            p["ppd.input_length" if m == PPD else f"{m}.size"] = n
             out.append(p)
     return out
 
@@ -299,7 +299,7 @@ def reference_points(space: SearchSpace, profile: LatencyProfile | None) -> list
             if profile is None:
                 continue  # no automatic size without a profile: nothing to reproduce
             p[f"{m}.size_mode"] = "auto"
-            if m == "ppd":
+            if m == PPD:
                 p["ppd.prompt_tokens"] = min(PLAN_DEFAULT_PROMPT_TOKENS, space.prompt_tokens_cap(src))
                 p["ppd.per_state_budgets"] = True
             else:
@@ -330,7 +330,7 @@ def build_tree(cfg: Config, space: SearchSpace, profile: LatencyProfile | None) 
 
     src = space.source(cfg.source)
     kw: dict[str, Any] = dict(size=cfg.size, max_depth=cfg.max_depth, profile=profile, max_size=space.max_size)
-    if cfg.method == "ppd":
+    if cfg.method == PPD:
         kw.update(prompt_tokens=cfg.prompt_tokens, per_state_budgets=cfg.per_state_budgets)
         if cfg.input_length is not None:
             kw["input_length"] = cfg.input_length
