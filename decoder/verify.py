@@ -11,48 +11,12 @@ The rules with their formulas: docs/sampling.md.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from decoder.layout import StepLayout
-from planner.errors import UserError
-
-RULES = ("auto", "greedy", "typical", "lossless")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the base model's distribution is formed; identical for plain and tree decoding."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    mode: str = "auto"  # auto (greedy at T=0, else lossless), greedy, typical, lossless
-    eps: float = 0.09  # typical acceptance: hard threshold
-    delta: float = 0.3  # typical acceptance: entropy-scaled threshold
-
-    def __post_init__(self):
-        for name, lo, hi in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("eps", 0.0, 1.0), ("delta", 0.0, math.inf)):
-            x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo <= x <= hi:
-                raise UserError(f"{name}: expected a finite number in [{lo}, {hi}], got {x!r}")
-        if self.top_p == 0:
-            raise UserError("top_p: expected a number in (0, 1], got 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
-        if self.mode not in RULES:
-            raise UserError(f"verify rule: expected one of {', '.join(RULES)}, got {self.mode!r}")
-        if self.mode in ("typical", "lossless") and self.temperature == 0:
-            raise UserError(f"verify rule: '{self.mode}' samples, but temperature is 0, where every rule is greedy; "
-                            "give a temperature > 0, or the rule greedy (or auto)")
-
-    @property
-    def rule(self) -> str:
-        if self.temperature <= 0 or self.mode == "greedy":
-            return "greedy"
-        return "lossless" if self.mode == "auto" else self.mode
+from planner.sampling import RULES, Sampling  # noqa: F401  (decoder.verify.Sampling)
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -34,13 +34,11 @@ from decoder.hf_engine import as_engine
 from decoder.loop import generate
 from decoder.verify import Sampling, probabilities, residual, without
 from planner.errors import UserError
+from planner.sampling import record
 from profiler.acceptance import Measuring, accuracy_json, chain_plan, guessing_record
 from profiler.teacher_forced import Continuations, replay_guesses
 
-
-def sampling_record(s: Sampling) -> dict:
-    """The settings an acceptance record, a plan or a run was made for (what `planner decode` compares)."""
-    return {"temperature": float(s.temperature), "top_k": int(s.top_k), "top_p": float(s.top_p)}
+sampling_record = record  # the settings a record was measured under (what plans and `planner decode` compare)
 
 
 @dataclass
@@ -104,7 +102,7 @@ def soft_counts(guesses: torch.Tensor, emitted: torch.Tensor, probs: torch.Tenso
     profiler.acceptance.count_hits: a row counts at distance d while its rank-0 guesses at 1..d-1
     equal the text (exactly the event that the lossless rule accepted them), and scores rank r
     there with p(guess), its probability of acceptance."""
-    G, D, K = guesses.shape
+    _, D, K = guesses.shape
     S = emitted.numel()
     hits = np.zeros((D, K))
     totals = np.zeros(D, dtype=np.int64)

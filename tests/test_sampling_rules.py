@@ -20,7 +20,7 @@ import torch
 from scipy.stats import chi2, ncx2
 from test_decoder_sampling import _chi2, _process
 
-import decoder.verify as verify
+from decoder import verify
 from decoder.draft import draft_children, fill_children
 from decoder.layout import layout_for
 from decoder.verify import Sampling, draw, probabilities

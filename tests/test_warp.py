@@ -62,7 +62,7 @@ def test_ties_and_edges_match_transformers(s):
 def test_the_fast_path_is_what_is_checked():
     """The cases above pass through the top-m search, not only through the full-sort fallback:
     on peaked logits without ties near the cut no row is recomputed."""
-    import decoder.verify as verify
+    from decoder import verify
 
     calls = []
     real = verify._nucleus_sorted

@@ -75,7 +75,7 @@ class AutotuneSettings:
 
     @property
     def sampling(self):
-        from decoder.verify import Sampling
+        from planner.sampling import Sampling
 
         return Sampling(self.temperature, self.top_k, self.top_p, self.verify)
 

@@ -9,7 +9,6 @@ import sys
 import time
 
 from planner.errors import UserError
-from workflows.sampling import add_sampling_arguments, sampling_from_args
 from workflows.inputs import (
     DEFAULT_PROMPTS,
     add_model_arguments,
@@ -17,6 +16,7 @@ from workflows.inputs import (
     load_everything,
     read_prompts,
 )
+from workflows.sampling import add_sampling_arguments, sampling_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

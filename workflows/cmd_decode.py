@@ -11,7 +11,6 @@ import time
 from planner.errors import UserError
 from planner.guessers import kind as guesser_kind
 from planner.tree import CHAIN
-from workflows.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 from workflows.inputs import (
     DEFAULT_GUESSER,
     DEFAULT_PROMPTS,
@@ -21,6 +20,7 @@ from workflows.inputs import (
     parse_guesser,
     read_prompts,
 )
+from workflows.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 
 # ------------------------------------------------------------------ planner decode
 
@@ -388,7 +388,7 @@ def _format(s: dict, method: str) -> str:
             f"({s['tokens_per_step']:.2f} tokens/step")
     if s.get("tokens_per_s"):
         line += f", {s['tokens_per_s']:.1f} tokens/s"
-    if "speedup" in s and s["speedup"]:
+    if s.get("speedup"):
         line += f"; plain {s['plain_tokens_per_s']:.1f} tokens/s, speedup {s['speedup']:.2f}x, identical: {s['identical_to_plain']}"
     if s.get("perplexity") is not None:
         line += f"; perplexity {s['perplexity']:.2f}"
