@@ -2,7 +2,7 @@
 
     outs = generate(model, [ids_a, ids_b, ids_c], plan="trees/x.json", guesser=pt, layout="packed")
 
-Two layouts (SEEDS_WAVE2.md section 3, EMS-SD):
+Two layouts (EMS-SD; docs/seed-systems.md, section 'EMS-SD'):
 
 - packed (EMS-SD, no padding anywhere): one row. The cache is the concatenation of the live
   sequences' contexts [ctx_0 | ctx_1 | ...]; a step feeds the concatenation of their step inputs

@@ -1,5 +1,5 @@
 """MTAD: beam-sampled drafts from a small model, joint likelihood-ratio acceptance by the target
-(../shared/notes/SEEDS_WAVE2.md section 4, ALGORITHMS.md section 5). Deliberately not lossless.
+(docs/seed-systems.md, section 'MTAD'; docs/algorithms.md, section 'Verification'). Deliberately not lossless.
 
     guesser = MTADGuesser(draft_model, width=4, gamma=3)
     out = generate_mtad(target, ids, guesser, tau_acc=0.1, temperature=1.0, top_k=20, top_p=0.9)
@@ -43,7 +43,7 @@ One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rul
 `decode` with that guesser and the warp. By default (beams="tree") the target scores all W final
 beams in one forward pass as a tree (shared prefixes once) and the beam with the longest passing
 prefix wins (ties to the higher draft likelihood); beams="best" scores only the highest-likelihood
-beam (the paper's reading, SEEDS_WAVE2.md 4.2). What the output follows is the same argument with
+beam (the paper's reading; docs/seed-systems.md, section 'MTAD'). What the output follows is the same argument with
 B the beam the verdict picked.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ParallelSpec: one small drafter pass guesses k + 1 tokens (SEEDS_WAVE2.md section 1).
+"""ParallelSpec: one small drafter pass guesses k + 1 tokens (docs/seed-systems.md, section 'ParallelSpec').
 
     drafter = ParallelDrafter.load("models/smollm2-135m/parallelspec")
     out = generate(target, ids, plan="trees/ps.json", guesser=drafter)   # medusa tree over drafter ranks

@@ -1,4 +1,5 @@
-"""PEARL: parallel speculative decoding, drafting while verifying (Liu et al.; notes SEEDS_WAVE2.md 2.2).
+"""PEARL: parallel speculative decoding, drafting while verifying (Liu et al. 2024, arXiv:2408.11850;
+docs/seed-systems.md, section 'PEARL').
 
     out = generate_pearl(target, draft_model, ids, gamma=4, max_new_tokens=128)
 

@@ -7,7 +7,7 @@ tokens followed by the base model's own token at the last accepted node, which i
 step's root (kept on the device).
 Greedy verification reads the device once per step: the winning path, its length and the tokens
 along it come back in one copy (every extra read is a device sync on a GPU).
-The rules with their formulas: docs/sampling.md.
+See docs/algorithms.md, section 'Verification', and docs/sampling.md (warping, hybrid trees).
 """
 from __future__ import annotations
 

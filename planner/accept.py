@@ -1,6 +1,6 @@
 """Acceptance statistics: the guesser's per-distance, per-rank accuracies.
 
-Two JSON forms (see ../shared/notes/ALGORITHMS.md, section 2):
+Two JSON forms (see docs/algorithms.md, section 'Acceptance statistics'):
   {"accuracy": [[a_1_0, a_1_1, ...], [a_2_0, ...], ...]}   row d is distance d+1 beyond the root
   {"positional": [p_0, p_1, ...]}                            the same row at every distance
 A collection file maps names to such entries; `FILE:NAME` picks one.

@@ -1,6 +1,6 @@
 """Batched speculative decoding (EMS-SD): the accepted-length law, padding, and plans per batch size.
 
-Notation (../shared/notes/SEEDS_WAVE2.md section 3.3): tau is the number of tokens one sequence
+Notation (docs/seed-systems.md, section 'EMS-SD'): tau is the number of tokens one sequence
 gains in a step, the root counted (1..depth+1). Under the independence model a tree gives
 
     P(tau >= j) = sum of P(v) over its depth-(j-1) candidates

@@ -1,4 +1,5 @@
-"""Candidate trees under the independence model (ALGORITHMS.md section 2).
+"""Candidate trees under the independence model (docs/algorithms.md, sections 'The independence
+model', 'Medusa trees' and 'Sequoia trees').
 
 rows[d, r] is the probability that the rank-r guess at distance d+1 is right; a candidate with
 rank path (r1, ..., rd) is accepted with probability rows[0, r1] * ... * rows[d-1, rd].

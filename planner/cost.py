@@ -18,7 +18,7 @@ Plain decoding is the same step with n = 1 and no drafter, so
 
     speedup = sum_s pi_s tau_s * step_s(plain) / sum_s pi_s step_s
 
-(ALGORITHMS.md sections 3 and 4).
+(docs/algorithms.md, sections 'PPD dynamic sparse trees' and 'Cost model').
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Serving engines' speculative-decoding settings from a plan (../shared/notes/EXPORT.md).
+"""Serving engines' speculative-decoding settings from a plan (docs/batching-and-export.md,
+section 'What each engine is given').
 
 Pure functions: a plan (a Tree, with its batch-size schedule when it has one) and the draft
 length per batch-size range (`DraftRange`: chains planned by planner.batch.plan_chain_schedule,

@@ -1,5 +1,5 @@
 """MTAD planning: pick (W, gamma, tau_acc) from measured joint-ratio walks, the one cost model and
-a perplexity cap (../shared/notes/SEEDS_WAVE2.md 4.3). numpy only.
+a perplexity cap (docs/seed-systems.md, section 'MTAD'). numpy only.
 
 Acceptance is a random walk, not a first failure. A beam draft x_1..x_gamma has per-token
 log-ratios D_j = log p~(x_j) - log q~(x_j) (target vs drafter, both warped alike; -inf where the

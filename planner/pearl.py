@@ -1,4 +1,4 @@
-"""PEARL's planning model [D] (notes SEEDS_WAVE2.md 2.3): a two-state chain over rounds.
+"""PEARL's planning model [D] (docs/seed-systems.md, section 'PEARL'): a two-state chain over rounds.
 
 Per-token acceptance alpha, i.i.d. (the Leviathan model). A round in mode A (pre-verify) emits 1
 token and goes to B with probability alpha; a round in mode B (post-verify) checks gamma tokens,

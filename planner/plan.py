@@ -2,7 +2,7 @@
 
 Methods: medusa (top-n paths), sequoia (exact contiguous-rank DP), ppd (dynamic sparse trees).
 With a profile and no size, the size (ppd: input length) maximising predicted speedup
-(ALGORITHMS.md section 4) is chosen and the whole curve is recorded in the tree.
+(docs/algorithms.md, section 'Cost model') is chosen and the whole curve is recorded in the tree.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PPD dynamic sparse trees (ALGORITHMS.md section 3).
+"""PPD dynamic sparse trees (docs/algorithms.md, section 'PPD dynamic sparse trees').
 
 State s = number of prompt tokens on the last accepted node; the tree of state s has candidate
 depth <= s. Every node u (root included) carries k_u <= P prompt tokens; if the step ends at u,

@@ -1,7 +1,7 @@
 """Simulated latency profiles: L(n) for a GPU this machine does not have, computed, not measured.
 
 An additive roofline (time adds; it fits the published curves better than max(memory, compute),
-see ../shared/notes/ANCHORS_WAVE3.md section 2):
+see docs/simulated-gpus.md, section 'The model'):
 
     GPU(n, b) = t0 + layers * t_layer
               + (weight bytes + b * context * KV bytes per token) / (eta_m * bandwidth)

@@ -29,6 +29,13 @@ SHIMS = {"planner.__main__"}
 HOT_PATHS = ("decoder/loop.py", "decoder/guesser.py", "workflows/autotune.py", "workflows/measured.py",
              "profiler/measure.py", "planner/ppd.py")
 MAX_FUNCTION_LINES = 65
+# The repository explains its own formulas (docs/algorithms.md, docs/seed-systems.md): nothing in it
+# may send a reader to the research notes kept outside it. The names are split so that this file
+# does not match itself.
+SELF_CONTAINED = ("planner", "profiler", "decoder", "kernels", "workflows", "training", "scripts", "bench", "tests",
+                  "docs", "README.md")
+NOTES_CITATIONS = ("shared/" + "notes", "ALGORITHMS" + ".md", "SEEDS_" + "WAVE", "ANCHORS_" + "WAVE",
+                   "EXPORT" + ".md", "PRACTICAL" + ".md")
 
 
 def _modules() -> dict[str, Path]:
@@ -178,3 +185,40 @@ def test_every_public_decoder_name_resolves():
         assert getattr(decoder, name) is not None, name
     for name in ("DraftModelGuesser", "ParallelDrafter", "PromptLookupGuesser", "PromptTokens", "generate"):
         assert name in decoder.__all__
+
+
+def notes_citations(root: Path = ROOT) -> list[str]:
+    """'path:line: pattern' for every citation of the outside notes in the SELF_CONTAINED text files."""
+    hits = []
+    for name in SELF_CONTAINED:
+        top = root / name
+        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else []
+        for path in files:
+            if any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(root).parts):
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # weights, images: not text
+            for lineno, line in enumerate(text.splitlines(), start=1):
+                hits += [f"{path.relative_to(root)}:{lineno}: {pat}" for pat in NOTES_CITATIONS if pat in line]
+    return hits
+
+
+def test_nothing_cites_the_notes_outside_the_repository():
+    """Code, tests, scripts, benchmarks and docs cite the repository's own pages, which a clone has."""
+    hits = notes_citations()
+    assert hits == [], ("cite docs/algorithms.md or docs/seed-systems.md (section by name) instead of the notes "
+                        "outside the repository:\n" + "\n".join(hits))
+
+
+def test_the_notes_check_catches_a_citation(tmp_path):
+    """The test above can fail: a citation in a docs page or a code docstring is found, a clean file is not."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text("See ../" + "shared/" + "notes/" + "ALGORITHMS" + ".md, section 2.\n")
+    (tmp_path / "planner").mkdir()
+    (tmp_path / "planner" / "m.py").write_text('"""Model (' + "SEEDS_" + 'WAVE2 3.3)."""\n')
+    (tmp_path / "planner" / "clean.py").write_text('"""See docs/algorithms.md, section \'Cost model\'."""\n')
+    assert notes_citations(tmp_path) == ["planner/m.py:1: " + "SEEDS_" + "WAVE",
+                                         "docs/page.md:1: " + "shared/" + "notes",
+                                         "docs/page.md:1: " + "ALGORITHMS" + ".md"]

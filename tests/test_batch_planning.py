@@ -1,5 +1,6 @@
-"""Batched decoding (EMS-SD): the accepted-length law against the notes' numbers and a seeded
-simulation, per-batch-size plans and their schedule in tree files, `planner plan --batch-sizes`."""
+"""Batched decoding (EMS-SD): the accepted-length law against the worked numbers of docs/seed-systems.md
+(section 'EMS-SD') and a seeded simulation, per-batch-size plans and their schedule in tree files,
+`planner plan --batch-sizes`."""
 import json
 
 import jsonschema
@@ -58,7 +59,7 @@ def profile_file(tmp_path):
 
 
 def test_chain_numbers_of_the_notes():
-    """SEEDS_WAVE2.md 3.3: p = 0.7, k = 4, b = 8 gives E[tau_max] 4.85 vs E[tau] 2.77 and
+    """docs/seed-systems.md, section 'EMS-SD': p = 0.7, k = 4, b = 8 gives E[tau_max] 4.85 vs E[tau] 2.77 and
     E[r] 0.428; p = 0.9, k = 7, b = 16 gives E[r] 0.288 (about 30 % wasted at 90 % accuracy)."""
     law = chain_law(0.7, 4)
     assert law.mean == pytest.approx((1 - 0.7**5) / (1 - 0.7))  # 2.7731
