@@ -108,3 +108,30 @@ def test_sampled_acceptance_predicts_sampled_decoding(world):
         tolerance = 3 * se + 0.03
         assert abs(_per_step(sampled) - real) < tolerance, (name, _per_step(sampled), real, se)
         assert abs(_per_step(greedy_acc) - real) > tolerance, (name, _per_step(greedy_acc), real)
+
+
+def test_calibration_under_sampling_scores_each_guess_with_p(world):
+    """planner accept --calibrate --temperature: each observation is its guess's acceptance p(x)
+    under the settings (expected hits, not 0/1 counts), p the warped distribution that drew the
+    text; a drafter that samples its children is refused (its place in the tree cannot follow its
+    own draw)."""
+    from planner.errors import UserError
+    from profiler.calibration import _drew, measure_calibration, observations
+
+    target, draft, prompts = world
+    prior = np.array([[0.2]] * DEPTH)
+    doc = measure_calibration(target, PromptLookupGuesser(DEPTH), prompts, prior, max_new_tokens=48, max_depth=DEPTH,
+                              sampling=SETTING)
+    assert doc["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.9}
+    hits, totals = np.array(doc["hits"]), np.array(doc["totals"])
+    assert totals.sum() > 50 and not np.allclose(hits, np.round(hits))  # expected hits, not counts
+    out = generate(target, prompts[0], plan=None, guesser=PromptLookupGuesser(DEPTH), max_new_tokens=8, seed=3,
+                   temperature=0.7, top_p=0.9)
+    probs = _drew(target, prompts[0], out.tokens, SETTING)
+    assert torch.allclose(probs.sum(1), torch.ones(len(out.tokens))) and probs.shape[0] == len(out.tokens)
+    records = [([int(out.tokens[0])], [-1], [1], [0])]  # one node guessing the first token: its value is p(x)
+    _, _, acc, _ = observations(records, out.tokens.tolist(), probs)
+    assert acc[0] == pytest.approx(float(probs[0, out.tokens[0]]))
+    with pytest.raises(UserError, match="samples its children"):
+        measure_calibration(target, DraftModelGuesser(draft, top_k=2, depth=2), prompts[:1], prior, max_new_tokens=8,
+                            sampling=SETTING)

@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(question_id %% 5 == 0, first turns) of --prompts (default the MT-bench file)")
     p.add_argument("--calibrate", action="store_true",
                    help="also map the guesser's live signal to acceptance (draft probability per depth; lookup: n-gram "
-                        "length and follow count) for dynamic plans: one more greedy pass over the prompts; stored "
-                        "under 'calibration' with a cross-fitted reliability table")
+                        "length and follow count) for dynamic plans: one more pass over the prompts (greedy, or "
+                        "sampled with --temperature, each guess scored with p(x)); stored under 'calibration' with a "
+                        "cross-fitted reliability table")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
 
 
@@ -65,9 +66,6 @@ def _sampled(args, s) -> int:
 
     if not 1 <= args.width <= 64 or not 0 <= args.samples <= 10000:
         raise UserError(f"--width: expected 1..64, got {args.width}; --samples: expected 0..10000, got {args.samples}")
-    if args.calibrate:
-        raise UserError("--calibrate: measured greedily; calibrate without --temperature (dynamic plans correct "
-                        "their maps online while sampling)")
     if args.plan:
         raise UserError("--plan: state transitions are measured greedily; drop --temperature")
     texts = prompt_texts(args)
@@ -93,6 +91,14 @@ def _sampled(args, s) -> int:
                 "source": f"planner accept: {loaded.name}, {len(prompts)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} sampled tokens each ({acc['source']})"})
     acc["guesser"].update(dir=guesser.source_dir, kind=spec.name)
+    if args.calibrate:  # each guess's acceptance p(x) under the settings, on a second sampled pass
+        import numpy as np
+
+        from profiler.calibration import measure_calibration
+
+        acc["calibration"] = measure_calibration(loaded.model, guesser, prompts, np.array(acc["accuracy"]),
+                                                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                                                 sampling=s, seed=args.seed + len(prompts))
     from_entry({"accuracy": acc["accuracy"]}, label=args.output)
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
