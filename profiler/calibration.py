@@ -88,7 +88,7 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
         raise UserError(f"--calibrate: the {kind} guesser samples its children under --temperature, and a sampled "
                         "child's place in the tree cannot follow its own draw; its per-step plans use the sampled "
                         "acceptance rows (planner accept --temperature ...) corrected online")
-    warp = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p) if sampled else {}
+    warp = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p} if sampled else {}
     plan = _plan(kind, prior, max_depth)
     per_prompt = []
     for ids in tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress):
