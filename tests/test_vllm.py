@@ -1,0 +1,156 @@
+"""Every vLLM export the project writes, checked in vLLM itself (the environment of
+scripts/setup_vllm.sh, run through workflows/vllm.py): vLLM's own engine config (SpeculativeConfig
+and its checks) accepts each one, and engines started on SmolLM2 with the chain exports decode
+exactly vLLM's plain greedy tokens.
+
+Where the environment is absent the tests skip with the reason, unless TREE_PLANNER_REQUIRE_VLLM=1
+(`.ci/run` sets it after running scripts/setup_vllm.sh): then absence fails. Three vLLM processes
+in all (engine start is 20-35 s each): plain decoding with every config check, the ngram chain
+export, the main job's suffix export.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from workflows.cli import main
+from workflows.vllm import SETUP, decode_request, run_engine, suffix_available, venv_dir, venv_python
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"
+REQUIRED = os.environ.get("TREE_PLANNER_REQUIRE_VLLM") == "1"
+PYTHON = venv_python()
+MAX_TOKENS = 40
+WRONG = "a misspelt key (the check must be able to fail)"
+# vLLM's mtp drafts with the target's own multi-token-prediction layers, which SmolLM2 (Llama) lacks:
+# its export is checked against a config-only DeepSeek-V3-style target with one MTP layer.
+MTP_TARGET = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_nextn_predict_layers": 1,
+              "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1024, "n_routed_experts": 4,
+              "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 64,
+              "q_lora_rank": 64, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+              "max_position_embeddings": 2048}
+
+if PYTHON is None:
+    reason = f"the vLLM environment {venv_dir()} is not set up (bash {SETUP})"
+    if REQUIRED:
+        pytest.fail(f"TREE_PLANNER_REQUIRE_VLLM=1 but {reason}", pytrace=False)
+    pytestmark = pytest.mark.skip(reason=reason)
+
+
+def _drafter_dirs(d: Path, smollm2: Path) -> dict[str, Path]:
+    """Config-only folders for the methods vLLM builds from a config.json: an EAGLE head (one Llama
+    layer of the target's width), Medusa heads, and a target with an MTP layer."""
+    base = json.loads((smollm2 / "config.json").read_text())
+    configs = {
+        "eagle": dict(base, num_hidden_layers=1),
+        "medusa": {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": base["hidden_size"],
+                   "vocab_size": base["vocab_size"], "num_heads": 5, "num_hidden_layers": 1},
+        "mtp_target": MTP_TARGET,
+    }
+    out = {}
+    for name, cfg in configs.items():
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(cfg))
+        out[name] = d / name
+    return out
+
+
+def _export(tmp: Path, name: str, plan: Path, *extra) -> dict:
+    out = tmp / f"{name}.json"
+    assert main(["export", "--engine", "vllm", str(plan), "-q", "-o", str(out), *map(str, extra)]) == 0
+    return json.loads(out.read_text())["speculative_config"]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from profiler.registry import model_dir  # the project's converted SmolLM2 (Hugging Face form, cached)
+
+    return model_dir("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, smollm2) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every kind of vLLM export, written by `planner export` from the project's own plans, and the
+    target folder of those not checked against SmolLM2."""
+    tmp = tmp_path_factory.mktemp("vllm-exports")
+    drafters = _drafter_dirs(tmp, smollm2)
+    batched = ROOT / "exports" / "smollm2-draft-medusa-batched.json"  # a plan with a batch-size schedule
+    medusa = ROOT / "trees" / "medusa-vicuna-7b-n63.json"
+    out = {
+        "ngram (static lookup chain)": _export(tmp, "ngram", RUN / "trees" / "lookup-chain-5.json"),
+        "suffix (the main job's per-step plan)": _export(tmp, "suffix", RUN / "chosen.json"),
+        "ngram per batch size": _export(tmp, "ngram-batched", batched, "--method", "ngram"),
+        "draft_model per batch size": _export(tmp, "draft", batched, "--method", "draft_model",
+                                              "--draft-model", smollm2),
+        "eagle": _export(tmp, "eagle", medusa, "--method", "eagle", "--draft-model", drafters["eagle"]),
+        "eagle3": _export(tmp, "eagle3", medusa, "--method", "eagle3", "--draft-model", drafters["eagle"]),
+        "medusa": _export(tmp, "medusa", medusa, "--method", "medusa", "--draft-model", drafters["medusa"]),
+        "mtp": _export(tmp, "mtp", medusa, "--method", "mtp"),
+    }
+    from planner.export import ENGINE_METHODS
+
+    assert {cfg["method"] for cfg in out.values()} == set(ENGINE_METHODS["vllm"]), "a vLLM method without an export"
+    return out, {"mtp": str(drafters["mtp_target"])}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[list[int]]:
+    """A chat prompt and two requests that repeat their input (lookup drafts there), chat template on."""
+    from transformers import AutoTokenizer
+
+    from training.splits import bench_prompts
+    from workflows.inputs import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    texts = [p.turns[0] for p in bench_prompts("chat", 2) + bench_prompts("repeat", 2)]
+    return [t.tolist() for t in encode_prompts(tok, texts)]
+
+
+@pytest.fixture(scope="module")
+def runs(exports, prompts, smollm2) -> dict:
+    """Three engines, two at a time: plain (with every config check), the ngram chain, suffix."""
+    configs, targets = exports
+    warmup, body = prompts[0], prompts[1:]
+    checks = dict(configs, **{WRONG: {"method": "ngram", "num_speculative_tokens": 2, "lookup_max": 3}})
+    jobs = {"plain": decode_request(smollm2, None, body, warmup, MAX_TOKENS) | {"configs": checks, "targets": targets},
+            "ngram": decode_request(smollm2, configs["ngram (static lookup chain)"], body, warmup, MAX_TOKENS)}
+    if suffix_available(PYTHON):
+        jobs["suffix"] = decode_request(smollm2, configs["suffix (the main job's per-step plan)"], body, warmup,
+                                        MAX_TOKENS)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_engine, "decode", req) for name, req in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_every_export_kind_builds_in_vllm(runs, exports):
+    checked = dict(runs["plain"]["checked"])
+    wrong = checked.pop(WRONG)
+    assert wrong and "lookup_max" in wrong  # vLLM's config class refuses what it does not know
+    assert set(checked) == set(exports[0])
+    suffix_missing = not suffix_available(PYTHON)
+    rejected = {k: v for k, v in checked.items() if v is not None and not (suffix_missing and "suffix" in k)}
+    assert not rejected, rejected
+    if suffix_missing:
+        _missing("suffix exports unchecked")
+
+
+def _missing(what: str):
+    msg = f"{what}: arctic-inference is not installed in the vLLM environment (re-run bash {SETUP})"
+    if REQUIRED:
+        pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_chain_exports_decode_like_vllm_plain(runs, name):
+    if name not in runs:
+        _missing(f"{name} export not decoded")
+    plain, spec = runs["plain"], runs[name]
+    assert spec["tokens"] == plain["tokens"]  # greedy, fp32: token-identical
+    assert spec["drafted"] > 0 and 0 < spec["accepted"] <= spec["drafted"]  # it really speculated
+    assert plain["drafted"] == 0
