@@ -34,7 +34,7 @@ from decoder.engine import vocab_size
 from decoder.forward import kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian, rank_paths
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source
 from decoder.verify import Sampling, draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
@@ -157,8 +157,11 @@ class DraftModelGuesser:
     def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
                        ctx: DecodeContext, sampled: bool) -> "DraftSource":
         self._check_vocab(target)
-        if sampled:  # shapes from rank-level acceptance only (decoder/dynamic.py's docstring says why)
+        if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/draft_sampled.py)
+            from decoder.draft_sampled import SampledDraftSource
+
             gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
+            return SampledDraftSource(gm, self, spec, prompt_ids, ctx, sampled)
         return DraftSource(gm, self, spec, prompt_ids, ctx, sampled)
 
     def _check_vocab(self, target) -> None:
@@ -289,9 +292,9 @@ class DraftSession(DraftCache):
 
 
 class DraftSource(Source):
-    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`. Greedy: each
-    level expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a
-    level would not pay. Sampled: the shape is chosen first from rank-level acceptance, then drafted."""
+    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`: each level
+    expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a level
+    would not pay. Under lossless sampling decoder/draft_sampled.py's subclass drafts instead."""
 
     kind = "draft"
 
@@ -308,23 +311,15 @@ class DraftSource(Source):
         return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
 
     def _children(self, logits: torch.Tensor, k: int):
-        """(tokens [rows, k], q of them [rows, k] on the host, q rows [rows, V] when sampled)."""
-        if not self.sampled:
-            probs = torch.softmax(logits.float(), dim=-1)
-            top = probs.topk(k, dim=-1)
-            both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
-            return both[1].astype(np.int64), both[0], None
-        toks, qs = [], []
-        for row in logits:
-            t, q = draft_children(row, k, self.ctx.sampling, True, self.ctx.generator)
-            toks.append(t)
-            qs.append(q)
-        return torch.stack(toks).cpu().numpy(), None, qs
+        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row (greedy; the
+        sampled subclass draws instead)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(k, dim=-1)
+        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+        return both[1].astype(np.int64), both[0], None
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
         gm = self.model
-        if self.sampled:
-            return self._extend_sampled(pool, root, session)
         if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
             self.drafter.skip(int(root[0]))
             return
@@ -354,74 +349,6 @@ class DraftSource(Source):
                 break
             t0 = time.perf_counter()
             logits = self._level_pass(pool, frontier)
-
-    def _extend_sampled(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
-        """The shape from rank-level c alone (decided before any draw), then drafted level by level."""
-        gm = self.model
-        D, K = gm.prior.shape
-        K = min(K, self.width)
-        D = min(D, self.spec.max_depth)
-        depth = np.repeat(np.arange(1, D + 1), K)
-        rank = np.tile(np.arange(K), D)
-        cells = gm.cells(depth, rank, np.zeros(len(depth), dtype=np.int64)).reshape(D, K)  # prior cells
-        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
-        # sampled siblings must be contiguous draws: c made non-increasing in rank keeps best-first contiguous
-        c = np.minimum.accumulate(c, axis=1)
-        shape = Pool()
-        cartesian(shape, self.kind, c, np.arange(D * K).reshape(D, K), cells, self.spec.max_size)  # placeholder tokens
-        # the shape's own paths: nodes are (parent, rank) pairs; tokens come from the draws below
-        P = shape.probabilities()
-        depth_of = np.array(shape.depth)
-        passes = np.array([0] + [gm.draft_s * d for d in range(1, D + 1)])
-        best, best_ratio = [], 1.0 / session.cost_n[0]
-        order = np.lexsort((np.arange(len(P)), -P))
-        for n in range(1, min(len(P), len(session.cost_n) - 1) + 1):
-            sel = sorted(order[:n].tolist())
-            tau = 1.0 + P[sel].sum()
-            ratio = tau / (passes[int(depth_of[sel].max())] + session.cost_n[n])
-            if ratio > best_ratio:
-                best, best_ratio = sel, ratio
-        if not best:
-            self.drafter.skip(int(root[0]))
-            pool.fixed = []
-            return
-        t0 = time.perf_counter()
-        self._draw_shape(pool, root, shape, best)
-        pool.passes_s += time.perf_counter() - t0  # drafting (passes and draws), not the decision's own time
-
-    def _draw_shape(self, pool: Pool, root: torch.Tensor, shape: Pool, best: list[int]) -> None:
-        """Draft the chosen shape level by level: each node's children are its first k draws."""
-        paths = rank_paths(shape.parent, best)
-        kids: dict[tuple, int] = {}
-        for p in paths:
-            kids[p[:-1]] = max(kids.get(p[:-1], 0), p[-1] + 1)
-        cell_of = {p: shape.cells[i][0] for p, i in zip(paths, best)}
-        c_of = {p: shape.c[i] for p, i in zip(paths, best)}
-        node = {(): -1}
-        logits = {(): self.drafter.first_pass(root)}
-        level = [()]
-        chosen = []
-        for d in range(1, max(len(p) for p in paths) + 1):
-            fed_next = []
-            for p in level:
-                k = kids.get(p, 0)
-                if not k:
-                    continue
-                toks, _, qs = self._children(logits[p][None], k)
-                pool.q[node[p]] = qs[0]
-                for r in range(k):
-                    cp = p + (r,)
-                    i = pool.add(int(toks[0, r]), node[p], c_of[cp], cell_of[cp], r)
-                    node[cp] = i
-                    chosen.append(i)
-                    if kids.get(cp, 0):
-                        fed_next.append(cp)
-            pool.sunk_s += self.model.draft_s
-            if fed_next:
-                out = self._level_pass(pool, [node[p] for p in fed_next])
-                logits.update({p: out[j] for j, p in enumerate(fed_next)})
-            level = fed_next
-        pool.fixed = sorted(chosen)
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
         """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""

@@ -1,7 +1,8 @@
 """The sampling rules end to end through `generate` with tiny transformers models: the first two
 tokens follow the target's warped distribution (chi-square against exact enumeration) for prompt
-lookup's chain and for a draft LM's tree whose warped q runs out of tokens (siblings filled with
-deterministic guesses, a mixed tree); each also fails for a wrong rule.
+lookup's chain, for a draft LM's tree whose warped q runs out of tokens (siblings filled with
+deterministic guesses, a mixed tree) and for a lookup+draft per-step tree; each also fails for a
+wrong rule.
 
 These check the glue (drafting, layouts, the loop, caches) with real models, so a sample costs a
 few forwards: n = 1200 here detects a law 0.075 away in total variation with probability 0.9 at
@@ -89,3 +90,31 @@ def test_a_draft_tree_past_its_warped_support_keeps_the_distribution(world, monk
     assert accepted > N // 10 and p > P_MIN
     monkeypatch.setattr(verify, "point", lambda x, like: verify.residual(like, like))  # fill checked as p itself
     assert _p_value(target, DraftModelGuesser(draft, top_k=3), tree, (2,), N_WRONG)[0] < P_MIN
+
+
+def test_a_hybrid_per_step_tree_keeps_the_distribution(world, monkeypatch):
+    """lookup+draft under sampling (a dynamic plan): lookup's guess first at its node, the draft
+    LM's children drawn without it; the mixed tree is verified with each sibling's own proposal."""
+    from decoder.dynamic import HybridGuesser
+    from planner.accept import from_entry
+    from planner.dynamic_plan import plan_dynamic
+
+    target, draft = world
+    draft_acc = from_entry({"accuracy": [[0.5, 0.3, 0.2]] * 3, "guesser": {"kind": "draft", "draft_s": 0.0}}, "draft")
+    lookup_acc = from_entry({"accuracy": [[0.5]] * 3, "guesser": {"kind": "lookup"}}, "lookup")
+    plan = plan_dynamic([("lookup", lookup_acc), ("draft", draft_acc)], None, max_size=5, max_depth=3)
+    mixed = []
+    real = verify.verify_sampled
+
+    def spy(*a, **k):
+        det = a[6] if len(a) > 6 else k.get("deterministic")
+        mixed.append(det is not None and any(det) and not all(det[1:]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(verify, "verify_sampled", spy)
+    hybrid = HybridGuesser(PromptLookupGuesser(2), DraftModelGuesser(draft, top_k=3), "draft")
+    p, accepted = _p_value(target, hybrid, plan, (2, 3, 2))
+    assert sum(mixed) > N // 4, "the test must exercise trees with both kinds of sibling"
+    assert accepted > N // 10 and p > P_MIN
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)  # after a rejection, the target's own p again
+    assert _p_value(target, hybrid, plan, (2, 3, 2), N_WRONG)[0] < P_MIN
