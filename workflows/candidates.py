@@ -258,13 +258,8 @@ def _dynamic_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidat
             hybrid.kind, hybrid.source_dir = h.name, drafter.source_dir
             run.guessers[h.name] = hybrid
     out = []
-    sampled = run.settings.sampling.rule == "lossless"
     for kind in kinds:
         members = guesser_kind(kind).members or (kind,)
-        if sampled and guesser_kind(kind).samples:
-            run.say(f"      dynamic {kind}: skipped under sampling (its sampled children's per-step source comes with "
-                    "the split of decoder/dynamic.py)")
-            continue
         try:
             cands = dynamic_candidates(kind, {k: accepts[k].accept for k in members}, profile, max_size=size)
         except UserError as e:  # a guesser the dynamic planner cannot model: the static plans still race
