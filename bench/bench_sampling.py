@@ -17,8 +17,8 @@ Outputs differ per contender (each samples with its own draws); exactness under 
 distribution tests' (tests/test_sampling_rules.py). Reported: tokens/s (tokens over seconds, the
 median over repeats per prompt), the per-prompt speedup over generate (geometric mean of
 tokens-per-second ratios, since sampled answers end at different lengths) and the mean accepted
-candidates per step. This project's loops run the matmul paths of the sampling-tuned run's profile;
-transformers runs stock. Writes bench/results/sampling.{json,md} (--out) with the machine and load.
+candidates per step. This project's loops run the matmul paths of the profile the sampling-tuned
+plan was made with; transformers runs stock. Writes bench/results/sampling.{json,md} (--out) with the machine and load.
 """
 from __future__ import annotations
 
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--sampled-plan", action="append", default=None, metavar="SETTING=FILE",
                    help=f"the plan tuned for SETTING ({', '.join(SETTINGS)}); default: the committed runs'")
     p.add_argument("--settings", default=",".join(SETTINGS), help="which settings to run, comma-separated")
-    p.add_argument("--profile", default=None, help="matmul paths for this project's loops (default: the first "
-                                                   "sampling-tuned run's profile.json)")
+    p.add_argument("--profile", default=None, help="matmul paths for this project's loops (default: the profile the "
+                                                   "first sampling-tuned plan was made with)")
     p.add_argument("--chat-prompts", type=int, default=6)
     p.add_argument("--repeat-prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -274,6 +274,19 @@ def _smoke_plans(loaded):
     return ("lookup chain", (chain, PromptLookupGuesser(2))), {k: ("plain", (plain, None)) for k in SETTINGS}
 
 
+def _profile_of(plan_path: str) -> str | None:
+    """The profile a plan was made with (its provenance, else its run folder's profile.json)."""
+    from planner.tree import load_tree
+
+    if not Path(plan_path).is_file():
+        return None
+    rec = load_tree(plan_path).provenance.get("profile")
+    for cand in ([rec] if isinstance(rec, str) else []) + [str(Path(plan_path).parent / "profile.json")]:
+        if Path(cand).is_file():
+            return cand
+    return None
+
+
 def _label(tree, guesser) -> str:
     if guesser is None:
         return "plain decoding"
@@ -303,14 +316,14 @@ def _run(a) -> int:
         tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
                              "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
     greedy, sampled = _smoke_plans(loaded) if a.smoke else _plans(a, loaded)
-    profile = a.profile or next((str(Path(p).parent / "profile.json") for p, _ in sampled.values()
-                                 if (Path(p).parent / "profile.json").is_file()), None)
+    profile = a.profile or next(filter(None, (_profile_of(p) for p, _ in list(sampled.values()) + [greedy])), None)
     if profile:
         from decoder.cpu_paths import use_profile_paths
 
         use_profile_paths(model, profile)
     eos = model.generation_config.eos_token_id
     doc = {"model": loaded.name, "greedy_plan": greedy[0], "profile": profile, "machine": machine(),
+           "command": "python3 bench/bench_sampling.py " + " ".join(sys.argv[1:]),
            "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "seed": a.seed, "settings": {}}
     with torch.inference_mode():
         prompts = build_prompts(model, tok, a.chat_prompts, a.repeat_prompts, 16 if a.smoke else 64)
