@@ -76,7 +76,7 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
     from decoder.cpu_paths import set_paths_enabled
     from decoder.pearl import generate_pearl
 
-    warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
     def hf(ids, seed):
         set_paths_enabled(model, False)
