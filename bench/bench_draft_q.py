@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from bench_main_job import machine  # noqa: E402
+import numpy as np
+import torch
+from bench_main_job import machine
 
-from planner.sampling import Sampling, describe, record  # noqa: E402
+from planner.sampling import Sampling, describe, record
 
 SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
 WIDTH = 4
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
                                     "results": res}
     out = Path(a.out)
     atomic_write_json(out.with_suffix(".json"), doc)
-    lines = [f"# The draft LM's q under sampling ({doc['model']}, {doc['machine']['cpu']}, {doc['prompts']} held-out "
-             f"prompts x {doc['tokens']} sampled tokens, {doc['samples']} sibling runs per position)", "",
+    lines = [(f"# The draft LM's q under sampling ({doc['model']}, {doc['machine']['cpu']}, {doc['prompts']} held-out "
+              f"prompts x {doc['tokens']} sampled tokens, {doc['samples']} sibling runs per position)"), "",
              "| setting | q | first child accepted | ranks 0..3 | some child of 4 accepted |", "|---|---|---|---|---|"]
     for block in doc["settings"].values():
         for k, r in block["results"].items():

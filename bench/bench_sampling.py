@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import torch  # noqa: E402
-from bench_main_job import load_plan, machine  # noqa: E402
+import torch
+from bench_main_job import load_plan, machine
 
-from planner.errors import UserError  # noqa: E402
-from planner.sampling import Sampling, describe, record  # noqa: E402
+from planner.errors import UserError
+from planner.sampling import Sampling, describe, record
 
 SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
 REPORTS = ROOT / "reports"
@@ -201,17 +201,17 @@ def _geo(xs) -> float:
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
-    lines = [f"# Sampled decoding against transformers' generate(do_sample=True) ({doc['model']}, {m['cpu']}, "
-             f"{m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads)", "",
-             f"{len(doc['prompts'])} benchmark prompts no tuning step reads ({', '.join(doc['kinds'])}), "
-             f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats per prompt, one seed "
-             "per (prompt, repeat) shared by every contender. Plans: greedy-tuned "
-             f"`{doc['greedy_plan']}`; sampling-tuned per setting below.", ""]
-    for key, block in doc["settings"].items():
+    lines = [(f"# Sampled decoding against transformers' generate(do_sample=True) ({doc['model']}, {m['cpu']}, "
+              f"{m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads)"), "",
+             (f"{len(doc['prompts'])} benchmark prompts no tuning step reads ({', '.join(doc['kinds'])}), "
+              f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats per prompt, one seed "
+              "per (prompt, repeat) shared by every contender. Plans: greedy-tuned "
+              f"`{doc['greedy_plan']}`; sampling-tuned per setting below. `{doc.get('command', '')}`"), ""]
+    for block in doc["settings"].values():
         costs = "; ".join(f"{k} {v * 1e3:.2f} ms" for k, v in block["per_token_warp_and_draw_s"].items())
         lines += [f"## {block['label']} (load {block['load_avg_1m']} -> {block['load_avg_1m_after']})", "",
-                  f"sampling-tuned plan: `{block['sampled_plan']}` ({block['sampled_plan_label']}); greedy-tuned "
-                  f"plan: {block['greedy_plan_label']}. Warping and drawing one token: {costs}.", "",
+                  (f"sampling-tuned plan: `{block['sampled_plan']}` ({block['sampled_plan_label']}); greedy-tuned "
+                   f"plan: {block['greedy_plan_label']}. Warping and drawing one token: {costs}."), "",
                   "| contender | tokens/s | speedup vs generate (geo-mean) | min | max | "
                   + " | ".join(doc["kinds"]) + " | accepted per step |",
                   "|---|---|---|---|---|" + "---|" * len(doc["kinds"]) + "---|"]
