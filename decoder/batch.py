@@ -129,7 +129,8 @@ def _step(runner, live: list[_Seq], sampling: Sampling, eos: set[int], max_new_t
     verdicts = []
     for s, p, lg in zip(live, proposals, logits):
         tree_ids = torch.cat([s.root, p.tokens])
-        verdicts.append(verify(lg[: p.layout.num_tree], tree_ids, p.layout, sampling, s.generator, p.draft_probs))
+        verdicts.append(verify(lg[: p.layout.num_tree], tree_ids, p.layout, sampling, s.generator, p.draft_probs,
+                               p.deterministic))
     runner.commit(live, proposals, verdicts, stats)
     stats.steps += 1
     stats.batch_sizes.append(len(live))

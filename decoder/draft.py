@@ -8,8 +8,10 @@ of `depth` tokens, classic speculative decoding). Each step the drafter runs one
 level over its own KV cache: first the tokens it has not seen yet (the last step's accepted leaf,
 if any, and the root), then the nodes of each level that have children, as a tree with a dense
 mask. A node's children are its rank-ordered guesses: at temperature 0 (and for typical
-acceptance) the top-k tokens of the drafter's distribution q; for lossless sampling, tokens drawn
-from q without replacement, in order, with q handed to verification (decoder.verify.verify_sampled).
+acceptance) the top-k tokens of the drafter's distribution; for lossless sampling, tokens drawn
+without replacement, in order, from the drafter's warped distribution q (the target's temperature,
+top-k, top-p), with q handed to verification (decoder.verify.verify_sampled); siblings beyond q's
+support are the drafter's next tokens by logit, verified as deterministic guesses.
 After verification the drafter's cache keeps exactly the accepted tokens it has fed (KV compaction,
 as the target's), so it always equals a prefill of the accepted text.
 
@@ -32,8 +34,8 @@ from decoder.engine import vocab_size
 from decoder.forward import kv, prefill, tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian, rank_paths
-from decoder.verify import Sampling
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source
+from decoder.verify import Sampling, draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.tree import Tree
@@ -91,17 +93,30 @@ class TreeShape:
         return [u for u in range(len(self.parents)) if self.depth[u] == d and self.children[u]]
 
 
-def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
-    they were sampled (without replacement) rather than taken as the top-k.
+def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen,
+                   exclude=()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Up to k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
+    they were sampled (without replacement, decoder.verify.draw_children) rather than taken as the top-k.
 
-    q is the drafter's distribution at the target's temperature, without top-k / top-p: any q is
-    lossless as long as verification uses the same one, and a full support always has k tokens.
+    q is the drafter's own warped distribution (the target's temperature, top-k and top-p): on
+    SmolLM2 and its draft LM at T = 0.7 / top-p 0.9 its first child is accepted more often than
+    with the unwarped softmax(logits / T) (docs/sampling.md). A warped q can hold fewer than k
+    tokens: then fewer come back (`fill_children` completes a static tree's siblings).
+    exclude: earlier siblings' tokens (a hybrid's deterministic guesses), never drawn.
     """
     if not sampled:
         return logits.float().topk(k).indices, None
-    q = torch.softmax(logits.float() / s.temperature, dim=-1)  # [V]
-    return torch.multinomial(q.cpu(), k, replacement=False, generator=gen).to(logits.device), q
+    q = probabilities(logits, s)  # [V]
+    return torch.tensor(draw_children(q, k, gen, exclude), dtype=torch.long, device=logits.device), q
+
+
+def fill_children(logits: torch.Tensor, have: torch.Tensor, n: int) -> torch.Tensor:
+    """n more siblings after `have` once q's support is spent: the drafter's best other tokens by
+    logit, as deterministic guesses (point-mass proposals; decoder.verify.verify_sampled). They
+    depend on the node's logits alone, never on a draw, so the tree keeps its shape losslessly."""
+    x = logits.float().clone()
+    x[have] = float("-inf")
+    return x.topk(n).indices
 
 
 class DraftModelGuesser:
@@ -142,8 +157,11 @@ class DraftModelGuesser:
     def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
                        ctx: DecodeContext, sampled: bool) -> "DraftSource":
         self._check_vocab(target)
-        if sampled:  # shapes from rank-level acceptance only (decoder/dynamic.py's docstring says why)
+        if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/draft_sampled.py)
+            from decoder.draft_sampled import SampledDraftSource
+
             gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
+            return SampledDraftSource(gm, self, spec, prompt_ids, ctx, sampled)
         return DraftSource(gm, self, spec, prompt_ids, ctx, sampled)
 
     def _check_vocab(self, target) -> None:
@@ -246,11 +264,16 @@ class DraftSession(DraftCache):
         tokens = torch.zeros(len(sh.parents), dtype=torch.long, device=root.device)  # [num_tree], root first
         tokens[0] = root[0]
         q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
+        fixed = [False] * len(sh.parents)  # siblings filled in after a warped q's support ran out
         logits = {0: self.first_pass(root)}  # tree index -> drafter logits [V] at that node
         for d in range(max(sh.depth)):
             for u in sh.level(d):
                 kids = sh.children[u]
                 toks, q = draft_children(logits[u], len(kids), self.ctx.sampling, self.sampled, self.ctx.generator)
+                if len(toks) < len(kids):
+                    for c in kids[len(toks):]:
+                        fixed[c] = True
+                    toks = torch.cat([toks, fill_children(logits[u], toks, len(kids) - len(toks))])
                 tokens[kids] = toks
                 if q is not None:
                     q_all[u] = q
@@ -258,7 +281,7 @@ class DraftSession(DraftCache):
             if fed:
                 out = self.level_pass(fed, sh.parents, tokens[fed], [sh.depth[u] for u in fed])  # [len(fed), V]
                 logits.update(zip(fed, out))
-        return Proposal(self.layout, tokens[1:], draft_probs=q_all)
+        return Proposal(self.layout, tokens[1:], draft_probs=q_all, deterministic=fixed if any(fixed) else None)
 
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
@@ -269,9 +292,9 @@ class DraftSession(DraftCache):
 
 
 class DraftSource(Source):
-    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`. Greedy: each
-    level expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a
-    level would not pay. Sampled: the shape is chosen first from rank-level acceptance, then drafted."""
+    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`: each level
+    expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a level
+    would not pay. Under lossless sampling decoder/draft_sampled.py's subclass drafts instead."""
 
     kind = "draft"
 
@@ -288,23 +311,15 @@ class DraftSource(Source):
         return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
 
     def _children(self, logits: torch.Tensor, k: int):
-        """(tokens [rows, k], q of them [rows, k] on the host, q rows [rows, V] when sampled)."""
-        if not self.sampled:
-            probs = torch.softmax(logits.float(), dim=-1)
-            top = probs.topk(k, dim=-1)
-            both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
-            return both[1].astype(np.int64), both[0], None
-        toks, qs = [], []
-        for row in logits:
-            t, q = draft_children(row, k, self.ctx.sampling, True, self.ctx.generator)
-            toks.append(t)
-            qs.append(q)
-        return torch.stack(toks).cpu().numpy(), None, qs
+        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row (greedy; the
+        sampled subclass draws instead)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(k, dim=-1)
+        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+        return both[1].astype(np.int64), both[0], None
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
         gm = self.model
-        if self.sampled:
-            return self._extend_sampled(pool, root, session)
         if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
             self.drafter.skip(int(root[0]))
             return
@@ -334,74 +349,6 @@ class DraftSource(Source):
                 break
             t0 = time.perf_counter()
             logits = self._level_pass(pool, frontier)
-
-    def _extend_sampled(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
-        """The shape from rank-level c alone (decided before any draw), then drafted level by level."""
-        gm = self.model
-        D, K = gm.prior.shape
-        K = min(K, self.width)
-        D = min(D, self.spec.max_depth)
-        depth = np.repeat(np.arange(1, D + 1), K)
-        rank = np.tile(np.arange(K), D)
-        cells = gm.cells(depth, rank, np.zeros(len(depth), dtype=np.int64)).reshape(D, K)  # prior cells
-        c = session.c_of(self.kind, cells.reshape(-1)).reshape(D, K)
-        # sampled siblings must be contiguous draws: c made non-increasing in rank keeps best-first contiguous
-        c = np.minimum.accumulate(c, axis=1)
-        shape = Pool()
-        cartesian(shape, self.kind, c, np.arange(D * K).reshape(D, K), cells, self.spec.max_size)  # placeholder tokens
-        # the shape's own paths: nodes are (parent, rank) pairs; tokens come from the draws below
-        P = shape.probabilities()
-        depth_of = np.array(shape.depth)
-        passes = np.array([0] + [gm.draft_s * d for d in range(1, D + 1)])
-        best, best_ratio = [], 1.0 / session.cost_n[0]
-        order = np.lexsort((np.arange(len(P)), -P))
-        for n in range(1, min(len(P), len(session.cost_n) - 1) + 1):
-            sel = sorted(order[:n].tolist())
-            tau = 1.0 + P[sel].sum()
-            ratio = tau / (passes[int(depth_of[sel].max())] + session.cost_n[n])
-            if ratio > best_ratio:
-                best, best_ratio = sel, ratio
-        if not best:
-            self.drafter.skip(int(root[0]))
-            pool.fixed = []
-            return
-        t0 = time.perf_counter()
-        self._draw_shape(pool, root, shape, best)
-        pool.passes_s += time.perf_counter() - t0  # drafting (passes and draws), not the decision's own time
-
-    def _draw_shape(self, pool: Pool, root: torch.Tensor, shape: Pool, best: list[int]) -> None:
-        """Draft the chosen shape level by level: each node's children are its first k draws."""
-        paths = rank_paths(shape.parent, best)
-        kids: dict[tuple, int] = {}
-        for p in paths:
-            kids[p[:-1]] = max(kids.get(p[:-1], 0), p[-1] + 1)
-        cell_of = {p: shape.cells[i][0] for p, i in zip(paths, best)}
-        c_of = {p: shape.c[i] for p, i in zip(paths, best)}
-        node = {(): -1}
-        logits = {(): self.drafter.first_pass(root)}
-        level = [()]
-        chosen = []
-        for d in range(1, max(len(p) for p in paths) + 1):
-            fed_next = []
-            for p in level:
-                k = kids.get(p, 0)
-                if not k:
-                    continue
-                toks, _, qs = self._children(logits[p][None], k)
-                pool.q[node[p]] = qs[0]
-                for r in range(k):
-                    cp = p + (r,)
-                    i = pool.add(int(toks[0, r]), node[p], c_of[cp], cell_of[cp], r)
-                    node[cp] = i
-                    chosen.append(i)
-                    if kids.get(cp, 0):
-                        fed_next.append(cp)
-            pool.sunk_s += self.model.draft_s
-            if fed_next:
-                out = self._level_pass(pool, [node[p] for p in fed_next])
-                logits.update({p: out[j] for j, p in enumerate(fed_next)})
-            level = fed_next
-        pool.fixed = sorted(chosen)
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
         """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""

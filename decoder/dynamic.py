@@ -21,8 +21,10 @@ ParallelSpec drafter pays one pass per step, so it skips it when even its best g
 Sampled drafts (lossless sampling with a draft LM): a node's number of children must not depend on
 those children's own draws (the sibling procedure would then see a biased draw and lose exactness:
 tests/test_dynamic_sampling.py shows such a rule failing the chi-square test). So at temperature > 0 the
-draft LM's tree is chosen from rank-level acceptance (the prior rows, corrected online with the
-past steps' outcomes) before anything is drawn, and drafted as that shape.
+draft LM draws, level by level, only children it keeps, counted from rank-level acceptance (the
+sampled acceptance rows, corrected online) before they are drawn (decoder/draft_sampled.py); in a
+hybrid, lookup's guesses are chosen first and the draft's children at their node are drawn without
+their token, each sibling verified with its own proposal.
 
 Commit: every pool node whose parent lies on the accepted path is an observation of its cell
 (accepted iff its token is the target's token there); the maps move toward what is realised.
@@ -40,7 +42,6 @@ from decoder.pool import Pool, Source, rank_paths
 from planner.dynamic import DynamicSpec, OnlineMap, choose
 from planner.errors import UserError
 from planner.tree import DYNAMIC, Tree
-
 
 # ---------------------------------------------------------------------------------------------- the guesser wrapper
 
@@ -60,12 +61,9 @@ class DynamicGuesser:
                 raise UserError(f"{label}: the dynamic plan has maps for {have}; the guesser needs one for {kind} "
                                 f"(planner plan dynamic --accept <{kind}'s acceptance> ...)")
 
-    def begin(self, target, plan: Tree, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DynamicSession":
+    def begin(self, target, plan: Tree, prompt_ids: torch.Tensor, ctx: DecodeContext) -> DynamicSession:
         spec: DynamicSpec = self.plan.dynamic
         sampled = ctx.sampling.rule == "lossless"
-        if sampled and isinstance(self.inner, HybridGuesser) and self.inner.drafter_kind == "draft":
-            raise UserError(f"{ctx.label}: lookup+draft decodes greedily (or with typical acceptance): sampled draft "
-                            "children and lookup's fixed tokens need different lossless rules")
         # each guesser opens its own per-step source, over its own drafting code
         sources = [g.dynamic_source(spec.guessers[kind], spec, target, prompt_ids, ctx, sampled)
                    for kind, g in _members(self.inner)]
@@ -180,13 +178,15 @@ class DynamicSession:
         top_k = 1 + max((p[-1] for p in paths), default=0)
         lay = self._layout(paths, top_k)
         tokens = torch.tensor([pool.tokens[i] for i in chosen], dtype=torch.long, device=root.device)
-        q = None
+        q, fixed = None, None
         if self.sampled and pool.q:
             V = next(iter(pool.q.values())).shape[0]
             q = torch.zeros(1 + len(chosen), V, device=root.device)
             for t, u in enumerate([-1] + chosen):
                 if u in pool.q:
                     q[t] = pool.q[u]
+            # a hybrid's lookup guesses among the draws: point-mass proposals (decoder.verify.verify_sampled)
+            fixed = [False] + [u not in pool.sampled for u in chosen]
         extra = None
         for s in self.sources:
             extra = s.extra_embeds(lay) if extra is None else extra
@@ -194,7 +194,8 @@ class DynamicSession:
         self.expected.append(expected)
         self.decide_s.append(time.perf_counter() - t0 - pool.passes_s)
         self.decide_est += 0.1 * (self.decide_s[-1] - self.decide_est)
-        return Proposal(lay, tokens, draft_probs=q, extra_embeds=extra)
+        return Proposal(lay, tokens, draft_probs=q, extra_embeds=extra,
+                        deterministic=fixed if fixed is not None and any(fixed) else None)
 
     def _layout(self, paths, top_k: int):
         for s in self.sources:

@@ -43,6 +43,9 @@ class Proposal:
     layout: StepLayout
     tokens: torch.Tensor  # [N] long candidate tokens in layout order (root excluded), on the target's device
     draft_probs: torch.Tensor | None = None  # [num_tree, V] q at each tree token (its children's draw); None: deterministic guesses
+    # with draft_probs, in a tree mixing both: per tree index, True where the token is a fixed guess
+    # (a point-mass proposal, prompt lookup's in a hybrid) rather than a draw from its parent's q
+    deterministic: list[bool] | None = None
     extra_embeds: torch.Tensor | None = None  # [n - num_tree, hidden] inputs after the tree tokens (PPD prompt tokens)
     guesses: torch.Tensor | None = None  # [D, K] per-distance guesses, when the guesser has them (acceptance counting)
     # a verification rule of the proposal's own, (logits [num_tree, V], tokens [num_tree], sampling,

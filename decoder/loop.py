@@ -215,7 +215,7 @@ def _step(seq, session: GuessSession, sampling: Sampling, gen, clock: "_Clock", 
     if proposal.rule is not None:
         verdict = proposal.rule(tree_logits, tree_ids, sampling, gen)
     else:
-        verdict = verify(tree_logits, tree_ids, lay, sampling, gen, proposal.draft_probs)
+        verdict = verify(tree_logits, tree_ids, lay, sampling, gen, proposal.draft_probs, proposal.deterministic)
     clock.lap("verify")
     seq.commit(verdict)
     clock.lap("cache")

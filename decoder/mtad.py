@@ -62,7 +62,7 @@ from decoder.layout import layout_for
 from decoder.engine import vocab_size
 from decoder.loop import decode, select_attention
 from decoder.output import GenerateOutput
-from decoder.verify import Sampling, Verdict, sample
+from decoder.verify import Sampling, Verdict, sample, warp
 from planner.errors import UserError
 from planner.mtad import accepted_length, log_threshold
 
@@ -70,24 +70,14 @@ from planner.mtad import accepted_length, log_threshold
 
 
 def warped_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits [..., V] -> log p~ [..., V] in float32: temperature, then top-k, then top-p (the
-    support decoder.verify.probabilities keeps), -inf outside the support. Temperature 0: one-hot."""
+    """logits [..., V] -> log p~ [..., V] in float32: temperature, then top-k, then top-p, as
+    decoder.verify.warp keeps them (transformers' order and ties), -inf outside the support.
+    Temperature 0: one-hot."""
     x = logits.float()
     if s.temperature <= 0:
         top = x.argmax(-1, keepdim=True)
         return torch.full_like(x, -math.inf).scatter_(-1, top, 0.0)
-    x = x / s.temperature
-    V = x.shape[-1]
-    if s.top_k and s.top_k < V:
-        # only the top-k can survive: sort those, not the vocabulary (ties at the k-th logit: torch.topk's pick)
-        vals, order = x.topk(s.top_k, dim=-1)
-    else:
-        vals, order = x.sort(dim=-1, descending=True)
-    if s.top_p < 1.0:
-        p = vals.softmax(-1)
-        drop = p.cumsum(-1) - p >= s.top_p  # keep the smallest prefix reaching top_p
-        vals = vals.masked_fill(drop, -math.inf)
-    return torch.full_like(x, -math.inf).scatter_(-1, order, vals.log_softmax(-1))
+    return warp(x, s).log_softmax(-1)
 
 
 def draft_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:

@@ -188,7 +188,7 @@ def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: i
                    threads=None, on_round=None) -> PearlOutput:
     """Decode with PEARL. Greedy at temperature 0 (token-identical to plain greedy decoding), else
     lossless sampling (accept x with min(1, p(x)/q(x)), reject to norm(max(p - q, 0)); p with
-    temperature, top-k, top-p; q the drafter's softmax at the same temperature, see
+    temperature, top-k, top-p; q the drafter's own warped distribution with the same settings, see
     decoder.draft.draft_children).
 
     threads: CPU threads per side: None (split torch.get_num_threads(): target ceil(n/2), drafter

@@ -42,11 +42,14 @@ class Pool:
         self.sunk_s = 0.0  # drafting already paid this step (the plan's pass cost)
         self.passes_s = 0.0  # wall time of drafter passes (excluded from the decision's own cost)
         self.index: dict[tuple[int, int], int] = {}  # (parent, token) -> node: hybrid pools merge equal paths
-        self.fixed: list[int] | None = None  # a shape chosen before drafting (sampled drafts)
+        self.fixed: list[int] | None = None  # the kept nodes when a source chose them itself (sampled drafts)
+        self.sampled: set[int] = set()  # nodes drawn from their parent's q[parent]; the others are fixed guesses
 
-    def add(self, token: int, parent: int, c: float, cell: tuple, rank: int = 0) -> int:
+    def add(self, token: int, parent: int, c: float, cell: tuple, rank: int = 0, merge: bool = True) -> int:
+        """A node (its index); merge: the same (parent, token) from another guesser is the same node.
+        Sampled draws never merge: a draw's place among its siblings is the order it was drawn in."""
         key = (parent, token)
-        i = self.index.get(key)
+        i = self.index.get(key) if merge else None
         if i is not None:  # the same path from two guessers: one node, the better estimate
             self.c[i] = max(self.c[i], c)
             self.cells[i] = self.cells[i] + (cell,)

@@ -101,6 +101,8 @@ def from_entry(entry, label: str = "acceptance", source: dict | None = None) -> 
             src[k] = entry[k]
     if isinstance(entry.get("guesser"), dict):  # how the measured guesser feeds trees (planner.cost.Guessing)
         src["guesser"] = dict(entry["guesser"])
+    if isinstance(entry.get("sampling"), dict):  # measured under sampling (profiler/sampled.py): the settings
+        src["sampling"] = dict(entry["sampling"])
     if entry.get("calibration") is not None:  # live signal -> acceptance (planner/dynamic.py); older files have none
         from planner.dynamic import calibration_from_json
 

@@ -49,9 +49,11 @@ def _plan(kind: str, prior: np.ndarray, max_depth: int) -> Tree:
     return Tree(DYNAMIC, [TreeState(0, [], 1.0, 1)], 1.0, dynamic=spec)
 
 
-def observations(records, text: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def observations(records, text: list[int], probs: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(depth, signal bin, accepted, step) of every pool node whose parent's path matches `text`
-    (the new tokens; step i's depth-d node guesses text[i + d - 1])."""
+    (the new tokens; step i's depth-d node guesses text[i + d - 1]). Under sampling, probs [N, V]
+    (the warped p that drew each token of text): a deterministic guess x is accepted with p(x),
+    its expected hit, and its path matches exactly when the lossless rule accepted it."""
     out = []
     for i, (tokens, parent, depth, sig) in enumerate(records):
         ok = {}
@@ -59,17 +61,36 @@ def observations(records, text: list[int]) -> tuple[np.ndarray, np.ndarray, np.n
             if i + d - 1 >= len(text) or (par >= 0 and not ok.get(par, False)):
                 continue
             ok[j] = tok == text[i + d - 1]
-            out.append((d, sig[j], float(ok[j]), i))
+            out.append((d, sig[j], float(ok[j]) if probs is None else float(probs[i + d - 1, tok]), i))
     a = np.array(out, dtype=np.float64).reshape(-1, 4)
     return a[:, 0].astype(np.int64), a[:, 1].astype(np.int64), a[:, 2], a[:, 3].astype(np.int64)
 
 
+def _drew(model, ids: torch.Tensor, tokens: torch.Tensor, sampling) -> torch.Tensor:
+    """[N, V]: the warped p that drew each new token (one teacher-forced pass)."""
+    from decoder.hf_engine import as_engine
+    from decoder.verify import probabilities
+
+    T = ids.numel()
+    with torch.inference_mode():
+        logits = as_engine(model).teacher_forced(torch.cat([ids.cpu(), tokens.cpu()])).logits
+    return probabilities(logits[T - 1: T - 1 + tokens.numel()], sampling).cpu()
+
+
 def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.ndarray, max_new_tokens: int = 64,
-                        max_depth: int = 8, progress: bool = False) -> dict:
-    """The calibration JSON (planner.dynamic.Calibration.to_json) of `guesser` on `prompts`."""
+                        max_depth: int = 8, progress: bool = False, sampling=None, seed: int = 0) -> dict:
+    """The calibration JSON (planner.dynamic.Calibration.to_json) of `guesser` on `prompts`.
+    sampling (a decoder.verify.Sampling above temperature 0): the text is sampled (prompt i with
+    seed + i) and each observation is its guess's acceptance under those settings, p(x)."""
     from tqdm import tqdm
 
     kind = guesser_kind(guesser)
+    sampled = sampling is not None and sampling.rule != "greedy"
+    if sampled and registered_kind(kind).samples:
+        raise UserError(f"--calibrate: the {kind} guesser samples its children under --temperature, and a sampled "
+                        "child's place in the tree cannot follow its own draw; its per-step plans use the sampled "
+                        "acceptance rows (planner accept --temperature ...) corrected online")
+    warp = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p} if sampled else {}
     plan = _plan(kind, prior, max_depth)
     per_prompt = []
     for ids in tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress):
@@ -82,9 +103,11 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
             return sess["s"]
 
         rec.begin = begin
-        out = generate(model, ids, plan=plan, guesser=rec, max_new_tokens=max_new_tokens)
-        per_prompt.append(observations(sess["s"].records, out.tokens.tolist()))
-    return _calibration_doc(kind, per_prompt, len(prompts), max_new_tokens)
+        out = generate(model, ids, plan=plan, guesser=rec, max_new_tokens=max_new_tokens, seed=seed + len(per_prompt),
+                       **warp)
+        probs = _drew(model, ids, out.tokens, sampling) if sampled else None
+        per_prompt.append(observations(sess["s"].records, out.tokens.tolist(), probs))
+    return _calibration_doc(kind, per_prompt, len(prompts), max_new_tokens, sampling if sampled else None)
 
 
 def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list[torch.Tensor], prior: np.ndarray,
@@ -111,7 +134,7 @@ def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list
     return _calibration_doc(kind, per_prompt, len(prompts), max(len(t) for t in continuations) if continuations else 0)
 
 
-def _calibration_doc(kind: str, per_prompt: list, n_prompts: int, max_new_tokens: int) -> dict:
+def _calibration_doc(kind: str, per_prompt: list, n_prompts: int, max_new_tokens: int, sampling=None) -> dict:
     """Fit the map on every prompt's observations, with a 2-fold cross-fitted reliability table."""
     if not per_prompt or sum(len(o[0]) for o in per_prompt) == 0:
         raise UserError("calibration: no candidate was ever observed (too few tokens decoded?)")
@@ -142,4 +165,8 @@ def _calibration_doc(kind: str, per_prompt: list, n_prompts: int, max_new_tokens
                 "reliability_method": "2-fold cross-fit over prompts (each half scored by the map fitted on the other)",
                 "prompts": n_prompts, "observations": int(sum(len(o[0]) for o in per_prompt)),
                 "guesser": kind, "max_new_tokens": max_new_tokens})
+    if sampling is not None:
+        from planner.sampling import record
+
+        doc["sampling"] = record(sampling)
     return doc

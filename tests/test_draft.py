@@ -136,33 +136,18 @@ def test_acceptance_of_drafters_is_measured_along_their_chain():
     assert len(look["accuracy"]) == 3 and len(look["accuracy"][0]) == 1
 
 
-def test_sibling_acceptance_matches_an_exact_small_case():
-    """One child: accepted with probability sum_x q(x) min(1, p(x)/q(x)) = 1 - TV(p, q); two
-    children: the second takes the rest of what the residual allows, and the total is 1 when
-    q's first two draws cover p's support."""
-    from profiler.acceptance import sibling_acceptance
-
-    p = torch.tensor([0.6, 0.3, 0.1, 0.0], dtype=torch.float64)
-    q = torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    one = sibling_acceptance(p, q, 1, 20000, g)
-    assert abs(one[0] - float(torch.minimum(p, q).sum())) < 0.01  # 1 - TV = 0.7
-    same = sibling_acceptance(p, p.clone(), 2, 2000, g)
-    assert same[0] == 1.0 and same[1] == 0.0  # a drafter equal to the target is always accepted first
-    many = sibling_acceptance(p, q, 4, 20000, g)
-    assert abs(many.sum() - 1.0) < 0.01  # with every token drawable, some child is always accepted
-
-
 def test_sampled_acceptance_of_a_draft_model():
-    from profiler.acceptance import measure_sampled_acceptance
+    """A drafter equal to the target has every first child accepted; another one some (profiler/sampled.py:
+    sum min(p, q) and the sibling procedure; its parts are tested in tests/test_sampled_acceptance.py)."""
+    from decoder.verify import Sampling
+    from profiler.sampled import draft_sampled_accuracy, sampled_continuations
 
     target = tiny_model("llama", seed=1)
-    same = measure_sampled_acceptance(target, tiny_model("llama", seed=1), _prompts()[:2], 1.0, max_new_tokens=6,
-                                      width=2, samples=4)
-    assert same["positional"] == [1.0, 0.0] and same["positions"] == 12
-    other = measure_sampled_acceptance(target, tiny_model("qwen2", seed=5), _prompts()[:2], 1.0, max_new_tokens=6,
-                                       width=3, samples=8)
-    assert 0 < other["positional"][0] < 1 and sum(other["positional"]) <= 1.0 + 1e-9
+    cont = sampled_continuations(target, _prompts()[:2], 6, Sampling(1.0))
+    same = draft_sampled_accuracy(target, DraftModelGuesser(tiny_model("llama", seed=1), top_k=2), cont, 1, 2, samples=4)
+    assert same["accuracy"][0] == pytest.approx([1.0, 0.0]) and same["positions"] == 12
+    other = draft_sampled_accuracy(target, DraftModelGuesser(tiny_model("qwen2", seed=5), top_k=3), cont, 1, 3, samples=8)
+    assert 0 < other["accuracy"][0][0] < 1 and sum(other["accuracy"][0]) <= 1.0 + 1e-9
 
 
 def test_chain_drafter_takes_combs_and_refuses_branching_trees():

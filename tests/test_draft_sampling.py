@@ -59,8 +59,9 @@ def _counts(target, draft, nodes, settings, n=N_SAMPLES, prompt=(2,)):
     return counts, accepted
 
 
-@pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("setting", list(SETTINGS))
+# two of the six (tree, setting) pairs: the rules themselves are checked for every tree kind, fast and
+# to a 5 % error, in tests/test_sampling_rules.py; these end-to-end runs check the drafting glue
+@pytest.mark.parametrize("tree,setting", [("chain-2", "T0.7"), ("tree-6", "T1.3-topk5-topp.95")])
 def test_sampled_draft_trees_keep_the_target_distribution(models, tree, setting):
     target, draft = models
     joint = _exact_joint(target, [2], 3, dict(dict(temperature=1.0, top_k=VOCAB, top_p=1.0), **SETTINGS[setting]))

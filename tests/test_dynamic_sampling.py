@@ -2,14 +2,14 @@
 tokens against exact enumeration by chi-square (as tests/test_draft_sampling.py does for static
 trees); the same test fails when the tree's arrangement follows the drawn children's own q
 (best-first by draft confidence after the draws), which biases the sibling procedure."""
-import numpy as np
 import pytest
 import torch
 from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import tiny_model
 
+import decoder.draft_sampled as draft_sampled
 from decoder import generate
-from decoder.draft import DraftModelGuesser, DraftSource
+from decoder.draft import DraftModelGuesser
 from planner.accept import from_entry
 from planner.dynamic_plan import plan_dynamic
 
@@ -66,15 +66,11 @@ def test_the_test_fails_when_the_shape_follows_the_draws(target, monkeypatch):
     draft = _draft(2.0)  # peaked: the draws' order and their q order differ often enough
     counts, _, _ = _counts(target, draft)
     assert _chi2(counts, joint, N_SAMPLES) > P_MIN  # the right rule passes with this drafter
-    children = DraftSource._children
+    draws = draft_sampled.draw_children
 
-    def by_confidence(self, logits, k):  # EAGLE-2 style: siblings best-first by their drawn q
-        toks, q, qs = children(self, logits, k)
-        if qs is not None:
-            for row, qrow in zip(toks, qs):
-                row[:] = row[np.argsort(-qrow.cpu().numpy()[row], kind="stable")]
-        return toks, q, qs
+    def by_confidence(q, k, gen, exclude=()):  # EAGLE-2 style: siblings best-first by their drawn q
+        return sorted(draws(q, k, gen, exclude), key=lambda x: -float(q[x]))
 
-    monkeypatch.setattr(DraftSource, "_children", by_confidence)
+    monkeypatch.setattr(draft_sampled, "draw_children", by_confidence)
     counts, _, _ = _counts(target, draft)
     assert _chi2(counts, joint, N_SAMPLES) < P_MIN

@@ -295,9 +295,17 @@ def test_the_drafter_cache_follows_the_selected_beam(pair, monkeypatch):
 
     monkeypatch.setattr(MTADSession, "propose", checked_propose)
     monkeypatch.setattr(MTADSession, "commit", checked_commit)
-    out = generate_mtad(target, ids, MTADGuesser(draft, 3, 3, beams="best"), 30, tau_acc=0.05, seed=1, temperature=1.0)
-    assert checks["propose"] == out.steps and checks["commit"] == out.steps - 1
-    assert max(out.stats.accepted) >= 1  # accepted drafts were exercised (unseen tokens included)
+    accepted = 0
+    for seed in range(1, 6):  # until a run accepts drafts (which run does depends on the sampler's draws)
+        text.clear()
+        checks.update(propose=0, commit=0)
+        out = generate_mtad(target, ids, MTADGuesser(draft, 3, 3, beams="best"), 30, tau_acc=0.05, seed=seed,
+                            temperature=1.0)
+        assert checks["propose"] == out.steps and checks["commit"] == out.steps - 1
+        accepted = max(out.stats.accepted)
+        if accepted >= 1:
+            break
+    assert accepted >= 1  # accepted drafts were exercised (unseen tokens included)
 
 
 # ---------------------------------------------------------------------------------------------- all beams as one tree

@@ -181,7 +181,7 @@ def test_measured_objective_uses_evaluator_and_searches_verification(inputs):
 
     space = _space(acc, methods=("medusa", "ppd"), temperature=0.7)
     res = tune(space, None, trials=6, storage=str(tmp / "m.db"), study_name="m", objective="measured",
-               evaluator=evaluator, out=tmp / "best.json", seed=0, progress=False)
+               evaluator=evaluator, out=tmp / "best.json", seed=0, progress=False, allow_typical=True)
     assert len(seen) >= 1 and all(c.verify in ("typical", "lossless") for c in seen)
     assert all(c.size is not None or c.input_length is not None for c in seen)  # no profile: no automatic size
     assert res.best["values"][0] == max(100.0 * build_tree(c, space, None).expected_tokens_per_step
@@ -189,6 +189,12 @@ def test_measured_objective_uses_evaluator_and_searches_verification(inputs):
     tree = load_tree(tmp / "best.json")
     assert tree.settings["tune"]["decode"]["verify_rule"] in ("typical", "lossless")
     assert tree.settings["tune"]["decode"]["temperature"] == 0.7
+    assert tree.settings["distribution_exact"] == (tree.settings["tune"]["decode"]["verify_rule"] != "typical")
+    assert tree.settings["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    seen.clear()  # without allow_typical only the lossless rule decodes: typical stays off by default
+    tune(space, None, trials=3, storage=str(tmp / "n.db"), study_name="n", objective="measured", evaluator=evaluator,
+         seed=0, progress=False)
+    assert seen and all(c.verify == "auto" for c in seen)
 
 
 def test_interrupt_keeps_best_so_far(inputs):

@@ -6,7 +6,8 @@
 A short pipeline of named phases, each announced with the time left (one `Budget`, workflows/runs.py,
 holds every time budget):
   1 profile     this machine's L(n) and matmul paths            workflows/autotune_measure.py
-  2 acceptance  one greedy decode per prompt, shared by every guesser (profiler.teacher_forced)
+  2 acceptance  one decode per prompt, shared by every guesser (profiler.teacher_forced; sampled with
+                the user's temperature, top-k and top-p: profiler.sampled)
   3 plan        every size of every (guesser, method), per-step trees, hybrids   workflows/candidates.py
   4 PEARL       each side's latency at its share of the cores, and their overlap
   5 race        the finalists against plain decoding on other held-out prompts   workflows/race.py
@@ -65,6 +66,17 @@ class AutotuneSettings:
     report: bool = True
     progress: bool = True
     seed: int = 0
+    # the user's sampling settings: acceptance is measured, plans are sized and the race decodes under them
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    verify: str = "auto"  # auto: greedy at temperature 0, lossless above; typical: Medusa's, not distribution-exact
+
+    @property
+    def sampling(self):
+        from planner.sampling import Sampling
+
+        return Sampling(self.temperature, self.top_k, self.top_p, self.verify)
 
     @property
     def budget(self) -> Budget:

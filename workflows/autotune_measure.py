@@ -2,8 +2,8 @@
 PEARL's side latencies (workflows/autotune.py runs them in order).
 
     profile_phase(run) -> Profiled             1 profile: L(n) after the context, the matmul paths (CPU)
-    acceptance_phase(run, ids, profile)        2 acceptance: one greedy decode per prompt, shared by every
-        -> dict[kind, Measured]                  guesser (profiler.teacher_forced)
+    acceptance_phase(run, ids, profile)        2 acceptance: one decode per prompt, shared by every guesser
+        -> dict[kind, Measured]                  (profiler.teacher_forced; under sampling profiler.sampled)
     pearl_phase(run, accepts, profile, ctx)    4 PEARL: each side at its share of the cores, and the overlap
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _riding(guessers: dict):
 def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dict[str, Measured]:
     """Each guesser's acceptance on held-out prompts, from one shared greedy decode per prompt
     (a reused acceptance file, --accept, stands for the guesser whose guesses ride along)."""
-    from profiler.teacher_forced import Continuations, greedy_continuations, replay_accuracy
+    from profiler.teacher_forced import greedy_continuations
 
     s = run.settings
     riding = _riding(run.guessers)
@@ -115,11 +115,22 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         keep = max(2, int(len(accept_ids) * share / eta))
         run.say(f"      the budget fits {keep} of {len(accept_ids)} acceptance prompts (predicted {eta:.0f} s for all)")
         accept_ids, eta = accept_ids[:keep], eta * keep / len(accept_ids)
+    samp = s.sampling
+    sampled = samp.rule != "greedy"
+    how = f"sampled at {_settings_text(samp)}" if sampled else "greedy"
     run.clock.phase(2, f"acceptance of {', '.join(measure)} on {len(accept_ids)} held-out prompts x {s.accept_tokens} "
-                       "tokens (one greedy decode each, shared)", run.clock.left())
+                       f"tokens (one {how} decode each, shared)", run.clock.left())
     ppd = riding if riding in measure.values() else None
-    cont = greedy_continuations(run.engine, accept_ids, s.accept_tokens, ppd=ppd)
-    run.say(f"      greedy decode: {cont.decode_s:.0f} s (predicted {eta:.0f} s with the replays)")
+    if sampled:
+        from decoder.verify import Sampling
+        from profiler.sampled import sampled_continuations
+
+        # measured with the lossless rule's acceptance, also for a typical-acceptance run (its lower bound)
+        cont = sampled_continuations(run.engine, accept_ids, s.accept_tokens,
+                                     Sampling(samp.temperature, samp.top_k, samp.top_p), seed=s.seed, ppd=ppd)
+    else:
+        cont = greedy_continuations(run.engine, accept_ids, s.accept_tokens, ppd=ppd)
+    run.say(f"      {how} decode: {cont.decode_s:.0f} s (predicted {eta:.0f} s with the replays)")
     for kind, g in measure.items():
         spec = guesser_kind(kind)
         if g is ppd:
@@ -128,8 +139,8 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
             depth, width = spec.measure_shape or (g.num_distances, getattr(g, "top_k", 1))
             # a drafter paying a pass per level replays depth passes per position: half the prompts, half the time
             few = spec.needs_hidden and spec.passes == "depth"
-            part = Continuations(cont.prompts[:CHAIN_PROMPTS], cont.tokens[:CHAIN_PROMPTS]) if few else cont
-            acc = replay_accuracy(run.engine, g, part, depth, width)
+            part = _first(cont, CHAIN_PROMPTS) if few else cont
+            acc = _measure(run, g, spec, part, depth, width, sampled)
         acc["source"] = (f"planner autotune: {run.loaded.name}, {kind} {shown(g.source_dir) if g.source_dir else '(no model)'}, "
                          f"{len(accept_ids)} held-out prompts, {acc['positions']} positions ({acc['source']})")
         acc["guesser"]["dir"] = shown(g.source_dir) if g.source_dir else None
@@ -137,6 +148,38 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = Measured(Path(path), load_acceptance(str(path)))
     return out
+
+
+SIBLING_SAMPLES = 16  # Monte Carlo runs of the sibling procedure per position (a draft LM's ranks 1+)
+
+
+def _measure(run: Run, g, spec, cont, depth: int, width: int, sampled: bool) -> dict:
+    """One guesser's acceptance record along the shared continuations: greedy hits; under sampling a
+    deterministic guesser's guesses scored with the target's warped p, a sampling drafter's children
+    with sum min(p, q) and the sibling procedure (profiler/sampled.py)."""
+    from profiler.teacher_forced import replay_accuracy
+
+    if not sampled:
+        return replay_accuracy(run.engine, g, cont, depth, width)
+    from profiler.sampled import draft_sampled_accuracy, replay_sampled_accuracy
+
+    if spec.samples:
+        return draft_sampled_accuracy(run.engine, g, cont, depth, width, SIBLING_SAMPLES, run.settings.seed)
+    return replay_sampled_accuracy(run.engine, g, cont, depth, width)
+
+
+def _first(cont, n: int):
+    """The first n prompts' continuations (greedy or sampled)."""
+    from dataclasses import fields, replace
+
+    cut = {f.name: getattr(cont, f.name)[:n] for f in fields(cont) if f.name in ("prompts", "tokens", "probs")}
+    return replace(cont, **cut)
+
+
+def _settings_text(s) -> str:
+    from workflows.sampling import describe, record
+
+    return describe(record(s))
 
 
 def pearl_phase(run: Run, drafter: str, accepts: dict[str, Measured], profile: LatencyProfile, context) -> dict:

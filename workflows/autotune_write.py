@@ -51,7 +51,7 @@ def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: flo
             "measured_tokens_per_s": tokens / max(sum(arm.seconds[p] for p in prompts), 1e-9)}
 
 
-def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int]) -> dict:
+def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int], greedy: bool = True) -> dict:
     row = {
         "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size, "label": c.label,
         "input_length": round(c.input_length, 3), "planned_input_length": c.tree.max_input_length,
@@ -63,7 +63,8 @@ def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list
     }
     if measured:
         row.update(measured)
-        row["identical_to_greedy"] = not arm.dropped.startswith("output differs")
+        if greedy:  # sampled outputs differ from plain sampling's by design: nothing to compare
+            row["identical_to_greedy"] = not arm.dropped.startswith("output differs")
     return row
 
 
@@ -80,6 +81,7 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
     for c in racing:
         name = f"{c.guesser}-{c.method}-{c.size}{'-auto' if c.variant == 'per-state budgets' else ''}{c.tag}.json"
         g = run.guessers[_measured_as(c.guesser, accepts)]
+        c.tree.settings.update(tuned_for(run.settings.sampling))
         c.tree.provenance.update({"accept": shown(accepts[_measured_as(c.guesser, accepts)].path),
                                   "profile": shown(profile_path), "autotune": shown(run.out_dir),
                                   "guesser_dir": shown(g.source_dir) if g.source_dir else None})
@@ -87,14 +89,15 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
         save_tree(c.tree, run.out_dir / "trees" / name)
         arm = arms[c.label]
         measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
-        rows.append(_row(c, arm, run.out_dir / "trees" / name, measured, outputs.states.get(c.label, [])))
+        rows.append(_row(c, arm, run.out_dir / "trees" / name, measured, outputs.states.get(c.label, []),
+                         run.settings.sampling.rule == "greedy"))
         if c.label == decision.choice:
             chosen = c
             rows[-1]["chosen"] = True
     tree = chosen.tree if chosen else plain_plan(decision.reason)
     files = run.guessers[_measured_as(chosen.guesser, accepts)].source_dir if chosen else None
     tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json(),
-                         raced_with=raced_with(run, profile_path, files, run.out_dir))
+                         raced_with=raced_with(run, profile_path, files, run.out_dir), **tuned_for(run.settings.sampling))
     save_tree(tree, run.out_dir / "chosen.json")
     return _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts) | {
         "dtype": dtype_name(next(run.model.parameters()).dtype)}
@@ -112,6 +115,15 @@ def raced_with(run: Run, profile_path: Path, guesser_dir, plan_dir: Path) -> dic
     return RacedWith(run.engine.caps.name, torch.get_num_threads(),
                      file_ref(profile_path, plan_dir) if paths else None,
                      file_ref(guesser_dir, plan_dir) if guesser_dir else None).to_json()
+
+
+def tuned_for(s) -> dict:
+    """What chosen.json says it was tuned for: the sampling settings (`planner decode` warns when
+    run with others), the verification rule and whether the output follows the target's
+    distribution (typical acceptance does not)."""
+    from workflows.sampling import record
+
+    return {"sampling": record(s), "verify": s.rule, "distribution_exact": s.rule != "typical"}
 
 
 def _measured_as(kind: str, accepts: dict) -> str:
@@ -140,7 +152,9 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
                      "guesser": chosen.guesser if chosen else PLAIN},
         "chosen_guesser": chosen.guesser if chosen else PLAIN, "chosen_method": chosen.method if chosen else PLAIN,
         "chosen_size": chosen.size if chosen else 0,
-        "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows),
+        # None under sampling: outputs are compared only when decoding is greedy
+        "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows) if s.sampling.rule == "greedy" else None,
+        **tuned_for(s.sampling),
         "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
                   "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
         "prediction_error": _prediction_errors(measured, chosen),

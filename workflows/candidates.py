@@ -99,13 +99,16 @@ def chain_tree(accept: Acceptance, depth: int) -> Tree:
 
 
 def drafter_candidates(kind: str, accept: Acceptance, profile: LatencyProfile, max_input_length: int,
-                       max_depth: int | None = None) -> list[Candidate]:
+                       max_depth: int | None = None, sampled: bool = False) -> list[Candidate]:
     """Chains of 1..depth, and for tree-capable drafters the medusa (and, for a draft LM, sequoia)
-    trees the planner sizes for the drafter's measured pass time."""
+    trees the planner sizes for the drafter's measured pass time. sampled (lossless sampling): a
+    drafter that samples its children takes sequoia trees only, whose sibling ranks are the first
+    draws without replacement."""
     g = default_guessing(MEDUSA, accept)
     deepest = min(max_depth or MAX_CHAIN, accept.max_depth or MAX_CHAIN, max_input_length - 1)
     out = [_candidate(CHAIN, chain_tree(accept, d), d, profile, g, kind) for d in range(1, deepest + 1)]
-    for method in (m for m in guesser_kind(kind).static if m != CHAIN):
+    spec = guesser_kind(kind)
+    for method in (m for m in spec.static if m != CHAIN and not (sampled and spec.samples and m == MEDUSA)):
         try:
             tree = plan(method, accept, profile=profile, max_size=max_input_length - 1, max_depth=deepest, guessing=g)
         except PlainIsFastest:
@@ -232,7 +235,8 @@ def plan_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidate]:
                 candidates += plan_candidates(method, m.accept, profile, g.num_prompt_tokens, g.ensemble,
                                               s.max_input_length)
         else:
-            candidates += drafter_candidates(kind, m.accept, profile, s.max_input_length)
+            candidates += drafter_candidates(kind, m.accept, profile, s.max_input_length,
+                                             sampled=s.sampling.rule == "lossless")
     candidates += _dynamic_phase(run, accepts, profile)
     if not candidates:
         raise UserError(f"--max-input-length {s.max_input_length}: no plan fits")

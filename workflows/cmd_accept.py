@@ -17,27 +17,30 @@ from workflows.inputs import (
     read_prompts,
 )
 from workflows.llama_target import add_engine_argument
+from workflows.sampling import add_sampling_arguments, sampling_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_engine_argument(p)
-    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens decoded per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens decoded per prompt (greedily; sampled with --temperature)")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: the sampling seed (prompt i: seed + i)")
     p.add_argument("--plan", default=None, metavar="TREE",
                    help="also decode with this plan and record its state transitions next to its Markov model")
     p.add_argument("--transitions-output", default=None, metavar="FILE", help="where to write the transitions JSON")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="> 0, with --guesser draft: the acceptance vector of sampled children at this temperature "
-                        "(what sequoia trees for lossless sampling are planned with), instead of greedy top-k")
-    p.add_argument("--width", type=int, default=4, help="with --temperature: sampled children per node measured")
-    p.add_argument("--samples", type=int, default=32, help="with --temperature: sibling procedures simulated per position")
+    add_sampling_arguments(p, "measure acceptance under sampling")
+    p.add_argument("--width", type=int, default=4, help="with --temperature and a draft LM: sampled children per node measured")
+    p.add_argument("--samples", type=int, default=32,
+                   help="with --temperature and a draft LM: sibling procedures simulated per position (ranks 1+)")
     p.add_argument("--held-out", action="store_true",
                    help="measure on the MT-bench questions held out of every shipped guesser's training "
                         "(question_id %% 5 == 0, first turns) of --prompts (default the MT-bench file)")
     p.add_argument("--calibrate", action="store_true",
                    help="also map the guesser's live signal to acceptance (draft probability per depth; lookup: n-gram "
-                        "length and follow count) for dynamic plans: one more greedy pass over the prompts; stored "
-                        "under 'calibration' with a cross-fitted reliability table")
+                        "length and follow count) for dynamic plans: one more pass over the prompts (greedy, or "
+                        "sampled with --temperature, each guess scored with p(x)); stored under 'calibration' with a "
+                        "cross-fitted reliability table")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
 
 
@@ -53,33 +56,55 @@ def prompt_texts(args) -> list[str]:
     return texts[: args.num_prompts] if args.num_prompts else texts
 
 
-def _sampled(args) -> int:
-    """Sampled children of a draft LM: the positional acceptance vector at --temperature."""
-    import math
+def _sampled(args, s) -> int:
+    """Acceptance under the user's temperature, top-k and top-p (profiler/sampled.py): the target
+    samples each prompt once; a deterministic guesser's guesses are scored with the target's warped
+    p, a draft LM's sampled children with sum min(p, q) and the sibling procedure."""
     import time
 
     from planner.accept import from_entry
     from planner.jsonio import atomic_write_json
-    from profiler.acceptance import measure_accuracy, measure_sampled_acceptance
+    from profiler import sampled as sp
 
-    if not (math.isfinite(args.temperature) and args.temperature > 0) or not 1 <= args.width <= 64 \
-            or not 1 <= args.samples <= 10000:
-        raise UserError("--temperature > 0, --width in 1..64, --samples in 1..10000")
+    if not 1 <= args.width <= 64 or not 0 <= args.samples <= 10000:
+        raise UserError(f"--width: expected 1..64, got {args.width}; --samples: expected 0..10000, got {args.samples}")
+    if args.plan:
+        raise UserError("--plan: state transitions are measured greedily; drop --temperature")
     texts = prompt_texts(args)
     loaded, tokenizer, guesser = load_everything(args)
-    if not hasattr(guesser, "draft_model"):
-        raise UserError("--temperature: sampled acceptance is measured for --guesser draft[:DIR] (sampled children)")
     prompts = encode(tokenizer, texts, loaded.model.get_input_embeddings().weight.shape[0])
+    from decoder.hf_engine import HFEngine
+    from decoder.registry import kind_of
+
+    engine, spec = HFEngine(loaded.model), kind_of(guesser)
+    if spec.hybrid or spec.loop is not None or spec.signal == "none" and not spec.needs_embeddings:
+        raise UserError(f"--guesser {spec.name}: acceptance is measured per guesser (lookup, ppd, draft, parallelspec, chain)")
     t0 = time.time()
-    acc = measure_sampled_acceptance(loaded.model, guesser.draft_model, prompts, args.temperature, args.max_new_tokens,
-                                     args.width, args.samples, progress=not args.no_progress)
-    timing = measure_accuracy(loaded.model, guesser, prompts[:1], max_new_tokens=16, allow_empty=True)  # pass time
-    acc.update({"model": loaded.name, "guesser": dict(timing["guesser"], dir=guesser.source_dir),
-                "wall_s": time.time() - t0})
-    from_entry({"positional": acc["positional"]}, label=args.output)
+    cont = sp.sampled_continuations(engine, prompts, args.max_new_tokens, s, seed=args.seed,
+                                    ppd=guesser if spec.needs_embeddings else None)
+    if spec.needs_embeddings:
+        acc = cont.ppd
+    elif spec.samples:
+        acc = sp.draft_sampled_accuracy(engine, guesser, cont, guesser.num_distances, args.width, args.samples, args.seed)
+    else:
+        depth, width = spec.measure_shape or (guesser.num_distances, getattr(guesser, "top_k", 1))
+        acc = sp.replay_sampled_accuracy(engine, guesser, cont, depth, width)
+    acc.update({"model": loaded.name, "config_hash": loaded.config_hash, "wall_s": time.time() - t0,
+                "source": f"planner accept: {loaded.name}, {len(prompts)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
+                          f"{args.max_new_tokens} sampled tokens each ({acc['source']})"})
+    acc["guesser"].update(dir=guesser.source_dir, kind=spec.name)
+    if args.calibrate:  # each guess's acceptance p(x) under the settings, on a second sampled pass
+        import numpy as np
+
+        from profiler.calibration import measure_calibration
+
+        acc["calibration"] = measure_calibration(loaded.model, guesser, prompts, np.array(acc["accuracy"]),
+                                                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                                                 sampling=s, seed=args.seed + len(prompts))
+    from_entry({"accuracy": acc["accuracy"]}, label=args.output)
     atomic_write_json(args.output, acc)
-    print(f"sampled-child acceptance per rank {[round(x, 3) for x in acc['positional']]} at temperature "
-          f"{args.temperature} over {acc['positions']} positions; wrote {args.output}")
+    top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
+    print(f"rank-0 acceptance under {sp.sampling_record(s)}: {top} over {acc['positions']} positions; wrote {args.output}")
     return 0
 
 
@@ -88,8 +113,9 @@ def run(args) -> int:
         from workflows.llama_runs import accept_llama
 
         return accept_llama(args)
-    if args.temperature != 0:
-        return _sampled(args)
+    s = sampling_from_args(args)
+    if s.temperature > 0:
+        return _sampled(args, s)
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
     if args.plan and not args.transitions_output:

@@ -5,6 +5,7 @@ import argparse
 
 from workflows.autotune import GUESSERS, METHODS, AutotuneSettings
 from workflows.llama_target import add_engine_argument
+from workflows.sampling import add_sampling_arguments, sampling_from_args
 
 MAX_PROMPTS = 40  # held-out MT-bench questions: 16, split between acceptance and decoding
 MAX_TOKENS = 4096
@@ -27,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=d.questions, help="MT-bench style questions JSONL (held-out ones are used)")
     p.add_argument("--accept-prompts", type=int, default=d.accept_prompts)
     p.add_argument("--decode-prompts", type=int, default=d.decode_prompts)
-    p.add_argument("--accept-tokens", type=int, default=d.accept_tokens, help="greedy tokens per prompt for acceptance")
+    p.add_argument("--accept-tokens", type=int, default=d.accept_tokens,
+                   help="tokens per prompt decoded for acceptance (greedily, or sampled with --temperature)")
     p.add_argument("--decode-tokens", type=int, default=None,
                    help=f"new tokens per prompt when decoding (default {d.decode_tokens}; 96 with --engine llama.cpp)")
     p.add_argument("--max-input-length", type=int, default=d.max_input_length,
@@ -51,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="reuse this profile instead of measuring")
     p.add_argument("--accept", default=None, help="reuse this PPD acceptance file instead of measuring")
     p.add_argument("--profile-budget", type=float, default=d.profile_budget_s, help="seconds of profiling")
+    add_sampling_arguments(p, "tune for (and race) decoding")
+    p.add_argument("--verify", default="lossless", choices=["lossless", "typical"],
+                   help="with --temperature: lossless (default: the target's own distribution) or typical (Medusa's "
+                        "typical acceptance: faster, NOT distribution-exact; chosen.json says so)")
     p.add_argument("--no-report", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true")
 
@@ -78,6 +84,9 @@ def _check(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise UserError(f"--finalists: must be an integer in 1..100, got {args.finalists}")
     if not (math.isfinite(args.budget) and 0.5 <= args.budget <= 24 * 60):
         raise UserError(f"--budget: expected minutes in 0.5..1440, got {args.budget}")
+    if args.verify == "typical" and args.temperature <= 0:
+        raise UserError("--verify typical: samples; give --temperature > 0 (at temperature 0 every rule is greedy)")
+    sampling_from_args(args, verify="auto" if args.verify == "lossless" else args.verify)
     if not (math.isfinite(args.profile_budget) and args.profile_budget > 0):
         raise UserError(f"--profile-budget: expected a positive number of seconds, got {args.profile_budget}")
     return methods, guessers
@@ -99,7 +108,7 @@ def _llama(args) -> int:
 
     for flag, given in (("--device", args.device), ("--dtype", args.dtype), ("--prompt-tokens", args.prompt_tokens),
                         ("--draft", args.draft), ("--parallelspec", args.parallelspec), ("--accept", args.accept),
-                        ("--guessers", args.guessers != "auto")):
+                        ("--guessers", args.guessers != "auto"), ("--temperature", args.temperature > 0)):
         if given:
             raise UserError(f"{flag}: not with --engine llama.cpp (it races prompt lookup, the guesser llama.cpp runs)")
     summary = autotune_llama(LlamaAutotune(
@@ -131,6 +140,8 @@ def run(args) -> int:
         finalists=args.finalists, budget_minutes=args.budget,
         profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,
         profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        verify="typical" if args.verify == "typical" else "auto",
     )
     summary = autotune(s)
-    return 0 if summary["identical_to_greedy"] else 1
+    return 0 if summary["identical_to_greedy"] is not False else 1

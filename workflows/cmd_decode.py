@@ -21,6 +21,7 @@ from workflows.inputs import (
     read_prompts,
 )
 from workflows.llama_target import add_engine_argument
+from workflows.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 
 # ------------------------------------------------------------------ planner decode
 
@@ -36,11 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "('matmul_paths'; a profile without them changes nothing)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); overrides --prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
+    add_sampling_arguments(p)
     p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "lossless"],
-                   help="auto: greedy at temperature 0, lossless sampling above")
+                   help="auto: greedy at temperature 0, lossless sampling above (the target's own distribution); "
+                        "typical: Medusa's typical acceptance, faster, NOT distribution-exact (the output is marked so)")
     p.add_argument("--eps", type=float, default=0.09, help="typical acceptance: hard threshold")
     p.add_argument("--delta", type=float, default=0.3, help="typical acceptance: entropy-scaled threshold")
     p.add_argument("--seed", type=int, default=0)
@@ -68,20 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, help="results JSON (default: print a summary only)")
 
 
-FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "eps": "--eps", "delta": "--delta",
-         "verify rule": "--verify"}
-
-
 def check_sampling(args) -> None:
     """The sampling options as the decoder will see them, before any model loads."""
-    from decoder.verify import Sampling
+    sampling_from_args(args)
 
-    try:
-        Sampling(args.temperature, args.top_k, args.top_p, getattr(args, "verify", "auto"), getattr(args, "eps", 0.09),
-                 getattr(args, "delta", 0.3))
-    except UserError as e:
-        field, _, rest = str(e).partition(": ")
-        raise UserError(f"{FLAGS.get(field, field)}: {rest}") from None
+
+def warn_settings(tree, args) -> None:
+    """One line on stderr when the plan was tuned for other sampling settings than this run's."""
+    if tree is None:
+        return
+    line = mismatch(recorded(tree.settings), sampling_from_args(args), f"--plan {args.plan}")
+    if line:
+        print(f"planner decode: warning: {line}", file=sys.stderr)
 
 
 def _check(args) -> None:
@@ -140,6 +138,7 @@ def run(args) -> int:
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
     from workflows.llama_runs import decode_llama, engine_of
 
+    warn_settings(tree, args)
     _as_raced(args, tree)
     if engine_of(args, tree) == "llama.cpp":  # the plan's engine, or --engine
         return decode_llama(args, tree)
@@ -211,7 +210,9 @@ def run(args) -> int:
         "plan": args.plan, "matmul_paths_profile": args.profile, "method": tree.method if tree is not None else CHAIN,
         "guesser": guesser_record(args.guesser, guesser),
         "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
-                     "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                     # typical acceptance (and MTAD above temperature 0) does not sample the target's distribution
+                     "distribution_exact": not (args.verify == "typical" and args.temperature > 0)},
         "real_input_length_by_state": lengths["real"],
         "planned_input_length_by_state": lengths["planned"],
         "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start,
@@ -223,10 +224,13 @@ def run(args) -> int:
         doc["mtad"] = {"width": args.mtad_settings.width, "gamma": args.mtad_settings.gamma,
                        "tau_acc": args.mtad_settings.tau_acc, "beams": "tree",  # all W beams scored as one tree
                        "lossless": args.temperature == 0 and args.mtad_settings.tau_acc > 0}  # greedy there
+        doc["settings"]["distribution_exact"] = doc["mtad"]["lossless"]
     if args.pearl:
         doc["method"] = "pearl"
         doc["pearl"] = {"gamma": args.gamma, "concurrent": not args.pearl_serial}
     print(_format(summary, doc["method"]))
+    if not doc["settings"]["distribution_exact"]:
+        print(f"{doc['method']}: NOT distribution-exact: the output does not follow the target's sampling distribution")
     if args.output:
         atomic_write_json(args.output, doc)
         print(f"wrote {args.output}")

@@ -106,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the PPD paper's heuristic only (no policy iteration, one shared budget)")
     x.add_argument("--shared-budget", action="store_true",
                    help="with --profile: same input length in every state (no per-state budgets)")
+    from workflows.sampling import add_sampling_arguments
+
+    add_sampling_arguments(p.add_argument_group("sampling"), "plan for decoding")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary and no progress bar on stderr")
 
 
@@ -119,6 +122,9 @@ def run(args) -> int:
 
     if args.output:
         writable_target(args.output)  # before minutes of planning, not after
+    from workflows.sampling import sampling_from_args
+
+    args.sampling = sampling_from_args(args)
     if args.method == "dynamic":
         return _run_dynamic(args)
     if len(args.accept) > 1:
@@ -126,6 +132,7 @@ def run(args) -> int:
     args.accept = args.accept[0]
     batch_sizes = _batch_options(args)
     accept = load_acceptance(args.accept)
+    _check_measured_for(args, [accept])
     profile = load_profile(args.profile) if args.profile and batch_sizes is None else None
     profiles = load_batch_profiles(args.profile) if batch_sizes is not None else None
     if not (math.isfinite(args.time_budget) and args.time_budget > 0):
@@ -150,6 +157,7 @@ def run(args) -> int:
         tree = plan(args.method, accept, profile=profile, guessing=guessing, **kwargs)
     else:
         tree = _plan_batched(args, accept, profiles, batch_sizes, guessing, kwargs)
+    _record_sampling(args, tree)
     tree.provenance["command"] = "planner plan " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:])
     tree.provenance["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     tree.provenance["tool"] = "tree-planner " + _version()
@@ -189,9 +197,11 @@ def _run_dynamic(args) -> int:
             pairs.append((kind, load_acceptance(path)))
         else:
             pairs.append((None, load_acceptance(spec)))
+    _check_measured_for(args, [a for _, a in pairs])
     profile = load_profile(args.profile) if args.profile else None
     tree = plan_dynamic(pairs, profile, max_size=args.max_size, max_depth=args.max_depth or 8,
                         ensemble=args.ensemble or 1)
+    _record_sampling(args, tree)
     tree.provenance.update({
         "command": "planner plan " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -212,6 +222,25 @@ def _run_dynamic(args) -> int:
               f"{'profiled step costs' if args.profile else 'every size costs the same (no --profile)'}; {pred}",
               file=sys.stderr)
     return 0
+
+
+def _check_measured_for(args, accepts) -> None:
+    """A note on stderr for each acceptance file measured under other sampling settings than the
+    plan is made for (--temperature, --top-k, --top-p): its acceptance is not this plan's."""
+    from workflows.sampling import mismatch
+
+    for acc in accepts:
+        line = mismatch(acc.source.get("sampling"), args.sampling, f"--accept {acc.label}", "was measured under",
+                        "the plan is made for {} (--temperature, --top-k, --top-p): measure acceptance under those")
+        if line:
+            print(f"planner plan: note: {line}", file=sys.stderr)
+
+
+def _record_sampling(args, tree) -> None:
+    """The settings the plan is made for, which `planner decode` compares with its own."""
+    from workflows.sampling import record
+
+    tree.settings = dict(tree.settings, sampling=record(args.sampling))
 
 
 LAYOUT_CHOICES = ("packed", "padded")

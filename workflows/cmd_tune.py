@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from workflows.sampling import add_sampling_arguments, sampling_from_args
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept", action="append", required=True, metavar="[METHOD[/eE]=]FILE[:NAME]",
@@ -19,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="ppd,medusa,sequoia", help="methods to search, comma-separated (default all)")
     p.add_argument("--max-size", type=int, default=64, help="largest candidate count searched (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=3, help="PPD: P searched in 1..this (default 3)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="> 0: measured decoding samples and the verification rule and typical thresholds are searched")
+    add_sampling_arguments(p, "--objective measured: decode")
+    p.add_argument("--allow-typical", action="store_true",
+                   help="with --temperature and --objective measured: also search Medusa's typical acceptance and its "
+                        "thresholds (faster, NOT distribution-exact; the tree says so); default: lossless only")
     p.add_argument("--draft-latency-ms", type=float, default=0.0, help="sequoia: one draft step's latency")
     p.add_argument("--trials", type=int, default=50, help="trials to add to the study in this run (default 50)")
     p.add_argument("--storage", metavar="URL",
@@ -59,13 +63,16 @@ def run(args) -> int:
             raise UserError(f"{name} must be at least {lo}, got {value}")
     import math
 
-    for name, value in (("--temperature", args.temperature), ("--draft-latency-ms", args.draft_latency_ms)):
-        if not (math.isfinite(value) and value >= 0):
-            raise UserError(f"{name}: expected a finite number >= 0, got {value}")
+    sampling_from_args(args)
+    if not (math.isfinite(args.draft_latency_ms) and args.draft_latency_ms >= 0):
+        raise UserError(f"--draft-latency-ms: expected a finite number >= 0, got {args.draft_latency_ms}")
+    if args.allow_typical and not (args.temperature > 0 and args.objective == "measured"):
+        raise UserError("--allow-typical: typical acceptance samples; needs --temperature > 0 and --objective measured")
     sources = [parse_accept_spec(a) for a in args.accept]
     profile = load_profile(args.profile) if args.profile else None
     space = SearchSpace(sources, methods=methods, max_size=args.max_size, max_prompt_tokens=args.max_prompt_tokens,
-                        temperature=args.temperature, draft_latency_s=args.draft_latency_ms / 1e3)
+                        temperature=args.temperature, draft_latency_s=args.draft_latency_ms / 1e3,
+                        top_k=args.top_k, top_p=args.top_p)
     kv = args.kv_bytes_per_token
     if kv is None and args.model_config:
         kv = kv_bytes_per_token(args.model_config)
@@ -75,12 +82,13 @@ def run(args) -> int:
             raise UserError("--objective measured needs --model (preset name, model directory or config.json)")
         prompts = read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
         evaluator = MeasuredEvaluator(args.model, prompts, max_new_tokens=args.max_new_tokens, device=args.device,
-                                      dtype=args.dtype, temperature=args.temperature,
+                                      dtype=args.dtype, temperature=args.temperature, top_k=args.top_k,
+                                      top_p=args.top_p,
                                       prompt_tokens_dir=args.prompt_tokens_dir, seed=args.seed or 0)
     storage = args.storage or f"sqlite:///{Path(args.out).resolve().with_suffix('.optuna.db')}"
     res = tune(space, profile, trials=args.trials, storage=storage, study_name=args.study_name, out=args.out,
                objective=args.objective, memory=args.memory, kv_per_token=kv, evaluator=evaluator, seed=args.seed,
-               progress=not args.no_progress)
+               progress=not args.no_progress, allow_typical=args.allow_typical)
     if not res.best:
         raise UserError(f"study '{res.study_name}': no trial completed (every point was infeasible?)")
     b = res.best

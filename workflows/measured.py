@@ -20,19 +20,20 @@ class MeasuredEvaluator:
 
     def __init__(self, model_spec: str, prompts: list[str], *, max_new_tokens: int = 64, device: str | None = None,
                  dtype: str | None = None, temperature: float = 0.0, prompt_tokens_dir: str | None = None,
-                 seed: int = 0, max_prompt_tokens_len: int = 256):
+                 seed: int = 0, max_prompt_tokens_len: int = 256, top_k: int = 0, top_p: float = 1.0):
         from decoder import generate_plain
         from profiler.models import load_model
 
         loaded = load_model(model_spec, device=device, dtype=dtype)
         self.model = loaded.model
         self.temperature, self.max_new_tokens, self.seed = temperature, max_new_tokens, seed
+        self.warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.prompt_tokens_dir = prompt_tokens_dir
         self._trained = None  # PromptTokens loaded from prompt_tokens_dir on first use
         self.vocab = self.model.get_input_embeddings().weight.shape[0]
         self.input_ids = _encode(loaded, prompts, self.vocab, max_prompt_tokens_len)
-        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                      phase_times=False) for x in self.input_ids]
+        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, seed=seed, phase_times=False,
+                                      **self.warp) for x in self.input_ids]
         self.plain_tokens_per_s = _rate(self._plain)
 
     def guesser(self, tree: Tree, src: Source, prompt_ids, plain_tokens):
@@ -60,8 +61,8 @@ class MeasuredEvaluator:
 
         kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
         outs = [generate(self.model, x, plan=tree, guesser=self.guesser(tree, src, x, plain.tokens),
-                         max_new_tokens=self.max_new_tokens, temperature=self.temperature, verify_rule=cfg.verify,
-                         seed=self.seed, phase_times=False, **kw)
+                         max_new_tokens=self.max_new_tokens, verify_rule=cfg.verify, seed=self.seed,
+                         phase_times=False, **self.warp, **kw)
                 for x, plain in zip(self.input_ids, self._plain)]
         tokens = sum(o.tokens.numel() for o in outs)
         steps = sum(o.steps for o in outs)

@@ -17,19 +17,22 @@ from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_
 
 
 
-def _decode_one(run, cand: Candidate | None, ids):
-    """One prompt decoded with one plan (None: plain decoding); returns the GenerateOutput."""
+def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
+    """One prompt decoded with one plan (None: plain decoding) under the run's sampling settings;
+    every arm decodes a prompt with the same seed. Returns the GenerateOutput."""
     from decoder import generate, generate_plain
     from decoder.pearl import generate_pearl
 
     n = run.settings.decode_tokens
+    s = run.settings.sampling
+    warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
     if cand is None:
-        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False)
+        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, **warp)
     if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter, at the split measured for it
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
-                              threads=tuple(cand.tree.settings["pearl"]["threads"]))
+                              threads=tuple(cand.tree.settings["pearl"]["threads"]), **warp)
     return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
-                    phase_times=False)
+                    phase_times=False, verify_rule=s.mode, **warp)
 
 
 def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: list) -> list[Arm]:
@@ -95,7 +98,7 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
         ids = decode_ids[p].to(device)
         meter.start()
         start = time.perf_counter()
-        out = _decode_one(run, by_key.get(key), ids)
+        out = _decode_one(run, by_key.get(key), ids, seed=s.seed + p)
         seconds = time.perf_counter() - start
         if p not in outputs.tokens.get(key, {}):
             outputs.add(key, p, out)
@@ -122,8 +125,13 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
 
 def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, p: int, keys: set[str]) -> None:
     """A plan whose output on prompt p differs from plain greedy decoding (beyond a near tie of
-    the target's top two logits, profiler.compare) leaves the race: it is never the decision."""
+    the target's top two logits, profiler.compare) leaves the race: it is never the decision.
+    Sampled outputs differ from plain sampling's with the same seed by design; their law is the
+    distribution tests' to check (tests/test_sampling_rules.py), so a sampled race compares speeds only."""
     from profiler.compare import classify
+
+    if run.settings.sampling.rule != "greedy":
+        return
 
     plain = outputs.tokens[PLAIN][p].tolist()
     for key in sorted(keys):

@@ -165,6 +165,8 @@ class SearchSpace:
     max_prompt_tokens: int = 3  # PPD: P is searched in 1..this (capped by the acceptance depth)
     temperature: float = 0.0
     draft_latency_s: float = 0.0  # sequoia: one draft step's latency, paid depth times
+    top_k: int = 0  # measured decoding's sampling cut-offs (0 / 1: off)
+    top_p: float = 1.0
 
     def __post_init__(self):
         for name in ("temperature", "draft_latency_s"):
@@ -204,6 +206,8 @@ class SearchSpace:
             "temperature": self.temperature, "draft_latency_s": self.draft_latency_s,
             "profile": None if profile is None else [profile.input_lengths.tolist(), profile.latency_s.tolist()],
         }
+        if self.top_k or self.top_p < 1:  # only then: studies made before these existed still resume
+            obj.update(top_k=self.top_k, top_p=self.top_p)
         return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -430,7 +434,7 @@ def _trial_summary(t, names: list[str]) -> dict:
 def tune(space: SearchSpace, profile: LatencyProfile | None, *, trials: int, storage: str, study_name: str,
          out: str | Path | None = None, objective: str = "predicted", memory: str | None = None,
          kv_per_token: int | None = None, evaluator: Evaluator | None = None, seed: int | None = None,
-         progress: bool = True) -> TuneResult:
+         progress: bool = True, allow_typical: bool = False) -> TuneResult:
     """Run `trials` more trials of the study (created or resumed) and write the best tree to `out`.
 
     The `planner plan` points (see reference_points) are enqueued once per study, so with
@@ -457,7 +461,8 @@ def tune(space: SearchSpace, profile: LatencyProfile | None, *, trials: int, sto
     directions = ["maximize"] + (["minimize"] if memory else [])
     study = open_study(storage, study_name, directions, space.fingerprint(profile), names)
     study.sampler = _sampler(seed, len(directions))
-    tune_verify = objective == "measured" and space.temperature > 0
+    # typical acceptance is not distribution-exact: searched only when asked for (--allow-typical)
+    tune_verify = objective == "measured" and space.temperature > 0 and allow_typical
     refs = reference_points(space, profile)
     for p in refs:
         study.enqueue_trial(p, user_attrs={"reference": True}, skip_if_exists=True)
@@ -523,10 +528,14 @@ def _finish(study, space, profile, storage, names, trials_run, out) -> TuneResul
             "objectives": names, "values": list(best.values), "config": cfg.to_json(), "ensemble": src.ept,
             "acceptance": src.label, "completed_trials": len(done),
             "decode": {"verify_rule": cfg.verify, "eps": cfg.typical_eps, "delta": cfg.typical_delta,
-                       "temperature": space.temperature},
+                       "temperature": space.temperature, "top_k": space.top_k, "top_p": space.top_p},
             "reference": [{"trial": r["trial"], "values": r["values"], "params": r["params"]} for r in reference],
             "pareto": [{"trial": p["trial"], "values": p["values"], "config": p["config"]} for p in pareto],
         }
+        tree.settings["sampling"] = ({"temperature": float(space.temperature), "top_k": int(space.top_k),
+                                      "top_p": float(space.top_p)} if space.temperature > 0
+                                     else {"temperature": 0.0, "top_k": 0, "top_p": 1.0})
+        tree.settings["distribution_exact"] = not (cfg.verify == "typical" and space.temperature > 0)
         tree.provenance = dict(tree.provenance)
         tree.provenance.setdefault("acceptance", src.accept.source)
         if profile is not None:

@@ -1,0 +1,108 @@
+"""Which q a sampling draft LM should draw its children from: its own warped distribution (the
+target's temperature, top-k and top-p) or the tempered softmax alone. Either is lossless when
+verification uses the same q; this measures which is accepted more.
+
+    python bench/bench_draft_q.py                    # SmolLM2 and its shipped draft LM
+    python bench/bench_draft_q.py --smoke            # the toy model and a one-layer draft of it
+
+Along the target's own sampled continuation of held-out prompts (profiler/sampled.py), at every
+position: the first child's acceptance sum_x min(p, q), the sibling procedure's share of ranks
+1..3 (Monte Carlo), and, for reference, a deterministic top-k guess's p(x) (the draft used as a
+fixed guesser). Means over positions; writes bench/results/draft_q.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np
+import torch
+from bench_main_job import machine
+
+from planner.sampling import Sampling, describe, record
+
+SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
+WIDTH = 4
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--samples", type=int, default=16, help="sibling procedures per position (ranks 1+)")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_q"))
+    a = p.parse_args(argv)
+    if not (1 <= a.prompts <= 16 and 1 <= a.tokens <= 512 and 0 <= a.samples <= 1000):
+        print("bench_draft_q: error: --prompts 1..16, --tokens 1..512, --samples 0..1000", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from decoder.draft import build_draft_lm, load_draft_model
+    from decoder.verify import probabilities
+    from planner.jsonio import atomic_write_json
+    from profiler.models import load_model
+    from profiler.sampled import sampled_continuations, sibling_shares
+    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
+
+    torch.set_num_threads(1)
+    name = "builtin" if a.smoke else "smollm2-135m"
+    if a.smoke:
+        a.prompts, a.tokens, a.samples = 1, 8, 2
+    loaded = load_model(name, device="cpu")
+    model = loaded.model
+    if a.smoke:
+        torch.manual_seed(0)
+        draft = build_draft_lm(model, 1)
+    else:
+        draft = load_draft_model(shipped(loaded.name, "draft_lm"), model)
+    texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), a.prompts, 1)
+    prompts = encode_prompts(AutoTokenizer.from_pretrained(loaded.tokenizer_dir), texts)
+    doc = {"model": loaded.name, "machine": machine(), "prompts": a.prompts, "tokens": a.tokens,
+           "samples": a.samples, "settings": {}}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for key, s in SETTINGS.items():
+            load0 = round(os.getloadavg()[0], 2)
+            cont = sampled_continuations(model, prompts, a.tokens, s, seed=0)
+            rows = {"warped q": [], "tempered softmax q": []}
+            det1, det4 = [], []
+            for ids, toks, p in zip(cont.prompts, cont.tokens, cont.probs):
+                T, N = ids.numel(), toks.numel()
+                logits = draft(torch.cat([ids, toks])[None]).logits[0, T - 1: T - 1 + N].float()
+                qs = {"warped q": probabilities(logits, s), "tempered softmax q": torch.softmax(logits / s.temperature, -1)}
+                top = logits.topk(WIDTH, -1).indices
+                pt = p.gather(1, top)
+                det1 += pt[:, 0].tolist()
+                det4 += pt.sum(1).tolist()
+                for k, q in qs.items():
+                    rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, a.samples, gen) for j in range(N)]
+            res = {k: {"first_child": float(np.mean([r[0] for r in v])), "ranks": np.mean(v, axis=0).round(4).tolist(),
+                       "any_of_4": float(np.mean([r.sum() for r in v]))} for k, v in rows.items()}
+            res["deterministic top-k guesses"] = {"first_child": float(np.mean(det1)), "any_of_4": float(np.mean(det4))}
+            doc["settings"][key] = {"label": describe(record(s)), "positions": sum(int(t.numel()) for t in cont.tokens),
+                                    "load_avg_1m": load0, "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                                    "results": res}
+    out = Path(a.out)
+    atomic_write_json(out.with_suffix(".json"), doc)
+    lines = [(f"# The draft LM's q under sampling ({doc['model']}, {doc['machine']['cpu']}, {doc['prompts']} held-out "
+              f"prompts x {doc['tokens']} sampled tokens, {doc['samples']} sibling runs per position)"), "",
+             "| setting | q | first child accepted | ranks 0..3 | some child of 4 accepted |", "|---|---|---|---|---|"]
+    for block in doc["settings"].values():
+        for k, r in block["results"].items():
+            ranks = ", ".join(f"{x:.3f}" for x in r.get("ranks", [])) or "-"
+            lines.append(f"| {block['label']} ({block['positions']} positions, load {block['load_avg_1m']}) | {k} | "
+                         f"{r['first_child']:.3f} | {ranks} | {r['any_of_4']:.3f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

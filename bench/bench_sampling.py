@@ -1,0 +1,353 @@
+"""Fast when users sample: plans tuned for the user's temperature / top-k / top-p against transformers.
+
+    python bench/bench_sampling.py                     # the committed runs: greedy-tuned and sampling-tuned plans
+    python bench/bench_sampling.py --smoke             # the toy model, seconds
+
+Two settings users pick, T = 0.7 with top-p 0.9 and T = 1.0 with top-k 50, on benchmark prompts no
+tuning step reads (training.splits.bench_prompts: hand-written two-turn chats, answered turn by turn,
+and rewrite requests over pasted text), through the model's chat template. Per setting, on the same
+prompt ids, interleaved in a shuffled order per (prompt, repeat) after a warm-up, each (prompt,
+repeat) with one seed all contenders share:
+  generate            transformers' model.generate(do_sample=True) with the same temperature, top_k
+                      (0 where top-k is off: transformers' own default would cut at 50) and top_p
+  plain loop          this project's plain sampling loop (decoder.generate_plain)
+  greedy-tuned plan   the plan `planner autotune` chose for greedy decoding, decoding sampled
+  sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose
+Outputs differ per contender (each samples with its own draws); exactness under sampling is the
+distribution tests' (tests/test_sampling_rules.py). Reported: tokens/s (tokens over seconds, the
+median over repeats per prompt), the per-prompt speedup over generate (geometric mean of
+tokens-per-second ratios, since sampled answers end at different lengths) and the mean accepted
+candidates per step. This project's loops run the matmul paths of the profile the sampling-tuned
+plan was made with; transformers runs stock. Writes bench/results/sampling.{json,md} (--out) with the machine and load.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch
+from bench_main_job import load_plan, machine
+
+from planner.errors import UserError
+from planner.sampling import Sampling, describe, record
+
+SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
+REPORTS = ROOT / "reports"
+GREEDY_RUN = REPORTS / "example-autotune-cpu-smollm2-135m"
+SAMPLED_RUNS = {"t0.7-p0.9": REPORTS / "sampling-autotune-cpu-smollm2-135m-t0.7-p0.9",
+                "t1.0-k50": REPORTS / "sampling-autotune-cpu-smollm2-135m-t1.0-k50"}
+
+
+def build_prompts(model, tokenizer, n_chat: int, n_repeat: int, first_answer_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """(group, prompt ids): chats whose first turn the model answers greedily, then the second turn; rewrites."""
+    from training.splits import bench_prompts
+
+    out = []
+    for bp in bench_prompts("chat", n_chat) + bench_prompts("repeat", n_repeat):
+        msgs: list[dict] = []
+        for i, turn in enumerate(bp.turns):
+            msgs.append({"role": "user", "content": turn.strip()})
+            ids = _template(tokenizer, msgs)
+            if i + 1 < len(bp.turns):
+                answer = model.generate(ids[None], max_new_tokens=first_answer_tokens, do_sample=False)[0, ids.numel():]
+                msgs.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+        out.append((bp.group, ids))
+    return out
+
+
+def _template(tokenizer, msgs: list[dict]) -> torch.Tensor:
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
+def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
+    """name -> fn(ids, seed) -> (new token ids, accepted per step or None)."""
+    from decoder import generate, generate_plain
+    from decoder.cpu_paths import set_paths_enabled
+    from decoder.pearl import generate_pearl
+
+    warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+
+    def hf(ids, seed):
+        set_paths_enabled(model, False)
+        torch.manual_seed(seed)
+        out = model.generate(ids[None], max_new_tokens=n, do_sample=True, eos_token_id=eos, **warp)
+        return out[0, ids.numel():].tolist(), None
+
+    def plain(ids, seed):
+        set_paths_enabled(model, True)
+        out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+        return out.tokens.tolist(), out.stats.accepted
+
+    def plan_fn(tree, guesser):
+        def run(ids, seed):
+            set_paths_enabled(model, True)
+            if guesser is None:
+                out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+            elif tree.settings.get("guesser") == "pearl":
+                out = generate_pearl(model, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
+                                     max_new_tokens=n, threads=(1, 1), seed=seed, **warp)
+                return out.tokens.tolist(), None
+            else:
+                out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False, seed=seed,
+                               **warp)
+            return out.tokens.tolist(), out.stats.accepted
+        return run
+
+    runs = {"generate": hf, "plain loop": plain}
+    runs.update({name: plan_fn(tree, g) for name, (tree, g) in plans.items()})
+    return runs
+
+
+def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) -> dict:
+    """Per contender, per prompt: the median tokens/s over repeats, tokens, seconds and accepted per step."""
+    rng = random.Random(seed)
+    for fn in runs.values():  # warm-up: every contender's shapes once
+        fn(prompts[0][1], seed)
+    rates = {k: [[] for _ in prompts] for k in runs}
+    tokens = {k: 0 for k in runs}
+    seconds = {k: 0.0 for k in runs}
+    accepted: dict = {k: [] for k in runs}
+    for r in range(repeats):
+        for p, (_, ids) in enumerate(prompts):
+            order = list(runs)
+            rng.shuffle(order)
+            s = seed + 1000 * r + p  # one seed per (prompt, repeat), shared by every contender
+            for name in order:
+                t0 = time.perf_counter()
+                toks, acc = runs[name](ids, s)
+                dt = time.perf_counter() - t0
+                rates[name][p].append(len(toks) / dt)
+                tokens[name] += len(toks)
+                seconds[name] += dt
+                if acc is not None:
+                    accepted[name].extend(acc)
+            if progress:
+                print(f"  repeat {r + 1}/{repeats}, prompt {p + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+    return {k: {"rates": [statistics.median(x) for x in rates[k]], "tokens": tokens[k], "seconds": seconds[k],
+                "accepted": accepted[k]} for k in runs}
+
+
+def warper_costs(model, prompts, s: Sampling, rows: int = 64, repeats: int = 5) -> dict:
+    """Per sampled token, the bookkeeping around the forward: transformers' warpers (temperature,
+    top-k, top-p: a sort of the vocabulary) and torch.multinomial, against decoder.verify's
+    probabilities (the top-p cut among the top tokens) and its inverse-CDF draw; median seconds per
+    row over `rows` real logits rows, interleaved, after a warm-up."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from decoder.verify import draw, probabilities
+
+    ids = prompts[0][1]
+    logits = model(ids[None]).logits[0, -rows:].float()  # [rows, V] the model's own distributions
+    warpers = LogitsProcessorList(
+        ([TemperatureLogitsWarper(s.temperature)] if s.temperature != 1.0 else [])
+        + ([TopKLogitsWarper(s.top_k)] if s.top_k else []) + ([TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []))
+    gen = torch.Generator().manual_seed(0)
+
+    def theirs(row):
+        x = warpers(None, row[None])
+        return int(torch.multinomial(x.softmax(-1), 1))
+
+    def ours(row):
+        return draw(probabilities(row, s), gen)
+
+    times: dict = {"transformers warpers + multinomial": [], "decoder.verify probabilities + draw": []}
+    fns = dict(zip(times, (theirs, ours)))
+    for fn in fns.values():
+        fn(logits[0])
+    for _ in range(repeats):
+        for name in random.sample(list(fns), len(fns)):
+            t0 = time.perf_counter()
+            for row in logits:
+                fns[name](row)
+            times[name].append((time.perf_counter() - t0) / rows)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def summarise(prompts, got: dict) -> dict:
+    base = got["generate"]["rates"]
+    out = {}
+    for name, g in got.items():
+        ups = [r / b for r, b in zip(g["rates"], base)]
+        kinds: dict = {}
+        for (kind, _), u in zip(prompts, ups):
+            kinds.setdefault(kind, []).append(u)
+        acc = g["accepted"]
+        out[name] = {"tokens_per_s": g["tokens"] / g["seconds"], "tokens": g["tokens"], "seconds": g["seconds"],
+                     "speedup_vs_generate": _geo(ups), "min_speedup": min(ups), "max_speedup": max(ups),
+                     "per_prompt_speedup": ups, "by_kind": {k: _geo(v) for k, v in kinds.items()},
+                     "mean_accepted": statistics.fmean(acc) if acc else None, "steps": len(acc) or None}
+    return out
+
+
+def _geo(xs) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [(f"# Sampled decoding against transformers' generate(do_sample=True) ({doc['model']}, {m['cpu']}, "
+              f"{m['cores']} cores, torch {m['torch']}, {m['torch_threads']} threads)"), "",
+             (f"{len(doc['prompts'])} benchmark prompts no tuning step reads ({', '.join(doc['kinds'])}), "
+              f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats per prompt, one seed "
+              "per (prompt, repeat) shared by every contender. Plans: greedy-tuned "
+              f"`{doc['greedy_plan']}`; sampling-tuned per setting below. `{doc.get('command', '')}`"), ""]
+    for block in doc["settings"].values():
+        costs = "; ".join(f"{k} {v * 1e3:.2f} ms" for k, v in block["per_token_warp_and_draw_s"].items())
+        lines += [f"## {block['label']} (load {block['load_avg_1m']} -> {block['load_avg_1m_after']})", "",
+                  (f"sampling-tuned plan: `{block['sampled_plan']}` ({block['sampled_plan_label']}); greedy-tuned "
+                   f"plan: {block['greedy_plan_label']}. Warping and drawing one token: {costs}."), "",
+                  "| contender | tokens/s | speedup vs generate (geo-mean) | min | max | "
+                  + " | ".join(doc["kinds"]) + " | accepted per step |",
+                  "|---|---|---|---|---|" + "---|" * len(doc["kinds"]) + "---|"]
+        for name, r in block["results"].items():
+            acc = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
+            lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['min_speedup']:.2f} | "
+                         f"{r['max_speedup']:.2f} | " + " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}x"
+                                                                  for k in doc["kinds"]) + f" | {acc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--greedy-plan", default=str(GREEDY_RUN / "chosen.json"), help="the plan autotune chose greedily")
+    p.add_argument("--sampled-plan", action="append", default=None, metavar="SETTING=FILE",
+                   help=f"the plan tuned for SETTING ({', '.join(SETTINGS)}); default: the committed runs'")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="which settings to run, comma-separated")
+    p.add_argument("--profile", default=None, help="matmul paths for this project's loops (default: the profile the "
+                                                   "first sampling-tuned plan was made with)")
+    p.add_argument("--chat-prompts", type=int, default=6)
+    p.add_argument("--repeat-prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="the toy model, 1 + 1 prompts, 8 tokens, 1 repeat, plain plans")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling"), help="writes OUT.json and OUT.md")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        return _run(a)
+    except UserError as e:
+        print(f"bench_sampling: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plans(a, loaded) -> tuple[dict, dict]:
+    """(greedy plan, {setting: sampled plan}) as (path, (tree, guesser)) pairs."""
+    sampled = {k: str(v / "chosen.json") for k, v in SAMPLED_RUNS.items()}
+    for spec in a.sampled_plan or []:
+        key, sep, path = spec.partition("=")
+        if not sep or key not in SETTINGS:
+            raise UserError(f"--sampled-plan {spec}: expected SETTING=FILE with SETTING one of {', '.join(SETTINGS)}")
+        sampled[key] = path
+    for path in [a.greedy_plan] + [sampled[k] for k in a.settings]:
+        if not Path(path).is_file():
+            raise UserError(f"{path}: no such plan (run planner autotune, or give --greedy-plan / --sampled-plan)")
+    return (a.greedy_plan, load_plan(a.greedy_plan, loaded)), {k: (sampled[k], load_plan(sampled[k], loaded)) for k in a.settings}
+
+
+def _smoke_plans(loaded):
+    """The toy model: a lookup chain as the greedy plan, plain decoding as the sampled one (seconds, no runs)."""
+    from decoder.lookup import PromptLookupGuesser
+    from planner.tree import MEDUSA, Tree, TreeState
+
+    chain = Tree(MEDUSA, [TreeState(0, [(0,), (0, 0)], 1.0, 3)], 1.0, settings={"guesser": "lookup"})
+    plain = Tree(MEDUSA, [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "plain"})
+    return ("lookup chain", (chain, PromptLookupGuesser(2))), {k: ("plain", (plain, None)) for k in SETTINGS}
+
+
+def _profile_of(plan_path: str) -> str | None:
+    """The profile a plan was made with (its provenance, else its run folder's profile.json)."""
+    from planner.tree import load_tree
+
+    if not Path(plan_path).is_file():
+        return None
+    rec = load_tree(plan_path).provenance.get("profile")
+    for cand in ([rec] if isinstance(rec, str) else []) + [str(Path(plan_path).parent / "profile.json")]:
+        if Path(cand).is_file():
+            return cand
+    return None
+
+
+def _label(tree, guesser) -> str:
+    if guesser is None:
+        return "plain decoding"
+    return f"{tree.settings.get('guesser')} {tree.method}"
+
+
+def _run(a) -> int:
+    from transformers import AutoTokenizer
+
+    from planner.jsonio import atomic_write_json
+    from profiler.models import load_model
+
+    a.settings = [s.strip() for s in a.settings.split(",") if s.strip()]
+    if not a.settings or any(s not in SETTINGS for s in a.settings):
+        raise UserError(f"--settings: expected a comma-separated subset of {', '.join(SETTINGS)}")
+    if a.smoke:
+        a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats = "builtin", 1, 1, 8, 1
+    if not (1 <= a.max_new_tokens <= 2048 and 1 <= a.repeats <= 50 and 0 <= a.chat_prompts <= 24
+            and 0 <= a.repeat_prompts <= 64 and a.chat_prompts + a.repeat_prompts >= 1):
+        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts 0..24, --repeat-prompts 0..64 (one at least)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    loaded = load_model(a.model, device="cpu")
+    model = loaded.model
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    if getattr(tok, "chat_template", None) is None:  # the toy model: its own "USER: ... ASSISTANT:" format
+        tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    greedy, sampled = _smoke_plans(loaded) if a.smoke else _plans(a, loaded)
+    profile = a.profile or next(filter(None, (_profile_of(p) for p, _ in list(sampled.values()) + [greedy])), None)
+    if profile:
+        from decoder.cpu_paths import use_profile_paths
+
+        use_profile_paths(model, profile)
+    eos = model.generation_config.eos_token_id
+    doc = {"model": loaded.name, "greedy_plan": greedy[0], "profile": profile, "machine": machine(),
+           "command": "python3 bench/bench_sampling.py " + " ".join(sys.argv[1:]),
+           "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "seed": a.seed, "settings": {}}
+    with torch.inference_mode():
+        prompts = build_prompts(model, tok, a.chat_prompts, a.repeat_prompts, 16 if a.smoke else 64)
+        for key in a.settings:
+            s = SETTINGS[key]
+            load0 = round(os.getloadavg()[0], 2)
+            plans = {"greedy-tuned plan": greedy[1], "sampling-tuned": sampled[key][1]}
+            got = measure(contenders(model, plans, s, a.max_new_tokens, eos), prompts, a.repeats, a.seed,
+                          not a.no_progress)
+            costs = warper_costs(model, prompts, s)
+            doc["settings"][key] = {"label": describe(record(s)), "sampling": record(s), "sampled_plan": sampled[key][0],
+                                    "per_token_warp_and_draw_s": costs,
+                                    "sampled_plan_label": _label(*sampled[key][1]),
+                                    "greedy_plan_label": _label(*greedy[1]), "load_avg_1m": load0,
+                                    "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                                    "results": summarise(prompts, got)}
+    doc["kinds"] = sorted({k for k, _ in prompts})
+    doc["prompts"] = [{"kind": k, "length": int(i.numel())} for k, i in prompts]
+    out = Path(a.out)
+    atomic_write_json(out.with_suffix(".json"), doc)
+    out.with_suffix(".md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

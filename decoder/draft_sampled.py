@@ -1,0 +1,138 @@
+"""A draft LM's per-step tree under lossless sampling: children drawn only where they are kept.
+
+Under sampling a node's children are draws from the drafter's warped q without replacement, and the
+sibling procedure (decoder.verify.verify_sampled) stays exact only while how many children a node
+has never depends on those children's own draws (docs/sampling.md). So nothing drawn is dropped:
+level by level, the session's marginal rule (expected tokens per second against the measured step
+cost) decides how many children each fed node gets from what is known before they are drawn (the
+node's path probability and the corrected rank-level acceptance c(d, r) the sampled acceptance rows
+give), they are drawn, and they all stay. A level pass of the drafter is paid only when its best
+next child pays for it.
+
+In a hybrid (lookup+draft) the deterministic source's candidates are chosen first (planner.dynamic
+.choose over what it put in the pool); at a node where one of them stays, the draft's children are
+drawn from q without its token, and that q is the one verification checks them with, so a point-mass
+sibling and sampled siblings share the node losslessly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decoder.draft import EXPAND, DraftSource
+from decoder.pool import Decider, Pool
+from decoder.verify import draw_children, probabilities
+from planner.dynamic import choose
+
+
+@dataclass
+class _Kept:
+    """The nodes this step keeps, with the step's expected tokens and cost so far."""
+
+    nodes: list[int]
+    tau: float
+    sunk_s: float
+    cost_n: np.ndarray
+    pending: int = 0  # slots chosen at this level, not drawn yet
+
+    @property
+    def cost(self) -> float:
+        return self.sunk_s + float(self.cost_n[len(self.nodes) + self.pending])
+
+    def pays(self, gain: float, more: int = 1, pass_s: float = 0.0) -> bool:
+        """Whether `more` candidates adding `gain` expected tokens (and a drafter pass) raise tokens per second."""
+        n = len(self.nodes) + self.pending + more
+        if gain <= 0 or n >= len(self.cost_n):
+            return False
+        return (self.tau + gain) / (self.sunk_s + pass_s + float(self.cost_n[n])) > self.tau / self.cost
+
+
+class SampledDraftSource(DraftSource):
+    """DraftSource under lossless sampling (DraftModelGuesser.dynamic_source picks it)."""
+
+    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        gm = self.model
+        if pool.tokens:  # a hybrid's deterministic candidates: the ones that pay stay, chosen before any draw
+            ch = choose(pool.probabilities(), session.cost_n, pool.sunk_s, len(session.cost_n) - 1)
+            kept = _Kept(list(ch.chosen), ch.expected_tokens, pool.sunk_s, session.cost_n)
+        else:
+            kept = _Kept([], 1.0, pool.sunk_s, session.cost_n)
+        probs = pool.probabilities() if pool.tokens else np.zeros(0)
+        P = {-1: 1.0} | {i: float(probs[i]) for i in kept.nodes}  # path probability of every kept node
+        pool.fixed = sorted(kept.nodes)
+        if not kept.pays(self._c(session, 1, 0), 1, gm.draft_s):
+            self.drafter.skip(int(root[0]))
+            return
+        t0 = time.perf_counter()
+        logits = {-1: self.drafter.first_pass(root)}  # fed node -> the drafter's logits after it
+        kept.sunk_s += gm.draft_s
+        for d in range(1, self.spec.max_depth + 1):
+            self._level(pool, kept, P, logits, d, session)
+            # the next level: the best nodes at depth d whose parent was fed, if their best child pays a pass
+            nxt = sorted((u for u in kept.nodes if pool.depth[u] == d and pool.parent[u] in logits),
+                         key=lambda u: -P[u])[:EXPAND]
+            if d == self.spec.max_depth or not nxt or not kept.pays(P[nxt[0]] * self._c(session, d + 1, 0), 1, gm.draft_s):
+                break
+            logits.update(zip(nxt, self._level_pass(pool, nxt)))
+            kept.sunk_s += gm.draft_s
+        pool.fixed = sorted(kept.nodes)
+        pool.sunk_s = kept.sunk_s
+        pool.passes_s += time.perf_counter() - t0  # drafting (passes and draws), not the decision's own time
+
+    def _level(self, pool: Pool, kept: _Kept, P: dict, logits: dict, d: int, session: Decider) -> None:
+        """Children at depth d of the fed nodes at depth d - 1: slots best-first while each pays, then
+        drawn per node from q without the node's kept deterministic children."""
+        fed = [u for u in logits if (u == -1 and d == 1) or (u >= 0 and pool.depth[u] == d - 1)]
+        q, taken, support = {}, {}, {}
+        for u in fed:
+            qu = probabilities(logits[u], self.ctx.sampling).double().cpu()
+            for i in kept.nodes:  # lookup's guesses at u that stay: never drawn, verified as point masses
+                if pool.parent[i] == u:
+                    qu[pool.tokens[i]] = 0.0
+            total = float(qu.sum())
+            if total > 0:
+                q[u] = qu / total
+                taken[u] = 0
+                support[u] = int((qu > 0).sum())
+        width = min(self.width, len(self.model.prior[0]))
+        while True:  # the best next slot over the fed nodes; c is non-increasing in rank, so ranks stay contiguous
+            best, value = None, 0.0
+            for u in q:
+                r = taken[u]
+                if r < width and r < support[u]:
+                    v = P[u] * self._c(session, d, r)
+                    if v > value:
+                        best, value = u, v
+            if best is None or not kept.pays(value):
+                break
+            taken[best] += 1
+            kept.tau += value
+            kept.pending += 1
+        kept.pending = 0
+        for u, k in taken.items():
+            if not k:
+                continue
+            toks = draw_children(q[u], k, self.ctx.generator)  # the first k draws without replacement, in order
+            pool.q[u] = q[u].to(device=self.ctx.device, dtype=torch.float32)
+            for r, x in enumerate(toks):
+                c = self._c(session, d, r)
+                cell = int(self.model.cells(np.array([d]), np.array([r]), np.zeros(1, dtype=np.int64))[0])
+                i = pool.add(int(x), u, c, (self.kind, cell, 0), r, merge=False)
+                pool.sampled.add(i)
+                kept.nodes.append(i)
+                P[i] = P[u] * c
+
+    def _c(self, session: Decider, d: int, r: int) -> float:
+        """c(d, r) before the draw: the corrected rank-0 acceptance at distance d, and the sampled
+        acceptance rows' rank ratio for later siblings (non-increasing in r)."""
+        prior = self.model.prior
+        row = prior[min(d, prior.shape[0]) - 1]
+        top = session.top1(self.kind, d)
+        if r == 0:
+            return top
+        if r >= len(row):
+            return 0.0
+        return float(min(top, top * row[r] / row[0])) if row[0] > 0 else float(row[r])

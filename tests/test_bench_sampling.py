@@ -1,0 +1,38 @@
+"""The sampling benchmarks run end to end on the toy model (--smoke), so they work when the lead
+re-runs them: every contender decodes every prompt under both settings, and the files say what ran."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_sampling_smoke(tmp_path):
+    out = tmp_path / "sampling"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_sampling.py"), "--smoke", "--no-progress",
+                        "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert set(doc["settings"]) == {"t0.7-p0.9", "t1.0-k50"}
+    for block in doc["settings"].values():
+        res = block["results"]
+        assert set(res) == {"generate", "plain loop", "greedy-tuned plan", "sampling-tuned"}
+        assert all(x["tokens_per_s"] > 0 and len(x["per_prompt_speedup"]) == 2 for x in res.values())
+        assert res["generate"]["speedup_vs_generate"] == 1.0 and res["generate"]["mean_accepted"] is None
+        assert res["greedy-tuned plan"]["mean_accepted"] is not None  # a lookup chain: steps counted
+        assert set(block["per_token_warp_and_draw_s"]) == {"transformers warpers + multinomial",
+                                                           "decoder.verify probabilities + draw"}
+    assert "| sampling-tuned |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_draft_q_smoke(tmp_path):
+    out = tmp_path / "draft_q"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_draft_q.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    for block in doc["settings"].values():
+        res = block["results"]
+        assert set(res) == {"warped q", "tempered softmax q", "deterministic top-k guesses"}
+        assert all(0 <= x["first_child"] <= 1 and 0 <= x["any_of_4"] <= 1 + 1e-9 for x in res.values())
