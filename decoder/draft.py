@@ -23,24 +23,20 @@ drafts a shape chosen before any draw.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from decoder.cache import compact_cache
+from decoder.draft_cache import DraftCache
+from decoder.draft_source import DraftSource, SampledDraftSource
 from decoder.engine import vocab_size
-from decoder.forward import kv, prefill, tree_depths
+from decoder.forward import tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.pool import POOL_WIDTH, Decider, Pool, Source
 from decoder.verify import Sampling, draw_children, probabilities
-from planner.dynamic import DynamicSpec, GuesserModel, q_bins
+from planner.dynamic import DynamicSpec, GuesserModel
 from planner.errors import UserError
 from planner.tree import Tree
-
-EXPAND = 4  # nodes of a level the dynamic source expands (EAGLE-2's expansion)
 
 
 def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
@@ -157,93 +153,16 @@ class DraftModelGuesser:
     def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
                        ctx: DecodeContext, sampled: bool) -> "DraftSource":
         self._check_vocab(target)
-        if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/draft_sampled.py)
-            from decoder.draft_sampled import SampledDraftSource
-
+        if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/draft_source.py)
             gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
-            return SampledDraftSource(gm, self, spec, prompt_ids, ctx, sampled)
-        return DraftSource(gm, self, spec, prompt_ids, ctx, sampled)
+            return SampledDraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
+        return DraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
 
     def _check_vocab(self, target) -> None:
         vocab = vocab_size(target)
         if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
             raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
                             f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
-
-
-class DraftCache:
-    """The drafter's KV cache over the accepted text, fed one tree level per pass; the one drafting
-    mechanic behind static trees (`DraftSession`) and per-step pools (`DraftSource`).
-
-    Between steps the cache equals a prefill of the accepted text but the tokens in `unseen` and the
-    root. A step: `first_pass` feeds the unseen tokens and the root; `level_pass` feeds nodes of one
-    level, each seeing the context and its fed ancestors (a tree mask); `keep_accepted` keeps the
-    accepted nodes it fed (KV compaction, as the target's) and queues the rest as unseen. Nodes are
-    the caller's ids (tree indices, pool indices) with their parents; the root is never one of them."""
-
-    def __init__(self, draft_model, prompt_ids: torch.Tensor):
-        self.model = draft_model
-        ids = prompt_ids.reshape(-1)
-        self.cache = prefill(draft_model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(draft_model)
-        self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
-        self.slots: dict[int, int] = {}  # fed node -> its row in the drafter's cache, this step
-        self.base = 0  # cache length after the step's first pass (context + unseen + root)
-        self.passed = False  # this step's first pass ran
-
-    def skip(self, root: int) -> None:
-        """No pass this step: the root waits with the unseen tokens."""
-        self.unseen.append(root)
-
-    def first_pass(self, root: torch.Tensor) -> torch.Tensor:
-        """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
-        C = self.cache.get_seq_length()
-        ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
-        ids = torch.cat([ids, root])[None]  # [1, m]
-        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
-        self.unseen = []
-        self.base = self.cache.get_seq_length()
-        self.slots = {}
-        self.passed = True
-        return out.logits[0, -1]
-
-    def level_pass(self, fed: list[int], parent, tokens: torch.Tensor, depth: list[int]) -> torch.Tensor:
-        """One pass over the nodes `fed` of one level (tokens [len(fed)], depth beyond the root each),
-        each seeing the context and its fed ancestors (parent[u]: u's parent id) -> logits [len(fed), V]."""
-        L = self.cache.get_seq_length()
-        dev = tokens.device
-        visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
-        visible[:, : self.base] = True  # context, unseen tokens and the root
-        for i, u in enumerate(fed):
-            a = parent[u]
-            while a in self.slots:  # a fed node's ancestors were all fed (each had a child)
-                visible[i, self.slots[a]] = True
-                a = parent[a]
-            visible[i, L + i] = True
-        dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        pos = torch.tensor([[self.base - 1 + d for d in depth]], device=dev)
-        out = self.model(input_ids=tokens[None], position_ids=pos, attention_mask=mask[None, None].to(dev),
-                         **kv(self.cache), use_cache=True)
-        for i, u in enumerate(fed):
-            self.slots[u] = L + i
-        return out.logits[0]
-
-    def keep_accepted(self, accepted: list[int], emitted: list[int]) -> None:
-        """accepted: the path's nodes (root excluded), emitted: their tokens and the new root. Keep the
-        accepted nodes fed this step (a prefix of the path); the rest wait as unseen."""
-        if not self.passed:
-            self.unseen.extend(emitted[:-1])
-            return
-        fed = []
-        for u in accepted:
-            if u not in self.slots:
-                break
-            fed.append(u)
-        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
-        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
-        self.unseen = list(emitted[len(fed):-1])
-        self.passed = False
 
 
 class DraftSession(DraftCache):
@@ -286,86 +205,6 @@ class DraftSession(DraftCache):
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
         self.keep_accepted(outcome.verdict.nodes[1:], outcome.verdict.emitted)
-
-
-# ---------------------------------------------------------------------------------------------- per-step pools (dynamic plans)
-
-
-class DraftSource(Source):
-    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`: each level
-    expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a level
-    would not pay. Under lossless sampling decoder/draft_sampled.py's subclass drafts instead."""
-
-    kind = "draft"
-
-    def __init__(self, gm: GuesserModel, g: DraftModelGuesser, spec: DynamicSpec, prompt_ids: torch.Tensor,
-                 ctx: DecodeContext, sampled: bool):
-        super().__init__(gm)
-        self.drafter = DraftCache(g.draft_model, prompt_ids)
-        self.ctx, self.sampled, self.spec = ctx, sampled, spec
-        self.width = min(POOL_WIDTH, g.top_k)
-
-    def _level_pass(self, pool: Pool, fed: list[int]) -> torch.Tensor:
-        """The drafter's pass over pool nodes `fed` (one level) -> logits [len(fed), V]."""
-        tokens = torch.tensor([pool.tokens[u] for u in fed], device=self.ctx.device)
-        return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
-
-    def _children(self, logits: torch.Tensor, k: int):
-        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row (greedy; the
-        sampled subclass draws instead)."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = probs.topk(k, dim=-1)
-        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
-        return both[1].astype(np.int64), both[0], None
-
-    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
-        gm = self.model
-        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
-            self.drafter.skip(int(root[0]))
-            return
-        t0 = time.perf_counter()
-        logits = self.drafter.first_pass(root)[None]
-        frontier = [-1]
-        for d in range(1, self.spec.max_depth + 1):
-            toks, q, _ = self._children(logits, self.width)
-            pool.passes_s += time.perf_counter() - t0
-            pool.sunk_s += gm.draft_s
-            depth = np.full(q.size, d)
-            rank = np.tile(np.arange(self.width), len(frontier))
-            bins = q_bins(q.reshape(-1))
-            cells = gm.cells(depth, rank, bins)
-            c = session.c_of(self.kind, cells).tolist()
-            new = []
-            for j, u in enumerate(frontier):
-                for r in range(self.width):
-                    k = j * self.width + r
-                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k]), int(bins[k])), r))
-            if d == self.spec.max_depth:
-                break
-            P = pool.probabilities()
-            frontier = sorted(new, key=lambda i: -P[i])[:EXPAND]
-            est = float(P[frontier[0]]) * session.top1(self.kind, d + 1)
-            if not session.worth_level(pool, est, gm.draft_s):
-                break
-            t0 = time.perf_counter()
-            logits = self._level_pass(pool, frontier)
-
-    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
-        """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""
-        self.drafter.keep_accepted(accepted, outcome.verdict.emitted)
-
-
-def _empty_cache(draft_model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=draft_model.config)
-
-
-def _cache_device(cache):
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.numel():
-            return layer.keys.device
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------- a draft LM on the target's embedding

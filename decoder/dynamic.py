@@ -22,7 +22,7 @@ Sampled drafts (lossless sampling with a draft LM): a node's number of children 
 those children's own draws (the sibling procedure would then see a biased draw and lose exactness:
 tests/test_dynamic_sampling.py shows such a rule failing the chi-square test). So at temperature > 0 the
 draft LM draws, level by level, only children it keeps, counted from rank-level acceptance (the
-sampled acceptance rows, corrected online) before they are drawn (decoder/draft_sampled.py); in a
+sampled acceptance rows, corrected online) before they are drawn (decoder/draft_source.py); in a
 hybrid, lookup's guesses are chosen first and the draft's children at their node are drawn without
 their token, each sibling verified with its own proposal.
 

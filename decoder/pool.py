@@ -8,7 +8,7 @@ Guessers whose guess at distance d does not depend on the path (ParallelSpec, PP
 Cartesian pool, built best-first by `cartesian`.
 
 The sources live beside their guessers' own drafting code: `LookupSource` in decoder/lookup.py,
-`DraftSource` in decoder/draft.py, `ParallelSource` in decoder/parallel.py, `PPDSource` in
+`DraftSource` in decoder/draft_source.py, `ParallelSource` in decoder/parallel.py, `PPDSource` in
 decoder/prompt_tokens.py; each guesser's `dynamic_source(...)` opens one.
 """
 from __future__ import annotations

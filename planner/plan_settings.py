@@ -19,6 +19,8 @@ from pathlib import Path
 
 from planner.errors import UserError
 
+ENGINES = ("hf", "llama.cpp")  # target engines a plan can name (decoder/engine.py); absent: hf
+
 MAX_PAD = 4096
 
 
@@ -125,8 +127,6 @@ def _raced_with(obj, label: str) -> RacedWith | None:
     if not isinstance(obj, dict):
         raise UserError(f"{label}: field 'settings.raced_with' must be an object")
     engine = obj.get("engine", "hf")
-    from planner.tree import ENGINES
-
     if engine not in ENGINES:
         raise UserError(f"{label}: field 'settings.raced_with.engine' is {engine!r}, expected one of {', '.join(ENGINES)}")
     threads = obj.get("threads")

@@ -21,6 +21,7 @@ from typing import Any
 
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json, read_json
+from planner.plan_settings import ENGINES, plan_settings
 
 FORMAT = "tree-planner/tree"
 VERSION = 1
@@ -29,7 +30,6 @@ METHODS = (MEDUSA, SEQUOIA, PPD)  # static trees (what tune and the searches pla
 DYNAMIC = "dynamic"  # a tree chosen at every step (planner/dynamic.py); states[0] holds the prior's tree
 CHAIN = "chain"  # a medusa tree of rank-0 guesses only: speculative decoding's draft (autotune's method name)
 FILE_METHODS = METHODS + (DYNAMIC,)
-ENGINES = ("hf", "llama.cpp")  # target engines a plan can name (decoder/engine.py); absent: hf
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "trees" / "schema.json"
 
 Path_ = tuple[int, ...]
@@ -265,8 +265,6 @@ def tree_from_json(data, label: str = "tree") -> Tree:
         engine=engine,
     )
     validate_tree(tree, label)
-    from planner.plan_settings import plan_settings
-
     plan_settings(tree.settings, label)  # the runtime fields the decoder reads: checked on load
     return tree
 

@@ -7,7 +7,7 @@ import torch
 from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import tiny_model
 
-import decoder.draft_sampled as draft_sampled
+import decoder.draft_source as draft_sampled
 from decoder import generate
 from decoder.draft import DraftModelGuesser
 from planner.accept import from_entry

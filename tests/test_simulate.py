@@ -322,7 +322,7 @@ def test_gpu_plans_bigger_trees_than_this_cpu_and_smaller_at_large_batches(tmp_p
     (["--simulate", "a10g", "--model", "vicuna-13b"], "more than a10g's 24 GiB allows"),
     (["--simulate", "h100-sxm", "--model", "vicuna-7b", "--context-length", "2000"], "beyond vicuna-7b's max_position_embeddings"),
     (["--simulate", "h100-sxm", "--device", "cuda"], "--device: not with --simulate"),
-    (["--engine", "eager"], "--engine: only with --simulate"),
+    (["--engine", "eager"], "--engine eager: only with --simulate"),
 ])
 def test_bad_simulate_input_is_one_line(tmp_path, capsys, argv, message):
     out = tmp_path / "x.json"

@@ -14,9 +14,9 @@ from workflows.inputs import (
     add_model_arguments,
     encode,
     load_everything,
-    read_prompts,
 )
 from workflows.llama_target import add_engine_argument
+from workflows.run_records import merge_accuracy, prompt_texts
 from workflows.sampling import add_sampling_arguments, sampling_from_args
 
 
@@ -42,18 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sampled with --temperature, each guess scored with p(x)); stored under 'calibration' with a "
                         "cross-fitted reliability table")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
-
-
-def prompt_texts(args) -> list[str]:
-    """--prompts (or the MT-bench default), the held-out questions only with --held-out."""
-    if not getattr(args, "held_out", False):
-        return read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
-    from workflows.inputs import held_out_questions
-
-    texts = held_out_questions(str(args.prompts or DEFAULT_PROMPTS))
-    if not texts:
-        raise UserError(f"--held-out: {args.prompts or DEFAULT_PROMPTS} has no held-out question (question_id % 5 == 0)")
-    return texts[: args.num_prompts] if args.num_prompts else texts
 
 
 def _sampled(args, s) -> int:
@@ -145,7 +133,7 @@ def run(args) -> int:
         print(f"planner accept: interrupted after {len(done)} prompts; writing what is measured", file=sys.stderr)
     if not done:
         raise UserError("no prompt finished; nothing written")
-    acc = _merge(parts)
+    acc = merge_accuracy(parts)
     acc.update({"prompts": len(done), "model": loaded.name, "config_hash": loaded.config_hash,
                 "source": f"planner accept: {loaded.name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} greedy tokens each", "wall_s": time.time() - t0})
@@ -168,20 +156,3 @@ def run(args) -> int:
         atomic_write_json(args.transitions_output, doc)
         print(f"state visits {t.visits.tolist()}; wrote {args.transitions_output}")
     return 0 if len(done) == len(prompts) else 130
-
-
-def _merge(parts: list[dict]) -> dict:
-    import statistics
-
-    import numpy as np
-
-    counts = sum(np.array(p["counts"]) for p in parts)
-    totals = sum(np.array(p["totals"]) for p in parts)
-    if totals[0] == 0:
-        raise UserError("too few positions decoded to measure distance 1; raise --max-new-tokens")
-    out = dict(parts[0])
-    out.update({"accuracy": np.divide(counts, totals[:, None], out=np.zeros(counts.shape), where=totals[:, None] > 0).tolist(), "counts": counts.tolist(), "totals": totals.tolist(),
-                "positions": sum(p["positions"] for p in parts)})
-    if "draft_s" in out["guesser"]:  # the drafter's pass time: the median over prompts
-        out["guesser"] = dict(out["guesser"], draft_s=statistics.median(p["guesser"]["draft_s"] for p in parts))
-    return out

@@ -21,6 +21,7 @@ from workflows.inputs import (
     read_prompts,
 )
 from workflows.llama_target import add_engine_argument
+from workflows.run_records import dynamic_summary, format_summary, guesser_record, summarize_runs
 from workflows.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 
 # ------------------------------------------------------------------ planner decode
@@ -198,7 +199,7 @@ def run(args) -> int:
                 results.append(_row(args, model, tokenizer, text, ids, out, plain, len(batch)))
     except KeyboardInterrupt:
         interrupted = True  # keep what is done; report and write it
-    summary = _summary(results, args.compare_plain)
+    summary = summarize_runs(results, args.compare_plain)
     if tree is not None and tree.dynamic is not None:
         summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
     if args.pearl:
@@ -228,7 +229,7 @@ def run(args) -> int:
     if args.pearl:
         doc["method"] = "pearl"
         doc["pearl"] = {"gamma": args.gamma, "concurrent": not args.pearl_serial}
-    print(_format(summary, doc["method"]))
+    print(format_summary(summary, doc["method"]))
     if not doc["settings"]["distribution_exact"]:
         print(f"{doc['method']}: NOT distribution-exact: the output does not follow the target's sampling distribution")
     if args.output:
@@ -394,61 +395,3 @@ def step_lengths(guesser, tree, w) -> dict:
                 "planned": {str(s): b.planned_input_length for s, b in layouts.states.items()}}
     n = 1 + (len(tree.states[0].nodes) if tree is not None else getattr(guesser, "num_distances", 4))
     return {"real": {"0": n}, "planned": {"0": n}}
-
-
-def guesser_record(spec: str, guesser) -> dict:
-    kind, _ = parse_guesser(spec)
-    k = guesser_kind(kind)
-    rec = {"kind": kind, "dir": getattr(guesser, "source_dir", None), "top_k": getattr(guesser, "top_k", None)}
-    if k.hybrid:  # lookup and the drafter
-        return {"kind": kind, "dir": getattr(guesser, "source_dir", None)}
-    if k.needs_embeddings:  # prompt tokens
-        rec.update(P=guesser.num_prompt_tokens, E=guesser.ensemble, random=guesser.source_dir is None)
-    if k.needs_hidden:  # the ParallelSpec drafter, in one of its modes
-        rec.update(num_masks=guesser.num_masks, mode=guesser.mode)
-    return rec
-
-
-def dynamic_summary(reports: list[dict | None], results: list[dict]) -> dict:
-    """Sizes chosen per step, the share of plain steps, the decision's cost against the forward."""
-    import statistics
-
-    sizes = [s for r in reports if r for s in r["sizes"]]
-    decide = sum(r["decide_s_mean"] * len(r["sizes"]) for r in reports if r)
-    forward = sum(sum(x["stats"]["times"]["forward"]) for x in results)
-    return {"dynamic_sizes_mean": statistics.fmean(sizes) if sizes else 0.0,
-            "dynamic_plain_steps": sum(s == 0 for s in sizes) / len(sizes) if sizes else 0.0,
-            "dynamic_decide_s": decide, "dynamic_decide_vs_forward": decide / forward if forward > 0 else None}
-
-
-def _summary(results: list[dict], plain: bool) -> dict:
-    tokens = sum(len(r["tokens"]) for r in results)
-    steps = sum(r["steps"] for r in results)
-    seconds = sum(r["wall_share_s"] for r in results)
-    s = {"prompts": len(results), "tokens": tokens, "steps": steps,
-         "tokens_per_step": tokens / steps if steps else 0.0,
-         "tokens_per_s": tokens / seconds if seconds > 0 else None}
-    if plain and results:
-        p_tokens = sum(len(r["plain"]["tokens"]) for r in results)
-        p_seconds = sum(r["plain"]["wall_share_s"] for r in results)
-        s["plain_tokens_per_s"] = p_tokens / p_seconds if p_seconds > 0 else None
-        s["speedup"] = (s["tokens_per_s"] / s["plain_tokens_per_s"]) if s["tokens_per_s"] and s["plain_tokens_per_s"] else None
-        s["identical_to_plain"] = all(r["identical_to_plain"] for r in results)
-        from profiler.compare import summarize
-
-        s.update(summarize([r["comparison"]["status"] for r in results]))  # near ties (bf16 rounding) apart from mismatches
-    return s
-
-
-def _format(s: dict, method: str) -> str:
-    line = (f"{method}: {s['prompts']} prompts, {s['tokens']} tokens in {s['steps']} steps "
-            f"({s['tokens_per_step']:.2f} tokens/step")
-    if s.get("tokens_per_s"):
-        line += f", {s['tokens_per_s']:.1f} tokens/s"
-    if s.get("speedup"):
-        line += f"; plain {s['plain_tokens_per_s']:.1f} tokens/s, speedup {s['speedup']:.2f}x, identical: {s['identical_to_plain']}"
-    if s.get("perplexity") is not None:
-        line += f"; perplexity {s['perplexity']:.2f}"
-        if s.get("plain_perplexity") is not None:
-            line += f" (plain {s['plain_perplexity']:.2f})"
-    return line + ")"

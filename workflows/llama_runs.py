@@ -68,8 +68,8 @@ def decode_llama(args, tree) -> int:
     from decoder.guesser import PlainGuesser
     from decoder.loop import generate
     from planner.jsonio import atomic_write_json, writable_target
-    from workflows.cmd_decode import _format, _summary, dynamic_summary, guesser_record
     from workflows.inputs import DEFAULT_PROMPTS, encode_prompts, read_prompts
+    from workflows.run_records import dynamic_summary, format_summary, guesser_record, summarize_runs
 
     _refuse_hf_options(args)
     if args.output:
@@ -104,7 +104,7 @@ def decode_llama(args, tree) -> int:
             results.append(row)
     except KeyboardInterrupt:
         interrupted = True
-    summary = _summary(results, args.compare_plain)
+    summary = summarize_runs(results, args.compare_plain)
     if tree is not None and tree.dynamic is not None:
         summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
     doc = {"engine": "llama.cpp", "model": target.name, "model_file": str(target.gguf), "device": "cpu",
@@ -113,7 +113,7 @@ def decode_llama(args, tree) -> int:
            "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                         "max_new_tokens": args.max_new_tokens, "seed": args.seed, "threads": target.engine.threads},
            "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start}
-    print(_format(summary, f"llama.cpp {doc['method']}"))
+    print(format_summary(summary, f"llama.cpp {doc['method']}"))
     if args.output:
         atomic_write_json(args.output, doc)
         print(f"wrote {args.output}")
@@ -132,8 +132,8 @@ def accept_llama(args) -> int:
     from planner.accept import from_entry
     from planner.jsonio import atomic_write_json, writable_target
     from profiler.acceptance import measure_accuracy
-    from workflows.cmd_accept import _merge, prompt_texts
     from workflows.inputs import encode_prompts
+    from workflows.run_records import merge_accuracy, prompt_texts
 
     if args.temperature != 0 or args.plan:
         raise UserError("--engine llama.cpp: planner accept measures greedy acceptance (no --temperature, no --plan)")
@@ -154,7 +154,7 @@ def accept_llama(args) -> int:
         print(f"planner accept: interrupted after {done} prompts; writing what is measured", file=sys.stderr)
     if not done:
         raise UserError("no prompt finished; nothing written")
-    acc = _merge(parts)
+    acc = merge_accuracy(parts)
     acc.update({"prompts": done, "model": target.name, "engine": "llama.cpp",
                 "source": f"planner accept --engine llama.cpp: {target.name}, {done} prompts, {args.max_new_tokens} greedy "
                           "tokens each", "wall_s": time.time() - t0})

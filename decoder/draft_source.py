@@ -1,4 +1,8 @@
-"""A draft LM's per-step tree under lossless sampling: children drawn only where they are kept.
+"""A draft LM's per-step pool under a dynamic plan (decoder/dynamic.py).
+
+`DraftSource` (greedy) expands the EXPAND most probable nodes of a level with their top children
+and stops when a level would not pay. `SampledDraftSource` drafts under lossless sampling, where
+children are drawn only where they are kept:
 
 Under sampling a node's children are draws from the drafter's warped q without replacement, and the
 sibling procedure (decoder.verify.verify_sampled) stays exact only while how many children a node
@@ -22,10 +26,77 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoder.draft import EXPAND, DraftSource
-from decoder.pool import Decider, Pool
+from decoder.draft_cache import DraftCache
+from decoder.guesser import DecodeContext, StepOutcome
+from decoder.pool import POOL_WIDTH, Decider, Pool, Source
 from decoder.verify import draw_children, probabilities
-from planner.dynamic import choose
+from planner.dynamic import DynamicSpec, GuesserModel, choose, q_bins
+
+EXPAND = 4  # nodes of a level the greedy source expands (EAGLE-2's expansion)
+
+
+class DraftSource(Source):
+    """The draft LM in a dynamic plan, drafting level by level over its `DraftCache`: each level
+    expands the EXPAND most probable nodes with their top POOL_WIDTH children and stops when a level
+    would not pay. Under lossless sampling `SampledDraftSource` drafts instead."""
+
+    kind = "draft"
+
+    def __init__(self, gm: GuesserModel, draft_model, top_k: int, spec: DynamicSpec, prompt_ids: torch.Tensor,
+                 ctx: DecodeContext, sampled: bool):
+        super().__init__(gm)
+        self.drafter = DraftCache(draft_model, prompt_ids)
+        self.ctx, self.sampled, self.spec = ctx, sampled, spec
+        self.width = min(POOL_WIDTH, top_k)
+
+    def _level_pass(self, pool: Pool, fed: list[int]) -> torch.Tensor:
+        """The drafter's pass over pool nodes `fed` (one level) -> logits [len(fed), V]."""
+        tokens = torch.tensor([pool.tokens[u] for u in fed], device=self.ctx.device)
+        return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
+
+    def _children(self, logits: torch.Tensor, k: int):
+        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row (greedy; the
+        sampled subclass draws instead)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(k, dim=-1)
+        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+        return both[1].astype(np.int64), both[0], None
+
+    def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
+        gm = self.model
+        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
+            self.drafter.skip(int(root[0]))
+            return
+        t0 = time.perf_counter()
+        logits = self.drafter.first_pass(root)[None]
+        frontier = [-1]
+        for d in range(1, self.spec.max_depth + 1):
+            toks, q, _ = self._children(logits, self.width)
+            pool.passes_s += time.perf_counter() - t0
+            pool.sunk_s += gm.draft_s
+            depth = np.full(q.size, d)
+            rank = np.tile(np.arange(self.width), len(frontier))
+            bins = q_bins(q.reshape(-1))
+            cells = gm.cells(depth, rank, bins)
+            c = session.c_of(self.kind, cells).tolist()
+            new = []
+            for j, u in enumerate(frontier):
+                for r in range(self.width):
+                    k = j * self.width + r
+                    new.append(pool.add(int(toks[j, r]), u, c[k], (self.kind, int(cells[k]), int(bins[k])), r))
+            if d == self.spec.max_depth:
+                break
+            P = pool.probabilities()
+            frontier = sorted(new, key=lambda i: -P[i])[:EXPAND]
+            est = float(P[frontier[0]]) * session.top1(self.kind, d + 1)
+            if not session.worth_level(pool, est, gm.draft_s):
+                break
+            t0 = time.perf_counter()
+            logits = self._level_pass(pool, frontier)
+
+    def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
+        """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""
+        self.drafter.keep_accepted(accepted, outcome.verdict.emitted)
 
 
 @dataclass
@@ -51,7 +122,7 @@ class _Kept:
 
 
 class SampledDraftSource(DraftSource):
-    """DraftSource under lossless sampling (DraftModelGuesser.dynamic_source picks it)."""
+    """DraftSource under lossless sampling (decoder/draft.py's `dynamic_source` picks it)."""
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
         gm = self.model
