@@ -36,7 +36,7 @@ from decoder.layout import layout_for
 from decoder.verify import Sampling, draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel
 from planner.errors import UserError
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 
 def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
@@ -48,7 +48,7 @@ def plan_nodes(plan: Tree | None, depth: int, label: str) -> tuple[tuple[int, ..
     """The static tree a drafter fills: the plan's (medusa or sequoia), or a chain of `depth`."""
     if plan is None:
         return chain_nodes(depth)
-    if plan.method == "ppd":
+    if plan.method == PPD:
         raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; drafters run medusa or sequoia trees "
                         "(planner plan medusa|sequoia --accept <the drafter's acceptance>)")
     nodes = tuple(plan.states[0].nodes)

@@ -39,6 +39,7 @@ import torch
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.pool import Pool, Source, rank_paths
+from decoder.registry import kind_of
 from planner.dynamic import DynamicSpec, OnlineMap, choose
 from planner.errors import UserError
 from planner.tree import DYNAMIC, Tree
@@ -90,21 +91,15 @@ class HybridGuesser:
 
 
 def guesser_kind(g) -> str:
-    name = type(g).__name__
-    if name == "PromptLookupGuesser":
-        return "lookup"
-    if name == "DraftModelGuesser":
-        return "draft"
-    if name == "ParallelDrafter":
-        return "chain" if g.mode == "chain" else "parallelspec"
-    if name == "PromptTokens":
-        return "ppd"
-    raise UserError(f"dynamic plans: no per-step source for the guesser {name}")
+    """The registered kind of a guesser that can fill a per-step pool (one with a `dynamic_source`)."""
+    if not hasattr(g, "dynamic_source"):
+        raise UserError(f"dynamic plans: no per-step source for the guesser {type(g).__name__}")
+    return kind_of(g).name
 
 
 def _members(g) -> list[tuple[str, object]]:
     if isinstance(g, HybridGuesser):
-        return [("lookup", g.lookup), (g.drafter_kind, g.drafter)]
+        return [(guesser_kind(g.lookup), g.lookup), (g.drafter_kind, g.drafter)]
     return [(guesser_kind(g), g)]
 
 

@@ -22,7 +22,7 @@ from decoder.layout import layout_for
 from decoder.pool import Decider, Pool, Source
 from planner.dynamic import DEPTH_BINS, DynamicSpec, GuesserModel, lookup_bin_list
 from planner.errors import UserError
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 
 @dataclass
@@ -104,7 +104,7 @@ class PromptLookupGuesser:
         if plan is None:
             return
         nodes = plan.states[0].nodes if len(plan.states) == 1 else None
-        if plan.method == "ppd" or nodes is None or any(r != 0 for p in nodes for r in p):
+        if plan.method == PPD or nodes is None or any(r != 0 for p in nodes for r in p):
             raise UserError(f"{label}: prompt lookup proposes one chain; give no plan or a chain (rank 0 only)")
 
     def begin(self, model, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "LookupSession":

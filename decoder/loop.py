@@ -13,16 +13,17 @@ timings compare like with like. Batch size 1 (decoder/batch.py batches).
 from __future__ import annotations
 
 import time
+
 import torch
 
 from decoder.engine import StepInput
-from decoder.hf_engine import as_engine, model_eos_ids
 from decoder.guesser import (
     DecodeContext,
     GuessSession,
     PlainGuesser,
     StepOutcome,
 )
+from decoder.hf_engine import as_engine, model_eos_ids
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, verify
 from planner.errors import UserError

@@ -56,10 +56,10 @@ import torch
 
 from decoder.cache import crop_cache
 from decoder.draft import chain_nodes
+from decoder.engine import vocab_size
 from decoder.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.engine import vocab_size
 from decoder.loop import decode, select_attention
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample, warp

@@ -32,16 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoder.forward import kv
 from decoder.cache import crop_cache
 from decoder.engine import torch_model
+from decoder.forward import kv
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
-from planner.tree import Tree
+from planner.tree import PPD, Tree
 
 WEIGHTS_NAME = "parallel_drafter.safetensors"
 CONFIG_NAME = "parallel_drafter.json"
@@ -141,7 +141,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     def check(self, plan: Tree | None, label: str = "plan") -> None:
         if plan is None:
             return  # a chain of num_masks + 1
-        if plan.method == "ppd":
+        if plan.method == PPD:
             raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; the parallel drafter runs medusa trees")
         super().check(plan, label)
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder.cache import crop_cache
-from decoder.forward import kv
 from decoder.draft import draft_children
 from decoder.engine import StepInput, vocab_size
+from decoder.forward import kv
 from decoder.hf_engine import as_engine
 from decoder.layout import layout_for
 from decoder.loop import _eos, _ids_1d

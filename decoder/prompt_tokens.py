@@ -24,8 +24,11 @@ import torch
 from torch import nn
 
 from decoder.guesser import DecodeContext, DistanceGuesser, StepOutcome
-from decoder.layout import StepLayout, layout_for
-from decoder.layout import prompt_block_mask  # noqa: F401  (re-exported: the mask lives with the layouts)
+from decoder.layout import (
+    StepLayout,
+    layout_for,
+    prompt_block_mask,  # noqa: F401  (re-exported: the mask lives with the layouts)
+)
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError

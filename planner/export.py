@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import UserError
+from planner.guessers import PLAIN
 from planner.simulate import describe, simulated_of
-from planner.tree import ScheduleEntry, Tree
+from planner.tree import DYNAMIC, PPD, ScheduleEntry, Tree
 
 FORMAT = "tree-planner/export"
 VERSION = 1
@@ -53,7 +54,6 @@ ENGINE_METHODS = {
 }
 NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model"})
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
-OWN_DRAFTERS = ("parallelspec", "chain", "ppd")  # guessers no engine can load (trained by this project)
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
 SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
 DEFAULT_MAX_BATCH_SIZE = 4096
@@ -110,17 +110,31 @@ def plan_guesser(plan: Tree) -> str | None:
     return g if isinstance(g, str) else None
 
 
+def _kind(plan: Tree):
+    from planner.guessers import kind, names
+
+    g = plan_guesser(plan)
+    return kind(g) if g in names() else None
+
+
+def own_drafter(plan: Tree) -> bool:
+    """The plan's guesser is a drafter this project trained (files, no engine method: PPD's prompt
+    tokens, the ParallelSpec drafter): no serving engine can load it."""
+    k = _kind(plan)
+    return k is not None and k.files is not None and k.export is None
+
+
 def implied_method(engine: str, plan: Tree) -> str | None:
     """The engine method a plan's guesser implies, where the engine has one. Prompt lookup (alone or
     in a hybrid, whose drafter no engine can load) maps to n-gram lookup; for vLLM a per-step plan,
     whose draft length follows the guesser's confidence each step, maps to suffix decoding, the one
     vLLM method whose draft length varies per step with the match (a static chain: ngram)."""
-    guesser = plan_guesser(plan) or ""
-    if guesser.split("+")[0] == "lookup":
-        return "suffix" if engine == "vllm" and plan.method == "dynamic" else "ngram"
-    if guesser in ("draft", "pearl"):
-        return "draft_model"
-    if guesser in OWN_DRAFTERS:
+    k = _kind(plan)
+    if k is not None and k.export == "ngram":
+        return "suffix" if engine == "vllm" and plan.method == DYNAMIC else "ngram"
+    if k is not None and k.export:
+        return k.export
+    if own_drafter(plan):
         return None
     return "draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan.method)
 
@@ -131,12 +145,12 @@ def resolve_method(engine: str, plan: Tree | str, requested: str | None, draft_m
     known = ENGINE_METHODS[check_engine(engine)]
     if isinstance(plan, str):
         plan = Tree(plan, [], 1.0)
-    if requested is None and plan_guesser(plan) == "plain":
+    if requested is None and plan_guesser(plan) == PLAIN:
         raise UserError(f"the plan is plain decoding (no guesser was faster): {engine} has no speculative setting "
                         "to write")
     method = requested or implied_method(engine, plan)
     if method is None:
-        what = (f"a plan for this project's {plan_guesser(plan)} drafter" if plan_guesser(plan) in OWN_DRAFTERS
+        what = (f"a plan for this project's {plan_guesser(plan)} drafter" if own_drafter(plan)
                 else f"a {plan.method} plan")
         raise UserError(f"--method: {what} has no {engine} equivalent; give one of {', '.join(known)}")
     if method not in known:
@@ -209,7 +223,7 @@ def simulated_notes(plan: Tree, basis: dict) -> list[str]:
 
 
 def _common_notes(plan: Tree, opts: ExportOptions) -> list[str]:
-    if plan.method != "ppd":
+    if plan.method != PPD:
         return []
     return [f"ppd prompt tokens dropped: {opts.engine} has no prompt-token guesser; its {opts.method} drafter "
             "replaces it and the draft lengths use the plan's acceptance statistics"]

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import UserError
+from planner.guessers import PLAIN, names
+from planner.guessers import kind as guesser_kind
 from planner.tree import DYNAMIC, Tree
 
 LOOKUP_NGRAMS = (1, 2, 3)  # the n-gram sizes our prompt lookup tries (decoder/lookup.py: 3 down to 1)
@@ -94,7 +96,7 @@ def llama_server_export(plan: Tree, model_file: str, threads: int, n_ctx: int = 
                         port: int = 8080, draft_model: str | None = None, draft_p_min: float | None = None) -> ServerExport:
     if not 1 <= threads <= 256 or not 256 <= n_ctx <= 131072 or not 1 <= port <= 65535:
         raise UserError("--threads in 1..256, --n-ctx in 256..131072, --port in 1..65535")
-    kind = plan.settings.get("guesser", "plain")
+    kind = plan.settings.get("guesser", PLAIN)
     base = ["llama-server", "-m", model_file, "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1",
             "-fa", "off", "--host", host, "--port", str(port)]
     notes = []
@@ -107,14 +109,15 @@ def llama_server_export(plan: Tree, model_file: str, threads: int, n_ctx: int = 
         kind = kind.split("+")[0]
     if any(len(st.nodes) != st.depth for st in plan.states):
         notes.append("tree dropped: llama-server verifies one chain; the plan's first path (its depth) is written")
-    if kind == "plain" or (not any(st.nodes for st in plan.states) and plan.method != DYNAMIC):
+    if kind == PLAIN or (not any(st.nodes for st in plan.states) and plan.method != DYNAMIC):
         return ServerExport(base, {"speculative": None}, notes + ["plain decoding: the plan chose no speculation, so "
                                                                   "no --spec-* flags"])
-    if kind == "lookup":
+    export = guesser_kind(kind).export if kind in names() else None
+    if export == "ngram":
         n, m, more = lookup_settings(plan)
         flags = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(n), "--spec-ngram-simple-size-m", str(m)]
         return ServerExport(base + flags, {"speculative": "ngram-simple", "size_n": n, "size_m": m}, notes + more)
-    if kind in ("draft", "pearl"):
+    if export == "draft_model":
         if not draft_model:
             raise UserError(f"--draft-model FILE.gguf: llama-server drafts with a GGUF model; the plan's {kind} drafter "
                             "is a torch model (convert it, then give its GGUF)")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from planner.errors import UserError
 
+PLAIN = "plain"  # the kind that guesses nothing: plain decoding (autotune's fallback, the race's baseline arm)
+
 SIGNALS = ("q", "lookup", "none")  # what a per-step plan reads from a candidate: the drafter's probability, lookup's match
 PASSES = ("none", "one", "depth")  # drafting passes a step pays: none (lookup, PPD), one (ParallelSpec), one per level
 
@@ -49,7 +51,8 @@ class GuesserKind:
     loop: str | None = None  # "module:function" of its own decoding loop (PEARL); None: decoder.loop's
     record_names: tuple[str, ...] = ()  # older acceptance files' guesser.kind values that mean this kind
     autotune: bool = True  # raced by `planner autotune` when its files ship for the model
-    export: str | None = None  # serving engines' method it maps to (planner/export.py), None: none
+    export: str | None = None  # serving engines' method it maps to (planner/export.py); None with files: this
+    # project's own drafter, which no engine loads
 
     def __post_init__(self):
         if self.signal not in SIGNALS or self.passes not in PASSES:
@@ -121,7 +124,7 @@ def hybrid_of(member: str, drafter: str) -> GuesserKind | None:
 # ---------------------------------------------------------------------------------------------- the kinds
 
 register(GuesserKind(
-    "plain", "no guesses: plain decoding through the same loop (autotune's plain decision)",
+    PLAIN, "no guesses: plain decoding through the same loop (autotune's plain decision)",
     "decoder.guesser:load_plain", signal="none", passes="none", branches=False, autotune=False))
 register(GuesserKind(
     "ppd", "PPD prompt tokens: trained input embeddings guess several distances in the target's own pass",
@@ -135,11 +138,11 @@ register(GuesserKind(
 register(GuesserKind(
     "parallelspec", "the ParallelSpec drafter: one pass guesses every distance (a Cartesian tree)",
     "decoder.parallel:load", files="parallelspec", needs_hidden=True, needs_torch=True, passes="one",
-    static=("chain", "medusa"), record_names=("ParallelDrafter",), export="eagle"))
+    static=("chain", "medusa"), record_names=("ParallelDrafter",)))
 register(GuesserKind(
     "chain", "the ParallelSpec drafter run as a chain: one token per pass, its own feature as the next input",
     "decoder.parallel:load_chain", files="parallelspec", needs_hidden=True, needs_torch=True, passes="depth",
-    static=("chain",), measure_shape=(6, 4), record_names=("ParallelDrafter",), export="eagle"))
+    static=("chain",), measure_shape=(6, 4), record_names=("ParallelDrafter",)))
 register(GuesserKind(
     "lookup", "prompt lookup: what followed the last matching n-gram of the text so far (no model)",
     "decoder.lookup:load", signal="lookup", passes="none", branches=False, static=("chain",),

@@ -116,7 +116,8 @@ def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list
     the session is fed each known greedy continuation's tokens as its roots, so one shared greedy decode
     serves acceptance and calibration alike."""
     kind = guesser_kind(guesser)
-    if kind != "lookup":
+    spec = registered_kind(kind)
+    if spec.needs_torch or spec.needs_hidden or spec.needs_embeddings:
         raise UserError(f"calibration replay: the {kind} guesser's pool reads the target; measure it by decoding")
     plan = _plan(kind, prior, max_depth)
     per_prompt = []

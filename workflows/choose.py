@@ -33,7 +33,8 @@ from typing import Callable
 
 import numpy as np
 
-PLAIN = "plain"
+from planner.guessers import PLAIN
+
 ALPHA = 0.05  # the false-winner rate the decision guarantees
 LEVEL = 1 - 2 * ALPHA  # intervals: two-sided, their lower end is the test's one-sided bound
 PLAIN_EVERY = 3  # selection: a plain run between every 3 plans (each plan is at most one run from plain)

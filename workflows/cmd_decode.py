@@ -96,7 +96,7 @@ def _check(args) -> None:
 def _draft_lm(args) -> bool:
     """--pearl and --mtad draft with a draft LM: a guesser kind whose files are the draft LM's."""
     k = guesser_kind(parse_guesser(args.guesser or DEFAULT_GUESSER)[0])
-    return k.files is not None and k.files == guesser_kind("draft").files and not k.hybrid
+    return k.files == "draft_lm" and not k.hybrid  # the draft LM's directory (decoder/draft.py)
 
 
 def _check_pearl(args) -> None:

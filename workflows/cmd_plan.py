@@ -301,11 +301,14 @@ GUESSERS = ("auto", "heads", "prompt-tokens", "draft", "parallelspec")
 
 def _guessing(args, accept):
     from planner.cost import default_guessing
+    from planner.guessers import kind as guesser_kind
+    from planner.guessers import names as guesser_names
 
     fields = {"ensemble": args.ensemble, "draft_s": args.draft_latency}
     if args.guesser != "auto":
         fields["prompt_tokens"] = args.guesser == "prompt-tokens"
-        fields["draft_passes"] = "one" if args.guesser == "parallelspec" else "depth"
+        one = args.guesser in guesser_names() and guesser_kind(args.guesser).passes == "one"  # ParallelSpec
+        fields["draft_passes"] = "one" if one else "depth"
     return default_guessing(args.method, accept, **fields)
 
 

@@ -124,7 +124,7 @@ def run(args) -> int:
     cfg = drafters.DrafterConfig(steps=args.steps, batch_size=args.batch_size, groups=args.groups, lr=args.lr,
                                  feature_weight=args.feature_weight, seed=args.seed, ckpt_every=args.ckpt_every)
     drafters.check_config(cfg)
-    train_one = _train_parallel if args.kind == "parallelspec" else _train_draft_lm
+    train_one = {"parallelspec": _train_parallel, "draft-lm": _train_draft_lm}[args.kind]
     result, evaluation, save = train_one(args, target, tr, va, head, cfg)
     if result.interrupted:
         print(f"planner train-drafter: interrupted at step {result.step}; checkpoint in {args.out} (use --resume)",

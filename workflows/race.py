@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from planner.guessers import kind as guesser_kind
 from planner.profile import LatencyProfile
 from workflows.candidates import Candidate
 from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_race, speedup
-
 
 
 def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
@@ -28,7 +28,7 @@ def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
     warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
     if cand is None:
         return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, **warp)
-    if cand.guesser == "pearl":  # its own two-job loop, the draft LM as drafter, at the split measured for it
+    if guesser_kind(cand.guesser).loop:  # PEARL: its own two-job loop, the draft LM as drafter, at the split measured for it
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
                               threads=tuple(cand.tree.settings["pearl"]["threads"]), **warp)
     return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
@@ -52,7 +52,7 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
     out = [arm(PLAIN, 1.0, 1.0)]
     for c in racing:
         cost = c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)  # step time / plain's
-        out.append(arm(c.label, cost, c.predicted_speedup, parallel=c.guesser == "pearl"))
+        out.append(arm(c.label, cost, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None))
     return out
 
 
@@ -150,8 +150,8 @@ def _step_lengths(run, tried: list[Candidate]) -> set[int]:
     for c in tried:
         if c.method == "dynamic":  # any size up to its limit, step by step
             lengths |= set(range(1, c.size + 2))
-        elif c.guesser == "ppd":
-            layouts = run.guessers["ppd"].layouts(c.tree, w.dtype, w.device)
+        elif guesser_kind(c.guesser).needs_embeddings:  # PPD: its prompt tokens' layouts per state
+            layouts = run.guessers[c.guesser].layouts(c.tree, w.dtype, w.device)
             lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
         else:
             lengths.add(1 + len(c.tree.states[0].nodes))
