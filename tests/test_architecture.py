@@ -8,9 +8,11 @@ allowed upward import.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
-from pathlib import Path
+from collections import Counter
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -276,3 +278,49 @@ def test_the_kind_check_catches_a_branch_on_a_name():
     assert kind_branches('if args.guesser == "parallelspec":\n    pass\n', names) == [1]
     assert kind_branches('x = kind in ("lookup", "draft")\n', names) == [1]
     assert kind_branches('if plan.method == "lookup":\n    pass\n', names) == []  # another vocabulary
+
+
+# ---------------------------------------------------------------------------------------------- the layout page names every module
+
+LAYOUT_PAGE = ROOT / "docs" / "layout.md"
+
+
+def _layout_modules(root: Path = ROOT) -> list[str]:
+    """'pkg/name.py' for every module of the code packages but package files (__init__, __main__)."""
+    return sorted(str(f.relative_to(root).as_posix()) for pkg in CODE_PACKAGES for f in (root / pkg).rglob("*.py")
+                  if f.name not in ("__init__.py", "__main__.py") and "__pycache__" not in f.parts)
+
+
+def unnamed_modules(page: str, modules) -> list[str]:
+    """The modules ('pkg/name.py') the page does not name: by path, or by file name alone when no other
+    module has that file name (decoder/registry.py and profiler/registry.py need their paths). A name
+    must stand alone: `hf_engine.py` does not name `engine.py`."""
+    counts = Counter(PurePosixPath(m).name for m in modules)
+    missing = []
+    for m in modules:
+        name = PurePosixPath(m).name
+        patterns = [rf"(?<!\w){re.escape(m)}(?!\w)"]
+        if counts[name] == 1:
+            patterns.append(rf"(?<![\w/]){re.escape(name)}(?!\w)")
+        if not any(re.search(p, page) for p in patterns):
+            missing.append(m)
+    return missing
+
+
+def test_layout_names_every_module():
+    missing = unnamed_modules(LAYOUT_PAGE.read_text(encoding="utf-8"), _layout_modules())
+    assert missing == [], f"docs/layout.md: give each a line with its one job: {missing}"
+
+
+def test_the_layout_check_catches_a_missing_module():
+    """The test above can fail: a module the page leaves out is found, a longer name or another
+    package's file of the same name does not stand in for it."""
+    modules = ["decoder/engine.py", "decoder/hf_engine.py", "decoder/llama_engine.py",
+               "decoder/registry.py", "profiler/registry.py", "training/splits.py"]
+    page = "| `decoder/hf_engine.py` | ... |\n| `llama_engine.py` | ... |\n`profiler/registry.py`, `splits.py`\n"
+    assert unnamed_modules(page, modules) == ["decoder/engine.py", "decoder/registry.py"]
+    page += "`engine.py` and `decoder/registry.py`\n"
+    assert unnamed_modules(page, modules) == []
+    assert unnamed_modules("registry.py\n", ["decoder/registry.py", "profiler/registry.py"]) == [
+        "decoder/registry.py", "profiler/registry.py"]
+    assert "decoder/engine.py" in _layout_modules() and "planner/__main__.py" not in _layout_modules()
