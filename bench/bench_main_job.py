@@ -3,6 +3,7 @@
     python bench/bench_main_job.py --run runs/<autotune run>          # its chosen.json
     python bench/bench_main_job.py --plan trees/x.json                 # any plan with a recorded guesser
     python bench/bench_main_job.py --smoke                             # the toy model, seconds
+    python bench/bench_main_job.py --run runs/quiet --also loaded=runs/loaded   # two decisions, one race
 
 Prompts: training.splits.bench_prompts, which no tuning step reads (bench/common.py): two-turn
 chats (the model's own greedy first answer, then the second turn) and requests that repeat their
@@ -12,6 +13,8 @@ in a shuffled order per repeat after a warm-up, medians over `--repeats`:
   generate+lookup   the same with prompt_lookup_num_tokens=10 (transformers' own speculation)
   plain loop        this project's plain decoding loop (decoder.generate_plain)
   chosen            the plan (decoder.generate with its recorded guesser; PEARL; or plain)
+  chosen (NAME)     --also NAME=RUN: another run's decision (e.g. one made while a core was busy), on
+                    its own copy of the model with its own run's matmul paths
 This project's loops run the matmul paths of the run's profile (--profile; decoder/cpu_paths.py),
 transformers runs stock.
 Reports tokens/s per contender, per-prompt speedup over generate (geometric mean, min, max) and
@@ -118,7 +121,8 @@ def markdown(doc: dict) -> str:
              f"torch {m['torch']}, load {m['load_avg']} -> {doc['load_avg_after']})", "",
              f"Plan: `{doc['plan']}` ({doc['plan_label']}); {len(doc['prompts'])} benchmark prompts no tuning step "
              f"read (training.splits.bench_prompts: {', '.join(f'{n} {k}' for k, n in doc['counts'].items())}), "
-             f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats.", "",
+             f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats."
+             + "".join(f" Also raced: `{x}`." for x in doc.get("also", [])), "",
              "| contender | tokens/s | speedup vs generate (geo-mean) | min | max | " + " | ".join(doc["kinds"]) +
              " | same as generate |", "|---|---|---|---|---|" + "---|" * len(doc["kinds"]) + "---|"]
     for name, r in doc["results"].items():
@@ -130,11 +134,35 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _also(specs: list[str]) -> list[tuple[str, Path]]:
+    out = []
+    for spec in specs:
+        name, sep, run = spec.partition("=")
+        if not sep or not name or not (Path(run) / "chosen.json").is_file():
+            raise UserError(f"--also {spec}: expected NAME=RUN with RUN/chosen.json")
+        out.append((name, Path(run)))
+    return out
+
+
+def _other_decision(model_name: str, run: Path, n: int, eos):
+    """Another run's chosen plan on its own model copy, with that run's matmul paths."""
+    from decoder.cpu_paths import use_profile_paths
+    from profiler.models import load_model
+
+    loaded = load_model(model_name, device="cpu")
+    if (run / "profile.json").is_file():
+        use_profile_paths(loaded.model, str(run / "profile.json"))
+    tree, guesser = load_plan(str(run / "chosen.json"), loaded)
+    return contenders(loaded.model, tree, guesser, n, eos)["chosen"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--run", help="an autotune run folder (its chosen.json)")
     src.add_argument("--plan", help="a plan file with a recorded guesser")
+    p.add_argument("--also", action="append", default=[], metavar="NAME=RUN",
+                   help="another autotune run whose chosen.json races beside (repeatable)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", default=None,
                    help="the profile whose matmul paths this project's loops run (default: the run's profile.json)")
@@ -184,9 +212,11 @@ def _run(a) -> int:
         prompts = bench_ids(tok, counts, model, first_answer_tokens=16 if a.smoke else 64)
         eos = model.generation_config.eos_token_id
         runs = contenders(model, tree, guesser, a.max_new_tokens, eos)
+        for name, other in _also(a.also):
+            runs[f"chosen ({name})"] = _other_decision(a.model, other, a.max_new_tokens, eos)
         timings = interleaved(runs, [p.ids for p in prompts], a.repeats, progress=not a.no_progress)
         results = summarise(model, prompts, timings)
-    doc = {"model": loaded.name, "plan": plan, "plan_label": label, "profile": profile, "machine": mach,
+    doc = {"model": loaded.name, "plan": plan, "plan_label": label, "also": a.also, "profile": profile, "machine": mach,
            "load_avg_after": load(), "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "counts": counts,
            "kinds": [g for g in counts if counts[g]],
            "prompts": [{"id": p.id, "kind": p.group, "length": int(p.ids.numel())} for p in prompts],

@@ -2,11 +2,11 @@
 
     from decoder import PromptTokens, generate
 
-Layout: `loop` (the step loop: propose, score, verify, commit), `guesser` (the guesser protocol
-and per-distance guessers), `prompt_tokens` (PPD), `oracle`, `layout` (step input layouts),
-`forward` (the target's tree forward pass), `verify` (verification rules), `cache` (KV
-bookkeeping), `attention` (the adapter to the Triton kernels in `kernels/`); the drafters `draft`,
-`parallel`, `lookup`; `pearl`, `mtad` and `batch` around the loop.
+Layout (docs/layout.md): `loop` (the step loop: propose, score, verify, commit), `guesser` (the
+guesser protocol), `registry` (loading a guesser by kind, planner/guessers.py), the target engines
+behind `engine` (`hf_engine`, `llama_engine`), `verify` (warping and the verification rules), `layout`,
+`forward`, `cache`, `attention`; the guessers `prompt_tokens` (PPD), `draft`, `parallel`, `lookup`,
+`oracle`; per-step trees `dynamic` over `pool`; `pearl`, `mtad` and `batch` around the loop.
 Names are imported lazily so that importing `decoder` costs nothing until a name is used.
 """
 import importlib

@@ -13,7 +13,7 @@ the ground floor (numpy only) and every package can read the registry.
 
 Adding a guesser is one module with the guesser (decoder/guesser.py's protocol, and optionally a
 per-step source for dynamic plans) plus one `register(GuesserKind(...))` here or in a caller
-(tests/test_architecture.py registers a toy one in a few lines and decodes with it).
+(tests/test_registry.py registers a toy one in a few lines and decodes with it).
 """
 from __future__ import annotations
 

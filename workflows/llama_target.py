@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import UserError
+from planner.plan_settings import ENGINES  # one list: the engines a plan may name
 
-ENGINES = ("hf", "llama.cpp")
 DEFAULT_N_CTX = 4096
 
 
