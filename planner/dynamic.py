@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import UserError
+from planner.guessers import LOOKUP_SIGNAL
 
-SIGNALS = ("q", "lookup")
+SIGNALS = ("q", LOOKUP_SIGNAL)
 # q bins: finer at the low end, where most drafted tokens sit
 Q_EDGES = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LOOKUP_NGRAMS = 4  # matched n-gram length 1..3, 4+ pooled

@@ -11,14 +11,14 @@ from planner.dynamic import (
     MAX_POOL_DEPTH,
     DynamicSpec,
     GuesserModel,
+    dynamic_kinds,
     dynamic_spec,
     path_probabilities,
     predict_static_prior,
     prior_pool,
 )
-from planner.dynamic import dynamic_kinds
 from planner.errors import UserError
-from planner.guessers import hybrid_of, kind_of_record
+from planner.guessers import LOOKUP_SIGNAL, hybrid_of, kind_of_record
 from planner.guessers import kind as guesser_kind
 
 
@@ -31,8 +31,8 @@ def kind_of(accept) -> str | None:
 def guesser_model(kind: str, accept) -> GuesserModel:
     rec = accept.source.get("guesser") or {}
     spec = guesser_kind(kind)
-    draft_s = float(rec.get("draft_s", 0.0) or 0.0) if spec.signal != "lookup" else 0.0
-    passes = "one" if spec.passes == "one" or spec.signal == "lookup" else "depth"
+    draft_s = float(rec.get("draft_s", 0.0) or 0.0) if spec.signal != LOOKUP_SIGNAL else 0.0
+    passes = "one" if spec.passes == "one" or spec.signal == LOOKUP_SIGNAL else "depth"
     prior = accept.rows(accept.max_depth or MAX_POOL_DEPTH)
     return GuesserModel(kind, np.array(prior, dtype=np.float64), accept.source.get("calibration"), draft_s, passes)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.errors import UserError
-from planner.guessers import PLAIN
+from planner.guessers import LOOKUP_SIGNAL, PLAIN
 from planner.simulate import describe, simulated_of
 from planner.tree import DYNAMIC, PPD, ScheduleEntry, Tree
 
@@ -414,7 +414,7 @@ def lookup_settings(method: str, k: int, accept, profile, calibration=None) -> t
         return {}, []
     if method == "ngram":
         lo, hi = MEASURED_NGRAMS
-        if calibration is None or calibration.signal != "lookup":
+        if calibration is None or calibration.signal != LOOKUP_SIGNAL:
             return ({"prompt_lookup_min": lo, "prompt_lookup_max": hi},
                     [f"n-gram sizes {lo}..{hi}: those the acceptance was measured with (a lookup calibration, "
                      "planner accept --calibrate, would choose the shortest that pays)"])

@@ -24,7 +24,9 @@ from planner.errors import UserError
 
 PLAIN = "plain"  # the kind that guesses nothing: plain decoding (autotune's fallback, the race's baseline arm)
 
-SIGNALS = ("q", "lookup", "none")  # what a per-step plan reads from a candidate: the drafter's probability, lookup's match
+LOOKUP = "lookup"  # prompt lookup: the kind the n-gram exports and llama.cpp's main job name
+LOOKUP_SIGNAL = "lookup"  # the confidence signal of a text match (match length and follow count)
+SIGNALS = ("q", LOOKUP_SIGNAL, "none")  # what a per-step plan reads from a candidate: the drafter's probability, lookup's match
 PASSES = ("none", "one", "depth")  # drafting passes a step pays: none (lookup, PPD), one (ParallelSpec), one per level
 
 
@@ -144,8 +146,8 @@ register(GuesserKind(
     "decoder.parallel:load_chain", files="parallelspec", needs_hidden=True, needs_torch=True, passes="depth",
     static=("chain",), measure_shape=(6, 4), record_names=("ParallelDrafter",)))
 register(GuesserKind(
-    "lookup", "prompt lookup: what followed the last matching n-gram of the text so far (no model)",
-    "decoder.lookup:load", signal="lookup", passes="none", branches=False, static=("chain",),
+    LOOKUP, "prompt lookup: what followed the last matching n-gram of the text so far (no model)",
+    "decoder.lookup:load", signal=LOOKUP_SIGNAL, passes="none", branches=False, static=("chain",),
     measure_shape=(6, 1), record_names=("PromptLookupGuesser",), export="ngram"))
 register(GuesserKind(
     "oracle", "the oracle: knows the target's continuation (tests and ceilings, not for decoding new text)",

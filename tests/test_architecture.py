@@ -324,3 +324,65 @@ def test_the_layout_check_catches_a_missing_module():
     assert unnamed_modules("registry.py\n", ["decoder/registry.py", "profiler/registry.py"]) == [
         "decoder/registry.py", "profiler/registry.py"]
     assert "decoder/engine.py" in _layout_modules() and "planner/__main__.py" not in _layout_modules()
+
+
+MAX_KIND_MODULES = 4  # modules, past the registry, the kind's own module and the CLI, that may spell a kind
+
+
+def _json_keys(tree: ast.AST) -> set[int]:
+    """String constants used as JSON field names (subscripts, dict keys, .get/.pop keys): the file
+    boundary, where kind names such as "pearl" or "plain" are fields, not decisions."""
+    keys = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+            keys.add(id(n.slice))
+        elif isinstance(n, ast.Dict):
+            keys.update(id(k) for k in n.keys if isinstance(k, ast.Constant))
+        elif (isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("get", "pop", "setdefault") and n.args
+              and isinstance(n.args[0], ast.Constant)):
+            keys.add(id(n.args[0]))
+    return keys
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body:
+            first = n.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def kind_spellings(sources: dict[str, str], own: dict[str, str]) -> dict[str, set[str]]:
+    """kind -> modules that spell its name as a string (not a docstring, not a JSON field name),
+    outside the registry, the kind's own module (`own`: kind -> its loader's module) and the CLI."""
+    out: dict[str, set[str]] = {}
+    for rel, source in sources.items():
+        if rel == "planner/guessers.py" or rel.startswith("workflows/cmd_") or rel in ("workflows/inputs.py", "workflows/cli.py"):
+            continue
+        tree = ast.parse(source)
+        skip = _docstrings(tree) | _json_keys(tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and n.value in own and id(n) not in skip and rel != own[n.value]:
+                out.setdefault(n.value, set()).add(rel)
+    return out
+
+
+def test_guesser_kinds_are_spelled_in_few_modules():
+    from planner.guessers import kinds
+
+    own = {k.name: (k.loader.split(":")[0].replace(".", "/") + ".py") if isinstance(k.loader, str) else ""
+           for k in kinds()}
+    sources = {str(f.relative_to(ROOT)): f.read_text() for pkg in CODE_PACKAGES for f in (ROOT / pkg).glob("*.py")}
+    wide = {k: sorted(m) for k, m in kind_spellings(sources, own).items() if len(m) > MAX_KIND_MODULES}
+    assert wide == {}, f"name these kinds through planner/guessers.py: {wide}"
+
+
+def test_the_spelling_check_counts_decisions_not_fields():
+    own = {"lookup": "decoder/lookup.py"}
+    sources = {f"workflows/m{i}.py": 'if g == "lookup":\n    pass\n' for i in range(3)}
+    sources["workflows/fields.py"] = 'x = row["lookup"]\ny = {"lookup": 1}\nz = d.get("lookup")\n'
+    sources["decoder/lookup.py"] = 'kind = "lookup"\n'
+    sources["workflows/cmd_x.py"] = 'if a == "lookup":\n    pass\n'
+    assert kind_spellings(sources, own) == {"lookup": {"workflows/m0.py", "workflows/m1.py", "workflows/m2.py"}}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.errors import UserError
+from planner.guessers import LOOKUP
 from planner.jsonio import atomic_write_json
 from workflows.runs import shown
 
@@ -111,13 +112,13 @@ def _acceptance(s: LlamaAutotune, target, accept_ids: list, out: Path):
     from profiler.calibration import replay_calibration
     from profiler.teacher_forced import greedy_continuations, replay_accuracy
 
-    lookup = load_guesser("lookup", LoadRequest(target.engine, depth=8))
+    lookup = load_guesser(LOOKUP, LoadRequest(target.engine, depth=8))
     cont = greedy_continuations(target.engine, accept_ids, s.accept_tokens)
     acc = replay_accuracy(target.engine, lookup, cont, 8, 1)
     acc["calibration"] = replay_calibration(lookup, cont.prompts, cont.tokens, np.array(acc["accuracy"]))
     acc.update({"engine": "llama.cpp", "decode_s": cont.decode_s, "source": f"planner autotune --engine llama.cpp: "
                 f"{target.name}, {len(accept_ids)} held-out prompts, {acc['positions']} positions (one greedy decode each)"})
-    acc["guesser"].update(kind="lookup", dir=None)
+    acc["guesser"].update(kind=LOOKUP, dir=None)
     path = atomic_write_json(out / "accept-lookup.json", acc)
     return Path(path), load_acceptance(str(path))
 
@@ -125,8 +126,8 @@ def _acceptance(s: LlamaAutotune, target, accept_ids: list, out: Path):
 def _plan(s: LlamaAutotune, accept, profile, accept_path: Path, profile_path: Path, out: Path) -> list:
     from workflows.candidates import drafter_candidates, dynamic_candidates, finalists
 
-    cands = drafter_candidates("lookup", accept, profile, MAX_INPUT)
-    cands += dynamic_candidates("lookup", accept, profile, max_size=MAX_INPUT - 1, sizes=DYNAMIC_SIZES)
+    cands = drafter_candidates(LOOKUP, accept, profile, MAX_INPUT)
+    cands += dynamic_candidates(LOOKUP, accept, profile, max_size=MAX_INPUT - 1, sizes=DYNAMIC_SIZES)
     racing = finalists(cands, s.finalists, s.neighbours)
     for c in racing:
         c.tree.engine = "llama.cpp"
@@ -176,7 +177,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
     from workflows.choose import LOADED_CORES, PLAIN, Race, Run, run_race, speedup
 
     eng = target.engine
-    lookup = load_guesser("lookup", LoadRequest(eng, depth=8))
+    lookup = load_guesser(LOOKUP, LoadRequest(eng, depth=8))
     by_key = {c.label: c for c in racing}
     race = Race(_arms(racing, race_ids, profile, s.decode_tokens), list(range(len(race_ids))), rounds=s.rounds,
                 seed=s.seed)

@@ -11,6 +11,7 @@ import sys
 import time
 
 from planner.errors import UserError
+from planner.guessers import LOOKUP
 
 
 def engine_of(args, tree) -> str:
@@ -77,7 +78,7 @@ def decode_llama(args, tree) -> int:
     texts = args.prompt or read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
     if args.prompt and args.num_prompts:
         texts = texts[: args.num_prompts]
-    target, tokenizer, guesser = _open(args, "lookup")
+    target, tokenizer, guesser = _open(args, LOOKUP)
     guesser.check(tree, args.plan or "plan")
     prompts = encode_prompts(tokenizer, texts)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -109,7 +110,7 @@ def decode_llama(args, tree) -> int:
         summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
     doc = {"engine": "llama.cpp", "model": target.name, "model_file": str(target.gguf), "device": "cpu",
            "llama_cpp": target.engine.describe(), "plan": args.plan,
-           "method": tree.method if tree is not None else "chain", "guesser": guesser_record(args.guesser or "lookup", guesser),
+           "method": tree.method if tree is not None else "chain", "guesser": guesser_record(args.guesser or LOOKUP, guesser),
            "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
                         "max_new_tokens": args.max_new_tokens, "seed": args.seed, "threads": target.engine.threads},
            "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start}
@@ -142,7 +143,7 @@ def accept_llama(args) -> int:
     _refuse_hf_options(args)
     writable_target(args.output)
     texts = prompt_texts(args)
-    target, tokenizer, guesser = _open(args, "lookup")
+    target, tokenizer, guesser = _open(args, LOOKUP)
     prompts = encode_prompts(tokenizer, texts)
     t0, parts, done = time.time(), [], 0
     try:
