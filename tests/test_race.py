@@ -136,3 +136,22 @@ def test_the_race_fits_its_budget_and_still_decides():
         assert m.clock <= 40.0 * 1.1  # ten arms on 8 prompts need about 70 s: halving and the confirmation fit 40
         found += d.choice == "a0"
     assert found / n >= 0.8
+
+
+def test_the_race_floor_is_enough_to_find_a_faster_plan_and_less_is_not():
+    """workflows/race.py extends a starved race to race_floor_s: one selection prompt, then a pair on
+    every confirmation prompt. With that much time a 30 % faster plan is found; with a third of it the
+    race cannot reach the test's level and keeps plain."""
+    from workflows.race import race_floor_s
+
+    speeds = {"fast": 1.3, "b": 1.0, "c": 0.9}
+    found = starved = 0
+    for s in range(20):
+        m = Machine(dict(speeds), seed=7000 + s, prompt_sd=0.1)
+        arms = [Arm(PLAIN, 1.0, 1.0, {p: m.base(p) for p in range(8)})]
+        arms += [Arm(k, 1.5, v, {p: m.base(p) / v for p in range(8)}) for k, v in speeds.items()]
+        floor = race_floor_s(Race(arms, list(range(8)), seed=s))
+        assert floor > 0
+        found += simulate(speeds, 7000 + s, budget_s=1.2 * floor, prompt_sd=0.1)[1].choice == "fast"
+        starved += simulate(speeds, 7000 + s, budget_s=floor / 3, prompt_sd=0.1)[1].choice == PLAIN
+    assert found >= 16 and starved == 20

@@ -84,6 +84,12 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     outputs = _Outputs()
     deadline = run.clock.budget_s - run.budget.report_reserve_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
+    floor = race_floor_s(race)
+    if run.clock.elapsed() + floor > deadline:  # a race too short to confirm anything would decide plain by default
+        run.say(f"      the budget leaves {max(deadline - run.clock.elapsed(), 0):.0f} s; the race takes its minimum "
+                f"{floor:.0f} s (one selection prompt, then a pair on each of {len(race.confirmation)} confirmation "
+                "prompts: fewer pairs cannot show a plan faster at the test's level)")
+        deadline = run.clock.elapsed() + floor
     run.clock.phase(5, f"racing plain decoding and {len(racing)} plans: selection on {len(race.selection)} held-out "
                        f"prompts, the winner's confirmation against plain on {len(race.confirmation)} others, "
                        f"x {s.decode_tokens} tokens (predicted {eta:.0f} s; the budget halves the field when short)",
@@ -121,6 +127,15 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
 
     decision = run_race(race, measure, lambda: deadline - run.clock.elapsed(), check, progress)
     return race, outputs, decision
+
+
+def race_floor_s(race: Race) -> float:
+    """The shortest race that can decide for a plan: one selection prompt with every plan, and one
+    pair (the leader and plain) on every confirmation prompt; with fewer than MIN_PROMPTS pairs the
+    sign-flip test cannot reach its level, so a starved race would always fall back to plain."""
+    if not race.selection:
+        return 0.0
+    return race.selection_seconds(race.selection[0]) + race.confirmation_seconds(1)
 
 
 def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, p: int, keys: set[str]) -> None:
