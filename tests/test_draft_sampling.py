@@ -70,14 +70,24 @@ def test_sampled_draft_trees_keep_the_target_distribution(models, tree, setting)
     assert _chi2(counts, joint, N_SAMPLES) > P_MIN
 
 
-@pytest.mark.parametrize("wrong", ["no residual", "with replacement"])
-def test_the_test_fails_for_a_wrong_rule(models, monkeypatch, wrong):
+@pytest.fixture(scope="module")
+def peaked(models):
+    """A peaked drafter (removing its favourite token changes q a lot), the exact joint, and the
+    right rule's p-value with it: computed once for both wrong rules."""
     target, _ = models
-    draft = _draft(2.0)  # a peaked drafter: removing its favourite token changes q a lot
+    draft = _draft(2.0)
     settings = SETTINGS["T1.3-topk5-topp.95"]
     joint = _exact_joint(target, [2], 3, dict(dict(top_k=VOCAB, top_p=1.0), **settings))
     counts, _ = _counts(target, draft, TREES["width-3"], settings)
-    assert _chi2(counts, joint, N_SAMPLES) > P_MIN  # the right rule passes with this drafter
+    return draft, joint, _chi2(counts, joint, N_SAMPLES)
+
+
+@pytest.mark.parametrize("wrong", ["no residual", "with replacement"])
+def test_the_test_fails_for_a_wrong_rule(models, peaked, monkeypatch, wrong):
+    target, _ = models
+    draft, joint, right_p = peaked
+    settings = SETTINGS["T1.3-topk5-topp.95"]
+    assert right_p > P_MIN  # the right rule passes with this drafter
     if wrong == "no residual":  # after a rejection keep sampling from p itself
         monkeypatch.setattr(verify, "residual", lambda p, q: p)
     else:  # the next sibling treated as a fresh draw from the same q
