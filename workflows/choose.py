@@ -490,7 +490,8 @@ def run_race(race: Race, measure: Callable[[str, int], Run], seconds_left: Calla
              check: Callable[[int, list[str]], None] | None = None,
              progress: Callable[[str, int], None] | None = None) -> Decision:
     """Selection prompt by prompt (halving, then stopping, when the next prompt and the
-    confirmation do not fit the time left), then the winner's confirmation while it fits.
+    confirmation do not fit the time left), then the winner's confirmation while it fits, and on
+    at least MIN_PROMPTS prompts whatever the time left (fewer cannot show it faster at the level).
     measure(key, prompt) decodes once and returns the Run; check(prompt, keys) runs after each
     block, before any elimination (the caller's output checks drop wrong plans there);
     progress(phase, prompt) after it."""
@@ -524,12 +525,12 @@ def run_race(race: Race, measure: Callable[[str, int], Run], seconds_left: Calla
     pairs = next((k for k in range(top, 1, -1) if race.confirmation_seconds(k) <= seconds_left()), 1)
     if pairs < top:
         race.log.append(f"confirmation: {pairs} pair(s) per prompt fit the time left (of {top})")
-    for p in list(race.confirmation):
+    for done, p in enumerate(list(race.confirmation)):
         w = race.winner
         if w.dropped:
             break
         keys = race.confirmation_order(pairs)
-        if race.seconds_of(keys, p) > seconds_left():
+        if done >= MIN_PROMPTS and race.seconds_of(keys, p) > seconds_left():  # fewer prompts cannot reach the level
             race.log.append(f"confirmation stopped before prompt {p}: the budget's time is spent")
             break
         bad = race.add_confirmation(p, block(keys, p))
