@@ -490,8 +490,9 @@ def run_race(race: Race, measure: Callable[[str, int], Run], seconds_left: Calla
              check: Callable[[int, list[str]], None] | None = None,
              progress: Callable[[str, int], None] | None = None) -> Decision:
     """Selection prompt by prompt (halving, then stopping, when the next prompt and the
-    confirmation do not fit the time left), then the winner's confirmation while it fits, and on
-    at least MIN_PROMPTS prompts whatever the time left (fewer cannot show it faster at the level).
+    confirmation do not fit the time left), then the winner's confirmation on every confirmation
+    prompt, as many pairs per prompt as fit the time left and at least one: a dropped prompt costs the
+    sign-flip test its power (with 5 pairs one slower prompt already puts p above 0.05).
     measure(key, prompt) decodes once and returns the Run; check(prompt, keys) runs after each
     block, before any elimination (the caller's output checks drop wrong plans there);
     progress(phase, prompt) after it."""
@@ -525,14 +526,13 @@ def run_race(race: Race, measure: Callable[[str, int], Run], seconds_left: Calla
     pairs = next((k for k in range(top, 1, -1) if race.confirmation_seconds(k) <= seconds_left()), 1)
     if pairs < top:
         race.log.append(f"confirmation: {pairs} pair(s) per prompt fit the time left (of {top})")
-    for done, p in enumerate(list(race.confirmation)):
+    for p in list(race.confirmation):  # every one, whatever the time left: each prompt dropped costs the test power
         w = race.winner
         if w.dropped:
             break
         keys = race.confirmation_order(pairs)
-        if done >= MIN_PROMPTS and race.seconds_of(keys, p) > seconds_left():  # fewer prompts cannot reach the level
-            race.log.append(f"confirmation stopped before prompt {p}: the budget's time is spent")
-            break
+        if race.seconds_of(keys, p) > seconds_left():
+            race.log.append(f"confirmation prompt {p}: past the budget (the confirmation runs on every prompt)")
         bad = race.add_confirmation(p, block(keys, p))
         if bad and race.seconds_of([w.key, PLAIN], p) * bad <= seconds_left():
             race.log.append(f"confirmation prompt {p}: load changed within {bad} pair(s): measured again")
