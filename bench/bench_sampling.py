@@ -43,7 +43,7 @@ from planner.sampling import Sampling, describe, record
 
 SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
 REPORTS = ROOT / "reports"
-GREEDY_RUN = REPORTS / "example-autotune-cpu-smollm2-135m"
+GREEDY_RUN = REPORTS / "autotune-quiet-cpu-smollm2-135m"  # the quiet main job the README quotes
 SAMPLED_RUNS = {"t0.7-p0.9": REPORTS / "sampling-autotune-cpu-smollm2-135m-t0.7-p0.9",
                 "t1.0-k50": REPORTS / "sampling-autotune-cpu-smollm2-135m-t1.0-k50"}
 
