@@ -389,25 +389,25 @@ def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
 
 def test_hf_chunk_after_cache_is_causal(tiny_llama):
     """A plain block of tokens after a cache (no tree, no mask) gets causal attention with the offset."""
-    from decoder.forward import prefill
+    from decoder.forward import kv, prefill
 
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(2))
     want = tiny_llama(input_ids=ids).logits
     model = _with_kernels(tiny_llama, "reference")
     cache = prefill(model, ids[:, :18]).cache
     with torch.inference_mode():
-        got = model(input_ids=ids[:, 18:], past_key_values=cache, use_cache=True).logits
+        got = model(input_ids=ids[:, 18:], **kv(cache), use_cache=True).logits
     torch.testing.assert_close(got, want[:, 18:], atol=1e-5, rtol=1e-5)
 
 
 def _plain_greedy(model, prompt, steps):
-    from decoder.forward import prefill
+    from decoder.forward import kv, prefill
 
     logits, _, cache = prefill(model, prompt)
     out = [int(logits[0, -1].argmax())]
     with torch.inference_mode():
         while len(out) < steps:
-            logits = model(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=torch.tensor([[out[-1]]]), **kv(cache), use_cache=True).logits
             out.append(int(logits[0, -1].argmax()))
     return out
 
