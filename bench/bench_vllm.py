@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, shared 
 
 from planner.errors import UserError  # noqa: E402
 
-RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"
+RUN = ROOT / "reports" / "autotune-quiet-cpu-smollm2-135m"  # the main job the README quotes
 from workflows.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's own settings, as the race uses them
 
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
