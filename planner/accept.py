@@ -55,6 +55,14 @@ class Acceptance:
     def label(self) -> str:
         return self.source.get("label", "acceptance")
 
+    def provenance(self) -> dict:
+        """Where the acceptance came from, as JSON: a calibration is named by its signal (a dynamic
+        plan carries the table itself, in its spec)."""
+        out = dict(self.source)
+        if out.get("calibration") is not None:
+            out["calibration"] = {"signal": out["calibration"].signal}
+        return out
+
     def to_json(self) -> dict:
         key = "positional" if self.positional else "accuracy"
         value = self.accuracy[0].tolist() if self.positional else self.accuracy.tolist()

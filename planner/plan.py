@@ -111,7 +111,7 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
         tree.predicted_speedup = predicted_speedup(tree, profile, guessing)
         tree.settings["guessing"] = asdict(guessing)
         tree.settings.update(padding(profile))
-    tree.provenance["acceptance"] = dict(accept.source)
+    tree.provenance["acceptance"] = accept.provenance()
     if profile is not None:
         tree.provenance["profile"] = {k: v for k, v in profile.source.items() if isinstance(v, (str, int, float))}
         if isinstance(profile.source.get("simulated"), dict):

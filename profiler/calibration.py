@@ -41,7 +41,9 @@ class _RecordingSession(DynamicSession):
             s.extend(pool, root, self)
         self.records.append((list(pool.tokens), list(pool.parent), list(pool.depth), [c[0][2] for c in pool.cells]))
         self.pool, self.chosen = pool, []
-        return Proposal(layout_for((), 1, self.ctx.dtype, self.ctx.device), root.new_empty(0))
+        lay = self._layout((), 1)  # PPD's prompt tokens ride along the plain step: their logits are its next pool
+        extra = next((e for e in (s.extra_embeds(lay) for s in self.sources) if e is not None), None)
+        return Proposal(lay, root.new_empty(0), extra_embeds=extra)
 
 
 def _plan(kind: str, prior: np.ndarray, max_depth: int) -> Tree:

@@ -115,6 +115,11 @@ def test_autotune_end_to_end_on_the_builtin_model(tmp_path):
     for name in ("profile.json", "accept-ppd.json", "accept-lookup.json"):
         assert (tmp_path / "run" / name).is_file()
     assert json.loads((tmp_path / "run" / "accept-lookup.json").read_text())["positions"] == 2 * 16
+    for kind in ("lookup", "ppd"):  # calibrated by replaying the shared decode: dynamic plans use it
+        assert json.loads((tmp_path / "run" / f"accept-{kind}.json").read_text())["calibration"]["observations"] > 0
+    by = {r["label"]: r["prediction"]["method"] for r in saved["rows"]}
+    assert all(m == "replay" for m in by.values()), by  # every finalist predicted from its replayed steps
+    assert saved["prediction_error"]["predicted_by"] == ["replay"] or not saved["prediction_error"]["rows"]
     assert _tracked_state() == before  # the main job writes into its run folder only
 
 

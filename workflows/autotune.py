@@ -27,6 +27,7 @@ from planner.guessers import kind as guesser_kind
 from planner.guessers import kinds as guesser_kinds
 from planner.jsonio import atomic_write_json
 from workflows.autotune_measure import acceptance_phase, pearl_phase, profile_phase
+from workflows.autotune_replay import prediction_phase
 from workflows.autotune_write import format_table, report_phase, write_phase
 from workflows.candidates import METHODS, finalists, plan_phase
 from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
@@ -95,7 +96,7 @@ def autotune(s: AutotuneSettings) -> dict:
     drafter = _pearl_drafter(accepts)
     pearl = pearl_phase(run, drafter, accepts, profiled.profile, accept_ids[0]) if drafter else None
     candidates += pearl["candidates"] if pearl else []
-    racing = finalists(candidates, s.finalists, s.neighbours, s.sweep)
+    racing = prediction_phase(run, finalists(candidates, s.finalists, s.neighbours, s.sweep), profiled.profile)
     race, outputs, decision = race_phase(run, race_ids, racing, profiled.profile)
     summary = write_phase(run, racing, race, outputs, decision, profiled, accepts)
     if pearl:

@@ -101,6 +101,7 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
     """Each guesser's acceptance on held-out prompts, from one shared greedy decode per prompt
     (a reused acceptance file, --accept, stands for the guesser whose guesses ride along)."""
     from profiler.teacher_forced import greedy_continuations
+    from workflows.autotune_replay import calibration_step, ppd_capture
 
     s = run.settings
     riding = _riding(run.guessers)
@@ -111,8 +112,9 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         return out
     eta = _acceptance_eta(run, profile, len(accept_ids))
     share = run.budget.acceptance_share * run.clock.left()  # the race needs the rest
-    if eta > share and len(accept_ids) > 2:
-        keep = max(2, int(len(accept_ids) * share / eta))
+    floor = run.budget.accept_prompts_min
+    if eta > share and len(accept_ids) > floor:
+        keep = max(floor, int(len(accept_ids) * share / eta))
         run.say(f"      the budget fits {keep} of {len(accept_ids)} acceptance prompts (predicted {eta:.0f} s for all)")
         accept_ids, eta = accept_ids[:keep], eta * keep / len(accept_ids)
     samp = s.sampling
@@ -121,6 +123,7 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
     run.clock.phase(2, f"acceptance of {', '.join(measure)} on {len(accept_ids)} held-out prompts x {s.accept_tokens} "
                        f"tokens (one {how} decode each, shared)", run.clock.left())
     ppd = riding if riding in measure.values() else None
+    capture = None if sampled else ppd_capture(run, ppd)  # PPD's logits kept: calibration and predictions replay them
     if sampled:
         from decoder.verify import Sampling
         from profiler.sampled import sampled_continuations
@@ -129,7 +132,7 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         cont = sampled_continuations(run.engine, accept_ids, s.accept_tokens,
                                      Sampling(samp.temperature, samp.top_k, samp.top_p), seed=s.seed, ppd=ppd)
     else:
-        cont = greedy_continuations(run.engine, accept_ids, s.accept_tokens, ppd=ppd)
+        cont = greedy_continuations(run.engine, accept_ids, s.accept_tokens, ppd=capture)
     run.say(f"      {how} decode: {cont.decode_s:.0f} s (predicted {eta:.0f} s with the replays)")
     for kind, g in measure.items():
         spec = guesser_kind(kind)
@@ -147,7 +150,8 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         acc["guesser"]["kind"] = kind
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = Measured(Path(path), load_acceptance(str(path)))
-    return out
+    # replays need the greedy text: a sampled run's dynamic plans keep their prior
+    return out if sampled else calibration_step(run, cont, capture, out)
 
 
 SIBLING_SAMPLES = 16  # Monte Carlo runs of the sibling procedure per position (a draft LM's ranks 1+)

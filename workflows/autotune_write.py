@@ -41,14 +41,15 @@ def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: flo
     decode_s = sum(outputs.decode_s[arm.key][p] for p in prompts)
     up = speedup(arm, plain)
     tps = tokens / max(steps, 1)
-    pred_step = step_s * c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)
+    pred_step = c.predicted_step_s or step_s * c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)
     meas_step = decode_s / max(steps, 1)
     return {"prompts": len(prompts), "tokens": tokens, "steps": steps,
             "measured_tokens_per_step": tps, "measured_speedup": up.mean, "measured_interval": up.to_json(),
             "predicted_step_s": pred_step, "measured_step_s": meas_step,
             "error_tokens_per_step": tps / c.predicted_tokens_per_step - 1,
             "error_step_s": meas_step / pred_step - 1, "error_speedup": c.predicted_speedup / up.mean - 1,
-            "measured_tokens_per_s": tokens / max(sum(arm.seconds[p] for p in prompts), 1e-9)}
+            "measured_tokens_per_s": tokens / max(sum(arm.seconds[p] for p in prompts), 1e-9),
+            "predicted_by": (c.prediction or {}).get("method") or "cost model"}
 
 
 def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int], greedy: bool = True) -> dict:
@@ -60,6 +61,7 @@ def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list
         "cost_vs_plain_step": arm.cost, "dropped": arm.dropped or None, "chosen": False, "tree": shown(path),
         "measured_tokens_per_step": None, "measured_speedup": None, "identical_to_greedy": None,
         "state_frequencies": state_frequencies(c.tree, states),
+        "prediction": c.prediction or None,  # replayed (or the cost model's), with the cost model's numbers
     }
     if measured:
         row.update(measured)
@@ -157,7 +159,7 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
         **tuned_for(s.sampling),
         "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
                   "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
-        "prediction_error": _prediction_errors(measured, chosen),
+        "prediction_error": _prediction_errors(measured, chosen, decision),
         "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
         "race": race.to_json(),
         "rows": rows, "profile": shown(profile_path),
@@ -169,17 +171,24 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
     }
 
 
-def _prediction_errors(measured: list[dict], chosen: Candidate | None) -> dict:
-    """How far the cost model was from the measurements: per row in the rows, summarised here."""
+def _prediction_errors(measured: list[dict], chosen: Candidate | None, decision: Decision) -> dict:
+    """How far the predictions were from the measurements: per row in the rows (the selection's
+    prompts), summarised here; the chosen plan's also against its confirmation (unbiased, more prompts)."""
     def med_abs(key):
         vals = sorted(abs(r[key]) for r in measured)
         return vals[len(vals) // 2] if vals else None
 
+    def max_abs(key):
+        return max((abs(r[key]) for r in measured), default=None)
+
     out = {"median_abs_tokens_per_step": med_abs("error_tokens_per_step"), "median_abs_step_s": med_abs("error_step_s"),
-           "median_abs_speedup": med_abs("error_speedup"), "rows": len(measured)}
+           "median_abs_speedup": med_abs("error_speedup"), "max_abs_tokens_per_step": max_abs("error_tokens_per_step"),
+           "max_abs_speedup": max_abs("error_speedup"), "rows": len(measured),
+           "predicted_by": sorted({r.get("predicted_by") or "cost model" for r in measured})}
     row = next((r for r in measured if chosen is not None and r["label"] == chosen.label), None)
     if row:
         out["chosen"] = {k: row[k] for k in ("error_tokens_per_step", "error_step_s", "error_speedup")}
+        out["chosen"]["error_speedup_vs_confirmation"] = chosen.predicted_speedup / decision.speedup.mean - 1
     return out
 
 

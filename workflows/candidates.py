@@ -42,6 +42,8 @@ class Candidate:
     guessing: Guessing = field(default_factory=Guessing)
     measured: dict = field(default_factory=dict)
     tag: str = ""  # tells apart two plans of one (guesser, method, size)
+    predicted_step_s: float | None = None  # set by a replayed prediction (workflows/autotune_replay.py)
+    prediction: dict = field(default_factory=dict)  # how it was predicted, and the cost model's own numbers
 
     @property
     def label(self) -> str:

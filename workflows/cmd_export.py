@@ -344,7 +344,7 @@ def _inputs(args, plan, method: str, notes: list[str]):
         accept = Acceptance(model.prior.copy(), False, source)
     else:
         accept = load_acceptance(acc_spec)
-    return accept, profiles, {"acceptance": dict(accept.source), "profile": prof_record,
+    return accept, profiles, {"acceptance": accept.provenance(), "profile": prof_record,
                               "profile_batch_sizes": sorted(profiles)}
 
 

@@ -51,7 +51,8 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
 
     out = [arm(PLAIN, 1.0, 1.0)]
     for c in racing:
-        cost = c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)  # step time / plain's
+        cost = (c.predicted_step_s / step if c.predicted_step_s  # step time / plain's
+                else c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9))
         out.append(arm(c.label, cost, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None))
     return out
 

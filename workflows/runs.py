@@ -18,7 +18,11 @@ class Budget:
     profile_max_s: float = 45.0  # profiling at most this long (--profile-budget) ...
     profile_share: float = 0.2  # ... and at most this share of the whole run
     matmul_share: float = 0.35  # of the profiling time (CPU): choosing each Linear's matmul path; the rest times L(n)
-    acceptance_share: float = 0.35  # of the time left when acceptance starts (the race needs the rest)
+    acceptance_share: float = 0.35  # of the time left when acceptance starts (the race needs the rest) ...
+    # ... but never fewer prompts than this: acceptance and calibration do not depend on the machine's
+    # load, only their time does, so a busy machine takes longer rather than plan from 2 prompts (a
+    # run with one core busy did, and decided differently from the quiet run)
+    accept_prompts_min: int = 6
     report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
 
     @property
@@ -59,6 +63,7 @@ class Run:
     say: object  # print, or a no-op when quiet
     clock: Clock
     budget: Budget
+    replays: list | None = None  # the shared greedy decode's teachers (profiler.replay.Teacher), per prompt
 
     @property
     def model(self):

@@ -537,7 +537,7 @@ def _finish(study, space, profile, storage, names, trials_run, out) -> TuneResul
                                      else {"temperature": 0.0, "top_k": 0, "top_p": 1.0})
         tree.settings["distribution_exact"] = not (cfg.verify == "typical" and space.temperature > 0)
         tree.provenance = dict(tree.provenance)
-        tree.provenance.setdefault("acceptance", src.accept.source)
+        tree.provenance.setdefault("acceptance", src.accept.provenance())
         if profile is not None:
             tree.provenance.setdefault("profile", profile.source)
         path = save_tree(tree, out)

@@ -1,0 +1,97 @@
+"""Replaying a decode over the known greedy text (profiler/replay.py) gives the steps decoding takes:
+per step the accepted length, for static trees and per-step plans of every guesser kind; the
+calibration by replay (profiler/calibration_replay.py) collects the observations decoding does;
+autotune's prediction phase prices the replayed steps and keeps the cost model beside it."""
+import numpy as np
+import pytest
+import torch
+from test_decoder_utils import static_tree, tiny_model
+from test_dynamic import ACC, _guesser, _profile, _prompts
+
+from decoder import generate
+from decoder.dynamic import HybridGuesser
+from decoder.lookup import PromptLookupGuesser
+from planner.dynamic_plan import plan_dynamic
+from profiler.calibration import measure_calibration
+from profiler.calibration_replay import calibrate_by_replay
+from profiler.replay import PPDCapture, Rows, replay_plan, teachers
+from profiler.teacher_forced import greedy_continuations
+
+torch.set_num_threads(1)
+N = 21
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", seed=1)
+
+
+def _teachers(target, hidden, ppd=None):
+    capture = PPDCapture(ppd) if ppd is not None else None
+    cont = greedy_continuations(target, _prompts(), N, ppd=capture)
+    return teachers(target, cont, hidden, capture)
+
+
+def _decoded_accepted(target, plan, g, ids):
+    """Accepted candidates per step but the last: there decoding may accept a guess whose bonus token
+    lies past max_new_tokens (the loop cuts it), which the text cannot tell, and the step count."""
+    out = generate(target, ids, plan=plan, guesser=g, max_new_tokens=N)
+    return list(out.stats.accepted[:-1]), out.steps
+
+
+def _replayed(steps):
+    return [s.accepted for s in steps[:-1]], len(steps)
+
+
+def test_rows_keep_softmax_and_top_k():
+    logits = torch.randn(5, 300)
+    r = Rows.of(logits, keep=16)
+    back = r.restore(range(5))
+    assert torch.equal(back.topk(16).indices, logits.topk(16).indices)
+    assert torch.allclose(torch.logsumexp(back, -1), torch.logsumexp(logits, -1), atol=1e-4)
+    assert torch.allclose(back.softmax(-1).topk(4).values, logits.softmax(-1).topk(4).values, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lookup", "parallelspec", "chain", "lookup+parallelspec", "lookup+chain",
+                                  "draft", "ppd"])
+def test_replayed_dynamic_steps_equal_decoding(target, kind):
+    kinds = kind.split("+")
+    plan = plan_dynamic([(k, ACC[k]) for k in kinds], _profile(), max_size=8, max_depth=5)
+    gs = [_guesser(k, target, "llama") for k in kinds]
+    g = gs[0] if len(gs) == 1 else HybridGuesser(gs[0], gs[1], kinds[1])
+    hidden = g.needs_hidden
+    ts = _teachers(target, hidden, ppd=g if kind == "ppd" else None)
+    for ids, t in zip(_prompts(), ts):
+        steps = replay_plan(target, g, plan, t, N)
+        assert _replayed(steps) == _decoded_accepted(target, plan, g, ids), kind
+        assert sum(s.accepted + 1 for s in steps) == N
+
+
+def test_replayed_static_draft_tree_equals_decoding(target):
+    """A draft LM's static tree, its passes replaced by its teacher-forced logits (exact on the text's path)."""
+    g = _guesser("draft", target, "llama")
+    plan = static_tree("sequoia", 9, 3, seed=4)
+    ts = _teachers(target, False)
+    for ids, t in zip(_prompts(), ts):
+        steps = replay_plan(target, g, plan, t, N, teacher_drafts=True)
+        assert _replayed(steps) == _decoded_accepted(target, plan, g, ids)
+
+
+def test_replay_notices_a_wrong_text(target):
+    """A continuation that is not the target's greedy text gives other steps: the comparison can fail."""
+    g = PromptLookupGuesser()
+    plan = plan_dynamic([("lookup", ACC["lookup"])], _profile(), max_size=8, max_depth=5)
+    t = _teachers(target, False)[2]  # the repetitive prompt: lookup accepts there
+    want = _decoded_accepted(target, plan, g, _prompts()[2])
+    t.tokens = t.tokens.roll(1)
+    assert _replayed(replay_plan(target, g, plan, t, N)) != want
+
+
+@pytest.mark.parametrize("kind", ["lookup", "parallelspec", "draft", "ppd"])
+def test_calibration_by_replay_equals_decoding(target, kind):
+    g = _guesser(kind, target, "llama")
+    ts = _teachers(target, g.needs_hidden, ppd=g if kind == "ppd" else None)
+    got = calibrate_by_replay(target, g, ts, ACC[kind].accuracy)
+    want = measure_calibration(target, g, _prompts(), ACC[kind].accuracy, max_new_tokens=N)
+    assert got["observations"] == want["observations"] > 0
+    assert np.allclose(np.array(got["p"], dtype=float), np.array(want["p"], dtype=float))
