@@ -112,6 +112,12 @@ def plain_step(profile: LatencyProfile) -> float:
     return float(step_cost(profile, 1))
 
 
+def prefill_cost(profile: LatencyProfile, prompt_tokens: int) -> float:
+    """The prefill of a prompt, priced as the forward of its tokens but the last (the first step
+    feeds that one), capped at the profile's longest input."""
+    return float(profile.latency(min(max(prompt_tokens - 1, 1), profile.max_input_length)))
+
+
 def step_latency(tree: Tree, profile: LatencyProfile, guessing: Guessing = Guessing()) -> float:
     """sum_s pi_s step_s."""
     lengths = input_lengths(tree, guessing)

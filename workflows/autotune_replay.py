@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from planner.accept import load_acceptance
-from planner.cost import plain_step, step_cost
+from planner.cost import plain_step, prefill_cost, step_cost
 from planner.guessers import kind as guesser_kind
 from planner.jsonio import atomic_write_json
 from planner.profile import LatencyProfile
@@ -93,9 +93,9 @@ def _price(c: Candidate, steps, profile: LatencyProfile, dynamic: bool) -> tuple
     return fwd, float(np.sum(c.guessing.draft_cost(np.array([s.depth for s in steps])))), 0.0
 
 
-def _prefill(profile: LatencyProfile, T: int) -> float:
-    """The prefill's cost as the race prices it (workflows/race.py)."""
-    return float(profile.latency(min(max(T - 1, 1), profile.max_input_length)))
+def _teachers(run) -> list:
+    """The shared decode's prompts that have a continuation to replay (none on a sampled run)."""
+    return [t for t in run.replays or [] if t.tokens.numel()]
 
 
 def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None:
@@ -103,7 +103,7 @@ def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None
     cannot be replayed here (PEARL's loop, PPD without its captured logits, no decode to replay)."""
     from profiler.replay import replay_plan
 
-    teachers = [t for t in (getattr(run, "replays", None) or []) if t.tokens.numel()]
+    teachers = _teachers(run)
     g = run.guessers.get(c.guesser)
     spec = guesser_kind(c.guesser)
     ppd = spec.needs_embeddings or any(guesser_kind(m).needs_embeddings for m in spec.members)
@@ -116,7 +116,7 @@ def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None
         steps = replay_plan(run.engine, g, c.tree, t, n, teacher_drafts=not dynamic)
         fwd, draft, decide = _price(c, steps, profile, dynamic)
         prompts.append(_Prompt(sum(s.accepted + 1 for s in steps), len(steps), fwd + draft + decide,
-                               _prefill(profile, t.prompt.numel()), fwd, draft, decide, sum(s.size for s in steps)))
+                               prefill_cost(profile, t.prompt.numel()), fwd, draft, decide, sum(s.size for s in steps)))
     tokens, steps_ = sum(p.tokens for p in prompts), sum(p.steps for p in prompts)
     seconds = sum(p.seconds for p in prompts)
     logs = [math.log((p.prefill_s + p.tokens * plain) / (p.prefill_s + p.seconds)) for p in prompts]
@@ -136,7 +136,7 @@ def prediction_phase(run, racing: list[Candidate], profile: LatencyProfile) -> l
     done = 0
     for c in racing:
         model = {"tokens_per_step": c.predicted_tokens_per_step, "speedup": c.predicted_speedup,
-                 "step_s": c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9) * plain_step(profile)}
+                 "step_s": c.step_s(plain_step(profile))}
         pred = predict_by_replay(run, c, profile)
         if pred is None:
             c.prediction = {"method": "cost model", "cost_model": model}
@@ -147,7 +147,6 @@ def prediction_phase(run, racing: list[Candidate], profile: LatencyProfile) -> l
         c.tree.predicted_speedup = pred["speedup"]
         c.tree.settings = dict(c.tree.settings, replayed_prediction={k: v for k, v in pred.items() if k != "method"})
         done += 1
-    prompts = len([t for t in getattr(run, "replays", None) or [] if t.tokens.numel()])
-    run.say(f"      predictions: {done} of {len(racing)} finalists replayed over {prompts} acceptance prompts x "
+    run.say(f"      predictions: {done} of {len(racing)} finalists replayed over {len(_teachers(run))} acceptance prompts x "
             f"{run.settings.decode_tokens} tokens ({time.perf_counter() - t0:.1f} s)")
     return sorted(racing, key=lambda c: -c.predicted_speedup)

@@ -41,7 +41,7 @@ def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: flo
     decode_s = sum(outputs.decode_s[arm.key][p] for p in prompts)
     up = speedup(arm, plain)
     tps = tokens / max(steps, 1)
-    pred_step = c.predicted_step_s or step_s * c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9)
+    pred_step = c.step_s(step_s)
     meas_step = decode_s / max(steps, 1)
     return {"prompts": len(prompts), "tokens": tokens, "steps": steps,
             "measured_tokens_per_step": tps, "measured_speedup": up.mean, "measured_interval": up.to_json(),

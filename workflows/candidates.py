@@ -45,6 +45,13 @@ class Candidate:
     predicted_step_s: float | None = None  # set by a replayed prediction (workflows/autotune_replay.py)
     prediction: dict = field(default_factory=dict)  # how it was predicted, and the cost model's own numbers
 
+    def step_s(self, plain_s: float) -> float:
+        """Its predicted step time: the replayed one, else the cost model's (plain's step times the
+        step's share of it, predicted tokens per step over predicted speedup)."""
+        if self.predicted_step_s:
+            return self.predicted_step_s
+        return plain_s * self.predicted_tokens_per_step / max(self.predicted_speedup, 1e-9)
+
     @property
     def label(self) -> str:
         return f"{self.guesser}/{self.method}-{self.size}{'+' if self.variant == 'per-state budgets' else ''}{self.tag}"

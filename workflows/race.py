@@ -37,23 +37,18 @@ def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
 
 def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: list) -> list[Arm]:
     """Plain decoding and every finalist as race arms, with each one's predicted time per prompt."""
-    from planner.cost import plain_step
+    from planner.cost import plain_step, prefill_cost
 
     step = plain_step(profile)
     n = run.settings.decode_tokens
 
-    def prefill(ids) -> float:
-        return float(profile.latency(min(max(int(ids.numel()) - 1, 1), profile.max_input_length)))
-
     def arm(key, cost, up, parallel=False):
-        return Arm(key, cost, up, {p: prefill(ids) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)},
+        return Arm(key, cost, up, {p: prefill_cost(profile, int(ids.numel())) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)},
                    parallel=parallel)
 
     out = [arm(PLAIN, 1.0, 1.0)]
     for c in racing:
-        cost = (c.predicted_step_s / step if c.predicted_step_s  # step time / plain's
-                else c.predicted_tokens_per_step / max(c.predicted_speedup, 1e-9))
-        out.append(arm(c.label, cost, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None))
+        out.append(arm(c.label, c.step_s(step) / step, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None))
     return out
 
 
