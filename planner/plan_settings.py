@@ -84,9 +84,12 @@ class RacedWith:
     threads: int | None = None  # CPU threads the target computed with
     profile: FileRef | None = None  # the profile whose matmul paths the hf engine ran (CPU); None: F.linear
     guesser: FileRef | None = None  # the guesser's files (None: a guesser without files)
+    free_cores: bool = False  # threads were the cores free of other processes: decode on the cores free then
 
     def to_json(self) -> dict:
         d: dict = {"engine": self.engine, "threads": self.threads}
+        if self.free_cores:
+            d["free_cores"] = True
         if self.profile is not None:
             d["profile"] = self.profile.to_json()
         if self.guesser is not None:
@@ -132,8 +135,11 @@ def _raced_with(obj, label: str) -> RacedWith | None:
     threads = obj.get("threads")
     if threads is not None and not _int(threads, 1, 4096):
         raise UserError(f"{label}: field 'settings.raced_with.threads' must be an integer in 1..4096, got {threads!r}")
+    free = obj.get("free_cores", False)
+    if not isinstance(free, bool):
+        raise UserError(f"{label}: field 'settings.raced_with.free_cores' must be true or false, got {free!r}")
     return RacedWith(engine, threads, _ref(obj.get("profile"), label, "raced_with.profile"),
-                     _ref(obj.get("guesser"), label, "raced_with.guesser"))
+                     _ref(obj.get("guesser"), label, "raced_with.guesser"), free)
 
 
 def _pearl(obj, label: str) -> Pearl | None:

@@ -58,3 +58,17 @@ def other_cores(seconds: float = 0.5) -> float | None:
     m.start()
     time.sleep(seconds)
     return m.stop()
+
+
+FREE_CORE = 0.5  # other processes' cores from which one core counts as taken
+
+
+def free_threads(threads: int, seconds: float = 1.0) -> tuple[int, float | None]:
+    """(threads to compute with, cores other processes used over `seconds`): `threads` less the
+    cores others keep busy, at least 1. A 2-thread op on two cores where another process holds one
+    waits on its preempted thread every step (L(1) 2.6x slower here), so a run that shares the
+    machine measures, and decodes, on the cores it has free."""
+    others = other_cores(seconds)
+    if others is None or others < FREE_CORE:
+        return threads, others
+    return max(1, min(threads, round(threads - others))), others

@@ -158,3 +158,31 @@ def test_profile_lengths_are_dense_where_trees_are_small_and_end_at_the_maximum(
     got = profile_lengths(64)
     assert got[:16] == list(range(1, 17)) and got[-1] == 64 and 18 in got and 17 not in got and 36 in got
     assert profile_lengths(70)[-2:] == [64, 70] and profile_lengths(80)[-2:] == [72, 80]
+
+
+def test_a_busy_machine_is_measured_on_its_free_cores(monkeypatch):
+    """No --threads and another process holding a core: autotune measures on the cores left free
+    (profiler.load.free_threads), says so, and skips PEARL (two jobs on their own cores); on a quiet
+    machine nothing changes. chosen.json's raced_with.free_cores then lets decode take the cores free
+    when it runs (tests/test_plan_settings.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import profiler.load as load
+    from workflows.autotune import _free_cores, _pearl_fits
+
+    said = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 0.05)
+        assert _free_cores(said.append) is False and torch.get_num_threads() == 2 and not said
+        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 1.0)
+        assert _free_cores(said.append) is True and torch.get_num_threads() == 1
+        assert said == ["other processes keep 1.0 cores busy: measuring on 1 of 2 threads (--threads overrides; "
+                        "the plan decodes on the cores free when it runs)"]
+        assert _pearl_fits(SimpleNamespace(free_cores=True, say=said.append)) is False and "PEARL not measured" in said[-1]
+        assert _pearl_fits(SimpleNamespace(free_cores=False, say=said.append)) is True  # --threads 1 asked for: measured
+    finally:
+        torch.set_num_threads(before)

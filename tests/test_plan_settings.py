@@ -85,3 +85,40 @@ def test_decode_runs_the_plan_as_raced_and_says_so(tmp_path, capsys):
     shutil.copy(REPO / "profiles" / "cpu-builtin.json", other)
     assert main(["decode", "--plan", str(plan), "--model", "tiny", "--prompts", str(prompts), "--max-new-tokens", "6",
                  "--profile", str(other), "--no-progress"]) == 0
+
+
+def test_free_threads_leave_the_cores_other_processes_hold(monkeypatch):
+    import profiler.load as load
+
+    for others, threads, want in ((None, 2, 2), (0.1, 2, 2), (0.49, 2, 2), (1.0, 2, 1), (1.6, 4, 2), (3.9, 4, 1),
+                                  (8.0, 2, 1)):
+        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5, o=others: o)
+        assert load.free_threads(threads) == (want, others)
+
+
+def test_a_plan_raced_on_free_cores_decodes_on_the_cores_free_now(tmp_path, capsys, monkeypatch):
+    import profiler.load as load
+    from workflows.inputs import REPO
+
+    plan, run = _raced_plan(tmp_path, REPO / "profiles" / "cpu-builtin.json")
+    tree = load_tree(plan)
+    raced = dict(tree.settings["raced_with"], free_cores=True)
+    tree.settings = dict(tree.settings, raced_with=raced)
+    save_tree(tree, plan)
+    assert plan_settings(load_tree(plan).settings).raced_with.free_cores
+    with pytest.raises(UserError, match="settings.raced_with.free_cores"):
+        plan_settings({"raced_with": {"free_cores": "yes"}}, "plan.json")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello hello hello\n")
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 0.0)  # a quiet machine now: every core
+        assert main(["decode", "--plan", str(plan), "--model", "tiny", "--prompts", str(prompts),
+                     "--max-new-tokens", "4"]) == 0
+        assert "2 threads (the cores free now; raced on the 1 a busy machine left)" in capsys.readouterr().err
+        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 1.0)  # one core taken now
+        assert main(["decode", "--plan", str(plan), "--model", "tiny", "--prompts", str(prompts),
+                     "--max-new-tokens", "4"]) == 0
+        assert "1 threads (the cores free now" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)

@@ -160,3 +160,19 @@ def test_a_short_budget_still_confirms_on_enough_prompts():
             if race.winner is not None and not race.winner.dropped:
                 assert len(race.winner.pairs) >= max(MIN_PROMPTS, len(race.confirmation))
         assert found >= 16, (share, found)
+
+
+def test_a_follow_up_of_a_selection_question_never_confirms():
+    """Race prompts come as (first turn, follow-up) pairs of one question (training.splits, turns=2):
+    selection prompts left unused join the confirmation, but not the follow-up of a question the
+    winner was selected on (it repeats that question: the confirmation would not be independent)."""
+    m = Machine(dict(EQUAL, a0=1.3), seed=1)
+    arms = [Arm(PLAIN, 1.0, 1.0, {p: m.base(p) for p in range(16)})]
+    arms += [Arm(k, 1.5, v, {p: m.base(p) / v for p in range(16)}) for k, v in m.speeds.items()]
+    race = Race(arms, list(range(16)), seed=1, groups={p: p // 2 for p in range(16)})
+    assert race.selection == list(range(6)) and race.confirmation == list(range(6, 16))
+    run_race(race, m.measure, lambda: 30.0 - m.clock)  # time for one selection prompt only
+    assert race.selected_on == [0]
+    assert race.spare == [2, 3, 4, 5] and race.confirmation[:10] == list(range(6, 16)) and 1 not in race.confirmation
+    assert "selection prompts left unused, from 2 on: past the budget" in " ".join(race.log)  # spares only while time is left
+    assert {p for p, _ in race.winner.pairs} <= set(range(2, 16))

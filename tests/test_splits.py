@@ -1,11 +1,13 @@
 """training.splits: the benchmark prompts share no text with training, acceptance or race prompts."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from planner.errors import UserError
 from training.data import DEFAULT_DATA, QUESTIONS_FILE, WEB_FILE, read_jsonl
-from training.splits import GROUPS, accept_and_race, bench_prompts
+from training.splits import ANSWER_CHARS, GROUPS, Chat, accept_and_race, bench_prompts
 
 DATA_PRESENT = (DEFAULT_DATA / QUESTIONS_FILE).is_file() and (DEFAULT_DATA / WEB_FILE).is_file()
 needs_data = pytest.mark.skipif(not DATA_PRESENT, reason="the shared data directory is not beside the repository")
@@ -21,6 +23,10 @@ def test_benchmark_prompts_are_disjoint_from_every_tuning_set():
     every_question_turn = {_norm(t) for q in questions for t in q["turns"]}  # train, accept and race alike
     accept, race = accept_and_race(DEFAULT_DATA / QUESTIONS_FILE, 8, 8)
     assert len(accept) == len(race) == 8 and not set(accept) & set(race)
+    accept2, race2 = accept_and_race(DEFAULT_DATA / QUESTIONS_FILE, 16, 16, turns=2)
+    assert accept2[0::2] == accept and race2[0::2] == race  # a question's first turn, then its follow-up
+    assert all(isinstance(c, Chat) and len(c.turns) == 3 for c in accept2[1::2] + race2[1::2])
+    assert [c.turns[0] for c in race2[1::2]] == race and not {c.turns for c in accept2[1::2]} & {c.turns for c in race2[1::2]}
     web = [str(r.get("text", "")) for r in read_jsonl(DEFAULT_DATA / WEB_FILE)]
     web_train = [_norm(t) for i, t in enumerate(web) if i % 20 != 0]
     chat = bench_prompts("chat", 24)
@@ -32,6 +38,9 @@ def test_benchmark_prompts_are_disjoint_from_every_tuning_set():
             t = _norm(turn)
             assert t not in every_question_turn
             assert not any(t in q or q in t for q in every_question_turn if len(q) > 40)
+    answers = [_norm(c.turns[1]) for c in accept2[1::2] + race2[1::2]]  # what the follow-ups quote
+    for p in chat + repeat:
+        assert not any(_norm(t)[:200] in a or a[:200] in _norm(t) for t in p.turns for a in answers)
     # a repeat prompt built on a web document must quote a validation document, never a training one
     for p in repeat:
         body = _norm(p.turns[0].split("\n\n", 1)[-1])
@@ -47,4 +56,37 @@ def test_bad_requests_fail_in_one_line(tmp_path):
     f.write_text("\n".join('{"question_id": %d, "turns": ["q%d"]}' % (q, q) for q in range(81, 101)))
     with pytest.raises(UserError, match="held-out questions"):
         accept_and_race(f, 5, 5)
+    with pytest.raises(UserError, match="vicuna7b_mt_bench_answers.jsonl: file not found .*--turns 1"):
+        accept_and_race(f, 1, 1, turns=2)
+    (tmp_path / "vicuna7b_mt_bench_answers.jsonl").write_text('{"question_id": 85, "turns": ["a"]}\n')
+    with pytest.raises(UserError, match="question 85 has no second turn"):
+        accept_and_race(f, 1, 1, turns=2)
+    with pytest.raises(UserError, match="turns: expected 1 or 2"):
+        accept_and_race(f, 1, 1, turns=3)
+
+
+def test_a_follow_up_quotes_the_answer_cut_at_a_sentence(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join('{"question_id": %d, "turns": ["q%d", "again %d"]}' % (q, q, q) for q in (85, 90)))
+    long = "One sentence here. " * 200
+    (tmp_path / "vicuna7b_mt_bench_answers.jsonl").write_text(
+        '{"question_id": 85, "turns": ["short answer", "x"]}\n' + json.dumps({"question_id": 90, "turns": [long]}) + "\n")
+    accept, race = accept_and_race(f, 2, 2, turns=2)
+    assert accept == ["q85", Chat(("q85", "short answer", "again 85"))]
+    cut = race[1].turns[1]
+    assert cut.endswith("here.") and ANSWER_CHARS // 3 < len(cut) <= ANSWER_CHARS and long.startswith(cut)
+    assert race[1].messages() == [{"role": "user", "content": "q90"}, {"role": "assistant", "content": cut},
+                                  {"role": "user", "content": "again 90"}]
     assert GROUPS == ("chat", "repeat")
+
+
+def test_a_follow_up_is_encoded_as_its_conversation():
+    from transformers import AutoTokenizer
+
+    from workflows.inputs import REPO, encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(REPO / "models" / "builtin")  # no chat template: its training format
+    one, chat = encode_prompts(tok, ["q1", Chat(("q1", "the answer", "q2"))])
+    assert tok.decode(chat, skip_special_tokens=False).replace(" ", "").endswith(
+        "USER:q1ASSISTANT:theanswer</s>USER:q2ASSISTANT:")
+    assert chat[: one.numel() - 1].tolist() == one[:-1].tolist()  # the first turn, as asked alone

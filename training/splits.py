@@ -5,6 +5,8 @@ a prompt that trained a guesser or tuned a plan.
              index % 20 != 0: what the drafters and PPD prompt tokens learn from (training.data)
     accept   the held-out MT-bench questions, even places: autotune's acceptance pass and calibration
     race     the held-out MT-bench questions, odd places: the plans autotune races
+             (with turns=2 each question gives two prompts: its first turn, and its second turn asked
+             after Vicuna's answer to the first, as a user's follow-up is: `Chat`)
     bench    prompts no tuning step reads: hand-written two-turn chats (bench/data/bench_chat.jsonl)
              and requests that repeat their input (rewrite, summarise, edit, extract) built on
              hand-written texts (bench/data/rewrite_prompts.jsonl) and on web documents of the
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import UserError
-from training.data import DEFAULT_DATA, QUESTIONS_FILE, WEB_FILE, held_out_question, read_jsonl
+from training.data import ANSWERS_FILE, DEFAULT_DATA, QUESTIONS_FILE, WEB_FILE, held_out_question, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DATA = REPO / "bench" / "data"
@@ -45,8 +47,20 @@ class BenchPrompt:
     turns: tuple[str, ...]
 
 
-def tuning_questions(questions_path: str | Path = DEFAULT_DATA / QUESTIONS_FILE) -> list[tuple[int, str]]:
-    """(question_id, first turn) of the MT-bench questions held out of all training, in file order."""
+ANSWER_CHARS = 1200  # a previous answer in a follow-up prompt is cut near this (prefill stays bounded)
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation up to the assistant's next answer: turns alternate user, assistant, ..., user."""
+
+    turns: tuple[str, ...]
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t.strip()} for i, t in enumerate(self.turns)]
+
+
+def _questions(questions_path: str | Path) -> list[tuple[int, list[str]]]:
     path = Path(questions_path)
     if not path.is_file():
         raise UserError(f"{path}: file not found (the MT-bench questions; give another with --questions)")
@@ -56,20 +70,67 @@ def tuning_questions(questions_path: str | Path = DEFAULT_DATA / QUESTIONS_FILE)
             continue
         try:
             q = json.loads(line)
-            rows.append((int(q["question_id"]), str(q["turns"][0])))
+            turns = [str(t) for t in q["turns"]]
+            rows.append((int(q["question_id"]), [turns[0]] + turns[1:]))
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
             raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
-    return [(qid, text) for qid, text in rows if held_out_question(qid)]
+    return [(qid, turns) for qid, turns in rows if held_out_question(qid)]
 
 
-def accept_and_race(questions_path: str | Path, n_accept: int, n_race: int) -> tuple[list[str], list[str]]:
+def tuning_questions(questions_path: str | Path = DEFAULT_DATA / QUESTIONS_FILE) -> list[tuple[int, str]]:
+    """(question_id, first turn) of the MT-bench questions held out of all training, in file order."""
+    return [(qid, turns[0]) for qid, turns in _questions(questions_path)]
+
+
+def _cut(text: str, chars: int = ANSWER_CHARS) -> str:
+    """`text` cut at the last paragraph or sentence end before `chars` (whole when shorter)."""
+    if len(text) <= chars:
+        return text
+    head = text[:chars]
+    end = max(head.rfind("\n\n"), head.rfind(". ") + 1)
+    return head[:end].rstrip() if end > chars // 3 else head
+
+
+def _follow_ups(questions_path: Path, held: list[tuple[int, list[str]]]) -> dict[int, Chat]:
+    """question_id -> its second turn asked after Vicuna's first answer (the answers file beside the
+    questions file; training never reads the held-out questions' answers)."""
+    answers_path = Path(questions_path).parent / ANSWERS_FILE
+    if not answers_path.is_file():
+        raise UserError(f"{answers_path}: file not found (the answers a follow-up prompt quotes; "
+                        "without it race on first turns only: --turns 1)")
+    answers = {}
+    for row in read_jsonl(answers_path):
+        try:
+            answers[int(row["question_id"])] = str(row["turns"][0])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise UserError(f"{answers_path}: expected objects with 'question_id' and 'turns' (the answers)") from None
+    out = {}
+    for qid, turns in held:
+        if len(turns) < 2 or qid not in answers:
+            raise UserError(f"{questions_path}: question {qid} has no second turn, or {answers_path.name} no answer "
+                            "to it; race on first turns only: --turns 1")
+        out[qid] = Chat((turns[0], _cut(answers[qid]), turns[1]))
+    return out
+
+
+def accept_and_race(questions_path: str | Path, n_accept: int, n_race: int, turns: int = 1) -> tuple[list, list]:
     """The held-out questions in two disjoint sets: acceptance (even places), race (odd places).
-    Interleaved so both span the categories (the file groups questions by category)."""
-    held = [text for _, text in tuning_questions(questions_path)]
-    if n_accept > (len(held) + 1) // 2 or n_race > len(held) // 2:
-        raise UserError(f"{questions_path}: {len(held)} held-out questions give at most {(len(held) + 1) // 2} "
-                        f"acceptance and {len(held) // 2} race prompts; asked for {n_accept} and {n_race}")
-    return held[0::2][:n_accept], held[1::2][:n_race]
+    Interleaved so both span the categories (the file groups questions by category).
+
+    turns=2: each question gives its first turn and then its follow-up (a `Chat`), one after the
+    other, so a cut after any even count keeps a question's two prompts together (the race's
+    selection and confirmation never share a question)."""
+    if turns not in (1, 2):
+        raise UserError(f"turns: expected 1 or 2, got {turns}")
+    held = _questions(questions_path)
+    follow = _follow_ups(Path(questions_path), held) if turns == 2 else {}
+    prompts = [[t[0]] + ([follow[qid]] if turns == 2 else []) for qid, t in held]
+    accept = [p for q in prompts[0::2] for p in q]
+    race = [p for q in prompts[1::2] for p in q]
+    if n_accept > len(accept) or n_race > len(race):
+        raise UserError(f"{questions_path}: {len(held)} held-out questions give at most {len(accept)} "
+                        f"acceptance and {len(race)} race prompts ({turns} per question); asked for {n_accept} and {n_race}")
+    return accept[:n_accept], race[:n_race]
 
 
 SHINGLE = 10  # words: a validation text sharing this many consecutive words with a training text is left out

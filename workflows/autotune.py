@@ -49,9 +49,10 @@ class AutotuneSettings:
     out: str | None = None  # run folder; default runs/<date>-<device>-<model>
     questions: str = str(DEFAULT_QUESTIONS)
     accept_prompts: int = 8  # held-out prompts to measure acceptance on
-    decode_prompts: int = 8  # other held-out prompts the plans race on
+    decode_prompts: int = 16  # other held-out prompts the plans race on
+    turns: int = 2  # prompts per held-out question: its first turn, then its follow-up after an answer
     accept_tokens: int = 64  # greedy tokens per prompt when measuring acceptance
-    decode_tokens: int = 40  # new tokens per prompt when decoding
+    decode_tokens: int = 32  # new tokens per prompt when decoding
     max_input_length: int = 64  # largest forward pass planned and profiled
     context_length: int = 128  # cache length the profile is taken at (a typical prompt + answer here)
     methods: tuple[str, ...] = METHODS  # ppd guesser's tree families
@@ -88,12 +89,12 @@ class AutotuneSettings:
 def autotune(s: AutotuneSettings) -> dict:
     """Profile, measure acceptance, plan, race the plans against plain decoding, write; returns the summary."""
     run = _open_run(s)
-    accept_texts, race_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts)
+    accept_texts, race_texts = held_out_prompts(s.questions, s.accept_prompts, s.decode_prompts, s.turns)
     accept_ids, race_ids = encode_prompts(run.tokenizer, accept_texts), encode_prompts(run.tokenizer, race_texts)
     profiled = profile_phase(run)
     accepts = acceptance_phase(run, accept_ids, profiled.profile)
     candidates = plan_phase(run, accepts, profiled.profile)
-    drafter = _pearl_drafter(accepts)
+    drafter = _pearl_drafter(accepts) if _pearl_fits(run) else None
     pearl = pearl_phase(run, drafter, accepts, profiled.profile, accept_ids[0]) if drafter else None
     candidates += pearl["candidates"] if pearl else []
     racing = prediction_phase(run, finalists(candidates, s.finalists, s.neighbours, s.sweep), profiled.profile)
@@ -111,12 +112,21 @@ def autotune(s: AutotuneSettings) -> dict:
     return summary
 
 
+LLAMA_PROMPTS = 8  # race prompts llama.cpp's plain decoding is timed on (a comparison, not a decision)
+
+
 def _llama_plain(run: Run, race_ids: list, summary: dict) -> dict:
-    """llama.cpp plain decoding of the model's own GGUF on the same race prompts (workflows/llama_target.py)."""
+    """llama.cpp plain decoding of the model's own GGUF on the first race prompts plain decoding ran,
+    against this engine's plain decoding of the same prompts (workflows/llama_target.py)."""
     from workflows.llama_target import llama_plain_report
 
-    rep = llama_plain_report(run.loaded.name, race_ids, run.settings.decode_tokens,
-                             (summary.get("plain") or {}).get("tokens_per_s"), run.settings.threads)
+    by = (summary.get("plain") or {}).get("by_prompt") or {}
+    ids = sorted(int(p) for p in by)[:LLAMA_PROMPTS]
+    if not ids:
+        return {"skipped": "plain decoding timed no race prompt"}
+    hf_tps = sum(by[str(p)]["tokens"] for p in ids) / max(sum(by[str(p)]["seconds"] for p in ids), 1e-9)
+    rep = llama_plain_report(run.loaded.name, [race_ids[p] for p in ids], run.settings.decode_tokens, hf_tps,
+                             run.settings.threads)
     if rep.get("tokens_per_s"):
         run.say(f"      llama.cpp plain decoding of the same GGUF on the race prompts: {rep['tokens_per_s']:.1f} tokens/s "
                 f"({rep['vs_hf_plain']:.2f}x this engine's plain); plan for it: planner autotune --engine llama.cpp")
@@ -126,6 +136,17 @@ def _llama_plain(run: Run, race_ids: list, summary: dict) -> dict:
 def _finish(run: Run, summary: dict) -> None:
     summary["wall_s"] = run.clock.elapsed()
     atomic_write_json(run.out_dir / "summary.json", summary)
+
+
+def _pearl_fits(run: Run) -> bool:
+    """PEARL overlaps two jobs on their own cores: on the one core a busy machine leaves free the two
+    sides would take turns (and the race would not count its loaded runs), so it is not measured."""
+    import torch
+
+    if not run.free_cores or torch.get_num_threads() >= 2:
+        return True
+    run.say("      PEARL not measured: it runs the target and the draft LM on their own cores, and one core is free")
+    return False
 
 
 def _pearl_drafter(accepts: dict) -> str | None:
@@ -147,6 +168,7 @@ def _open_run(s: AutotuneSettings) -> Run:
     if s.threads:
         torch.set_num_threads(s.threads)
     device = s.device or default_device()
+    free = device == "cpu" and not s.threads and _free_cores(say)
     say(f"loading {s.model} on {device}")
     loaded = load_model(s.model, device=device, dtype=s.dtype)
     if loaded.tokenizer_dir is None:
@@ -156,7 +178,25 @@ def _open_run(s: AutotuneSettings) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
     out_dir = Path(s.out) if s.out else default_out(device, loaded.name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return Run(s, loaded, engine, guessers, tokenizer, device, out_dir, say, clock, budget)
+    return Run(s, loaded, engine, guessers, tokenizer, device, out_dir, say, clock, budget, free_cores=free)
+
+
+def _free_cores(say) -> bool:
+    """With no --threads, measure on the cores other processes leave free (profiler.load.free_threads):
+    True when that cut torch's threads (chosen.json says so, and `planner decode` then takes the
+    cores free when it starts)."""
+    import torch
+
+    from profiler.load import free_threads
+
+    machine = torch.get_num_threads()
+    threads, others = free_threads(machine)
+    if threads == machine:
+        return False
+    torch.set_num_threads(threads)
+    say(f"other processes keep {others:.1f} cores busy: measuring on {threads} of {machine} threads "
+        "(--threads overrides; the plan decodes on the cores free when it runs)")
+    return True
 
 
 # the sizes autotune loads each kind at: ranks a plan may use per node, and a chain's depth

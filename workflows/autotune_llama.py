@@ -41,6 +41,7 @@ class LlamaAutotune:
     questions: str | None = None
     accept_prompts: int = 8
     decode_prompts: int = 8
+    turns: int = 1  # prompts per held-out question (2: its follow-up too)
     accept_tokens: int = 64
     decode_tokens: int = 96
     rounds: int = 3
@@ -66,7 +67,7 @@ def autotune_llama(s: LlamaAutotune) -> dict:
     tokenizer = target.tokenizer()
     out = Path(s.out) if s.out else Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-llama.cpp-{target.name}"
     out.mkdir(parents=True, exist_ok=True)
-    accept_texts, race_texts = held_out_prompts(s.questions or str(DEFAULT_QUESTIONS), s.accept_prompts, s.decode_prompts)
+    accept_texts, race_texts = held_out_prompts(s.questions or str(DEFAULT_QUESTIONS), s.accept_prompts, s.decode_prompts, s.turns)
     accept_ids, race_ids = encode_prompts(tokenizer, accept_texts), encode_prompts(tokenizer, race_texts)
     say(f"[1/5] profiling {target.name} in llama.cpp ({target.engine.threads} threads), chains of 1..{MAX_INPUT} "
         f"after {', '.join(map(str, CONTEXTS))} tokens  ({left():.0f} s left)")

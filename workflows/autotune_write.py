@@ -116,7 +116,7 @@ def raced_with(run: Run, profile_path: Path, guesser_dir, plan_dir: Path) -> dic
     paths = run.device == "cpu" and run.engine.caps.name == "hf"
     return RacedWith(run.engine.caps.name, torch.get_num_threads(),
                      file_ref(profile_path, plan_dir) if paths else None,
-                     file_ref(guesser_dir, plan_dir) if guesser_dir else None).to_json()
+                     file_ref(guesser_dir, plan_dir) if guesser_dir else None, run.free_cores).to_json()
 
 
 def tuned_for(s) -> dict:
@@ -158,7 +158,9 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
         "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows) if s.sampling.rule == "greedy" else None,
         **tuned_for(s.sampling),
         "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
-                  "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9)},
+                  "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9),
+                  "by_prompt": {str(p): {"tokens": int(outputs.tokens[PLAIN][p].numel()), "seconds": sec}
+                                for p, sec in sorted(plain.seconds.items())}},
         "prediction_error": _prediction_errors(measured, chosen, decision),
         "best_measured": ({"label": best["label"], "measured_speedup": best["measured_speedup"]} if best else None),
         "race": race.to_json(),

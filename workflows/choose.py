@@ -208,6 +208,7 @@ class Race:
     confirmation: list[int] = field(default_factory=list)
     winner: Arm | None = None
     loaded_now: bool = False  # the last run (or the caller's probe before the first) was loaded
+    groups: dict[int, int] = field(default_factory=dict)  # prompt -> its question (a first turn and its follow-up)
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -216,6 +217,7 @@ class Race:
         self.confirmation = list(self.prompts[n - k:])
         self.rng = np.random.default_rng(self.seed)
         self._by_key = {a.key: a for a in self.arms}
+        self.spare: list[int] = []  # confirmation prompts that were selection prompts: run while time is left
         self._scales: dict[str | None, list[float]] = {}
 
     @property
@@ -362,9 +364,13 @@ class Race:
 
     def select(self) -> Arm | None:
         """The selection's winner: the leader, or a cheaper plan within TIE of it; selection
-        prompts left unused join the confirmation (the winner was not chosen on them)."""
-        unused = [p for p in self.selection if p not in self.selected_on]
-        self.confirmation = unused + [p for p in self.confirmation if p not in unused]
+        prompts left unused join the end of the confirmation while time is left (the winner was not
+        chosen on them), unless they share a question with a prompt it was chosen on (a follow-up
+        repeats its first turn)."""
+        seen = {self.groups.get(p, ("own", p)) for p in self.selected_on}
+        unused = [p for p in self.selection if p not in self.selected_on and self.groups.get(p, ("own", p)) not in seen]
+        self.confirmation = [p for p in self.confirmation if p not in unused] + unused
+        self.spare = unused
         measured = [a for a in self.ranked() if a.ratios]
         if not measured:
             return None
@@ -531,6 +537,10 @@ def run_race(race: Race, measure: Callable[[str, int], Run], seconds_left: Calla
         if w.dropped:
             break
         keys = race.confirmation_order(pairs)
+        if p in race.spare and race.seconds_of(keys, p) > seconds_left():
+            race.log.append(f"confirmation: selection prompts left unused, from {p} on: past the budget, not measured")
+            race.confirmation = race.confirmation[: race.confirmation.index(p)]
+            break
         if race.seconds_of(keys, p) > seconds_left():
             race.log.append(f"confirmation prompt {p}: past the budget (the confirmation runs on every prompt)")
         bad = race.add_confirmation(p, block(keys, p))

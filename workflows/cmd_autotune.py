@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/<date>-<device>-<model>)")
     p.add_argument("--questions", default=d.questions, help="MT-bench style questions JSONL (held-out ones are used)")
     p.add_argument("--accept-prompts", type=int, default=d.accept_prompts)
-    p.add_argument("--decode-prompts", type=int, default=d.decode_prompts)
+    p.add_argument("--decode-prompts", type=int, default=None,
+                   help=f"held-out prompts the plans race on (default {d.decode_prompts}; 8 with --engine llama.cpp)")
+    p.add_argument("--turns", type=int, default=None, choices=[1, 2],
+                   help=f"prompts per held-out question: 1 its first turn, 2 also its follow-up asked after an answer "
+                        f"(the answers file beside --questions) (default {d.turns}; 1 with --engine llama.cpp)")
     p.add_argument("--accept-tokens", type=int, default=d.accept_tokens,
                    help="tokens per prompt decoded for acceptance (greedily, or sampled with --temperature)")
     p.add_argument("--decode-tokens", type=int, default=None,
@@ -97,7 +101,7 @@ def _defaults(args) -> None:
     llama = args.engine == "llama.cpp"
     d = AutotuneSettings()
     for name, hf, ll in (("decode_tokens", d.decode_tokens, 96), ("rounds", d.rounds, 3),
-                         ("budget", d.budget_minutes, 10.0)):
+                         ("budget", d.budget_minutes, 10.0), ("decode_prompts", d.decode_prompts, 8), ("turns", d.turns, 1)):
         if getattr(args, name) is None:
             setattr(args, name, ll if llama else hf)
 
@@ -113,8 +117,8 @@ def _llama(args) -> int:
             raise UserError(f"{flag}: not with --engine llama.cpp (it races prompt lookup, the guesser llama.cpp runs)")
     summary = autotune_llama(LlamaAutotune(
         model=args.model, out=args.out, questions=args.questions, accept_prompts=args.accept_prompts,
-        decode_prompts=args.decode_prompts, accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens,
-        rounds=args.rounds, finalists=min(args.finalists, 8), neighbours=args.neighbours, threads=args.threads,
+        decode_prompts=args.decode_prompts, turns=args.turns, accept_tokens=args.accept_tokens,
+        decode_tokens=args.decode_tokens, rounds=args.rounds, finalists=min(args.finalists, 8), neighbours=args.neighbours, threads=args.threads,
         n_ctx=args.n_ctx, profile=args.profile, profile_budget_s=args.profile_budget, budget_minutes=args.budget,
         progress=not args.quiet))
     return 0 if summary["identical_to_greedy"] else 1
@@ -135,7 +139,7 @@ def run(args) -> int:
     s = AutotuneSettings(
         model=args.model, guessers=guessers, guesser_dirs=dirs, device=args.device, dtype=args.dtype, out=args.out,
         questions=args.questions, accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts,
-        accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
+        turns=args.turns, accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=methods, neighbours=args.neighbours, sweep=args.sweep,
         finalists=args.finalists, budget_minutes=args.budget,
         profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,

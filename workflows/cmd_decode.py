@@ -282,7 +282,14 @@ def _as_raced(args, tree) -> None:
     if args.profile is None and raced.profile is not None:
         args.profile = str(raced.profile.check(plan_dir, args.plan, "the profile (matmul paths)"))
         used.append(f"matmul paths of {args.profile}")
-    if args.threads is None and raced.threads is not None:
+    if args.threads is None and raced.free_cores:
+        import torch
+
+        from profiler.load import free_threads
+
+        args.threads, _ = free_threads(torch.get_num_threads(), 0.3)
+        used.append(f"{args.threads} threads (the cores free now; raced on the {raced.threads} a busy machine left)")
+    elif args.threads is None and raced.threads is not None:
         args.threads = raced.threads
         used.append(f"{args.threads} threads")
     if args.guesser is None and raced.guesser is not None and tree.settings.get("guesser"):

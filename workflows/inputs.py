@@ -33,11 +33,12 @@ def held_out_questions(questions_path: str) -> list[str]:
     return [text for _, text in tuning_questions(questions_path)]
 
 
-def held_out_prompts(questions_path: str, n_accept: int, n_decode: int) -> tuple[list[str], list[str]]:
-    """The held-out questions split in two disjoint sets (acceptance, race): training.splits."""
+def held_out_prompts(questions_path: str, n_accept: int, n_decode: int, turns: int = 1) -> tuple[list, list]:
+    """The held-out questions split in two disjoint sets (acceptance, race): training.splits;
+    turns=2 adds each question's follow-up (a training.splits.Chat) after it."""
     from training.splits import accept_and_race
 
-    return accept_and_race(questions_path, n_accept, n_decode)
+    return accept_and_race(questions_path, n_accept, n_decode, turns)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,24 +182,27 @@ def encode(tokenizer, texts: list[str], vocab_size: int) -> list:
 
     if tokenizer is not None:
         return encode_prompts(tokenizer, texts)
-    return [torch.tensor([b % vocab_size for b in t.encode()] or [0], dtype=torch.long) for t in texts]
+    flat = ["\n".join(t.turns) if hasattr(t, "turns") else t for t in texts]
+    return [torch.tensor([b % vocab_size for b in t.encode()] or [0], dtype=torch.long) for t in flat]
 
 
-def encode_prompts(tokenizer, texts: list[str]) -> list:
-    """Each text as a user turn of the model's chat template (SmolLM2: its system prompt and
-    <|im_start|> turns), ending where the assistant's answer starts. A tokenizer without a chat
-    template (the built-in model) gets the format it was trained on, "USER: ... ASSISTANT:"."""
+def encode_prompts(tokenizer, texts: list) -> list:
+    """Each prompt up to where the assistant's answer starts: a text as one user turn, a
+    training.splits.Chat as its conversation, in the model's chat template (SmolLM2: its system
+    prompt and <|im_start|> turns). A tokenizer without a chat template (the built-in model) gets
+    the format it was trained on, "USER: ... ASSISTANT: ...</s>USER: ... ASSISTANT:"."""
     import torch
 
     out = []
     for t in texts:
+        messages = t.messages() if hasattr(t, "messages") else [{"role": "user", "content": t.strip()}]
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": t.strip()}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             bos = tokenizer.bos_token_id
-            ids = ([bos] if bos is not None else []) + tokenizer(f"USER: {t.strip()} ASSISTANT:",
+            said = "".join(f"USER: {q['content']} ASSISTANT: {a['content']}</s>" for q, a in zip(messages[0::2], messages[1::2]))
+            ids = ([bos] if bos is not None else []) + tokenizer(f"{said}USER: {messages[-1]['content']} ASSISTANT:",
                                                                  add_special_tokens=False)["input_ids"]
         out.append(torch.tensor(list(ids), dtype=torch.long))
     return out

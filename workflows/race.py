@@ -76,7 +76,8 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
 
     s = run.settings
     by_key = {c.label: c for c in racing}
-    race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed)
+    race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed,
+                groups={p: p // s.turns for p in range(len(decode_ids))})  # training.splits: a question's turns in a row
     outputs = _Outputs()
     deadline = run.clock.budget_s - run.budget.report_reserve_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
@@ -118,7 +119,9 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
                     f"{len(race.candidates())} plans left; leader {lead.key} {speedup(lead)} plain{load}")
         else:
             w = race.winner
-            run.say(f"      confirmation prompt {race.confirmation.index(p) + 1}/{len(race.confirmation)}: {w.key} "
+            base = len(race.confirmation) - len(race.spare)
+            extra = f" (+{len(race.spare)} while time is left)" if race.spare else ""
+            run.say(f"      confirmation prompt {race.confirmation.index(p) + 1}/{base}{extra}: {w.key} "
                     f"{len(w.pairs)} pairs{load}; about {max(deadline - run.clock.elapsed(), 0):.0f} s left")
 
     decision = run_race(race, measure, lambda: deadline - run.clock.elapsed(), check, progress)

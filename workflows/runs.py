@@ -64,6 +64,7 @@ class Run:
     clock: Clock
     budget: Budget
     replays: list | None = None  # the shared greedy decode's teachers (profiler.replay.Teacher), per prompt
+    free_cores: bool = False  # torch's threads were cut to the cores other processes left free
 
     @property
     def model(self):
