@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from workflows.choose import (
-    ALPHA,
     LOADED_CORES,
     PAIRS,
     PLAIN,
@@ -15,10 +14,9 @@ from workflows.choose import (
     Arm,
     Race,
     Run,
-    interval,
-    sign_flip_p,
     speedup,
 )
+from workflows.signflip import ALPHA, interval, sign_flip_p
 
 
 def test_sign_flip_p_counts_the_patterns_that_reach_the_observed_sum():

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workflows.choose import ALPHA, PLAIN, Arm, Race, Run, run_race, sign_flip_p
+from workflows.choose import PLAIN, Arm, Race, Run, run_race
+from workflows.signflip import ALPHA, sign_flip_p
 
 
 @dataclass
@@ -143,7 +144,7 @@ def test_a_short_budget_still_confirms_on_enough_prompts():
     every confirmation prompt), and the confirmation runs on every confirmation prompt whatever the time
     left (below MIN_PROMPTS pairs the sign-flip test cannot reach its level, and each prompt dropped
     costs it power): with the floor, or a third of it, a 30 % faster plan is found on every prompt."""
-    from workflows.choose import MIN_PROMPTS
+    from workflows.signflip import MIN_PROMPTS
     from workflows.race import race_floor_s
 
     speeds = {"fast": 1.3, "b": 1.0, "c": 0.9}

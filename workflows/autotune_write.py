@@ -12,7 +12,8 @@ from pathlib import Path
 from planner.guessers import kind as guesser_kind
 from planner.tree import PPD, Tree, TreeState, save_tree
 from workflows.candidates import Candidate
-from workflows.choose import LEVEL, MIN_PROMPTS, PLAIN, Arm, Decision, Race, speedup
+from workflows.choose import PLAIN, Arm, Decision, Race, speedup
+from workflows.signflip import LEVEL, MIN_PROMPTS
 from workflows.race import _Outputs
 from workflows.runs import Run, shown
 
