@@ -64,7 +64,9 @@ def test_replayed_dynamic_steps_equal_decoding(target, kind):
     for ids, t in zip(_prompts(), ts):
         steps = replay_plan(target, g, plan, t, N)
         got, want = _replayed(steps), _decoded_accepted(target, plan, g, ids)
-        if "+" in kind:  # known: a hybrid's replay may differ from decoding at one step (issue 30 note)
+        # a session prices its own decision time as measured (DynamicSession.decide_est, wall clock), so a
+        # step at the edge of sending a guess may go either way in any two runs; seen for hybrids only
+        if "+" in kind:
             assert got[1] == want[1] and sum(a != b for a, b in zip(got[0], want[0])) <= 1, (kind, got, want)
         else:
             assert got == want, kind
