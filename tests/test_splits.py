@@ -90,3 +90,9 @@ def test_a_follow_up_is_encoded_as_its_conversation():
     assert tok.decode(chat, skip_special_tokens=False).replace(" ", "").endswith(
         "USER:q1ASSISTANT:theanswer</s>USER:q2ASSISTANT:")
     assert chat[: one.numel() - 1].tolist() == one[:-1].tolist()  # the first turn, as asked alone
+
+
+def test_question_of_keeps_a_questions_turns_together():
+    from training.splits import question_of
+
+    assert question_of(4, 2) == {0: 0, 1: 0, 2: 1, 3: 1} and question_of(3, 1) == {0: 0, 1: 1, 2: 2}

@@ -71,7 +71,9 @@ def _questions(questions_path: str | Path) -> list[tuple[int, list[str]]]:
         try:
             q = json.loads(line)
             turns = [str(t) for t in q["turns"]]
-            rows.append((int(q["question_id"]), [turns[0]] + turns[1:]))
+            if not turns:
+                raise IndexError
+            rows.append((int(q["question_id"]), turns))
         except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
             raise UserError(f"{path}: line {i + 1}: expected a JSON object with 'question_id' and 'turns'") from None
     return [(qid, turns) for qid, turns in rows if held_out_question(qid)]
@@ -131,6 +133,12 @@ def accept_and_race(questions_path: str | Path, n_accept: int, n_race: int, turn
         raise UserError(f"{questions_path}: {len(held)} held-out questions give at most {len(accept)} "
                         f"acceptance and {len(race)} race prompts ({turns} per question); asked for {n_accept} and {n_race}")
     return accept[:n_accept], race[:n_race]
+
+
+def question_of(prompts: int, turns: int) -> dict[int, int]:
+    """prompt index -> its question's index, for a list accept_and_race made with `turns` (a
+    question's prompts sit in a row): the race keeps one question on one side (workflows.choose)."""
+    return {p: p // turns for p in range(prompts)}
 
 
 SHINGLE = 10  # words: a validation text sharing this many consecutive words with a training text is left out

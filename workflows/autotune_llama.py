@@ -175,13 +175,14 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
     from decoder.loop import generate
     from decoder.registry import LoadRequest, load_guesser
     from profiler.load import OtherLoad, other_cores
+    from training.splits import question_of
     from workflows.choose import LOADED_CORES, PLAIN, Race, Run, run_race, speedup
 
     eng = target.engine
     lookup = load_guesser(LOOKUP, LoadRequest(eng, depth=8))
     by_key = {c.label: c for c in racing}
     race = Race(_arms(racing, race_ids, profile, s.decode_tokens), list(range(len(race_ids))), rounds=s.rounds,
-                seed=s.seed, groups={p: p // s.turns for p in range(len(race_ids))})  # a question's turns in a row
+                seed=s.seed, groups=question_of(len(race_ids), s.turns))
     rec = _Record()
     stock = StockLlama(target.gguf, threads=eng.threads, n_ctx=eng.n_ctx)
 

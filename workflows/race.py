@@ -73,11 +73,12 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     the race (arms, log, every run), each arm's outputs, and the decision."""
     from profiler.load import OtherLoad, other_cores
     from profiler.measure import warm_up_shapes
+    from training.splits import question_of
 
     s = run.settings
     by_key = {c.label: c for c in racing}
     race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed,
-                groups={p: p // s.turns for p in range(len(decode_ids))})  # training.splits: a question's turns in a row
+                groups=question_of(len(decode_ids), s.turns))
     outputs = _Outputs()
     deadline = run.clock.budget_s - run.budget.report_reserve_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
