@@ -236,12 +236,16 @@ def profile_model(
     overhead: bool = True,
     layout: str = "padded",
     matmul_paths: str = "auto", matmul_budget_s: float | None = None, matmul_max_rows: int = 16,
+    deadline: float | None = None,
 ) -> dict:
     """Measure forward latency at every input length and batch size; returns the profile JSON object.
 
     `model` is a LoadedModel or a bare transformers model. overhead: also measure the decoder's
     own per-step work outside the forward pass (profiler/overhead.py), which the cost model adds;
     layout: batch rows "padded" (rectangular) or "packed" (one row, EMS-SD); matmul_paths: `_matmul_paths`.
+    deadline (a time.time() value): the whole profile ends by then, L(n) taking what the matmul paths
+    and the overhead left of it (never less than half its budget): the main job's phases each keep
+    their share of one budget, and the paths' installation and the overhead's new shapes overran it.
     Out of memory at a length drops that
     length and all longer ones for that batch size; Ctrl-C stops measuring. In both cases the
     points measured so far are returned and "incomplete" says where it stopped (Ctrl-C before any
@@ -254,6 +258,10 @@ def profile_model(
         time_budget_s = 120.0 if device.type == "cuda" else 15.0
     paths = _matmul_paths(hf, device, input_lengths, context_length, matmul_paths, matmul_budget_s or time_budget_s,
                           matmul_max_rows, seed, progress)  # before _open: L(n)'s budget starts after
+    # measured before L(n), with the paths installed, so that a deadline leaves L(n) exactly the rest
+    per_step = _overhead(hf, max(int(n) for n in input_lengths)) if overhead and int(batch_sizes[0]) == 1 else None
+    if deadline is not None:
+        time_budget_s = max(0.5 * time_budget_s, min(time_budget_s, deadline - time.time()))
     st = _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci,
                warmup, seed, time_budget_s, progress)
     attn_before = getattr(hf.config, "_attn_implementation", None)
@@ -281,8 +289,8 @@ def profile_model(
     if getattr(hf.config, "_attn_implementation", None) != attn_before:
         hf.set_attn_implementation(attn_before)  # the packed layout switched it for the measurement
     result = _profile_json(st, loaded, out_series, settings) | ({"matmul_paths": paths} if paths else {})
-    if overhead and not interrupted and batch_sizes[0] == 1:
-        result["decoder_overhead"] = _overhead(hf, out_series[0])
+    if per_step is not None:
+        result["decoder_overhead"] = per_step
     return _mark_incomplete(result, series, stopped)
 
 
@@ -319,10 +327,10 @@ def _measured(series: list[Series], batch_sizes: list[int], stopped: list[dict],
     return out
 
 
-def _overhead(hf, first_series: dict) -> dict:
+def _overhead(hf, max_input_length: int) -> dict:
     from profiler.overhead import measure_overhead
 
-    return measure_overhead(hf, max(first_series["input_lengths"]))
+    return measure_overhead(hf, max_input_length)
 
 
 def _mark_incomplete(result: dict, series: list[Series], stopped: list[dict]) -> dict:

@@ -112,7 +112,7 @@ def autotune(s: AutotuneSettings) -> dict:
     return summary
 
 
-LLAMA_PROMPTS = 8  # race prompts llama.cpp's plain decoding is timed on (a comparison, not a decision)
+LLAMA_PROMPTS = 4  # race prompts llama.cpp's plain decoding is timed on (a comparison, not a decision: Budget.llama_plain_s)
 
 
 def _llama_plain(run: Run, race_ids: list, summary: dict) -> dict:

@@ -9,6 +9,7 @@ PEARL's side latencies (workflows/autotune.py runs them in order).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def profile_phase(run: Run) -> Profiled:
                            f"decoder's own per-step work ({budget - paths_s:.0f} s)", run.clock.left())
         prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
                              time_budget_s=budget - paths_s, matmul_budget_s=paths_s or None,
-                             matmul_paths="auto" if paths_s else "off",
+                             matmul_paths="auto" if paths_s else "off", deadline=time.time() + budget,
                              progress=s.progress and sys.stderr.isatty())  # bars: terminals only
         path = atomic_write_json(run.out_dir / "profile.json", prof)
     profile = load_profile(str(path))
@@ -150,8 +151,8 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         acc["guesser"]["kind"] = kind
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = Measured(Path(path), load_acceptance(str(path)))
-    # replays need the greedy text: a sampled run's dynamic plans keep their prior
-    return out if sampled else calibration_step(run, cont, capture, out)
+    # sampled: deterministic guessers are calibrated on the sampled text with p-scored observations
+    return calibration_step(run, cont, capture, out)
 
 
 SIBLING_SAMPLES = 16  # Monte Carlo runs of the sibling procedure per position (a draft LM's ranks 1+)

@@ -80,7 +80,7 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed,
                 groups=question_of(len(decode_ids), s.turns))
     outputs = _Outputs()
-    deadline = run.clock.budget_s - run.budget.report_reserve_s
+    deadline = run.clock.budget_s - run.budget.after_race_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
     floor = race_floor_s(race)
     if run.clock.elapsed() + floor > deadline:  # a race too short to confirm anything would decide plain by default
@@ -91,7 +91,7 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     run.clock.phase(5, f"racing plain decoding and {len(racing)} plans: selection on {len(race.selection)} held-out "
                        f"prompts, the winner's confirmation against plain on {len(race.confirmation)} others, "
                        f"x {s.decode_tokens} tokens (predicted {eta:.0f} s; the budget halves the field when short)",
-                    min(eta, deadline - run.clock.elapsed()) + run.budget.report_reserve_s)
+                    min(eta, deadline - run.clock.elapsed()) + run.budget.after_race_s)
     warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
     device = run.model.get_input_embeddings().weight.device
     meter, t0 = OtherLoad(), time.perf_counter()

@@ -24,6 +24,12 @@ class Budget:
     # run with one core busy did, and decided differently from the quiet run)
     accept_prompts_min: int = 6
     report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
+    llama_plain_s: float = 15.0  # llama.cpp's plain decoding of a few race prompts (a comparison), kept out too
+
+    @property
+    def after_race_s(self) -> float:
+        """What the run does after the race: it is kept out of the race's deadline."""
+        return self.report_reserve_s + self.llama_plain_s
 
     @property
     def profile_s(self) -> float:
