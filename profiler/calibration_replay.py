@@ -41,10 +41,21 @@ class _TextRecordingSession(_RecordingSession):
         return any(o and d == deepest for o, d in zip(on, pool.depth))
 
 
-def calibrate_by_replay(engine, guesser, teachers: list[Teacher], prior: np.ndarray, max_depth: int = 8) -> dict:
+def calibrate_by_replay(engine, guesser, teachers: list[Teacher], prior: np.ndarray, max_depth: int = 8,
+                        sampling=None) -> dict:
     """The calibration JSON (planner.dynamic.Calibration.to_json) of `guesser` on the teachers'
-    continuations, as profiler.calibration.measure_calibration measures it by decoding."""
+    continuations, as profiler.calibration.measure_calibration measures it by decoding. Sampled
+    teachers (their p rows kept, `sampling` their settings): each observation is its guess's p(x),
+    the lossless rule's acceptance of a deterministic guess, and the path to it stands exactly when
+    the rule accepted its parent (profiler.calibration.observations)."""
     kind = guesser_kind(guesser)
+    sampled = any(t.probs is not None for t in teachers)
+    if sampled != (sampling is not None):
+        raise UserError("calibration replay: sampled continuations need their settings, greedy ones none")
+    if sampled and registered_kind(kind).samples:
+        raise UserError(f"calibration replay: the {kind} guesser samples its children under sampling, and a sampled "
+                        "child's place in the pool cannot follow the text's draw; its per-step plans keep the sampled "
+                        "acceptance rows, corrected online")
     plan = _plan(kind, prior, max_depth)
     per_prompt, longest = [], 0
     for t in teachers:
@@ -60,6 +71,6 @@ def calibrate_by_replay(engine, guesser, teachers: list[Teacher], prior: np.ndar
         cursor = Cursor()
         use_teacher_drafts(session, t, cursor)  # the draft LM's passes: its teacher-forced logits
         replay(session, t, ctx, None, cursor)
-        per_prompt.append(observations(session.records, session.text))
+        per_prompt.append(observations(session.records, session.text, t.probs))
         longest = max(longest, t.tokens.numel())
-    return _calibration_doc(kind, per_prompt, len(per_prompt), longest)
+    return _calibration_doc(kind, per_prompt, len(per_prompt), longest, sampling)

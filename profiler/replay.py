@@ -151,6 +151,7 @@ class Teacher:
     ppd: Rows | None = None  # per root i (0: the prompt's last token), D rows: PPD's ensemble-mean logits
     ppd_depth: int = 0
     drafts: dict = field(default_factory=dict)  # id(draft model) -> Rows of its teacher-forced logits [T + N]
+    probs: torch.Tensor | None = None  # [N, V] a sampled continuation's warped p that drew each token (None: greedy)
 
     @property
     def seq(self) -> torch.Tensor:
@@ -168,16 +169,18 @@ class Teacher:
 
 @torch.inference_mode()
 def teachers(engine, cont, hidden: bool, capture: PPDCapture | None = None) -> list[Teacher]:
-    """A Teacher per prompt of `cont` (profiler.teacher_forced.Continuations); hidden: one
-    teacher-forced target forward per prompt for the guessers that read hidden states."""
+    """A Teacher per prompt of `cont` (profiler.teacher_forced.Continuations, or a sampled one,
+    profiler.sampled.SampledContinuations, whose p rows come along); hidden: one teacher-forced
+    target forward per prompt for the guessers that read hidden states."""
     from profiler.teacher_forced import target_pass
 
     out = []
+    drew = getattr(cont, "probs", None) or [None] * len(cont.prompts)
     for i, (ids, toks) in enumerate(zip(cont.prompts, cont.tokens)):
         h = target_pass(engine, ids, toks, True)[1].float().cpu() if hidden and toks.numel() else None
         rows = capture.prompt_rows(i) if capture is not None else None
         D = rows.values.shape[0] // max(len(capture.rows[i]), 1) if rows is not None else 0
-        out.append(Teacher(ids.cpu(), toks.cpu(), h, rows, D))
+        out.append(Teacher(ids.cpu(), toks.cpu(), h, rows, D, probs=drew[i]))
     return out
 
 

@@ -101,3 +101,46 @@ def test_calibration_by_replay_equals_decoding(target, kind):
     want = measure_calibration(target, g, _prompts(), ACC[kind].accuracy, max_new_tokens=N)
     assert got["observations"] == want["observations"] > 0
     assert np.allclose(np.array(got["p"], dtype=float), np.array(want["p"], dtype=float))
+
+
+WARM = dict(temperature=0.9, top_k=0, top_p=0.95)
+
+
+def _sampled_teachers(target, hidden):
+    from decoder.verify import Sampling
+    from profiler.sampled import sampled_continuations
+
+    s = Sampling(**WARM)
+    cont = sampled_continuations(target, _prompts(), N, s, seed=3)
+    return teachers(target, cont, hidden), s
+
+
+@pytest.mark.parametrize("kind", ["lookup", "parallelspec"])
+def test_sampled_calibration_by_replay_equals_decoding(target, kind):
+    """Under sampling a deterministic guesser's observations are scored with the target's warped p
+    along the sampled text: by replay as `planner accept --calibrate --temperature` decodes them
+    (same seeds, so the same text), and not the greedy 0/1 observations."""
+    from decoder.verify import Sampling
+
+    g = _guesser(kind, target, "llama")
+    ts, s = _sampled_teachers(target, g.needs_hidden)
+    got = calibrate_by_replay(target, g, ts, ACC[kind].accuracy, sampling=s)
+    want = measure_calibration(target, g, _prompts(), ACC[kind].accuracy, max_new_tokens=N,
+                               sampling=Sampling(**WARM), seed=3)
+    assert got["observations"] == want["observations"] > 0
+    assert np.allclose(np.array(got["p"], dtype=float), np.array(want["p"], dtype=float), atol=1e-6)
+    assert got["sampling"] == want["sampling"]
+    greedy = calibrate_by_replay(target, g, [t.__class__(t.prompt, t.tokens, t.hidden) for t in ts],
+                                 ACC[kind].accuracy)
+    assert not np.allclose(np.array(greedy["p"], dtype=float), np.array(got["p"], dtype=float))
+
+
+def test_sampled_calibration_refuses_a_sampling_drafter(target):
+    from planner.errors import UserError
+
+    g = _guesser("draft", target, "llama")
+    ts, s = _sampled_teachers(target, False)
+    with pytest.raises(UserError, match="samples its children"):
+        calibrate_by_replay(target, g, ts, ACC["draft"].accuracy, sampling=s)
+    with pytest.raises(UserError, match="need their settings"):
+        calibrate_by_replay(target, _guesser("lookup", target, "llama"), ts, ACC["lookup"].accuracy)

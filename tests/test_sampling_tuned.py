@@ -85,6 +85,14 @@ def test_autotune_under_sampling_on_the_builtin_model(tmp_path, capsys):
     assert summary["identical_to_greedy"] is None  # outputs are not compared when sampling
     for kind in ("ppd", "lookup", "draft"):
         assert json.loads((run / f"accept-{kind}.json").read_text())["sampling"] == want
+    # lookup's per-step confidence calibrated on the sampled text (p-scored); the draft LM keeps its rows
+    cal = json.loads((run / "accept-lookup.json").read_text())["calibration"]
+    assert cal["sampling"] == want and cal["observations"] > 0 and "sampled decode" in cal["source"]
+    assert "calibration" not in json.loads((run / "accept-draft.json").read_text())
+    # a plan of deterministic guesses is predicted by replaying the sampled text (exact in law); a sampled
+    # draft's acceptance hangs on its own draw, and PPD's logits were not captured: the cost model
+    by = {r["label"]: (r["guesser"], r["prediction"]["method"]) for r in summary["rows"]}
+    assert all(m == ("replay" if g == "lookup" else "cost model") for g, m in by.values()), by
     rows = {(r["guesser"], r["method"]) for r in summary["rows"]}
     assert ("draft", "medusa") not in rows  # sampled children need contiguous sibling ranks
     assert all(load_tree(r["tree"]).settings["sampling"] == want for r in summary["rows"])

@@ -55,18 +55,26 @@ def calibration_step(run, cont, capture, measured: dict) -> dict:
     t0 = time.perf_counter()
     hidden = any(run.guessers[k].needs_hidden for k in measured)
     run.replays = teachers(run.engine, cont, hidden, capture)
-    out, done = dict(measured), []
+    sampling = getattr(cont, "sampling", None) if getattr(cont, "probs", None) else None
+    out, done, kept = dict(measured), [], []
     for kind, m in measured.items():
         spec = guesser_kind(kind)
         if not spec.dynamic or (spec.needs_embeddings and capture is None):
             continue
+        if sampling is not None and spec.samples:  # a sampled child cannot be placed on the text (calibrate_by_replay)
+            kept.append(kind)
+            continue
         doc = json.loads(m.path.read_text())
-        doc["calibration"] = calibrate_by_replay(run.engine, run.guessers[kind], run.replays, np.array(doc["accuracy"]))
-        doc["calibration"]["source"] = "profiler.calibration_replay (the shared greedy decode, replayed)"
+        doc["calibration"] = calibrate_by_replay(run.engine, run.guessers[kind], run.replays, np.array(doc["accuracy"]),
+                                                 sampling=sampling)
+        doc["calibration"]["source"] = ("profiler.calibration_replay (the shared "
+                                        + ("sampled decode, replayed, guesses scored with p" if sampling else "greedy decode, replayed")
+                                        + ")")
         atomic_write_json(m.path, doc)
         out[kind] = replace(m, accept=load_acceptance(str(m.path)))
         done.append(f"{kind} {doc['calibration']['observations']}")
-    run.say(f"      calibrated by replay ({time.perf_counter() - t0:.1f} s): {', '.join(done) or 'none'} observations")
+    run.say(f"      calibrated by replay ({time.perf_counter() - t0:.1f} s): {', '.join(done) or 'none'} observations"
+            + (f"; {', '.join(kept)} keep their sampled acceptance rows, corrected online" if kept else ""))
     return out
 
 
@@ -94,8 +102,20 @@ def _price(c: Candidate, steps, profile: LatencyProfile, dynamic: bool) -> tuple
 
 
 def _teachers(run) -> list:
-    """The shared decode's prompts that have a continuation to replay (none on a sampled run)."""
+    """The shared decode's prompts that have a continuation to replay."""
     return [t for t in run.replays or [] if t.tokens.numel()]
+
+
+def _replayable(run, guesser: str) -> bool:
+    """Whether replaying the shared decode gives the plan's steps in law. Greedy: always (a step's
+    accepted path is the proposal's longest path on the text). Sampled: when every guess is
+    deterministic, since the lossless rule then emits each node's token with the target's warped p
+    whatever was guessed, so the text's draw decides exactly which guess is accepted; a sampled
+    draft's acceptance depends on its own draw, which the text does not hold."""
+    if run.settings.sampling.rule == "greedy":
+        return True
+    spec = guesser_kind(guesser)
+    return not any(guesser_kind(k).samples for k in (spec.members or (guesser,)))
 
 
 def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None:
@@ -107,7 +127,8 @@ def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None
     g = run.guessers.get(c.guesser)
     spec = guesser_kind(c.guesser)
     ppd = spec.needs_embeddings or any(guesser_kind(m).needs_embeddings for m in spec.members)
-    if not teachers or g is None or spec.loop is not None or (ppd and teachers[0].ppd is None):
+    if not teachers or g is None or spec.loop is not None or (ppd and teachers[0].ppd is None) \
+            or not _replayable(run, c.guesser):
         return None
     dynamic = c.tree.dynamic is not None
     n, plain = run.settings.decode_tokens, plain_step(profile)
