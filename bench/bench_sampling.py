@@ -2,6 +2,7 @@
 
     python bench/bench_sampling.py                     # the committed runs: greedy-tuned and sampling-tuned plans
     python bench/bench_sampling.py --smoke             # the toy model, seconds
+    python bench/bench_sampling.py --llama-plan runs/llama-t0.7-p0.9/chosen.json   # with a llama.cpp sampled plan
 
 Two settings users pick, T = 0.7 with top-p 0.9 and T = 1.0 with top-k 50, on benchmark prompts no
 tuning step reads (training.splits.bench_prompts: hand-written two-turn chats, answered turn by turn,
@@ -13,11 +14,20 @@ repeat) with one seed all contenders share:
   plain loop          this project's plain sampling loop (decoder.generate_plain)
   greedy-tuned plan   the plan `planner autotune` chose for greedy decoding, decoding sampled
   sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose
+and, when llama-cpp-python is installed and the model's GGUF is found (the same weights, Q4_1), the same
+settings in llama.cpp:
+  llama.cpp generate  llama-cpp-python's own sampling (Llama.generate, seeded per (prompt, repeat)); its
+                      sampler chain is top-k, top-p, then temperature, not transformers' temperature,
+                      top-k, top-p: at top-p < 1 and T != 1 it keeps another set of tokens (a speed row)
+  llama.cpp plain loop  this project's plain sampling loop on the llama.cpp engine
+  llama.cpp plan      the plan `planner autotune --engine llama.cpp --temperature ...` chose (--llama-plan,
+                      matched to a setting by the sampling it records; a setting without one skips the row)
 Outputs differ per contender (each samples with its own draws); exactness under sampling is the
 distribution tests' (tests/test_sampling_rules.py). Reported: tokens/s (tokens over seconds, the
 median over repeats per prompt), the per-prompt speedup over generate (geometric mean of
-tokens-per-second ratios, since sampled answers end at different lengths) and the mean accepted
-candidates per step. This project's loops run the matmul paths of the profile the sampling-tuned
+tokens-per-second ratios, since sampled answers end at different lengths; with the llama.cpp rows also
+over llama.cpp generate) and the mean accepted candidates per step. This project's loops run the matmul
+paths of the profile the sampling-tuned
 plan was made with; transformers runs stock. Writes bench/results/sampling.{json,md} (--out) with the machine and load.
 """
 from __future__ import annotations
@@ -29,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +50,7 @@ import torch
 from bench_main_job import load_plan, machine
 
 from planner.errors import UserError
-from planner.sampling import Sampling, describe, record
+from planner.sampling import Sampling, describe, record, recorded
 
 SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
 REPORTS = ROOT / "reports"
@@ -107,6 +118,54 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
     runs = {"generate": hf, "plain loop": plain}
     runs.update({name: plan_fn(tree, g) for name, (tree, g) in plans.items()})
     return runs
+
+
+LLAMA_BASE = "llama.cpp generate"
+
+
+@dataclass
+class LlamaSide:
+    """The llama.cpp contenders' engine, llama-cpp-python's own Llama, and the plan per setting."""
+
+    engine: object
+    stock: object
+    plans: dict = field(default_factory=dict)  # setting -> (label, tree, guesser or None)
+    weights: str = "the model's Q4_1 GGUF in llama.cpp (transformers runs the fp32 weights converted from it)"
+
+
+def llama_contenders(side: LlamaSide, key: str, s: Sampling, n: int) -> dict:
+    """name -> fn(ids, seed) -> (new token ids, accepted per step or None), as `contenders`. llama.cpp's
+    rows keep torch on one thread: its pool spins against llama.cpp's (docs/llama-cpp.md)."""
+    from decoder.guesser import PlainGuesser
+    from decoder.loop import generate
+
+    warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+
+    def one_torch_thread(fn):
+        def run(ids, seed):
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return fn(ids, seed)
+            finally:
+                torch.set_num_threads(before)
+        return run
+
+    def stock(ids, seed):
+        return side.stock.sample(ids.tolist(), n, s, seed)[0], None
+
+    def loop(tree, guesser):
+        def run(ids, seed):
+            out = generate(side.engine, ids, plan=tree if guesser else None, guesser=guesser or PlainGuesser(),
+                           max_new_tokens=n, phase_times=False, seed=seed, **warp)
+            return out.tokens.tolist(), out.stats.accepted
+        return run
+
+    runs = {LLAMA_BASE: stock, "llama.cpp plain loop": loop(None, None)}
+    if key in side.plans:
+        _, tree, guesser = side.plans[key]
+        runs["llama.cpp plan"] = loop(tree, guesser)
+    return {name: one_torch_thread(fn) for name, fn in runs.items()}
 
 
 def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) -> dict:
@@ -184,6 +243,8 @@ def summarise(prompts, got: dict) -> dict:
     out = {}
     for name, g in got.items():
         ups = [r / b for r, b in zip(g["rates"], base)]
+        if LLAMA_BASE in got:
+            vs_llama = _geo([r / b for r, b in zip(g["rates"], got[LLAMA_BASE]["rates"])])
         kinds: dict = {}
         for (kind, _), u in zip(prompts, ups):
             kinds.setdefault(kind, []).append(u)
@@ -192,6 +253,8 @@ def summarise(prompts, got: dict) -> dict:
                      "speedup_vs_generate": _geo(ups), "min_speedup": min(ups), "max_speedup": max(ups),
                      "per_prompt_speedup": ups, "by_kind": {k: _geo(v) for k, v in kinds.items()},
                      "mean_accepted": statistics.fmean(acc) if acc else None, "steps": len(acc) or None}
+        if LLAMA_BASE in got:
+            out[name]["speedup_vs_llama_cpp_generate"] = vs_llama
     return out
 
 
@@ -209,18 +272,21 @@ def markdown(doc: dict) -> str:
               f"`{doc['greedy_plan']}`; sampling-tuned per setting below. `{doc.get('command', '')}`"), ""]
     for block in doc["settings"].values():
         costs = "; ".join(f"{k} {v * 1e3:.2f} ms" for k, v in block["per_token_warp_and_draw_s"].items())
+        llama = LLAMA_BASE in block["results"]
         lines += [f"## {block['label']} (load {block['load_avg_1m']} -> {block['load_avg_1m_after']})", "",
                   (f"sampling-tuned plan: `{block['sampled_plan']}` ({block['sampled_plan_label']}); greedy-tuned "
                    f"plan: {block['greedy_plan_label']}. Warping and drawing one token: {costs}."), "",
                   "| contender | tokens/s | speedup vs generate (geo-mean) | min | max | "
-                  + " | ".join(doc["kinds"]) + " | accepted per step |",
-                  "|---|---|---|---|---|" + "---|" * len(doc["kinds"]) + "---|"]
+                  + " | ".join(doc["kinds"]) + " | accepted per step |" + (" x llama.cpp generate |" if llama else ""),
+                  "|---|---|---|---|---|" + "---|" * len(doc["kinds"]) + "---|" + ("---|" if llama else "")]
         for name, r in block["results"].items():
             acc = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['min_speedup']:.2f} | "
                          f"{r['max_speedup']:.2f} | " + " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}x"
-                                                                  for k in doc["kinds"]) + f" | {acc} |")
-        lines.append("")
+                                                                  for k in doc["kinds"]) + f" | {acc} |"
+                         + (f" {r['speedup_vs_llama_cpp_generate']:.2f}x |" if llama else ""))
+        notes = block.get("llama_notes", [])
+        lines += [""] + [f"{note}." for note in notes] + ([""] if notes else [])
     return "\n".join(lines)
 
 
@@ -239,7 +305,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="the toy model, 1 + 1 prompts, 8 tokens, 1 repeat, plain plans")
+    p.add_argument("--llama-plan", action="append", default=[], metavar="FILE",
+                   help="a chosen.json of `planner autotune --engine llama.cpp --temperature ...` (repeatable): the "
+                        "'llama.cpp plan' row of the setting it records")
+    p.add_argument("--no-llama", action="store_true", help="leave out the llama.cpp rows")
+    p.add_argument("--smoke", action="store_true", help="the toy model, 1 + 1 prompts, 8 tokens, 1 repeat, plain plans "
+                                                        "(llama.cpp: the model's GGUF, a lookup chain as its plan)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling"), help="writes OUT.json and OUT.md")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -264,14 +335,79 @@ def _plans(a, loaded) -> tuple[dict, dict]:
     return (a.greedy_plan, load_plan(a.greedy_plan, loaded)), {k: (sampled[k], load_plan(sampled[k], loaded)) for k in a.settings}
 
 
+def _lookup_chain():
+    from planner.tree import MEDUSA, Tree, TreeState
+
+    return Tree(MEDUSA, [TreeState(0, [(0,), (0, 0)], 1.0, 3)], 1.0, settings={"guesser": "lookup"})
+
+
 def _smoke_plans(loaded):
     """The toy model: a lookup chain as the greedy plan, plain decoding as the sampled one (seconds, no runs)."""
     from decoder.lookup import PromptLookupGuesser
     from planner.tree import MEDUSA, Tree, TreeState
 
-    chain = Tree(MEDUSA, [TreeState(0, [(0,), (0, 0)], 1.0, 3)], 1.0, settings={"guesser": "lookup"})
     plain = Tree(MEDUSA, [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "plain"})
-    return ("lookup chain", (chain, PromptLookupGuesser(2))), {k: ("plain", (plain, None)) for k in SETTINGS}
+    return ("lookup chain", (_lookup_chain(), PromptLookupGuesser(2))), {k: ("plain", (plain, None)) for k in SETTINGS}
+
+
+def _llama_side(a) -> LlamaSide | None:
+    """llama.cpp's engine, its own Llama and the plans, or None (with the reason printed) when
+    llama-cpp-python or the model's GGUF is missing, or --no-llama."""
+    from decoder.llama_stock import StockLlama
+    from workflows.llama_target import open_llama
+
+    if a.no_llama:
+        return None
+    try:
+        target = open_llama("smollm2-135m", a.threads, progress=False)
+    except UserError as e:
+        print(f"bench_sampling: llama.cpp rows skipped: {e}", file=sys.stderr)
+        return None
+    side = LlamaSide(target.engine, StockLlama(target.gguf, target.engine.threads, n_ctx=target.engine.n_ctx))
+    if a.smoke:
+        from decoder.lookup import PromptLookupGuesser
+
+        side.plans = {k: ("lookup chain", _lookup_chain(), PromptLookupGuesser(2)) for k in a.settings}
+        side.weights = ("SmolLM2's GGUF in llama.cpp on the toy model's prompt ids (a smoke run: the code paths, "
+                        "not speeds)")
+        return side
+    for path in a.llama_plan:
+        key, plan = _llama_plan(path, target.engine)
+        if key in a.settings:
+            side.plans[key] = plan
+    return side
+
+
+def _llama_plan(path: str, engine) -> tuple[str, tuple]:
+    """(setting, (label, tree, guesser or None)) of a llama.cpp plan: the setting whose sampling it records."""
+    from decoder.registry import LoadRequest, load_guesser
+    from planner.tree import load_tree
+
+    tree = load_tree(path)
+    if tree.engine != "llama.cpp":
+        raise UserError(f"--llama-plan {path}: made for the {tree.engine or 'hf'} engine, not llama.cpp")
+    rec = recorded(tree.settings) or record(Sampling())
+    key = next((k for k, s in SETTINGS.items() if record(s) == rec), None)
+    if key is None:
+        raise UserError(f"--llama-plan {path}: tuned for {describe(rec)}, none of the settings benchmarked "
+                        f"({'; '.join(f'{k}: {describe(record(s))}' for k, s in SETTINGS.items())})")
+    kind = tree.settings.get("guesser", "plain")
+    guesser = None if kind == "plain" else load_guesser(kind, LoadRequest(engine, depth=8))
+    return key, (f"{path} ({kind} {tree.method})" if guesser else f"{path} (plain decoding)", tree, guesser)
+
+
+def _llama_notes(side: LlamaSide | None, key: str) -> list[str]:
+    if side is None:
+        return []
+    notes = [f"llama.cpp rows: {side.weights}; llama.cpp generate samples with llama.cpp's own chain, top-k, top-p, "
+             "then temperature, where transformers and this project apply temperature first: at top-p < 1 and T != 1 "
+             "its kept set differs"]
+    if key in side.plans:
+        notes.append(f"llama.cpp plan: {side.plans[key][0]}")
+    else:
+        notes.append(f"llama.cpp plan: skipped, no --llama-plan tuned for {describe(record(SETTINGS[key]))} "
+                     "(planner autotune --engine llama.cpp with these settings writes one)")
+    return notes
 
 
 def _profile_of(plan_path: str) -> str | None:
@@ -316,6 +452,7 @@ def _run(a) -> int:
         tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
                              "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
     greedy, sampled = _smoke_plans(loaded) if a.smoke else _plans(a, loaded)
+    llama = _llama_side(a)
     profile = a.profile or next(filter(None, (_profile_of(p) for p, _ in list(sampled.values()) + [greedy])), None)
     if profile:
         from decoder.cpu_paths import use_profile_paths
@@ -331,15 +468,20 @@ def _run(a) -> int:
             s = SETTINGS[key]
             load0 = round(os.getloadavg()[0], 2)
             plans = {"greedy-tuned plan": greedy[1], "sampling-tuned": sampled[key][1]}
-            got = measure(contenders(model, plans, s, a.max_new_tokens, eos), prompts, a.repeats, a.seed,
-                          not a.no_progress)
+            runs = contenders(model, plans, s, a.max_new_tokens, eos)
+            if llama is not None:
+                runs.update(llama_contenders(llama, key, s, a.max_new_tokens))
+            notes = _llama_notes(llama, key)
+            for note in notes[1:]:
+                print(f"bench_sampling: {note}", file=sys.stderr)
+            got = measure(runs, prompts, a.repeats, a.seed, not a.no_progress)
             costs = warper_costs(model, prompts, s)
             doc["settings"][key] = {"label": describe(record(s)), "sampling": record(s), "sampled_plan": sampled[key][0],
                                     "per_token_warp_and_draw_s": costs,
                                     "sampled_plan_label": _label(*sampled[key][1]),
                                     "greedy_plan_label": _label(*greedy[1]), "load_avg_1m": load0,
                                     "load_avg_1m_after": round(os.getloadavg()[0], 2),
-                                    "results": summarise(prompts, got)}
+                                    "results": summarise(prompts, got), "llama_notes": notes}
     doc["kinds"] = sorted({k for k, _ in prompts})
     doc["prompts"] = [{"kind": k, "length": int(i.numel())} for k, i in prompts]
     out = Path(a.out)

@@ -4,6 +4,12 @@ llama.cpp engine is compared with, and the reference its greedy output must equa
     stock = StockLlama(gguf, threads=2)                  # plain greedy decoding (Llama.generate, top-k 1)
     tokens, seconds = stock.greedy(prompt_ids, 96)
     lookup = StockLlama(gguf, threads=2, lookup=4)       # its LlamaPromptLookupDecoding(num_pred_tokens=4)
+    tokens, seconds = stock.sample(prompt_ids, 96, Sampling(0.7, 0, 0.9), seed=3)   # its own sampler chain
+
+Sampling: llama.cpp's chain as llama-cpp-python builds it is top-k, typical, top-p, min-p, then temperature
+(min-p and typical off here), where transformers (and this project's loop) apply temperature first, then
+top-k, then top-p: with top-p < 1 and a temperature other than 1 the kept set differs, so this sampler's
+distribution is not the loop's; it is a speed reference, not a distribution one.
 
 Same build, same context settings as decoder/llama_engine.py (flash attention off, the same threads),
 the prompt fed as token ids. Every call re-evaluates the prompt: `Llama.generate` would otherwise
@@ -43,6 +49,17 @@ class StockLlama:
     def greedy(self, prompt_ids, max_new_tokens: int) -> tuple[list[int], float]:
         """Greedy tokens (up to and including EOS, as the decoding loop keeps it) and the wall time from the
         call to the last token, prefill included."""
+        return self._generate(prompt_ids, max_new_tokens, top_k=1, top_p=1.0, temp=0.0)
+
+    def sample(self, prompt_ids, max_new_tokens: int, s, seed: int) -> tuple[list[int], float]:
+        """As greedy, sampled by llama.cpp's own chain with s's temperature, top-k (0: off) and top-p
+        (a planner.sampling.Sampling; greedy at temperature 0) and this seed."""
+        if s.temperature <= 0:
+            return self.greedy(prompt_ids, max_new_tokens)
+        self.llm.set_seed(seed)  # read when generate builds its sampler
+        return self._generate(prompt_ids, max_new_tokens, top_k=s.top_k, top_p=s.top_p, temp=s.temperature)
+
+    def _generate(self, prompt_ids, max_new_tokens: int, **warp) -> tuple[list[int], float]:
         ids = [int(t) for t in prompt_ids]
         if len(ids) + max_new_tokens + (self.lookup or 0) + 1 > self.llm.n_ctx():
             raise UserError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceed n_ctx {self.llm.n_ctx()}")
@@ -50,7 +67,7 @@ class StockLlama:
         out: list[int] = []
         t0 = time.perf_counter()
         if max_new_tokens > 0:
-            for t in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            for t in self.llm.generate(ids, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True, **warp):
                 out.append(int(t))
                 if t in self.eos or len(out) == max_new_tokens:
                     break

@@ -113,10 +113,12 @@ def measure_calibration(model, guesser, prompts: list[torch.Tensor], prior: np.n
 
 
 def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list[torch.Tensor], prior: np.ndarray,
-                       max_depth: int = 8) -> dict:
+                       max_depth: int = 8, probs: list[torch.Tensor] | None = None, sampling=None) -> dict:
     """measure_calibration without the target, for guessers whose pools read only the text (prompt lookup):
-    the session is fed each known greedy continuation's tokens as its roots, so one shared greedy decode
-    serves acceptance and calibration alike."""
+    the session is fed each known continuation's tokens as its roots, so one shared decode serves
+    acceptance and calibration alike. A sampled continuation comes with probs (per prompt [N, V], the
+    warped p that drew each token, profiler.sampled.SampledContinuations) and its sampling settings:
+    each observation is then its guess's p(x), as measure_calibration scores it when decoding sampled."""
     kind = guesser_kind(guesser)
     spec = registered_kind(kind)
     if spec.needs_torch or spec.needs_hidden or spec.needs_embeddings:
@@ -124,7 +126,9 @@ def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list
     plan = _plan(kind, prior, max_depth)
     per_prompt = []
     ctx = DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), torch.float32, torch.device("cpu"), "calibration")
-    for ids, toks in zip(prompts, continuations):
+    if (probs is None) != (sampling is None):
+        raise UserError("calibration replay: a sampled continuation needs both its probabilities and its settings")
+    for ids, toks, drew in zip(prompts, continuations, probs or [None] * len(prompts)):
         session = _Recording(guesser, plan).begin(None, plan, ids, ctx)
         text = toks.tolist()
         roots = [int(ids[-1])] + text
@@ -133,8 +137,9 @@ def replay_calibration(guesser, prompts: list[torch.Tensor], continuations: list
             verdict = Verdict(torch.zeros(1, dtype=torch.long), [0], [roots[i + 1]], torch.tensor(roots[i + 1: i + 2]))
             session.commit(StepOutcome(Proposal(layout_for((), 1, torch.float32, "cpu"), torch.empty(0, dtype=torch.long)),
                                        verdict, torch.empty(0), None, 0))
-        per_prompt.append(observations(session.records, text))
-    return _calibration_doc(kind, per_prompt, len(prompts), max(len(t) for t in continuations) if continuations else 0)
+        per_prompt.append(observations(session.records, text, drew))
+    return _calibration_doc(kind, per_prompt, len(prompts), max(len(t) for t in continuations) if continuations else 0,
+                            sampling)
 
 
 def _calibration_doc(kind: str, per_prompt: list, n_prompts: int, max_new_tokens: int, sampling=None) -> dict:

@@ -6,6 +6,22 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LLAMA_ROWS = {"llama.cpp generate", "llama.cpp plain loop", "llama.cpp plan"}
+
+
+def _llama_available() -> bool:
+    """The llama.cpp rows run when llama-cpp-python and the model's GGUF are there (else skipped, said why)."""
+    import importlib.util
+
+    from planner.errors import UserError
+    from profiler.registry import gguf_file
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        return gguf_file("smollm2-135m").is_file()
+    except UserError:
+        return False
 
 
 def test_bench_sampling_smoke(tmp_path):
@@ -15,10 +31,17 @@ def test_bench_sampling_smoke(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.with_suffix(".json").read_text())
     assert set(doc["settings"]) == {"t0.7-p0.9", "t1.0-k50"}
+    llama = _llama_available()
     for block in doc["settings"].values():
         res = block["results"]
-        assert set(res) == {"generate", "plain loop", "greedy-tuned plan", "sampling-tuned"}
+        rows = {"generate", "plain loop", "greedy-tuned plan", "sampling-tuned"}
+        assert set(res) == rows | (LLAMA_ROWS if llama else set())
         assert all(x["tokens_per_s"] > 0 and len(x["per_prompt_speedup"]) == 2 for x in res.values())
+        if llama:  # llama.cpp's own sampling, this project's loop and a lookup plan in llama.cpp, against llama.cpp's
+            assert res["llama.cpp generate"]["speedup_vs_llama_cpp_generate"] == 1.0
+            assert res["llama.cpp plan"]["mean_accepted"] is not None
+            assert res["llama.cpp generate"]["mean_accepted"] is None
+            assert any("own chain" in n for n in block["llama_notes"])
         assert res["generate"]["speedup_vs_generate"] == 1.0 and res["generate"]["mean_accepted"] is None
         assert res["greedy-tuned plan"]["mean_accepted"] is not None  # a lookup chain: steps counted
         assert set(block["per_token_warp_and_draw_s"]) == {"transformers warpers + multinomial",

@@ -3,14 +3,17 @@
     summary = autotune_llama(LlamaAutotune(out="runs/llama"))
 
   1 profile     L(n) of chains in llama.cpp after 128 and 512 tokens, the loop's own per-step work
-  2 acceptance  prompt lookup's acceptance and its live-signal calibration, decoding in llama.cpp
+  2 acceptance  prompt lookup's acceptance and its live-signal calibration, decoding in llama.cpp (under
+                --temperature / --top-k / --top-p: sampled, each guess scored with the target's warped p)
   3 plan        lookup chains of 1..8 tokens and per-step (dynamic) lookup plans, predicted with the cost model
   4 race        the finalists against llama.cpp plain decoding (this project's loop, root-only steps) on
                 other held-out prompts: the hf main job's race (workflows/choose.py: selection, then the
-                winner's confirmation on prompts it was not chosen on); every output must equal plain's;
-                llama-cpp-python's own Llama.generate runs beside as a reference (not a candidate)
+                winner's confirmation on prompts it was not chosen on); every output must equal plain's
+                (sampled: every arm with the same seed per prompt, speeds compared only); llama-cpp-python's
+                own Llama.generate runs beside as a reference (not a candidate), sampled with the same settings
   5 write       RUN/chosen.json (a plan with "engine": "llama.cpp"; plain decoding when nothing is faster
-                beyond the noise), RUN/trees/, RUN/summary.json with the oracle ceiling per race prompt
+                beyond the noise), RUN/trees/, RUN/summary.json with the oracle ceiling per race prompt; the
+                plans record the sampling settings they were tuned for (workflows.autotune_write.tuned_for)
 The decision is workflows/choose.py's (the hf main job's). Only the run folder is written. Ctrl-C in the
 race decides on what was measured.
 Only prompt lookup races: llama.cpp returns no hidden states (ParallelSpec, PPD) and has no torch modules
@@ -54,6 +57,16 @@ class LlamaAutotune:
     budget_minutes: float = 10.0
     progress: bool = True
     seed: int = 0
+    # the user's sampling settings: acceptance is measured, plans are sized and the race decodes under them
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sampling(self):
+        from planner.sampling import Sampling
+
+        return Sampling(self.temperature, self.top_k, self.top_p)
 
 
 def autotune_llama(s: LlamaAutotune) -> dict:
@@ -73,7 +86,7 @@ def autotune_llama(s: LlamaAutotune) -> dict:
         f"after {', '.join(map(str, CONTEXTS))} tokens  ({left():.0f} s left)")
     profile_path, profile = _profile(s, target, out)
     say(f"[2/5] lookup acceptance and calibration on {len(accept_ids)} held-out prompts x {s.accept_tokens} tokens "
-        f"(one greedy decode each)  ({left():.0f} s left)")
+        f"(one {_how(s)} decode each)  ({left():.0f} s left)")
     accept_path, accept = _acceptance(s, target, accept_ids, out)
     say("[3/5] planning lookup chains and per-step lookup plans")
     racing = _plan(s, accept, profile, accept_path, profile_path, out)
@@ -103,22 +116,39 @@ def _profile(s: LlamaAutotune, target, out: Path):
     return Path(path), profile
 
 
+def _how(s: LlamaAutotune) -> str:
+    from workflows.sampling import describe, record
+
+    return "greedy" if s.sampling.rule == "greedy" else f"sampled ({describe(record(s.sampling))})"
+
+
 def _acceptance(s: LlamaAutotune, target, accept_ids: list, out: Path):
-    """One greedy decode per prompt in llama.cpp, shared: lookup's acceptance and its calibration are replayed
-    over the known text (tests/test_llama_engine.py: the counts equal decoding with the guesser)."""
+    """One decode per prompt in llama.cpp, shared: lookup's acceptance and its calibration are replayed
+    over the known text (tests/test_llama_engine.py: the counts equal decoding with the guesser). Under
+    sampling the text is the target's sampled continuation (prompt i with seed + i, profiler.sampled as
+    the hf main job measures it) and each guess scores the target's warped p(x), in the record and in
+    the calibration's observations (tests/test_llama_sampling.py: equal to calibrating by sampled decoding)."""
     import numpy as np
 
     from decoder.registry import LoadRequest, load_guesser
     from planner.accept import load_acceptance
     from profiler.calibration import replay_calibration
+    from profiler.sampled import replay_sampled_accuracy, sampled_continuations
     from profiler.teacher_forced import greedy_continuations, replay_accuracy
 
     lookup = load_guesser(LOOKUP, LoadRequest(target.engine, depth=8))
-    cont = greedy_continuations(target.engine, accept_ids, s.accept_tokens)
-    acc = replay_accuracy(target.engine, lookup, cont, 8, 1)
-    acc["calibration"] = replay_calibration(lookup, cont.prompts, cont.tokens, np.array(acc["accuracy"]))
+    samp = s.sampling
+    if samp.rule == "greedy":
+        cont, soft = greedy_continuations(target.engine, accept_ids, s.accept_tokens), {}
+        acc = replay_accuracy(target.engine, lookup, cont, 8, 1)
+    else:
+        cont = sampled_continuations(target.engine, accept_ids, s.accept_tokens, samp, seed=s.seed)
+        soft = {"probs": cont.probs, "sampling": samp}
+        acc = replay_sampled_accuracy(target.engine, lookup, cont, 8, 1)
+    acc["calibration"] = replay_calibration(lookup, cont.prompts, cont.tokens, np.array(acc["accuracy"]), **soft)
     acc.update({"engine": "llama.cpp", "decode_s": cont.decode_s, "source": f"planner autotune --engine llama.cpp: "
-                f"{target.name}, {len(accept_ids)} held-out prompts, {acc['positions']} positions (one greedy decode each)"})
+                f"{target.name}, {len(accept_ids)} held-out prompts, {acc['positions']} positions (one {_how(s)} "
+                "decode each)"})
     acc["guesser"].update(kind=LOOKUP, dir=None)
     path = atomic_write_json(out / "accept-lookup.json", acc)
     return Path(path), load_acceptance(str(path))
@@ -169,7 +199,9 @@ def _arms(racing: list, race_ids: list, profile, n: int) -> list:
 def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left, say) -> dict:
     """The hf main job's race (workflows/choose.py: selection, then the winner's confirmation against
     plain on prompts it was not chosen on, a sign-flip test), decoding in llama.cpp; llama-cpp-python's
-    own Llama.generate decodes each prompt once beside plain's first run, as a reference."""
+    own Llama.generate decodes each prompt once beside plain's first run, as a reference. Under sampling
+    every arm decodes prompt p with seed + p, as the hf race does, and only speeds are compared: sampled
+    outputs differ per arm by design (their law is the distribution tests')."""
     from decoder.guesser import PlainGuesser
     from decoder.llama_stock import StockLlama
     from decoder.loop import generate
@@ -185,15 +217,17 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
                 seed=s.seed, groups=question_of(len(race_ids), s.turns))
     rec = _Record()
     stock = StockLlama(target.gguf, threads=eng.threads, n_ctx=eng.n_ctx)
+    samp = s.sampling
+    warp = dict(temperature=samp.temperature, top_k=samp.top_k, top_p=samp.top_p)
 
-    def decode(key: str, ids, n: int):
+    def decode(key: str, ids, n: int, seed: int):
         cand = by_key.get(key)
         return generate(eng, ids, plan=cand.tree if cand else None, guesser=lookup if cand else PlainGuesser(),
-                        max_new_tokens=n, phase_times=False)
+                        max_new_tokens=n, phase_times=False, seed=seed, **warp)
 
     for a in race.arms:  # warm every shape once (first calls at a new length cost more)
-        decode(a.key, race_ids[0], 8)
-    stock.greedy(race_ids[0], 8)
+        decode(a.key, race_ids[0], 8, s.seed)
+    stock.sample(race_ids[0], 8, samp, s.seed)
     meter, t0 = OtherLoad(), time.perf_counter()
     others = other_cores(0.5)
     race.loaded_now = others is not None and others >= LOADED_CORES
@@ -201,7 +235,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
     def measure(key: str, p: int) -> Run:
         meter.start()
         start = time.perf_counter()
-        o = decode(key, race_ids[p], s.decode_tokens)
+        o = decode(key, race_ids[p], s.decode_tokens, s.seed + p)
         run = Run(key, p, time.perf_counter() - start, start - t0, meter.stop())
         rec.tokens.setdefault(key, {}).setdefault(p, o.tokens.tolist())
         rec.steps[key] = rec.steps.get(key, 0) + o.steps
@@ -209,7 +243,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
         if o.stats.dynamic:
             rec.decide_s.setdefault(key, []).append(o.stats.dynamic["decide_s_median"])
         if key == PLAIN and p not in rec.reference:
-            rec.reference[p] = stock.greedy(race_ids[p], s.decode_tokens)
+            rec.reference[p] = stock.sample(race_ids[p], s.decode_tokens, samp, s.seed + p)
         return run
 
     def check(p: int, keys: list[str]) -> None:
@@ -227,7 +261,8 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
 
     interrupted = False
     try:
-        decision = run_race(race, measure, lambda: left() - REPORT_RESERVE_S, check, progress)
+        decision = run_race(race, measure, lambda: left() - REPORT_RESERVE_S, check if samp.rule == "greedy" else None,
+                            progress)
     except KeyboardInterrupt:
         interrupted = True
         say("      interrupted: deciding on what was measured")
@@ -239,10 +274,12 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
 def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Path, wall_s: float) -> dict:
     from planner.plan_settings import RacedWith
     from planner.tree import save_tree
-    from workflows.autotune_write import plain_plan
+    from workflows.autotune_write import plain_plan, tuned_for
     from workflows.choose import PLAIN, speedup
 
     race, decision, rec = raced["race"], raced["decision"], raced["record"]
+    tuned = tuned_for(s.sampling)
+    greedy = s.sampling.rule == "greedy"  # sampled outputs differ per arm by design: none is compared
     plain = race.plain
     prompts = sorted(plain.seconds)
     if not prompts:
@@ -252,6 +289,7 @@ def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Pa
     rows = []
     for c in racing:
         a = race.arm(c.label)
+        c.tree.settings.update(tuned)
         path = save_tree(c.tree, out / "trees" / f"{c.guesser}-{c.method}-{c.size}.json")
         up = speedup(a) if a.ratios else None
         confirmed = decision.speedup if decision.choice == a.key else None
@@ -264,13 +302,14 @@ def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Pa
                      "measured_tokens_per_step": rec.emitted.get(a.key, 0) / max(rec.steps.get(a.key, 0), 1),
                      "captured_share_of_ceiling": _share(best.mean, ceiling["speedup"]) if best else None,
                      "decide_s_median": statistics.median(rec.decide_s[a.key]) if rec.decide_s.get(a.key) else None,
-                     "identical_to_plain": not a.dropped.startswith("output differs"), "dropped": a.dropped or None,
+                     "identical_to_plain": not a.dropped.startswith("output differs") if greedy else None,
+                     "dropped": a.dropped or None,
                      "chosen": decision.choice == a.key, "tree": shown(path)})
     chosen = by_label(racing).get(decision.choice)
     tree = chosen.tree if chosen else plain_plan(decision.reason)
     tree.engine = "llama.cpp"
     tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json(),
-                         raced_with=RacedWith("llama.cpp", target.engine.threads).to_json())
+                         raced_with=RacedWith("llama.cpp", target.engine.threads).to_json(), **tuned)
     save_tree(tree, out / "chosen.json")
     plain_tokens = sum(len(rec.tokens[PLAIN][p]) for p in prompts)
     plain_s = sum(plain.seconds[p] for p in prompts)
@@ -283,10 +322,13 @@ def _write(s: LlamaAutotune, target, racing: list, raced: dict, profile, out: Pa
         "plain": {"tokens": plain_tokens, "seconds": plain_s, "tokens_per_s": plain_tokens / plain_s},
         "llama_cpp_generate": {"tokens_per_s": sum(len(t) for t, _ in ref) / ref_s if ref_s else None,
                                "identical_to_plain": all(rec.reference[p][0] == rec.tokens[PLAIN][p]
-                                                         for p in prompts if p in rec.reference),
+                                                         for p in prompts if p in rec.reference) if greedy else None,
                                "note": "llama-cpp-python's own Llama.generate on the same prompt ids: the loop's "
-                                       "overhead against it, a reference, not a candidate"},
-        "identical_to_greedy": all(r["identical_to_plain"] for r in rows),
+                                       "overhead against it, a reference, not a candidate"
+                                       + ("" if greedy else "; sampled by llama.cpp's own chain (top-k, top-p, then "
+                                          "temperature) with the same settings and seed: a speed reference")},
+        # None under sampling: outputs are compared only when decoding is greedy
+        "identical_to_greedy": all(r["identical_to_plain"] for r in rows) if greedy else None, **tuned,
         "oracle_ceiling": ceiling, "rows": rows, "race": race.to_json(), "race_prompts": len(prompts),
         "rounds": s.rounds, "interrupted": raced["interrupted"], "load_avg_1m": _load(), "wall_s": wall_s,
     }
@@ -335,8 +377,10 @@ def _ceilings(race_ids: list, plain_tokens: dict, profile, prompts) -> dict:
         per.append(round(c.speedup, 4))
         plain_s, oracle_s = plain_s + c.plain_s, oracle_s + c.oracle_s
     return {"speedup": plain_s / oracle_s if oracle_s else 1.0, "per_prompt": per,
-            "method": "an oracle that knows how many of lookup's guesses each step accepts, priced with the profile's "
-                      "L(1+g) + overhead (planner/ceiling.py); the decision's own time not counted"}
+            "method": "an oracle that knows how many of lookup's guesses each step accepts along plain decoding's "
+                      "output (sampled: a deterministic guess is accepted exactly when the emitted token is it), "
+                      "priced with the profile's L(1+g) + overhead (planner/ceiling.py); the decision's own time not "
+                      "counted"}
 
 
 def _load() -> float | None:
@@ -351,11 +395,12 @@ def _load() -> float | None:
 def _table(summary: dict) -> str:
     lines = [f"{'plan':<28} {'predicted':>9} {'measured':>22} {'ceiling share':>13}  identical"]
     for r in summary["rows"]:
+        same = "-" if r["identical_to_plain"] is None else r["identical_to_plain"]  # None: sampled
         m = r["confirmed_speedup"] or r["measured_speedup"] or {"mean": float("nan"), "lo": None, "hi": None}
         share = r["captured_share_of_ceiling"]
         bounds = f"[{m['lo']:.2f}, {m['hi']:.2f}]" if m["lo"] is not None and m["hi"] is not None else "(no interval)"
         lines.append(f"{r['plan']:<28} {r['predicted_speedup']:>8.2f}x {m['mean']:>8.2f}x {bounds:>13} "
-                     f"{'' if share is None else f'{share:>12.0%}'}  {r['identical_to_plain']}"
+                     f"{'' if share is None else f'{share:>12.0%}'}  {same}"
                      + ("  CHOSEN" if r["chosen"] else ""))
     p = summary["plain"]
     ref = summary["llama_cpp_generate"]["tokens_per_s"]

@@ -16,7 +16,13 @@ from workflows.inputs import (
     load_everything,
 )
 from workflows.llama_target import add_engine_argument
-from workflows.run_records import merge_accuracy, prompt_texts
+from workflows.run_records import (
+    check_sampled_accept,
+    merge_accuracy,
+    prompt_texts,
+    sampled_acceptance,
+    write_sampled_acceptance,
+)
 from workflows.sampling import add_sampling_arguments, sampling_from_args
 
 
@@ -45,54 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sampled(args, s) -> int:
-    """Acceptance under the user's temperature, top-k and top-p (profiler/sampled.py): the target
-    samples each prompt once; a deterministic guesser's guesses are scored with the target's warped
-    p, a draft LM's sampled children with sum min(p, q) and the sibling procedure."""
-    import time
+    """Acceptance under the user's temperature, top-k and top-p (workflows.run_records.sampled_acceptance)."""
+    from decoder.hf_engine import HFEngine
 
-    from planner.accept import from_entry
-    from planner.jsonio import atomic_write_json
-    from profiler import sampled as sp
-
-    if not 1 <= args.width <= 64 or not 0 <= args.samples <= 10000:
-        raise UserError(f"--width: expected 1..64, got {args.width}; --samples: expected 0..10000, got {args.samples}")
-    if args.plan:
-        raise UserError("--plan: state transitions are measured greedily; drop --temperature")
+    check_sampled_accept(args)
     texts = prompt_texts(args)
     loaded, tokenizer, guesser = load_everything(args)
     prompts = encode(tokenizer, texts, loaded.model.get_input_embeddings().weight.shape[0])
-    from decoder.hf_engine import HFEngine
-    from decoder.registry import kind_of
-
-    engine, spec = HFEngine(loaded.model), kind_of(guesser)
-    if spec.hybrid or spec.loop is not None or spec.signal == "none" and not spec.needs_embeddings:
-        raise UserError(f"--guesser {spec.name}: acceptance is measured per guesser (lookup, ppd, draft, parallelspec, chain)")
     t0 = time.time()
-    cont = sp.sampled_continuations(engine, prompts, args.max_new_tokens, s, seed=args.seed,
-                                    ppd=guesser if spec.needs_embeddings else None)
-    if spec.needs_embeddings:
-        acc = cont.ppd
-    elif spec.samples:
-        acc = sp.draft_sampled_accuracy(engine, guesser, cont, guesser.num_distances, args.width, args.samples, args.seed)
-    else:
-        depth, width = spec.measure_shape or (guesser.num_distances, getattr(guesser, "top_k", 1))
-        acc = sp.replay_sampled_accuracy(engine, guesser, cont, depth, width)
+    acc = sampled_acceptance(HFEngine(loaded.model), guesser, prompts, args, s)
     acc.update({"model": loaded.name, "config_hash": loaded.config_hash, "wall_s": time.time() - t0,
                 "source": f"planner accept: {loaded.name}, {len(prompts)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} sampled tokens each ({acc['source']})"})
-    acc["guesser"].update(dir=guesser.source_dir, kind=spec.name)
-    if args.calibrate:  # each guess's acceptance p(x) under the settings, on a second sampled pass
-        import numpy as np
-
-        from profiler.calibration import measure_calibration
-
-        acc["calibration"] = measure_calibration(loaded.model, guesser, prompts, np.array(acc["accuracy"]),
-                                                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
-                                                 sampling=s, seed=args.seed + len(prompts))
-    from_entry({"accuracy": acc["accuracy"]}, label=args.output)
-    atomic_write_json(args.output, acc)
-    top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
-    print(f"rank-0 acceptance under {sp.sampling_record(s)}: {top} over {acc['positions']} positions; wrote {args.output}")
+    write_sampled_acceptance(args, acc, s)
     return 0
 
 

@@ -112,16 +112,18 @@ def _llama(args) -> int:
 
     for flag, given in (("--device", args.device), ("--dtype", args.dtype), ("--prompt-tokens", args.prompt_tokens),
                         ("--draft", args.draft), ("--parallelspec", args.parallelspec), ("--accept", args.accept),
-                        ("--guessers", args.guessers != "auto"), ("--temperature", args.temperature > 0)):
+                        ("--guessers", args.guessers != "auto")):
         if given:
             raise UserError(f"{flag}: not with --engine llama.cpp (it races prompt lookup, the guesser llama.cpp runs)")
+    if args.verify == "typical":
+        raise UserError("--verify typical: not with --engine llama.cpp (it races lossless sampling only)")
     summary = autotune_llama(LlamaAutotune(
         model=args.model, out=args.out, questions=args.questions, accept_prompts=args.accept_prompts,
         decode_prompts=args.decode_prompts, turns=args.turns, accept_tokens=args.accept_tokens,
         decode_tokens=args.decode_tokens, rounds=args.rounds, finalists=min(args.finalists, 8), neighbours=args.neighbours, threads=args.threads,
         n_ctx=args.n_ctx, profile=args.profile, profile_budget_s=args.profile_budget, budget_minutes=args.budget,
-        progress=not args.quiet))
-    return 0 if summary["identical_to_greedy"] else 1
+        progress=not args.quiet, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p))
+    return 0 if summary["identical_to_greedy"] is not False else 1  # None: sampled, nothing to compare
 
 
 def run(args) -> int:

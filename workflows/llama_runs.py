@@ -125,8 +125,10 @@ def decode_llama(args, tree) -> int:
 
 
 def accept_llama(args) -> int:
-    """Acceptance (and with --calibrate the live-signal map) of a guesser the engine runs, decoding greedily
-    in llama.cpp: the statistics plans for llama.cpp are made from."""
+    """Acceptance (and with --calibrate the live-signal map) of a guesser the engine runs, decoding in
+    llama.cpp: greedily, or under --temperature / --top-k / --top-p as the hf engine measures it (one
+    sampled continuation per prompt, each guess scored with the target's warped p; the record says
+    "sampling"). The statistics plans for llama.cpp are made from."""
     import numpy as np
     from tqdm import tqdm
 
@@ -134,10 +136,14 @@ def accept_llama(args) -> int:
     from planner.jsonio import atomic_write_json, writable_target
     from profiler.acceptance import measure_accuracy
     from workflows.inputs import encode_prompts
-    from workflows.run_records import merge_accuracy, prompt_texts
+    from workflows.run_records import check_sampled_accept, merge_accuracy, prompt_texts
+    from workflows.sampling import sampling_from_args
 
-    if args.temperature != 0 or args.plan:
-        raise UserError("--engine llama.cpp: planner accept measures greedy acceptance (no --temperature, no --plan)")
+    s = sampling_from_args(args)
+    if s.temperature > 0:
+        check_sampled_accept(args)
+    elif args.plan:
+        raise UserError("--plan: not with --engine llama.cpp (state transitions are measured on the hf engine)")
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
     _refuse_hf_options(args)
@@ -145,6 +151,8 @@ def accept_llama(args) -> int:
     texts = prompt_texts(args)
     target, tokenizer, guesser = _open(args, LOOKUP)
     prompts = encode_prompts(tokenizer, texts)
+    if s.temperature > 0:
+        return _accept_sampled(args, s, target, guesser, prompts)
     t0, parts, done = time.time(), [], 0
     try:
         for ids in tqdm(prompts, desc="accept", unit="prompt", disable=args.no_progress):
@@ -171,3 +179,15 @@ def accept_llama(args) -> int:
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
     print(f"rank-0 accuracy {top} over {acc['positions']} positions (llama.cpp); wrote {args.output}")
     return 0 if done == len(prompts) else 130
+
+
+def _accept_sampled(args, s, target, guesser, prompts: list) -> int:
+    from workflows.run_records import sampled_acceptance, write_sampled_acceptance
+
+    t0 = time.time()
+    acc = sampled_acceptance(target.engine, guesser, prompts, args, s)
+    acc.update({"prompts": len(prompts), "model": target.name, "engine": "llama.cpp", "wall_s": time.time() - t0,
+                "source": f"planner accept --engine llama.cpp: {target.name}, {len(prompts)} prompts, "
+                          f"{args.max_new_tokens} sampled tokens each ({acc['source']})"})
+    write_sampled_acceptance(args, acc, s, " (llama.cpp)")
+    return 0

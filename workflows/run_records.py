@@ -1,6 +1,7 @@
 """What `planner decode` and `planner accept` write and print, shared by both engines' paths
 (workflows/cmd_decode.py, cmd_accept.py, llama_runs.py): the guesser's record, the run summary and
-its one-line form, the prompt texts, and per-prompt acceptance counts merged."""
+its one-line form, the prompt texts, per-prompt acceptance counts merged, and acceptance under
+sampling (`planner accept --temperature ...`) measured and written on either engine."""
 from __future__ import annotations
 
 from planner.errors import UserError
@@ -93,3 +94,57 @@ def merge_accuracy(parts: list[dict]) -> dict:
     if "draft_s" in out["guesser"]:  # the drafter's pass time: the median over prompts
         out["guesser"] = dict(out["guesser"], draft_s=statistics.median(p["guesser"]["draft_s"] for p in parts))
     return out
+
+
+def check_sampled_accept(args) -> None:
+    """`planner accept --temperature ...`'s own flags, before any model loads."""
+    if not 1 <= args.width <= 64 or not 0 <= args.samples <= 10000:
+        raise UserError(f"--width: expected 1..64, got {args.width}; --samples: expected 0..10000, got {args.samples}")
+    if args.plan:
+        raise UserError("--plan: state transitions are measured greedily; drop --temperature")
+
+
+def sampled_acceptance(engine, guesser, prompts: list, args, s) -> dict:
+    """The guesser's acceptance record under s on any engine (profiler/sampled.py): the target samples
+    each prompt once (prompt i with --seed + i); a deterministic guesser's guesses are scored with the
+    target's warped p, a draft LM's sampled children with sum min(p, q) and the sibling procedure.
+    With --calibrate, its live signal's calibration on a second sampled pass, each guess scored p(x)."""
+    from decoder.registry import kind_of
+    from profiler import sampled as sp
+
+    spec = kind_of(guesser)
+    if spec.hybrid or spec.loop is not None or spec.signal == "none" and not spec.needs_embeddings:
+        raise UserError(f"--guesser {spec.name}: acceptance is measured per guesser (lookup, ppd, draft, parallelspec, "
+                        "chain)")
+    cont = sp.sampled_continuations(engine, prompts, args.max_new_tokens, s, seed=args.seed,
+                                    ppd=guesser if spec.needs_embeddings else None)
+    if spec.needs_embeddings:
+        acc = cont.ppd
+    elif spec.samples:
+        acc = sp.draft_sampled_accuracy(engine, guesser, cont, guesser.num_distances, args.width, args.samples,
+                                        args.seed)
+    else:
+        depth, width = spec.measure_shape or (guesser.num_distances, getattr(guesser, "top_k", 1))
+        acc = sp.replay_sampled_accuracy(engine, guesser, cont, depth, width)
+    acc["guesser"].update(dir=guesser.source_dir, kind=spec.name)
+    if args.calibrate:
+        import numpy as np
+
+        from profiler.calibration import measure_calibration
+
+        acc["calibration"] = measure_calibration(engine, guesser, prompts, np.array(acc["accuracy"]),
+                                                 max_new_tokens=args.max_new_tokens, progress=not args.no_progress,
+                                                 sampling=s, seed=args.seed + len(prompts))
+    return acc
+
+
+def write_sampled_acceptance(args, acc: dict, s, where: str = "") -> None:
+    """The record checked as `planner plan` will read it, written to --output, and its one line."""
+    from planner.accept import from_entry
+    from planner.jsonio import atomic_write_json
+    from planner.sampling import record
+
+    from_entry({"accuracy": acc["accuracy"]}, label=args.output)
+    atomic_write_json(args.output, acc)
+    top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
+    print(f"rank-0 acceptance under {record(s)}: {top} over {acc['positions']} positions{where}; wrote {args.output}")
