@@ -258,29 +258,16 @@ def profile_model(
         time_budget_s = 120.0 if device.type == "cuda" else 15.0
     paths = _matmul_paths(hf, device, input_lengths, context_length, matmul_paths, matmul_budget_s or time_budget_s,
                           matmul_max_rows, seed, progress)  # before _open: L(n)'s budget starts after
-    # measured before L(n), with the paths installed, so that a deadline leaves L(n) exactly the rest
-    per_step = _overhead(hf, max(int(n) for n in input_lengths)) if overhead and int(batch_sizes[0]) == 1 else None
-    if deadline is not None:
-        time_budget_s = max(0.5 * time_budget_s, min(time_budget_s, deadline - time.time()))
+    per_step = _overhead(hf, input_lengths) if overhead and int(batch_sizes[0]) == 1 else None
+    time_budget_s = _left_for_lengths(time_budget_s, deadline)
     st = _open(hf, device, input_lengths, context_length, cuda_graphs, min_repeats, max_repeats, target_rel_ci,
                warmup, seed, time_budget_s, progress)
     attn_before = getattr(hf.config, "_attn_implementation", None)
     st.layout = _layout(hf, layout, cuda_graphs)
-    lengths, bar = st.lengths, st.bar
+    lengths = st.lengths
     batch_sizes = [int(b) for b in batch_sizes]
     load_start = _load()
-    series: list[Series] = []
-    interrupted = False
-    try:
-        for bi, b in enumerate(batch_sizes):
-            s = Series(b)
-            series.append(s)
-            deadline = time.time() + (time_budget_s - (time.time() - st.t_start)) / (len(batch_sizes) - bi)
-            _measure_batch(st, s, deadline)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        bar.close()
+    series, interrupted = _measure_batches(st, batch_sizes, time_budget_s)
     stopped = _stops(series, batch_sizes, interrupted)
     out_series = _measured(series, batch_sizes, stopped, interrupted, context_length)
     settings = dict(batch_sizes=batch_sizes, input_lengths_requested=lengths, time_budget_s=time_budget_s,
@@ -292,6 +279,21 @@ def profile_model(
     if per_step is not None:
         result["decoder_overhead"] = per_step
     return _mark_incomplete(result, series, stopped)
+
+
+def _measure_batches(st: _Settings, batch_sizes: list[int], time_budget_s: float) -> tuple[list[Series], bool]:
+    """Every batch size in turn, each with an equal share of what is left; Ctrl-C stops (interrupted True)."""
+    series: list[Series] = []
+    try:
+        for bi, b in enumerate(batch_sizes):
+            s = Series(b)
+            series.append(s)
+            _measure_batch(st, s, time.time() + (time_budget_s - (time.time() - st.t_start)) / (len(batch_sizes) - bi))
+    except KeyboardInterrupt:
+        return series, True
+    finally:
+        st.bar.close()
+    return series, False
 
 
 def _matmul_paths(hf, device, input_lengths, context_length, mode, budget_s, max_rows, seed, progress) -> dict | None:
@@ -327,10 +329,19 @@ def _measured(series: list[Series], batch_sizes: list[int], stopped: list[dict],
     return out
 
 
-def _overhead(hf, max_input_length: int) -> dict:
+def _overhead(hf, input_lengths) -> dict:
+    """The decoder's per-step work, measured before L(n) with the paths installed, so that a
+    deadline leaves L(n) exactly the rest."""
     from profiler.overhead import measure_overhead
 
-    return measure_overhead(hf, max_input_length)
+    return measure_overhead(hf, max(int(n) for n in input_lengths))
+
+
+def _left_for_lengths(time_budget_s: float, deadline: float | None) -> float:
+    """L(n)'s budget: what the deadline leaves, never under half its own share."""
+    if deadline is None:
+        return time_budget_s
+    return max(0.5 * time_budget_s, min(time_budget_s, deadline - time.time()))
 
 
 def _mark_incomplete(result: dict, series: list[Series], stopped: list[dict]) -> dict:
