@@ -155,6 +155,25 @@ def test_the_prior_ranks_plans_until_measurements_outweigh_it():
     assert [a.key for a in halved.candidates()] == ["a2", "a3", "a4"]
 
 
+def test_each_way_of_predicting_has_its_own_offset():
+    """Replayed predictions all 25 % low here, the cost model's right: with one pooled offset the
+    cost-model plan, predicted higher, would lead two plans measured equal; with an offset per way
+    of predicting each prior is corrected by its own way's error and the measurements decide."""
+    r = _race(n_plans=4, predicted={"a0": 1.45, "a1": 1.25, "a2": 1.2, "a3": 1.05})
+    for key, how in (("a0", "cost model"), ("a1", "replay"), ("a2", "replay"), ("a3", "cost model")):
+        r.arm(key).predicted_by = how
+    spread = (-0.3, 0.0, 0.3)  # prompt to prompt: three prompts do not outweigh the prior
+    _with_ratios(r, {k: [m + d for d in spread] for k, m in (("a0", 0.37), ("a1", 0.47), ("a2", 0.43), ("a3", 0.05))})
+    off = r.offsets()
+    assert off["replay"] == pytest.approx(-0.247, abs=1e-3) and abs(off["cost model"]) < 0.01
+    assert r.leader().key == "a1"
+    pooled = {None: off[None]}  # what one offset for every plan gives: the cost model's optimism wins
+    assert max(["a0", "a1"], key=lambda k: r.score(r.arm(k), offsets=pooled)) == "a0"
+    r.arm("a3").predicted_by = "never measured"  # a way no measured plan shares: the pooled offset
+    r.arm("a3").ratios.clear()
+    assert r.score(r.arm("a3")) == pytest.approx(math.log(1.05) - r.offsets()[None])
+
+
 def test_the_winner_is_the_leader_or_a_cheaper_plan_tied_with_it():
     r = _with_ratios(_race(n_plans=3), {"a0": [0.30, 0.31], "a1": [0.305, 0.31], "a2": [0.1, 0.1]})
     assert r.select().key == "a0"  # a1 ties within TIE and a0 is cheaper

@@ -6,9 +6,11 @@ plain decoding at both ends and between every PLAIN_EVERY plans; a plan's ratio 
 r = log(t_plain / t_plan), takes plain's time interpolated (in log, by time) between the plain
 runs around it, so a drift cancels to first order. Plans slower than the leader or plain beyond
 the noise leave; when time runs short the slower half leaves. The leader has the highest
-posterior mean: measured mean shrunk towards the prediction (sd PRIOR_SD, less the predictions'
-common error in this race). The prior ranks plans while few prompts are measured; it never
-enters the test.
+posterior mean: measured mean shrunk towards the prediction (sd PRIOR_SD, less the common error
+in this race of the predictions made the same way: a replayed prediction reproduces the
+acceptance prompts' own text and errs with how much more the race's prompts repeat, the cost
+model's averages err otherwise, so one pooled offset would favour whichever way erred less). The
+prior ranks plans while few prompts are measured; it never enters the test.
 
 Confirmation (the other prompts, CONFIRM_PROMPTS of 8, and selection prompts left unused): the
 winner and plain decode each prompt in up to PAIRS pairs ordered by a coin flip. The decision is
@@ -73,6 +75,7 @@ class Arm:
     predicted_speedup: float = 1.0
     predicted_s: dict[int, float] = field(default_factory=dict)  # prompt -> predicted seconds (budget, ETA)
     parallel: bool = False  # its speed depends on free cores (PEARL): loaded runs do not count
+    predicted_by: str = "cost model"  # how predicted_speedup was made: its offset is that way's (Race.offsets)
     seconds: dict[int, float] = field(default_factory=dict)  # prompt -> median seconds of its runs there
     ratios: dict[int, float] = field(default_factory=dict)  # selection: prompt -> log(t_plain / t_arm)
     pairs: list[tuple[int, float]] = field(default_factory=list)  # confirmation: (prompt, log(t_plain / t_arm))
@@ -165,14 +168,22 @@ class Race:
         """Per-prompt sd of a plan's log-ratio, pooled over the plans."""
         return _pooled_sd([a.r() for a in self.arms[1:] if a.ratios])
 
-    def offset(self) -> float:
-        """How much the predictions overshoot the measurements here (log, median over plans)."""
-        errs = [math.log(max(a.predicted_speedup, 1e-9)) - a.mean_r() for a in self.arms[1:] if a.ratios]
-        return statistics.median(errs) if errs else 0.0
+    def offsets(self) -> dict[str | None, float]:
+        """How much the predictions overshoot the measurements here (log, median over the measured
+        plans predicted the same way, Arm.predicted_by; None: over every measured plan, for a way
+        no measured plan shares)."""
+        errs: dict[str | None, list[float]] = {}
+        for a in self.arms[1:]:
+            if a.ratios:
+                e = math.log(max(a.predicted_speedup, 1e-9)) - a.mean_r()
+                errs.setdefault(a.predicted_by, []).append(e)
+                errs.setdefault(None, []).append(e)
+        return {k: statistics.median(v) for k, v in errs.items()}
 
-    def score(self, a: Arm, noise: float | None = None, offset: float | None = None) -> float:
+    def score(self, a: Arm, noise: float | None = None, offsets: dict | None = None) -> float:
         """Posterior mean log-speedup: measured mean over prompts and the prior (see module doc)."""
-        prior = math.log(max(a.predicted_speedup, 1e-9)) - (self.offset() if offset is None else offset)
+        off = self.offsets() if offsets is None else offsets
+        prior = math.log(max(a.predicted_speedup, 1e-9)) - off.get(a.predicted_by, off.get(None, 0.0))
         if not a.ratios:
             return prior
         s = self.noise() if noise is None else noise
@@ -182,7 +193,7 @@ class Race:
     def ranked(self) -> list[Arm]:
         """Running plans, best posterior first; while the machine is loaded, parallel plans last
         (their runs would not count: the time goes to plans whose runs do)."""
-        s, off = self.noise(), self.offset()
+        s, off = self.noise(), self.offsets()
         return sorted(self.candidates(), key=lambda a: (a.parallel and self.loaded_now, -self.score(a, s, off)))
 
     def leader(self) -> Arm:
@@ -303,7 +314,7 @@ class Race:
         measured = [a for a in self.ranked() if a.ratios]
         if not measured:
             return None
-        s, off = self.noise(), self.offset()
+        s, off = self.noise(), self.offsets()
         best = self.score(measured[0], s, off)
         self.winner = min((a for a in measured if self.score(a, s, off) >= best - TIE),
                           key=lambda a: (a.cost, -self.score(a, s, off)))

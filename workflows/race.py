@@ -42,13 +42,14 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
     step = plain_step(profile)
     n = run.settings.decode_tokens
 
-    def arm(key, cost, up, parallel=False):
+    def arm(key, cost, up, parallel=False, how="cost model"):
         return Arm(key, cost, up, {p: prefill_cost(profile, int(ids.numel())) + n * step / max(up, 1e-3) for p, ids in enumerate(decode_ids)},
-                   parallel=parallel)
+                   parallel=parallel, predicted_by=how)
 
     out = [arm(PLAIN, 1.0, 1.0)]
     for c in racing:
-        out.append(arm(c.label, c.step_s(step) / step, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None))
+        out.append(arm(c.label, c.step_s(step) / step, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None,
+                       how=(c.prediction or {}).get("method") or "cost model"))
     return out
 
 
