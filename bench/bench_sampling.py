@@ -358,11 +358,14 @@ def _llama_side(a) -> LlamaSide | None:
 
     if a.no_llama:
         return None
+    before = torch.get_num_threads()
     try:
         target = open_llama("smollm2-135m", a.threads, progress=False)
     except UserError as e:
         print(f"bench_sampling: llama.cpp rows skipped: {e}", file=sys.stderr)
         return None
+    finally:  # the engine keeps torch on one thread for itself (LlamaEngine); the hf rows run on the machine's
+        torch.set_num_threads(before)
     side = LlamaSide(target.engine, StockLlama(target.gguf, target.engine.threads, n_ctx=target.engine.n_ctx))
     if a.smoke:
         from decoder.lookup import PromptLookupGuesser
