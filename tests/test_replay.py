@@ -2,6 +2,8 @@
 per step the accepted length, for static trees and per-step plans of every guesser kind; the
 calibration by replay (profiler/calibration_replay.py) collects the observations decoding does;
 autotune's prediction phase prices the replayed steps and keeps the cost model beside it."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,32 @@ def test_sampled_calibration_refuses_a_sampling_drafter(target):
         calibrate_by_replay(target, g, ts, ACC["draft"].accuracy, sampling=s)
     with pytest.raises(UserError, match="need their settings"):
         calibrate_by_replay(target, _guesser("lookup", target, "llama"), ts, ACC["lookup"].accuracy)
+
+
+def test_sampled_replay_has_decodings_law(target):
+    """A per-step lookup plan's accepted guesses per step, replayed over sampled continuations (what a
+    sampled main job predicts from), against sampled decoding itself, over many seeds: the same law
+    (the lossless rule emits each node's token with the warped p whatever was guessed). Replaying
+    with the greedy rule's text instead (the continuation taken at temperature 0) must not match."""
+    from decoder.verify import Sampling
+    from profiler.sampled import sampled_continuations
+
+    warm = Sampling(0.1, 0, 1.0)  # the toy model's logits are flat: a cool temperature still samples, and lookup hits
+    g = PromptLookupGuesser()
+    plan = plan_dynamic([("lookup", ACC["lookup"])], _profile(), max_size=8, max_depth=5)
+    prompt = _prompts()[2]  # repetitive: lookup guesses often
+    seeds = range(40)
+
+    def rate(steps_per_run):
+        acc = [a for run in steps_per_run for a in run]
+        return sum(acc) / len(acc), np.std(acc) / np.sqrt(len(acc))
+
+    decoded = [generate(target, prompt, plan=plan, guesser=g, max_new_tokens=N, seed=s, temperature=0.1).stats.accepted
+               for s in seeds]
+    cont = sampled_continuations(target, [prompt] * len(seeds), N, warm, seed=0)
+    replayed = [[st.accepted for st in replay_plan(target, g, plan, t, N)] for t in teachers(target, cont, False)]
+    greedy = [st.accepted for st in replay_plan(target, g, plan, _teachers(target, False)[2], N)]
+    (m_d, se_d), (m_r, se_r) = rate(decoded), rate(replayed)
+    assert m_d > 0.05  # lookup is accepted at all here
+    assert abs(m_d - m_r) < 3 * math.hypot(se_d, se_r), (m_d, m_r)
+    assert abs(sum(greedy) / len(greedy) - m_d) > 3 * math.hypot(se_d, se_r)

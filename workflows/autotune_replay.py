@@ -74,7 +74,8 @@ def calibration_step(run, cont, capture, measured: dict) -> dict:
         out[kind] = replace(m, accept=load_acceptance(str(m.path)))
         done.append(f"{kind} {doc['calibration']['observations']}")
     run.say(f"      calibrated by replay ({time.perf_counter() - t0:.1f} s): {', '.join(done) or 'none'} observations"
-            + (f"; {', '.join(kept)} keep their sampled acceptance rows, corrected online" if kept else ""))
+            + (f"; not calibrated (children drawn): {', '.join(kept)}, planned from the sampled rows, corrected online"
+               if kept else ""))
     return out
 
 
