@@ -55,13 +55,13 @@ def calibration_step(run, cont, capture, measured: dict) -> dict:
     t0 = time.perf_counter()
     hidden = any(run.guessers[k].needs_hidden for k in measured)
     run.replays = teachers(run.engine, cont, hidden, capture)
-    sampling = getattr(cont, "sampling", None) if getattr(cont, "probs", None) else None
+    sampling = getattr(cont, "sampling", None)  # a sampled decode's settings (profiler.sampled); greedy: none
     out, done, kept = dict(measured), [], []
     for kind, m in measured.items():
         spec = guesser_kind(kind)
         if not spec.dynamic or (spec.needs_embeddings and capture is None):
             continue
-        if sampling is not None and spec.samples:  # a sampled child cannot be placed on the text (calibrate_by_replay)
+        if sampling is not None and _draws(kind):
             kept.append(kind)
             continue
         doc = json.loads(m.path.read_text())
@@ -107,16 +107,20 @@ def _teachers(run) -> list:
     return [t for t in run.replays or [] if t.tokens.numel()]
 
 
+def _draws(guesser: str) -> bool:
+    """Whether the guesser (or a hybrid's member) draws its children under sampling: then a sampled
+    text cannot replay it, since a drawn child's acceptance depends on its own draw, which the text
+    does not hold (neither its calibration, profiler.calibration_replay, nor its steps)."""
+    spec = guesser_kind(guesser)
+    return any(guesser_kind(k).samples for k in (spec.members or (guesser,)))
+
+
 def _replayable(run, guesser: str) -> bool:
     """Whether replaying the shared decode gives the plan's steps in law. Greedy: always (a step's
     accepted path is the proposal's longest path on the text). Sampled: when every guess is
     deterministic, since the lossless rule then emits each node's token with the target's warped p
-    whatever was guessed, so the text's draw decides exactly which guess is accepted; a sampled
-    draft's acceptance depends on its own draw, which the text does not hold."""
-    if run.settings.sampling.rule == "greedy":
-        return True
-    spec = guesser_kind(guesser)
-    return not any(guesser_kind(k).samples for k in (spec.members or (guesser,)))
+    whatever was guessed, so the text's draw decides exactly which guess is accepted."""
+    return run.settings.sampling.rule == "greedy" or not _draws(guesser)
 
 
 def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None:
