@@ -7,8 +7,10 @@ verification uses the same q; this measures which is accepted more.
 
 Along the target's own sampled continuation of held-out prompts (profiler/sampled.py), at every
 position: the first child's acceptance sum_x min(p, q), the sibling procedure's share of ranks
-1..3 (Monte Carlo), and, for reference, a deterministic top-k guess's p(x) (the draft used as a
-fixed guesser). Means over positions; writes bench/results/draft_q.{json,md}.
+1..3 (Monte Carlo), for reference a deterministic top-k guess's p(x) (the draft used as a fixed
+guesser), and under coupled sampling (decoder/noise.py) the chance that the Gumbel top-k of the
+warped q holds the target's draw made with the same noise (Monte Carlo over --samples noise
+draws per position). Means over positions; writes bench/results/draft_q.{json,md}.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
             load0 = round(os.getloadavg()[0], 2)
             cont = sampled_continuations(model, prompts, a.tokens, s, seed=0)
             rows = {"warped q": [], "tempered softmax q": []}
-            det1, det4 = [], []
+            det1, det4, coupled = [], [], []
             for ids, toks, p in zip(cont.prompts, cont.tokens, cont.probs):
                 T, N = ids.numel(), toks.numel()
                 logits = draft(torch.cat([ids, toks])[None]).logits[0, T - 1: T - 1 + N].float()
@@ -83,9 +85,13 @@ def main(argv=None) -> int:
                 det4 += pt.sum(1).tolist()
                 for k, q in qs.items():
                     rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, a.samples, gen) for j in range(N)]
+                coupled += [coupled_hits(p[j], qs["warped q"][j], WIDTH, max(a.samples, 1), gen) for j in range(N)]
             res = {k: {"first_child": float(np.mean([r[0] for r in v])), "ranks": np.mean(v, axis=0).round(4).tolist(),
                        "any_of_4": float(np.mean([r.sum() for r in v]))} for k, v in rows.items()}
             res["deterministic top-k guesses"] = {"first_child": float(np.mean(det1)), "any_of_4": float(np.mean(det4))}
+            res["coupled: Gumbel top-k of warped q"] = {"first_child": float(np.mean([c[0] for c in coupled])),
+                                                        "ranks": np.mean(coupled, axis=0).round(4).tolist(),
+                                                        "any_of_4": float(np.mean([c.sum() for c in coupled]))}
             doc["settings"][key] = {"label": describe(record(s)), "positions": sum(int(t.numel()) for t in cont.tokens),
                                     "load_avg_1m": load0, "load_avg_1m_after": round(os.getloadavg()[0], 2),
                                     "results": res}
@@ -102,6 +108,17 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def coupled_hits(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, gen) -> np.ndarray:
+    """[width]: P(the rank-r guess is the target's draw) under coupled sampling at one position: the
+    guesses are the Gumbel top-k of log q + g, the draw argmax of log p + g, with one g for both."""
+    u = torch.rand(samples, p.numel(), generator=gen).clamp_(1e-38, 1.0 - 2 ** -24)
+    g = -torch.log(-torch.log(u))
+    y = (torch.log(p.float())[None] + g).argmax(-1)  # [samples]
+    score = torch.log(q.float())[None] + g
+    top = torch.where(torch.isfinite(score), score, g - 1e30).topk(width, -1).indices  # [samples, width]
+    return (top == y[:, None]).double().mean(0).numpy()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ repeat) with one seed all contenders share:
                       (0 where top-k is off: transformers' own default would cut at 50) and top_p
   plain loop          this project's plain sampling loop (decoder.generate_plain)
   greedy-tuned plan   the plan `planner autotune` chose for greedy decoding, decoding sampled
-  sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose
+  sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose, with the rule
+                      it was raced with (coupled by default: then also
+  plain loop, coupled this project's plain loop with coupled draws, whose text a coupled plan must emit)
 and, when llama-cpp-python is installed and the model's GGUF is found (the same weights, Q4_1), the same
 settings in llama.cpp:
   llama.cpp generate  llama-cpp-python's own sampling (Llama.generate, seeded per (prompt, repeat)); its
@@ -22,8 +24,9 @@ settings in llama.cpp:
   llama.cpp plain loop  this project's plain sampling loop on the llama.cpp engine
   llama.cpp plan      the plan `planner autotune --engine llama.cpp --temperature ...` chose (--llama-plan,
                       matched to a setting by the sampling it records; a setting without one skips the row)
-Outputs differ per contender (each samples with its own draws); exactness under sampling is the
-distribution tests' (tests/test_sampling_rules.py). Reported: tokens/s (tokens over seconds, the
+Outputs of the recursive-rejection rule differ per contender (each samples with its own draws; its
+exactness is the distribution tests', tests/test_sampling_rules.py); a coupled plan's outputs are
+compared with the coupled plain loop's, token for token. Reported: tokens/s (tokens over seconds, the
 median over repeats per prompt), the per-prompt speedup over generate (geometric mean of
 tokens-per-second ratios, since sampled answers end at different lengths; with the llama.cpp rows also
 over llama.cpp generate) and the mean accepted candidates per step. This project's loops run the matmul
@@ -100,7 +103,14 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
         out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
         return out.tokens.tolist(), out.stats.accepted
 
+    def plain_coupled(ids, seed):
+        set_paths_enabled(model, True)
+        out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
+        return out.tokens.tolist(), out.stats.accepted
+
     def plan_fn(tree, guesser):
+        rule = "coupled" if tree.settings.get("verify") == "coupled" else "auto"  # the rule it was raced with
+
         def run(ids, seed):
             set_paths_enabled(model, True)
             if guesser is None:
@@ -111,16 +121,19 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
                 return out.tokens.tolist(), None
             else:
                 out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False, seed=seed,
-                               **warp)
+                               verify_rule=rule, **warp)
             return out.tokens.tolist(), out.stats.accepted
         return run
 
     runs = {"generate": hf, "plain loop": plain}
+    if any(tree.settings.get("verify") == "coupled" for tree, _ in plans.values()):
+        runs[COUPLED_PLAIN] = plain_coupled
     runs.update({name: plan_fn(tree, g) for name, (tree, g) in plans.items()})
     return runs
 
 
 LLAMA_BASE = "llama.cpp generate"
+COUPLED_PLAIN = "plain loop, coupled"  # plain sampling with decoder/noise.py's draws: a coupled plan's own text
 
 
 @dataclass
@@ -174,6 +187,7 @@ def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) 
     for fn in runs.values():  # warm-up: every contender's shapes once
         fn(prompts[0][1], seed)
     rates = {k: [[] for _ in prompts] for k in runs}
+    texts: dict = {k: {} for k in runs}
     tokens = {k: 0 for k in runs}
     seconds = {k: 0.0 for k in runs}
     accepted: dict = {k: [] for k in runs}
@@ -187,14 +201,18 @@ def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) 
                 toks, acc = runs[name](ids, s)
                 dt = time.perf_counter() - t0
                 rates[name][p].append(len(toks) / dt)
+                texts[name][(r, p)] = list(toks)
                 tokens[name] += len(toks)
                 seconds[name] += dt
                 if acc is not None:
                     accepted[name].extend(acc)
             if progress:
                 print(f"  repeat {r + 1}/{repeats}, prompt {p + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+    ref = texts.get(COUPLED_PLAIN)
     return {k: {"rates": [statistics.median(x) for x in rates[k]], "tokens": tokens[k], "seconds": seconds[k],
-                "accepted": accepted[k]} for k in runs}
+                "accepted": accepted[k],
+                "same_text_as_plain_coupled": None if ref is None else sum(texts[k][i] == ref[i] for i in ref)}
+            for k in runs}
 
 
 def warper_costs(model, prompts, s: Sampling, rows: int = 64, repeats: int = 5) -> dict:
@@ -252,7 +270,8 @@ def summarise(prompts, got: dict) -> dict:
         out[name] = {"tokens_per_s": g["tokens"] / g["seconds"], "tokens": g["tokens"], "seconds": g["seconds"],
                      "speedup_vs_generate": _geo(ups), "min_speedup": min(ups), "max_speedup": max(ups),
                      "per_prompt_speedup": ups, "by_kind": {k: _geo(v) for k, v in kinds.items()},
-                     "mean_accepted": statistics.fmean(acc) if acc else None, "steps": len(acc) or None}
+                     "mean_accepted": statistics.fmean(acc) if acc else None, "steps": len(acc) or None,
+                     "same_text_as_plain_coupled": g.get("same_text_as_plain_coupled")}
         if LLAMA_BASE in got:
             out[name]["speedup_vs_llama_cpp_generate"] = vs_llama
     return out
@@ -285,6 +304,12 @@ def markdown(doc: dict) -> str:
                          f"{r['max_speedup']:.2f} | " + " | ".join(f"{r['by_kind'].get(k, float('nan')):.2f}x"
                                                                   for k in doc["kinds"]) + f" | {acc} |"
                          + (f" {r['speedup_vs_llama_cpp_generate']:.2f}x |" if llama else ""))
+        same = {k: r["same_text_as_plain_coupled"] for k, r in block["results"].items()
+                if r.get("same_text_as_plain_coupled") is not None}
+        if same:
+            runs = doc["repeats"] * len(doc["prompts"])
+            lines += ["", "Outputs identical to the coupled plain loop's (decoder/noise.py; one seed per (prompt, repeat)): "
+                      + ", ".join(f"{k} {v}/{runs}" for k, v in same.items()) + "."]
         notes = block.get("llama_notes", [])
         lines += [""] + [f"{note}." for note in notes] + ([""] if notes else [])
     return "\n".join(lines)

@@ -29,6 +29,7 @@ import torch
 from decoder.draft_cache import DraftCache
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source
+from decoder.noise import noisy_top_k
 from decoder.verify import draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, choose, q_bins
 
@@ -54,12 +55,21 @@ class DraftSource(Source):
         tokens = torch.tensor([pool.tokens[u] for u in fed], device=self.ctx.device)
         return self.drafter.level_pass(fed, pool.parent, tokens, [pool.depth[u] for u in fed])
 
-    def _children(self, logits: torch.Tensor, k: int):
-        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row (greedy; the
-        sampled subclass draws instead)."""
+    def _children(self, logits: torch.Tensor, k: int, d: int):
+        """(tokens [rows, k], q of them [rows, k] on the host): the top-k of each row, children at
+        distance d (greedy; under coupled sampling the Gumbel top-k of the warped q with the noise of
+        distance d's draw, decoder/noise.py; the sampled subclass draws instead)."""
         probs = torch.softmax(logits.float(), dim=-1)
-        top = probs.topk(k, dim=-1)
-        both = torch.stack([top.values, top.indices.float()]).cpu().numpy()
+        noise = self.ctx.noise
+        if noise is None:
+            top = probs.topk(k, dim=-1)
+            idx, values = top.indices, top.values
+        else:
+            q = probabilities(logits, self.ctx.sampling).cpu()  # [rows, V]
+            g = noise.gumbel(noise.cursor + d - 1, q.shape[-1])[None].expand_as(q)
+            idx = noisy_top_k(q, g, k).to(probs.device)
+            values = probs.gather(-1, idx)
+        both = torch.stack([values, idx.float()]).cpu().numpy()
         return both[1].astype(np.int64), both[0], None
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
@@ -71,7 +81,7 @@ class DraftSource(Source):
         logits = self.drafter.first_pass(root)[None]
         frontier = [-1]
         for d in range(1, self.spec.max_depth + 1):
-            toks, q, _ = self._children(logits, self.width)
+            toks, q, _ = self._children(logits, self.width, d)
             pool.passes_s += time.perf_counter() - t0
             pool.sunk_s += gm.draft_s
             depth = np.full(q.size, d)

@@ -74,6 +74,7 @@ class DecodeContext:
     device: torch.device
     label: str = "plan"
     prompt_hidden: torch.Tensor | None = None  # [T-1, hidden] target's last hidden state over the prefilled prompt (needs_hidden)
+    noise: object = None  # decoder.noise.PositionNoise under the coupled rule (its cursor: the next token's index)
 
 
 class GuessSession(Protocol):

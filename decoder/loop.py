@@ -25,6 +25,7 @@ from decoder.guesser import (
 )
 from decoder.hf_engine import as_engine, model_eos_ids
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
+from decoder.noise import PositionNoise
 from decoder.verify import Sampling, verify
 from planner.errors import UserError
 from planner.plan_settings import plan_settings
@@ -45,7 +46,8 @@ def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temper
     a guesser (PromptTokens, OracleGuesser, a draft model, ...; decoder/guesser.py), on a target:
     a transformers model (wrapped in decoder.hf_engine.HFEngine) or any decoder/engine.py engine.
 
-    verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless.
+    verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless,
+    coupled (plain sampling's own text with the same seed: decoder/noise.py).
     attention (transformers models): "auto" (the Triton tree kernels on CUDA when triton is
     installed, else a dense 4D mask through the model's own attention), "kernels" or "dense".
     Enabling the kernels switches the model to the "tree_triton" attention implementation, which
@@ -72,6 +74,9 @@ def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temper
     guesser.check(tree, label)
     sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     if isinstance(input_ids, (list, tuple)):
+        if sampling.rule == "coupled":
+            raise UserError("verify_rule 'coupled': decodes one prompt at a time (its noise is keyed by each "
+                            "sequence's token index); use lossless for batches")
         return _generate_batch(engine, input_ids, tree, guesser, max_new_tokens, sampling, eos_token_id, seed, layout,
                                label)
     if engine.caps.name == "hf":
@@ -100,11 +105,14 @@ def _generate_batch(engine, prompts, tree, guesser, max_new_tokens, sampling, eo
 
 def generate_plain(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, eos_token_id=None, seed: int = 0, progress: bool = False,
-                   phase_times: bool = True, matmul_paths=None) -> GenerateOutput:
-    """One token per step through the same prefill, forward, verify and cache path as `generate`."""
+                   phase_times: bool = True, matmul_paths=None, verify_rule: str = "auto") -> GenerateOutput:
+    """One token per step through the same prefill, forward, verify and cache path as `generate`.
+    verify_rule "coupled" draws with decoder/noise.py's position-keyed noise: then a plan decoded
+    with the same seed and rule emits the same text."""
     engine = as_engine(target)
     _use_paths(engine, matmul_paths)
-    return decode(engine, input_ids, None, PlainGuesser(), max_new_tokens, Sampling(temperature, top_k, top_p),
+    rule = "coupled" if verify_rule == "coupled" and temperature > 0 else "auto"  # one token a step: every other rule is a draw
+    return decode(engine, input_ids, None, PlainGuesser(), max_new_tokens, Sampling(temperature, top_k, top_p, rule),
                   eos_token_id=eos_token_id, seed=seed, progress=progress, phase_times=phase_times)
 
 
@@ -176,7 +184,8 @@ def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, s
     t_start = time.perf_counter()
     pad_to = plan_settings(plan.settings, label).pad_to if plan is not None else None
     seq, prompt_hidden = engine.start(ids, hidden=guesser.needs_hidden, pad_to=pad_to)
-    ctx = DecodeContext(sampling, gen, engine.dtype, engine.device, label, prompt_hidden)
+    noise = PositionNoise(seed) if sampling.rule == "coupled" else None
+    ctx = DecodeContext(sampling, gen, engine.dtype, engine.device, label, prompt_hidden, noise)
     session = guesser.begin(engine, plan, ids, ctx)
     engine.check_room(seq, max_new_tokens, session.max_input_length)
     clock.sync()
@@ -184,7 +193,10 @@ def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, s
     new: list[int] = []
     bar = _progress_bar(max_new_tokens) if progress else None
     while len(new) < max_new_tokens:
-        out, kept, stop = _step(seq, session, sampling, gen, clock, eos, max_new_tokens - len(new), guesser.needs_hidden)
+        if noise is not None:
+            noise.cursor = ids.numel() + len(new)  # the index of the token this step emits first
+        out, kept, stop = _step(seq, session, sampling, gen, clock, eos, max_new_tokens - len(new), guesser.needs_hidden,
+                                noise)
         new.extend(kept)
         _record(stats, out, clock, record_guesses, len(kept))
         if bar is not None:
@@ -201,7 +213,7 @@ def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, s
 
 
 def _step(seq, session: GuessSession, sampling: Sampling, gen, clock: "_Clock", eos: set[int],
-          room: int, want_hidden: bool) -> tuple[StepOutcome, list[int], bool]:
+          room: int, want_hidden: bool, noise=None) -> tuple[StepOutcome, list[int], bool]:
     """One step: propose, score, verify, commit. Returns the outcome, the tokens kept (EOS and
     max_new_tokens cut the accepted path) and whether decoding stops."""
     clock.start()
@@ -216,7 +228,7 @@ def _step(seq, session: GuessSession, sampling: Sampling, gen, clock: "_Clock", 
     if proposal.rule is not None:
         verdict = proposal.rule(tree_logits, tree_ids, sampling, gen)
     else:
-        verdict = verify(tree_logits, tree_ids, lay, sampling, gen, proposal.draft_probs, proposal.deterministic)
+        verdict = verify(tree_logits, tree_ids, lay, sampling, gen, proposal.draft_probs, proposal.deterministic, noise)
     clock.lap("verify")
     seq.commit(verdict)
     clock.lap("cache")

@@ -37,7 +37,9 @@ from decoder.engine import torch_model
 from decoder.forward import kv
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
+from decoder.noise import noisy_top_k
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
+from decoder.verify import probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
@@ -316,13 +318,31 @@ class ParallelSource(Source):
         self.d, self.depth, self.spec = d, depth, spec
         self.width = min(POOL_WIDTH, d.top_k)
 
-    def _guesses(self, hidden: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """hidden [k, H] -> top-width probabilities and token ids [k, width] on the host (one copy)."""
-        probs = torch.softmax(self.d.logits(hidden).float(), dim=-1)
-        top = probs.topk(self.width, dim=-1)
-        ids = self.d.token_ids(top.indices)
-        both = torch.stack([top.values, ids.float()]).cpu().numpy()
+    def _guesses(self, hidden: torch.Tensor, distance: int) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [k, H] (distances `distance`.. beyond the root) -> top-width probabilities and token
+        ids [k, width] on the host (one copy). Under coupled sampling the ranks are the top-width of
+        log q + g, q the drafter's warped distribution and g the noise the target's draw at that
+        distance will use (decoder/noise.py); the probabilities stay the softmax's, the calibrated signal."""
+        logits = self.d.logits(hidden).float()  # [k, V']
+        probs = torch.softmax(logits, dim=-1)
+        noise = self.s.ctx.noise
+        if noise is None:
+            top = probs.topk(self.width, dim=-1)
+            ranks, values = top.indices, top.values
+        else:
+            ranks = self._noisy_ranks(logits, noise, distance)
+            values = probs.gather(-1, ranks)
+        ids = self.d.token_ids(ranks)
+        both = torch.stack([values, ids.float()]).cpu().numpy()
         return both[0], both[1].astype(np.int64)
+
+    def _noisy_ranks(self, logits: torch.Tensor, noise, distance: int) -> torch.Tensor:
+        """[k, width] head positions: the Gumbel top-width of each row's warped q (decoder.noise.noisy_top_k)."""
+        q = probabilities(logits, self.s.ctx.sampling).cpu()  # [k, V']
+        V = self.d.target[1].weight.shape[0]
+        ids = self.d.token_ids(torch.arange(logits.shape[-1], device=logits.device)).cpu()  # head position -> token id
+        g = torch.stack([noise.gumbel(noise.cursor + distance - 1 + i, V)[ids] for i in range(logits.shape[0])])
+        return noisy_top_k(q, g, self.width).to(logits.device)
 
     def _cells(self, q: np.ndarray, depth0: int) -> tuple[np.ndarray, np.ndarray]:
         """(flat cells, q bins) [D, K] of a guess matrix whose first row is distance depth0 + 1."""
@@ -342,7 +362,7 @@ class ParallelSource(Source):
         real, pos = self.s.take_pending()
         if self.d.mode == "chain":
             return self._extend_chain(pool, real, pos, session, t0)
-        q, toks = self._guesses(self.s.parallel_pass(real, pos))  # [depth, width]
+        q, toks = self._guesses(self.s.parallel_pass(real, pos), 1)  # [depth, width]
         pool.passes_s += time.perf_counter() - t0
         pool.sunk_s += gm.draft_s
         cells, sig = self._cells(q, 0)
@@ -356,7 +376,7 @@ class ParallelSource(Source):
 
         def level(d: int, hidden: torch.Tensor) -> torch.Tensor | None:
             nonlocal parent, P, t0
-            q, toks = self._guesses(hidden)  # [1, width]
+            q, toks = self._guesses(hidden, d + 1)  # [1, width]
             pool.passes_s += time.perf_counter() - t0
             pool.sunk_s += gm.draft_s
             cells, sig = self._cells(q, d)

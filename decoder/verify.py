@@ -209,6 +209,23 @@ def verify_lossless(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout,
     return _verdict(path, toks, last, tokens.device)
 
 
+def verify_coupled(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, noise) -> Verdict:
+    """Coupled sampling (decoder/noise.py): at each node of the walked path the next token is drawn
+    with the noise of its index (noise.cursor + depth); the walk moves to the child holding it, and
+    the first node without one emits it. The emitted text is plain sampling's with the same seed."""
+    if noise is None:
+        raise ValueError("verify_coupled: needs the decode's PositionNoise (DecodeContext.noise)")
+    toks = tokens.cpu().tolist()
+    u, path = 0, [0]
+    while True:
+        y = noise.draw(probabilities(logits[u], s), noise.cursor + len(path) - 1)  # only nodes on the path
+        nxt = next((c for c in buf.children[u].tolist() if c >= 0 and toks[c] == y), None)
+        if nxt is None:
+            return _verdict(path, toks, y, tokens.device)
+        u = nxt
+        path.append(u)
+
+
 def _verdict(path: list[int], toks: list[int], last: int, device) -> Verdict:
     emitted = [toks[i] for i in path[1:]] + [last]
     return Verdict(torch.tensor(path, dtype=torch.long, device=device), path, emitted,
@@ -284,15 +301,18 @@ def verify_sampled(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, 
 
 
 def verify(logits: torch.Tensor, tokens: torch.Tensor, buf: StepLayout, s: Sampling, generator=None,
-           draft_probs: torch.Tensor | None = None, deterministic: list[bool] | None = None) -> Verdict:
+           draft_probs: torch.Tensor | None = None, deterministic: list[bool] | None = None, noise=None) -> Verdict:
     """logits [num_tree, V], tokens [num_tree] (root first). draft_probs [num_tree, V]: the draft
     distribution each node's sampled children were drawn from; None: every guess is deterministic.
-    deterministic [num_tree]: which nodes are fixed guesses in a tree that also has sampled ones."""
+    deterministic [num_tree]: which nodes are fixed guesses in a tree that also has sampled ones.
+    noise: the decode's decoder.noise.PositionNoise (the coupled rule's draws; it ignores draft_probs)."""
     rule = s.rule
     if rule == "greedy":
         if logits.device.type == "cpu" and buf.depth == buf.num_tree - 1 and not logits.requires_grad:
             return verify_greedy_chain(logits.float(), tokens, buf)
         return verify_greedy(logits, tokens, buf)
+    if rule == "coupled":
+        return verify_coupled(logits, tokens, buf, s, noise)
     if rule == "typical":
         return verify_typical(logits, tokens, buf, s, generator)
     if rule == "lossless":

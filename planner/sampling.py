@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from planner.errors import UserError
 
-RULES = ("auto", "greedy", "typical", "lossless")
+RULES = ("auto", "greedy", "typical", "lossless", "coupled")
+LOSSLESS = ("lossless", "coupled")  # sampled rules whose output follows the warped distribution exactly
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    mode: str = "auto"  # auto (greedy at T=0, else lossless), greedy, typical, lossless
+    # auto (greedy at T=0, else lossless), greedy, typical, lossless (recursive rejection),
+    # coupled (position-keyed Gumbel draws: plain sampling's text; decoder/noise.py)
+    mode: str = "auto"
     eps: float = 0.09  # typical acceptance: hard threshold
     delta: float = 0.3  # typical acceptance: entropy-scaled threshold
 
@@ -41,7 +44,7 @@ class Sampling:
             raise UserError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
         if self.mode not in RULES:
             raise UserError(f"verify rule: expected one of {', '.join(RULES)}, got {self.mode!r}")
-        if self.mode in ("typical", "lossless") and self.temperature == 0:
+        if self.mode in ("typical", "lossless", "coupled") and self.temperature == 0:
             raise UserError(f"verify rule: '{self.mode}' samples, but temperature is 0, where every rule is greedy; "
                             "give a temperature > 0, or the rule greedy (or auto)")
 

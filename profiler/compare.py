@@ -23,10 +23,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def classify(model, prompt_ids: torch.Tensor, reference: list[int], other: list[int]) -> dict:
+def classify(model, prompt_ids: torch.Tensor, reference: list[int], other: list[int], sampling=None,
+             seed: int = 0) -> dict:
     """{'status': 'identical' | 'near_tie' | 'mismatch', ...} of `other` against `reference`
     (plain greedy decoding of the same prompt). At the first difference: the target's top-2 logit
-    gap there and the dtype's resolution at that logit's size."""
+    gap there and the dtype's resolution at that logit's size. With `sampling` (the coupled rule,
+    decoder/noise.py) the reference is plain coupled sampling with `seed`, and the gap is that of
+    the draw's scores, log p + g, whose resolution is the logits' over the temperature."""
     i = first_difference(reference, other)
     if i is None:
         return {"status": "identical"}
@@ -35,10 +38,17 @@ def classify(model, prompt_ids: torch.Tensor, reference: list[int], other: list[
     dev = model.get_input_embeddings().weight.device
     ids = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(reference[:i], dtype=torch.long)]).to(dev)
     logits = model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()  # [V]
+    dtype = next(model.parameters()).dtype
+    resolution = RELATIVE_ROUNDING_STEPS * torch.finfo(dtype).eps * max(abs(float(logits.max())), 1.0)
+    if sampling is not None:
+        from decoder.noise import PositionNoise
+        from decoder.verify import probabilities
+
+        p = probabilities(logits, sampling).cpu()
+        logits = torch.log(p) + PositionNoise(seed).gumbel(prompt_ids.numel() + i, p.numel())
+        resolution /= sampling.temperature
     top = logits.topk(2)
     gap = float(top.values[0] - top.values[1])
-    dtype = next(model.parameters()).dtype
-    resolution = RELATIVE_ROUNDING_STEPS * torch.finfo(dtype).eps * max(abs(float(top.values[0])), 1.0)
     near = gap <= resolution and int(other[i]) in top.indices.tolist()
     return {"status": "near_tie" if near else "mismatch", "position": i, "top2_gap": gap, "resolution": resolution,
             "reference_token": int(reference[i]), "other_token": int(other[i])}

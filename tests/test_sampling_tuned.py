@@ -102,3 +102,31 @@ def test_autotune_under_sampling_on_the_builtin_model(tmp_path, capsys):
                  "--max-new-tokens", "2", "--no-progress"])
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert code == 0 and len(err) == 1 and "tuned for temperature 0.7, top-p 0.9, this run uses greedy decoding" in err[0]
+
+
+def test_autotune_with_coupled_sampling_checks_every_plan_against_plain_sampling(tmp_path, capsys):
+    """--verify coupled (the CLI's default under sampling): every raced plan emits plain sampling's
+    text with the same seed, so the race compares them (a differing plan would leave it), chosen.json
+    records the rule and `planner decode --plan` runs it."""
+    from profiler.models import load_model
+    from workflows.autotune import AutotuneSettings, autotune
+
+    load_model("builtin", device="cpu", dtype="fp32")
+    run = tmp_path / "run"
+    s = AutotuneSettings(model="builtin", guessers=("ppd", "lookup"), out=str(run), accept_prompts=2, decode_prompts=4,
+                         accept_tokens=16, decode_tokens=12, max_input_length=10, context_length=32, profile_budget_s=2.0,
+                         rounds=1, report=False, progress=False, threads=1, temperature=0.7, top_p=0.9, verify="coupled")
+    summary = autotune(s)
+    assert summary["verify"] == "coupled" and summary["distribution_exact"] is True
+    assert summary["identical_to_greedy"] is None and summary["identical_to_plain_sampling"] is True
+    raced = [r for r in summary["rows"] if r["measured_speedup"] is not None]
+    assert raced and all(r["identical_to_plain_sampling"] is True for r in raced)
+    chosen = load_tree(run / "chosen.json")
+    assert chosen.settings["verify"] == "coupled"
+    if chosen.settings.get("guesser") not in (None, "plain"):
+        out = tmp_path / "out.json"
+        capsys.readouterr()
+        assert main(["decode", "--plan", str(run / "chosen.json"), "--model", "builtin", "--num-prompts", "1",
+                     "--max-new-tokens", "4", "--temperature", "0.7", "--top-p", "0.9", "--no-progress",
+                     "-o", str(out)]) == 0
+        assert json.loads(out.read_text())["settings"]["verify"] == "coupled"

@@ -72,7 +72,7 @@ class AutotuneSettings:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    verify: str = "auto"  # auto: greedy at temperature 0, lossless above; typical: Medusa's, not distribution-exact
+    verify: str = "auto"  # auto: greedy at temperature 0, lossless above; coupled (decoder/noise.py); typical: Medusa's, not distribution-exact
 
     @property
     def sampling(self):

@@ -53,7 +53,9 @@ def _measured(c: Candidate, arm: Arm, plain: Arm, outputs: _Outputs, step_s: flo
             "predicted_by": (c.prediction or {}).get("method") or "cost model"}
 
 
-def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int], greedy: bool = True) -> dict:
+def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list[int], greedy: bool | str = True) -> dict:
+    """greedy: True (outputs compared with plain greedy decoding's), "coupled" (with plain coupled
+    sampling's), False (sampled with the recursive-rejection rule: not compared)."""
     row = {
         "guesser": c.guesser, "method": c.method, "variant": c.variant, "size": c.size, "label": c.label,
         "input_length": round(c.input_length, 3), "planned_input_length": c.tree.max_input_length,
@@ -61,13 +63,17 @@ def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list
         "predicted_tokens_per_step": c.predicted_tokens_per_step, "predicted_speedup": c.predicted_speedup,
         "cost_vs_plain_step": arm.cost, "dropped": arm.dropped or None, "chosen": False, "tree": shown(path),
         "measured_tokens_per_step": None, "measured_speedup": None, "identical_to_greedy": None,
+        "identical_to_plain_sampling": None,
         "state_frequencies": state_frequencies(c.tree, states),
         "prediction": c.prediction or None,  # replayed (or the cost model's), with the cost model's numbers
     }
     if measured:
         row.update(measured)
-        if greedy:  # sampled outputs differ from plain sampling's by design: nothing to compare
-            row["identical_to_greedy"] = not arm.dropped.startswith("output differs")
+        same = not arm.dropped.startswith("output differs")
+        if greedy == "coupled":  # coupled sampling emits plain sampling's text with the same seed
+            row["identical_to_plain_sampling"] = same
+        elif greedy:  # the recursive-rejection rule's outputs differ from plain sampling's by design
+            row["identical_to_greedy"] = same
     return row
 
 
@@ -92,8 +98,10 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
         save_tree(c.tree, run.out_dir / "trees" / name)
         arm = arms[c.label]
         measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
+        rule = run.settings.sampling.rule
         rows.append(_row(c, arm, run.out_dir / "trees" / name, measured, outputs.states.get(c.label, []),
-                         run.settings.sampling.rule == "greedy"))
+                         # PEARL's own loop samples with the lossless rule: its text is not plain sampling's
+                         "coupled" if rule == "coupled" and not guesser_kind(c.guesser).loop else rule == "greedy"))
         if c.label == decision.choice:
             chosen = c
             rows[-1]["chosen"] = True
@@ -157,6 +165,9 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
         "chosen_size": chosen.size if chosen else 0,
         # None under sampling: outputs are compared only when decoding is greedy
         "identical_to_greedy": all(r["identical_to_greedy"] is not False for r in rows) if s.sampling.rule == "greedy" else None,
+        # coupled sampling: every raced plan's text against plain sampling's with the same seed
+        "identical_to_plain_sampling": (all(r["identical_to_plain_sampling"] is not False for r in rows)
+                                        if s.sampling.rule == "coupled" else None),
         **tuned_for(s.sampling),
         "plain": {"tokens": plain_tokens, "seconds": sum(plain.seconds.values()), "prompts": len(plain.seconds),
                   "tokens_per_s": plain_tokens / max(sum(plain.seconds.values()), 1e-9),
@@ -219,7 +230,7 @@ def format_table(summary: dict) -> str:
         meas = f"{iv['mean']:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}]" if iv and iv["prompts"] >= MIN_PROMPTS else (
             _fmt(r["measured_speedup"], ".2f"))
         note = "CHOSEN" if r["chosen"] else ("out: " + r["dropped"].split(":")[0] if r["dropped"] else "")
-        if r["identical_to_greedy"] is False:
+        if r["identical_to_greedy"] is False or r.get("identical_to_plain_sampling") is False:
             note = "OUTPUT DIFFERS"
         lines.append(
             f"{r['label']:24} {r['input_length']:>6.1f} {r['predicted_tokens_per_step']:>13.2f} "

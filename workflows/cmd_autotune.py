@@ -58,8 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept", default=None, help="reuse this PPD acceptance file instead of measuring")
     p.add_argument("--profile-budget", type=float, default=d.profile_budget_s, help="seconds of profiling")
     add_sampling_arguments(p, "tune for (and race) decoding")
-    p.add_argument("--verify", default="lossless", choices=["lossless", "typical"],
-                   help="with --temperature: lossless (default: the target's own distribution) or typical (Medusa's "
+    p.add_argument("--verify", default=None, choices=["coupled", "lossless", "typical"],
+                   help="with --temperature, the rule raced and written into chosen.json: coupled (the default; "
+                        "position-keyed draws, every plan emits plain sampling's text with the same seed, so the "
+                        "race compares them on one text and checks they match), lossless (recursive rejection; the "
+                        "default with --engine llama.cpp, whose race compares speeds only), or typical (Medusa's "
                         "typical acceptance: faster, NOT distribution-exact; chosen.json says so)")
     p.add_argument("--no-report", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true")
@@ -88,12 +91,22 @@ def _check(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
         raise UserError(f"--finalists: must be an integer in 1..100, got {args.finalists}")
     if not (math.isfinite(args.budget) and 0.5 <= args.budget <= 24 * 60):
         raise UserError(f"--budget: expected minutes in 0.5..1440, got {args.budget}")
-    if args.verify == "typical" and args.temperature <= 0:
-        raise UserError("--verify typical: samples; give --temperature > 0 (at temperature 0 every rule is greedy)")
-    sampling_from_args(args, verify="auto" if args.verify == "lossless" else args.verify)
+    if args.verify in ("typical", "coupled") and args.temperature <= 0:
+        raise UserError(f"--verify {args.verify}: samples; give --temperature > 0 (at temperature 0 every rule is greedy)")
+    sampling_from_args(args, verify=_rule(args))
     if not (math.isfinite(args.profile_budget) and args.profile_budget > 0):
         raise UserError(f"--profile-budget: expected a positive number of seconds, got {args.profile_budget}")
     return methods, guessers
+
+
+def _rule(args) -> str:
+    """The decoder's rule for --verify: coupled by default under sampling on the hf engine, lossless
+    (recursive rejection) with --engine llama.cpp."""
+    if args.temperature <= 0:
+        return "auto"
+    if args.verify is None:
+        return "lossless" if args.engine == "llama.cpp" else "coupled"
+    return args.verify
 
 
 def _defaults(args) -> None:
@@ -115,8 +128,8 @@ def _llama(args) -> int:
                         ("--guessers", args.guessers != "auto")):
         if given:
             raise UserError(f"{flag}: not with --engine llama.cpp (it races prompt lookup, the guesser llama.cpp runs)")
-    if args.verify == "typical":
-        raise UserError("--verify typical: not with --engine llama.cpp (it races lossless sampling only)")
+    if args.verify in ("typical", "coupled"):
+        raise UserError(f"--verify {args.verify}: not with --engine llama.cpp (it races lossless sampling only)")
     summary = autotune_llama(LlamaAutotune(
         model=args.model, out=args.out, questions=args.questions, accept_prompts=args.accept_prompts,
         decode_prompts=args.decode_prompts, turns=args.turns, accept_tokens=args.accept_tokens,
@@ -147,7 +160,7 @@ def run(args) -> int:
         profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,
         profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        verify="typical" if args.verify == "typical" else "auto",
+        verify=_rule(args),
     )
     summary = autotune(s)
     return 0 if summary["identical_to_greedy"] is not False else 1

@@ -39,9 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None, help="a prompt text (repeatable); overrides --prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_sampling_arguments(p)
-    p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "lossless"],
-                   help="auto: greedy at temperature 0, lossless sampling above (the target's own distribution); "
-                        "typical: Medusa's typical acceptance, faster, NOT distribution-exact (the output is marked so)")
+    p.add_argument("--verify", default="auto", choices=["auto", "greedy", "typical", "lossless", "coupled"],
+                   help="auto: greedy at temperature 0, above it the rule a sampled plan was raced with, else lossless "
+                        "(recursive rejection; the target's own distribution); coupled: position-keyed draws, the "
+                        "same text as plain sampling with the same --seed (exact too); typical: Medusa's typical "
+                        "acceptance, faster, NOT distribution-exact (the output is marked so)")
     p.add_argument("--eps", type=float, default=0.09, help="typical acceptance: hard threshold")
     p.add_argument("--delta", type=float, default=0.3, help="typical acceptance: entropy-scaled threshold")
     p.add_argument("--seed", type=int, default=0)
@@ -292,6 +294,9 @@ def _as_raced(args, tree) -> None:
     elif args.threads is None and raced.threads is not None:
         args.threads = raced.threads
         used.append(f"{args.threads} threads")
+    if args.verify == "auto" and args.temperature > 0 and tree.settings.get("verify") == "coupled" and args.batch_size == 1:
+        args.verify = "coupled"
+        used.append("coupled sampling (plain sampling's text with the same --seed)")
     if args.guesser is None and raced.guesser is not None and tree.settings.get("guesser"):
         where = raced.guesser.check(plan_dir, args.plan, "the guesser's files")
         args.guesser_files = str(where)

@@ -27,7 +27,7 @@ def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
     s = run.settings.sampling
     warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
     if cand is None:
-        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, **warp)
+        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, verify_rule=s.mode, **warp)
     if guesser_kind(cand.guesser).loop:  # PEARL: its own two-job loop, the draft LM as drafter, at the split measured for it
         return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
                               threads=tuple(cand.tree.settings["pearl"]["threads"]), **warp)
@@ -142,21 +142,31 @@ def race_floor_s(race: Race) -> float:
 def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list, p: int, keys: set[str]) -> None:
     """A plan whose output on prompt p differs from plain greedy decoding (beyond a near tie of
     the target's top two logits, profiler.compare) leaves the race: it is never the decision.
-    Sampled outputs differ from plain sampling's with the same seed by design; their law is the
-    distribution tests' to check (tests/test_sampling_rules.py), so a sampled race compares speeds only."""
+    Under coupled sampling (decoder/noise.py) a plan emits plain sampling's text with the same seed,
+    so it is checked the same way (the near tie then of log p + g). Under the recursive-rejection rule
+    sampled outputs differ from plain sampling's by design; their law is the distribution tests' to
+    check (tests/test_sampling_rules.py), so that race compares speeds only."""
     from profiler.compare import classify
 
-    if run.settings.sampling.rule != "greedy":
+    s = run.settings.sampling
+    if s.rule not in ("greedy", "coupled"):
         return
-
+    coupled = dict(sampling=s, seed=run.settings.seed + p) if s.rule == "coupled" else {}
     plain = outputs.tokens[PLAIN][p].tolist()
     for key in sorted(keys):
         a = race.arm(key)
         if a.dropped.startswith("output differs") or p not in outputs.tokens.get(key, {}):
             continue
-        if classify(run.model, decode_ids[p], plain, outputs.tokens[key][p].tolist())["status"] == "mismatch":
-            a.dropped = f"output differs from plain greedy decoding on prompt {p}"
+        if guesser_kind(_guesser_of(key)).loop and coupled:  # PEARL's own loop samples with the lossless rule
+            continue
+        if classify(run.model, decode_ids[p], plain, outputs.tokens[key][p].tolist(), **coupled)["status"] == "mismatch":
+            a.dropped = f"output differs from plain {'coupled sampling' if coupled else 'greedy decoding'} on prompt {p}"
             race.log.append(f"{a.key}: {a.dropped}")
+
+
+def _guesser_of(key: str) -> str:
+    """An arm's guesser kind from its label (guesser/method-size)."""
+    return key.partition("/")[0]
 
 
 def _step_lengths(run, tried: list[Candidate]) -> set[int]:
