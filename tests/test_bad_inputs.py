@@ -168,6 +168,8 @@ def test_profile_lengths_are_bounded_by_memory(capsys):
     (["--eps", "-0.5"], "--eps: expected a finite number in"),
     (["--temperature", "nan"], "--temperature: expected a finite number"),
     (["--verify", "lossless"], "--verify: 'lossless' samples, but temperature is 0"),
+    (["--verify", "coupled"], "--verify: 'coupled' samples, but temperature is 0"),
+    (["--verify", "coupled", "--temperature", "0.7", "--batch-size", "2"], "--verify coupled: decodes one prompt at a time"),
     (["--top-p", "0"], "--top-p"),
     (["--device", "gpu"], "--device: expected cpu, cuda or cuda:N, got 'gpu'"),
 ])

@@ -91,6 +91,9 @@ def _check(args) -> None:
     if not 1 <= args.batch_size <= 1024:
         raise UserError(f"--batch-size: expected an integer in 1..1024, got {args.batch_size}")
     check_sampling(args)
+    if args.verify == "coupled" and args.batch_size != 1:
+        raise UserError("--verify coupled: decodes one prompt at a time (its noise is keyed by each sequence's token "
+                        "index); drop --batch-size or use --verify lossless")
     _check_mtad(args)
     _check_pearl(args)
 
@@ -108,9 +111,9 @@ def _check_pearl(args) -> None:
     if not _draft_lm(args) or getattr(args, "mtad", None):
         raise UserError(f"--pearl: needs --guesser draft[:DIR] (a draft model) and no --mtad, "
                         f"got {args.guesser or 'ppd'}")
-    if args.plan or args.batch_size != 1 or args.verify == "typical" or args.gamma < 1:
-        raise UserError("--pearl: drafts a chain of --gamma >= 1 tokens for one prompt at a time, losslessly; "
-                        "drop --plan, --batch-size and --verify typical")
+    if args.plan or args.batch_size != 1 or args.verify in ("typical", "coupled") or args.gamma < 1:
+        raise UserError("--pearl: drafts a chain of --gamma >= 1 tokens for one prompt at a time, losslessly (the "
+                        "recursive-rejection rule); drop --plan, --batch-size and --verify typical/coupled")
 
 
 def _check_mtad(args) -> None:
