@@ -60,7 +60,7 @@ def noisy_top_k(q: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
     """[rows, k] indices: the k best of log q + g per row (q [rows, V'] a proposal on the host, g
     [rows, V'] the noise of each row's index over the same tokens): Gumbel top-k, the first k draws
     of q without replacement, aimed at the draw coupled verification makes with the same g.
-    Tokens outside q's support rank after it, by q's logits order being gone: by g alone."""
+    Tokens outside q's support (cut by top-k or top-p) rank after every token in it, by g alone."""
     score = torch.log(q.float()) + g
     score = torch.where(torch.isfinite(score), score, g - 1e30)
     return score.topk(min(k, q.shape[-1]), dim=-1).indices

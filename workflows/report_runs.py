@@ -72,11 +72,13 @@ def fig_run(summary: dict, label: str, image: str = "run.png", title: str = "Pre
         table.append({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                       if k in ("method", "size", "input_length", "predicted_tokens_per_step", "measured_tokens_per_step",
                                "predicted_speedup", "measured_speedup", "measured_tokens_per_s", "identical_to_greedy",
-                               "chosen", "tree")})
+                               "identical_to_plain_sampling", "chosen", "tree")})
     fig.suptitle("The planner's prediction against real decoding (point labels: input length)")
     fig.tight_layout()
     caption = f"From {label}. Points on the dashed line are predicted exactly."
-    if "identical_to_greedy" in summary:
+    if summary.get("identical_to_plain_sampling") is not None:  # coupled sampling (decoder/noise.py)
+        caption += f" Output identical to plain sampling with the same seed: {summary['identical_to_plain_sampling']}."
+    elif "identical_to_greedy" in summary:
         caption += f" Output identical to plain greedy decoding: {summary['identical_to_greedy']}."
     return Section(title, image, caption, table, fig)
 
