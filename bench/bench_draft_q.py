@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from decoder.verify import probabilities
     from planner.jsonio import atomic_write_json
     from profiler.models import load_model
-    from profiler.sampled import sampled_continuations, sibling_shares
+    from profiler.sampled import coupled_shares, sampled_continuations, sibling_shares
     from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
     torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                 det4 += pt.sum(1).tolist()
                 for k, q in qs.items():
                     rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, a.samples, gen) for j in range(N)]
-                coupled += [coupled_hits(p[j], qs["warped q"][j], WIDTH, max(a.samples, 1), gen) for j in range(N)]
+                coupled += [coupled_shares(p[j], qs["warped q"][j], WIDTH, a.samples, gen) for j in range(N)]
             res = {k: {"first_child": float(np.mean([r[0] for r in v])), "ranks": np.mean(v, axis=0).round(4).tolist(),
                        "any_of_4": float(np.mean([r.sum() for r in v]))} for k, v in rows.items()}
             res["deterministic top-k guesses"] = {"first_child": float(np.mean(det1)), "any_of_4": float(np.mean(det4))}
@@ -108,17 +108,6 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
-
-
-def coupled_hits(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, gen) -> np.ndarray:
-    """[width]: P(the rank-r guess is the target's draw) under coupled sampling at one position: the
-    guesses are the Gumbel top-k of log q + g, the draw argmax of log p + g, with one g for both."""
-    u = torch.rand(samples, p.numel(), generator=gen).clamp_(1e-38, 1.0 - 2 ** -24)
-    g = -torch.log(-torch.log(u))
-    y = (torch.log(p.float())[None] + g).argmax(-1)  # [samples]
-    score = torch.log(q.float())[None] + g
-    top = torch.where(torch.isfinite(score), score, g - 1e30).topk(width, -1).indices  # [samples, width]
-    return (top == y[:, None]).double().mean(0).numpy()
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def sampled_continuations(target, prompts: list[torch.Tensor], max_new_tokens: i
                           ppd=None, eos_token_id=None, progress=None) -> SampledContinuations:
     """Sample every prompt's continuation once (prompt i with seed + i); with `ppd` (PromptTokens)
     its guesses ride along every root and its acceptance record comes back too."""
-    if s.rule != "lossless":
-        raise UserError(f"sampled acceptance: needs temperature > 0 and the lossless rule, got {s}")
+    if s.rule not in ("lossless", "coupled"):
+        raise UserError(f"sampled acceptance: needs temperature > 0 and an exact rule (lossless, coupled), got {s}")
     engine = as_engine(target)
     D = ppd.num_distances if ppd is not None else 1
     plan = chain_plan(D) if ppd is not None else None
@@ -67,12 +67,13 @@ def sampled_continuations(target, prompts: list[torch.Tensor], max_new_tokens: i
         if ppd is not None:
             out = generate(engine, ids, plan=plan, guesser=ppd, max_new_tokens=max_new_tokens, record_guesses=True,
                            eos_token_id=eos_token_id, phase_times=False, temperature=s.temperature, top_k=s.top_k,
-                           top_p=s.top_p, seed=seed + i)
+                           top_p=s.top_p, seed=seed + i, verify_rule=s.mode)
         else:
             from decoder.loop import generate_plain
 
             out = generate_plain(engine, ids, max_new_tokens=max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                                 top_p=s.top_p, seed=seed + i, eos_token_id=eos_token_id, phase_times=False)
+                                 top_p=s.top_p, seed=seed + i, eos_token_id=eos_token_id, phase_times=False,
+                                 verify_rule=s.mode)
         toks = out.tokens.cpu()
         T = ids.numel()
         logits = engine.teacher_forced(torch.cat([ids.cpu(), toks]).to(engine.device)).logits
@@ -170,6 +171,22 @@ def sibling_shares(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, g
     return out
 
 
+def coupled_shares(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, generator) -> np.ndarray:
+    """[width]: P(the rank-r child is the target's draw) under coupled sampling (decoder/noise.py) at one
+    position: the children are the Gumbel top-width of log q + g and the draw is argmax log p + g, one
+    g for both (decoder.noise.noisy_top_k), estimated over `samples` draws of g (at least one)."""
+    from decoder.noise import noisy_top_k
+
+    n = max(samples, 1)
+    u = torch.rand(n, p.numel(), generator=generator).clamp_(1e-38, 1.0 - 2 ** -24)
+    g = -torch.log(-torch.log(u))  # [n, V]
+    y = (torch.log(p.float())[None] + g).argmax(-1)  # [n] the target's draws
+    top = noisy_top_k(q.float()[None].expand(n, -1), g, width)  # [n, width] the aimed children
+    out = np.zeros(width)
+    out[: top.shape[1]] = (top == y[:, None]).double().mean(0).numpy()
+    return out
+
+
 def draft_rows(shares: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
     """shares [N, K] (position j, rank r) -> (expected hits [depth, K], weights [depth]): distance d
     from root i reads position i+d-1, weighted by the chance the rank-0 chain survived to it,
@@ -191,7 +208,9 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
                            seed: int = 0, timing_steps: int = 12, progress=None) -> dict:
     """A draft LM's acceptance record under cont.sampling: its own warped q along each continuation
     (one teacher-forced drafter forward per prompt), the first child's exact acceptance and the
-    later siblings' Monte Carlo shares, distances weighted by the chain's survival (`draft_rows`)."""
+    later siblings' Monte Carlo shares, distances weighted by the chain's survival (`draft_rows`).
+    Under the coupled rule the children are aimed at the noise instead (`coupled_shares`, Monte Carlo
+    for every rank), what a coupled decode proposes."""
     s = cont.sampling
     draft = guesser.draft_model
     dev = draft.get_input_embeddings().weight.device
@@ -207,7 +226,10 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
             continue
         logits = draft(input_ids=torch.cat([ids, toks]).to(dev)[None], use_cache=False).logits[0, T - 1: T - 1 + N]
         q = probabilities(logits, s).cpu()  # [N, V] the drafter's warped q where the text's tokens stand
-        shares = np.stack([sibling_shares(p[j].double(), q[j].double(), width, samples, gen) for j in range(N)])
+        if s.rule == "coupled":  # the children decoding will propose: aimed at the noise, not drawn
+            shares = np.stack([coupled_shares(p[j], q[j], width, samples, gen) for j in range(N)])
+        else:
+            shares = np.stack([sibling_shares(p[j].double(), q[j].double(), width, samples, gen) for j in range(N)])
         h, w = draft_rows(shares, depth)
         hits += h
         weights += w
@@ -218,8 +240,10 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
     totals = np.round(weights).astype(np.int64)  # the record's totals: effective rows (accuracy uses the weights)
     rec = accuracy_json(hits, np.maximum(totals, (weights > 0).astype(np.int64)), positions, len(cont.prompts), target,
                         guessing_record(guesser, runner, depth),
-                        "profiler.sampled (the target's sampled continuation; the drafter's warped q, sum min(p, q) "
-                        "and the sibling procedure, weighted by the chain's survival)")
+                        "profiler.sampled (the target's sampled continuation; the drafter's warped q, "
+                        + ("its Gumbel top-k against the draw with the same noise (coupled)" if s.rule == "coupled"
+                           else "sum min(p, q) and the sibling procedure")
+                        + ", weighted by the chain's survival)")
     rec["accuracy"] = np.divide(hits, weights[:, None], out=np.zeros(hits.shape), where=weights[:, None] > 0).tolist()
     rec["sampling"] = sampling_record(s)
     rec["first_child_mean"] = float(np.mean(first)) if first else 0.0

@@ -13,6 +13,7 @@ noise keyed by the run's seed and the token's index, so a plan emits plain sampl
 """
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from test_hybrids import ACC, _drafter, _prompts
@@ -206,3 +207,26 @@ def test_guesses_aimed_at_the_noise_are_accepted_more(builtin):
     finally:
         DraftSource._children = real
     assert aimed > 1.3 * top_k
+
+
+def test_coupled_acceptance_rows_are_what_a_coupled_decode_accepts():
+    """profiler.sampled.coupled_shares (a draft LM's acceptance rows under the coupled rule): a drafter
+    equal to the target is always right at rank 0; otherwise each rank's share is the chance the aimed
+    child is the draw, estimated against decoding it with decoder.noise directly."""
+    from profiler.sampled import coupled_shares, sibling_shares
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(40, generator=gen) * 2, -1)
+    q = torch.softmax(torch.randn(40, generator=gen) * 2, -1)
+    assert coupled_shares(p, p, 3, 200, gen).tolist() == [1.0, 0.0, 0.0]
+    shares = coupled_shares(p, q, 3, 4000, gen)
+    hits = np.zeros(3)
+    for seed in range(2000):
+        g = PositionNoise(seed).gumbel(5, 40)
+        y = int((torch.log(p) + g).argmax())
+        top = noisy_top_k(q[None], g[None], 3)[0].tolist()
+        if y in top:
+            hits[top.index(y)] += 1
+    assert np.allclose(shares, hits / 2000, atol=0.035)
+    # coupled: at most the drawn child's sum min(p, q) at rank 0 (the maximal coupling)
+    assert shares[0] <= sibling_shares(p.double(), q.double(), 1, 0, gen)[0] + 0.03

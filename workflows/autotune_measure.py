@@ -129,9 +129,11 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
         from decoder.verify import Sampling
         from profiler.sampled import sampled_continuations
 
-        # measured with the lossless rule's acceptance, also for a typical-acceptance run (its lower bound)
+        # measured with the run's exact rule (coupled or lossless); a typical-acceptance run with the
+        # lossless rule's acceptance (its lower bound)
+        rule = "coupled" if samp.rule == "coupled" else "auto"
         cont = sampled_continuations(run.engine, accept_ids, s.accept_tokens,
-                                     Sampling(samp.temperature, samp.top_k, samp.top_p), seed=s.seed, ppd=ppd)
+                                     Sampling(samp.temperature, samp.top_k, samp.top_p, rule), seed=s.seed, ppd=ppd)
     else:
         cont = greedy_continuations(run.engine, accept_ids, s.accept_tokens, ppd=capture)
     run.say(f"      {how} decode: {cont.decode_s:.0f} s (predicted {eta:.0f} s with the replays)")
