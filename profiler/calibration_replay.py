@@ -47,12 +47,17 @@ def calibrate_by_replay(engine, guesser, teachers: list[Teacher], prior: np.ndar
     continuations, as profiler.calibration.measure_calibration measures it by decoding. Sampled
     teachers (their p rows kept, `sampling` their settings): each observation is its guess's p(x),
     the lossless rule's acceptance of a deterministic guess, and the path to it stands exactly when
-    the rule accepted its parent (profiler.calibration.observations)."""
+    the rule accepted its parent (profiler.calibration.observations). Coupled teachers (decoder/noise.py)
+    replay with the text's noise, every guesser's guesses aimed as decoding aims them (a draft LM's
+    too), and each observation is a hit or a miss on the text, as greedily."""
     kind = guesser_kind(guesser)
     sampled = any(t.probs is not None for t in teachers)
     if sampled != (sampling is not None):
         raise UserError("calibration replay: sampled continuations need their settings, greedy ones none")
-    if sampled and registered_kind(kind).samples:
+    coupled = sampling is not None and sampling.rule == "coupled"
+    if coupled and any(t.coupled is None for t in teachers if t.tokens.numel()):
+        raise UserError("calibration replay: coupled settings need continuations drawn coupled, with their noise seeds")
+    if sampled and registered_kind(kind).samples and not coupled:
         raise UserError(f"calibration replay: the {kind} guesser samples its children under sampling, and a sampled "
                         "child's place in the pool cannot follow the text's draw; its per-step plans keep the sampled "
                         "acceptance rows, corrected online")
@@ -71,6 +76,8 @@ def calibrate_by_replay(engine, guesser, teachers: list[Teacher], prior: np.ndar
         cursor = Cursor()
         use_teacher_drafts(session, t, cursor)  # the draft LM's passes: its teacher-forced logits
         replay(session, t, ctx, None, cursor)
-        per_prompt.append(observations(session.records, session.text, t.probs))
+        # coupled: the text's token is the draw the guesses aimed at, so each is a hit or a miss, as greedily
+        # (a p-scored observation would take an aimed guess for a fixed one)
+        per_prompt.append(observations(session.records, session.text, None if coupled else t.probs))
         longest = max(longest, t.tokens.numel())
     return _calibration_doc(kind, per_prompt, len(per_prompt), longest, sampling)

@@ -34,6 +34,7 @@ from decoder.verify import Sampling, Verdict
 from planner.errors import UserError
 
 KEEP = 32  # logits kept per row (top-KEEP and the rest's mean mass): guessers read their top 4-10
+COUPLED_KEEP = 256  # a coupled text's draft rows: aimed guesses rank the warped support (decoder/noise.py)
 
 
 # ---------------------------------------------------------------------------------------------- compressed logits
@@ -152,6 +153,9 @@ class Teacher:
     ppd_depth: int = 0
     drafts: dict = field(default_factory=dict)  # id(draft model) -> Rows of its teacher-forced logits [T + N]
     probs: torch.Tensor | None = None  # [N, V] a sampled continuation's warped p that drew each token (None: greedy)
+    # a coupled continuation (decoder/noise.py): its settings and noise seed, so a replay's guesses aim
+    # at the same noise the text was drawn with and the replay is that decode (None: not coupled)
+    coupled: tuple | None = None  # (Sampling, seed)
 
     @property
     def seq(self) -> torch.Tensor:
@@ -163,7 +167,8 @@ class Teacher:
             dev = draft_model.get_input_embeddings().weight.device
             with torch.inference_mode():
                 logits = draft_model(input_ids=self.seq[None].to(dev), use_cache=False).logits[0]
-            self.drafts[key] = Rows.of(logits)
+            # coupled: a Gumbel top-k ranks the warped q's whole support (top-k 50 holds more than KEEP)
+            self.drafts[key] = Rows.of(logits, COUPLED_KEEP if self.coupled is not None else KEEP)
         return self.drafts[key]
 
 
@@ -176,11 +181,14 @@ def teachers(engine, cont, hidden: bool, capture: PPDCapture | None = None) -> l
 
     out = []
     drew = getattr(cont, "probs", None) or [None] * len(cont.prompts)
+    s = getattr(cont, "sampling", None)
+    coupled = s is not None and s.rule == "coupled"
     for i, (ids, toks) in enumerate(zip(cont.prompts, cont.tokens)):
         h = target_pass(engine, ids, toks, True)[1].float().cpu() if hidden and toks.numel() else None
         rows = capture.prompt_rows(i) if capture is not None else None
         D = rows.values.shape[0] // max(len(capture.rows[i]), 1) if rows is not None else 0
-        out.append(Teacher(ids.cpu(), toks.cpu(), h, rows, D, probs=drew[i]))
+        out.append(Teacher(ids.cpu(), toks.cpu(), h, rows, D, probs=drew[i],
+                           coupled=(s, cont.seed + i) if coupled else None))
     return out
 
 
@@ -241,6 +249,12 @@ def context(engine, teacher: Teacher, needs_hidden: bool, label: str = "replay")
     if needs_hidden and teacher.hidden is None:
         raise UserError(f"{label}: the guesser reads the target's hidden states; the replay has none")
     prompt_hidden = teacher.hidden[: T - 1].to(device=engine.device, dtype=engine.dtype) if needs_hidden else None
+    if teacher.coupled is not None:  # guesses aimed at the noise the text was drawn with
+        from decoder.noise import PositionNoise
+
+        s, seed = teacher.coupled
+        return DecodeContext(s, torch.Generator().manual_seed(0), engine.dtype, engine.device, label, prompt_hidden,
+                             PositionNoise(seed))
     return DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), engine.dtype, engine.device, label,
                          prompt_hidden)
 
@@ -304,6 +318,8 @@ def replay(session, teacher: Teacher, ctx: DecodeContext, max_new_tokens: int | 
     trees, steps, pos = _Tree(), [], 0
     while pos < N:
         cursor.pos = pos
+        if ctx.noise is not None:
+            ctx.noise.cursor = T + pos  # the index of the token this step emits first, as decoder.loop sets it
         est, decided = (session.decide_est, len(session.decide_s)) if dynamic else (0.0, 0)
         t0 = time.perf_counter()
         proposal = session.propose(seq[T - 1 + pos: T + pos])

@@ -47,6 +47,7 @@ class SampledContinuations(Continuations):
 
     probs: list[torch.Tensor] = field(default_factory=list)
     sampling: Sampling = field(default_factory=Sampling)
+    seed: int = 0  # prompt i was sampled with seed + i (under the coupled rule: its noise, decoder/noise.py)
 
 
 @torch.inference_mode()
@@ -93,7 +94,7 @@ def sampled_continuations(target, prompts: list[torch.Tensor], max_new_tokens: i
         record = accuracy_json(hits, totals, sum(int(t.numel()) for t in tokens), len(prompts), engine,
                                guessing_record(ppd, ppd, D), "profiler.sampled (sampled decoding, PPD tokens on every root)")
         record["sampling"] = sampling_record(s)
-    return SampledContinuations([p.cpu() for p in prompts], tokens, record, time.perf_counter() - t0, probs, s)
+    return SampledContinuations([p.cpu() for p in prompts], tokens, record, time.perf_counter() - t0, probs, s, seed)
 
 
 def soft_counts(guesses: torch.Tensor, emitted: torch.Tensor, probs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

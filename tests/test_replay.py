@@ -175,3 +175,64 @@ def test_sampled_replay_has_decodings_law(target):
     assert m_d > 0.05  # lookup is accepted at all here
     assert abs(m_d - m_r) < 3 * math.hypot(se_d, se_r), (m_d, m_r)
     assert abs(sum(greedy) / len(greedy) - m_d) > 3 * math.hypot(se_d, se_r)
+
+
+def _coupled_teachers(target, hidden):
+    from decoder.verify import Sampling
+    from profiler.sampled import sampled_continuations
+
+    s = Sampling(**WARM, mode="coupled")
+    cont = sampled_continuations(target, _prompts(), N, s, seed=3)
+    return teachers(target, cont, hidden), s
+
+
+@pytest.mark.parametrize("kind", ["lookup", "parallelspec", "chain", "lookup+chain", "draft", "lookup+draft"])
+def test_coupled_replay_equals_coupled_decoding(target, kind):
+    """Under coupled sampling (decoder/noise.py) the acceptance text is plain coupled sampling's with the
+    prompt's seed, and the replay gives its sessions that noise: every guesser's aimed guesses, the
+    draft LM's included, are the decode's, so the replayed steps are the coupled decode's steps; with
+    the noise withheld (fixed top-k guesses) a drafter's replay is not."""
+    kinds = kind.split("+")
+    plan = plan_dynamic([(k, ACC[k]) for k in kinds], _profile(), max_size=8, max_depth=5)
+    gs = [_guesser(k, target, "llama") for k in kinds]
+    g = gs[0] if len(gs) == 1 else HybridGuesser(gs[0], gs[1], kinds[1])
+    ts, s = _coupled_teachers(target, g.needs_hidden)
+    for i, (ids, t) in enumerate(zip(_prompts(), ts)):
+        out = generate(target, ids, plan=plan, guesser=g, max_new_tokens=N, seed=3 + i, verify_rule="coupled", **WARM)
+        assert out.tokens.tolist() == t.tokens.tolist()  # the text is the decode's own
+        got, want = _replayed(replay_plan(target, g, plan, t, N)), (list(out.stats.accepted[:-1]), out.steps)
+        if "+" in kind:  # as for greedy hybrids: a decision at the edge may go either way (wall-clock pricing)
+            assert got[1] == want[1] and sum(a != b for a, b in zip(got[0], want[0])) <= 1, (kind, got, want)
+        else:
+            assert got == want, kind
+
+
+def test_a_coupled_replay_needs_the_texts_noise(target):
+    """The draft LM replaced by the target itself aims right at every draw: replayed with the text's
+    noise it accepts what the coupled decode accepts; with the noise withheld (fixed top-k guesses,
+    accepted only where the draw is the argmax) the replay accepts less, so the noise is what makes it exact."""
+    from decoder.draft import DraftModelGuesser
+
+    plan = plan_dynamic([("draft", ACC["draft"])], None, max_size=8, max_depth=5)  # no latency: every guess pays
+    g = DraftModelGuesser(target, top_k=4)
+    ts, s = _coupled_teachers(target, False)
+    aimed = blind = 0
+    for i, (ids, t) in enumerate(zip(_prompts(), ts)):
+        out = generate(target, ids, plan=plan, guesser=g, max_new_tokens=N, seed=3 + i, verify_rule="coupled", **WARM)
+        got = _replayed(replay_plan(target, g, plan, t, N))
+        assert got == (list(out.stats.accepted[:-1]), out.steps)
+        aimed += sum(got[0])
+        blind += sum(_replayed(replay_plan(target, g, plan, t.__class__(t.prompt, t.tokens, t.hidden, probs=t.probs), N))[0])
+    assert aimed > blind
+
+
+def test_coupled_calibration_scores_hits_and_calibrates_the_draft_lm(target):
+    from decoder.verify import Sampling
+
+    g = _guesser("draft", target, "llama")
+    ts, s = _coupled_teachers(target, False)
+    doc = calibrate_by_replay(target, g, ts, ACC["draft"].accuracy, sampling=s)
+    assert doc["observations"] > 0 and doc["sampling"] == {"temperature": 0.9, "top_k": 0, "top_p": 0.95}
+    lossless, s2 = _sampled_teachers(target, False)
+    with pytest.raises(Exception, match="coupled"):
+        calibrate_by_replay(target, g, lossless, ACC["draft"].accuracy, sampling=Sampling(**WARM, mode="coupled"))

@@ -61,7 +61,7 @@ def calibration_step(run, cont, capture, measured: dict) -> dict:
         spec = guesser_kind(kind)
         if not spec.dynamic or (spec.needs_embeddings and capture is None):
             continue
-        if sampling is not None and _draws(kind):
+        if sampling is not None and sampling.rule != "coupled" and _draws(kind):
             kept.append(kind)
             continue
         doc = json.loads(m.path.read_text())
@@ -117,10 +117,11 @@ def _draws(guesser: str) -> bool:
 
 def _replayable(run, guesser: str) -> bool:
     """Whether replaying the shared decode gives the plan's steps in law. Greedy: always (a step's
-    accepted path is the proposal's longest path on the text). Sampled: when every guess is
-    deterministic, since the lossless rule then emits each node's token with the target's warped p
-    whatever was guessed, so the text's draw decides exactly which guess is accepted."""
-    return run.settings.sampling.rule == "greedy" or not _draws(guesser)
+    accepted path is the proposal's longest path on the text). Coupled sampling: always, the replay
+    given the text's noise (profiler.replay.context), so a drawn-free decode is the text's own. Sampled
+    with the lossless rule: when every guess is deterministic, since the rule then emits each node's
+    token with the target's warped p whatever was guessed, so the text's draw decides which guess is accepted."""
+    return run.settings.sampling.rule in ("greedy", "coupled") or not _draws(guesser)
 
 
 def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None:
