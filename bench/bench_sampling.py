@@ -15,7 +15,8 @@ repeat) with one seed all contenders share:
   greedy-tuned plan   the plan `planner autotune` chose for greedy decoding, decoding sampled
   sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose, with the rule
                       it was raced with (coupled by default: then also
-  plain loop, coupled this project's plain loop with coupled draws, whose text a coupled plan must emit)
+  plain loop, coupled this project's plain loop with coupled draws, whose text a coupled plan must emit,
+                      and the greedy-tuned plan coupled, on the same text as the sampling-tuned plan)
 and, when llama-cpp-python is installed and the model's GGUF is found (the same weights, Q4_1), the same
 settings in llama.cpp:
   llama.cpp generate  llama-cpp-python's own sampling (Llama.generate, seeded per (prompt, repeat)); its
@@ -108,8 +109,8 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
         out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
         return out.tokens.tolist(), out.stats.accepted
 
-    def plan_fn(tree, guesser):
-        rule = "coupled" if tree.settings.get("verify") == "coupled" else "auto"  # the rule it was raced with
+    def plan_fn(tree, guesser, rule=None):
+        rule = rule or ("coupled" if tree.settings.get("verify") == "coupled" else "auto")  # the rule it was raced with
 
         def run(ids, seed):
             set_paths_enabled(model, True)
@@ -129,6 +130,10 @@ def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
     if any(tree.settings.get("verify") == "coupled" for tree, _ in plans.values()):
         runs[COUPLED_PLAIN] = plain_coupled
     runs.update({name: plan_fn(tree, g) for name, (tree, g) in plans.items()})
+    if COUPLED_PLAIN in runs:  # every plan on plain sampling's own text too: same-text comparisons
+        runs.update({f"{name}, coupled": plan_fn(tree, g, "coupled") for name, (tree, g) in plans.items()
+                     if g is not None and tree.settings.get("verify") != "coupled"
+                     and tree.settings.get("guesser") != "pearl"})
     return runs
 
 
