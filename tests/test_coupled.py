@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from test_hybrids import ACC, _drafter, _prompts
-from test_sampling_rules import N, P_MIN, PROMPT, SETTING, TREES, V, _exact, _top_p_first, world
-from test_sampling_rules import LOOKUP, TARGET, DRAFT  # noqa: F401  (the world's tables)
+from test_sampling_rules import N, P_MIN, PROMPT, SETTING, TREES, V, _exact, _top_p_first, nodes_with_children, world
+from test_sampling_rules import DRAFT, TARGET
 from test_decoder_sampling import _chi2
 
 import decoder.verify as verify
@@ -41,16 +41,8 @@ def _propose(tree, noise: PositionNoise):
     """One step's tree: lookup's fixed guesses first at a node, then the drafter's Gumbel top-k of its
     warped q with the noise of the children's index (what decoder/draft_source.py does)."""
     paths = [p for p, _ in tree]
-    kind = dict(tree)
     tok = {(): PROMPT[-1]}
-    for u in [()] + paths:
-        kids = sorted((p for p in paths if p[:-1] == u), key=lambda p: p[-1])
-        if not kids:
-            continue
-        ctx = PROMPT + tuple(tok[u[:i]] for i in range(1, len(u) + 1))
-        det = [p for p in kids if kind[p] == "d"]
-        samp = [p for p in kids if kind[p] == "s"]
-        guesses = world(LOOKUP, ctx).topk(len(det)).indices.tolist() if det else []
+    for u, ctx, det, samp, guesses in nodes_with_children(tree, tok):
         if samp:
             q = probabilities(world(DRAFT, ctx), COUPLED)
             g = noise.gumbel(noise.cursor + len(u), V)

@@ -77,6 +77,22 @@ def _exact(s: Sampling) -> dict:
     return out
 
 
+def nodes_with_children(tree, tok: dict):
+    """Per node with children, parents first: (node, its context, its deterministic and sampled
+    children, lookup's guesses for the deterministic ones). The caller fills tok[child] before the
+    next node is read (a child's context holds its parents' tokens)."""
+    paths = [p for p, _ in tree]
+    kind = dict(tree)
+    for u in [()] + paths:
+        kids = sorted((p for p in paths if p[:-1] == u), key=lambda p: p[-1])
+        if not kids:
+            continue
+        ctx = PROMPT + tuple(tok[u[:i]] for i in range(1, len(u) + 1))
+        det = [p for p in kids if kind[p] == "d"]
+        samp = [p for p in kids if kind[p] == "s"]
+        yield u, ctx, det, samp, (world(LOOKUP, ctx).topk(len(det)).indices.tolist() if det else [])
+
+
 def propose(tree, s: Sampling, gen):
     """One step's tree: tokens in layout order, q per node with sampled children, which are fixed.
 
@@ -86,18 +102,10 @@ def propose(tree, s: Sampling, gen):
     (Dropping a draw equal to lookup's token instead of excluding it, as a pool merging equal paths
     would, is not wrong: the kept draws then follow q without that token all the same.)"""
     paths = [p for p, _ in tree]
-    kind = dict(tree)
     tok = {(): PROMPT[-1]}
     fixed = {(): False}
     q_rows = {}
-    for u in [()] + paths:
-        kids = sorted((p for p in paths if p[:-1] == u), key=lambda p: p[-1])
-        if not kids:
-            continue
-        ctx = PROMPT + tuple(tok[u[:i]] for i in range(1, len(u) + 1))
-        det = [p for p in kids if kind[p] == "d"]
-        samp = [p for p in kids if kind[p] == "s"]
-        guesses = world(LOOKUP, ctx).topk(len(det)).indices.tolist() if det else []
+    for u, ctx, det, samp, guesses in nodes_with_children(tree, tok):
         drawn, n_drawn = [], 0
         if samp:
             logits = world(DRAFT, ctx)
