@@ -136,3 +136,18 @@ def test_decode_runs_a_pearl_plan_at_the_thread_split_autotune_measured():
     a = args()
     _follow_recorded_pearl(a, tree)
     assert a.pearl_threads is None
+
+
+@pytest.mark.parametrize("rule, same", [("coupled", True), ("lossless", None)])
+def test_sampled_decode_compares_with_plain_sampling_under_the_coupled_rule(files, rule, same):
+    """--compare-plain under sampling: with --verify coupled plain sampling uses the same noise, so the plan's
+    text must be its text (compared as greedily); with the recursive-rejection rule each samples with its own
+    draws and nothing is compared (null, not a false mismatch)."""
+    out = files["dir"] / f"out-{rule}.json"
+    rc = main(["decode", "--plan", str(files["ppd"]), "--model", "tiny", "--random-prompt-tokens", "2",
+               "--prompts", str(files["prompts"]), "--max-new-tokens", "12", "--compare-plain", "-o", str(out),
+               "--temperature", "0.8", "--top-p", "0.9", "--verify", rule, "--seed", "5", "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["identical_to_plain"] is same and doc["settings"]["verify"] == rule
+    assert all(r["identical_to_plain"] is same for r in doc["results"])

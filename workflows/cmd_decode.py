@@ -373,8 +373,8 @@ def _plain(model, ids_b: list, args, gen_kw) -> list:
     from decoder.guesser import PlainGuesser
     from decoder.loop import generate, generate_plain
 
-    if len(ids_b) == 1:
-        return [generate_plain(model, ids_b[0], **gen_kw)]
+    if len(ids_b) == 1:  # coupled: plain sampling with the same noise, whose text the plan must emit
+        return [generate_plain(model, ids_b[0], verify_rule=args.verify, **gen_kw)]
     return generate(model, ids_b, plan=None, guesser=PlainGuesser(), layout=args.layout, **gen_kw)
 
 
@@ -392,8 +392,15 @@ def _row(args, model, tokenizer, text: str, ids, out, plain, batch_len: int) -> 
     if plain is not None:
         row["plain"] = {"tokens": plain.tokens.tolist(), "steps": plain.steps, "summary": plain.stats.summary(),
                         "wall_share_s": plain.stats.total_s / batch_len}
-        row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"])
-        row["identical_to_plain"] = row["comparison"]["status"] == "identical"
+        if args.temperature > 0 and args.verify != "coupled":  # each samples with its own draws
+            row["comparison"] = {"status": "not compared",
+                                 "reason": "sampled outputs differ from plain sampling's by design (--verify coupled "
+                                           "emits plain sampling's text with the same --seed)"}
+            row["identical_to_plain"] = None
+        else:
+            coupled = dict(sampling=sampling_from_args(args), seed=args.seed) if args.verify == "coupled" else {}
+            row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"], **coupled)
+            row["identical_to_plain"] = row["comparison"]["status"] == "identical"
     if args.print_text:
         print(f"--- {text[:60]!r}\n{row.get('text', row['tokens'])}")
     return row

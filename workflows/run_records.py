@@ -46,7 +46,8 @@ def summarize_runs(results: list[dict], plain: bool) -> dict:
         p_seconds = sum(r["plain"]["wall_share_s"] for r in results)
         s["plain_tokens_per_s"] = p_tokens / p_seconds if p_seconds > 0 else None
         s["speedup"] = (s["tokens_per_s"] / s["plain_tokens_per_s"]) if s["tokens_per_s"] and s["plain_tokens_per_s"] else None
-        s["identical_to_plain"] = all(r["identical_to_plain"] for r in results)
+        same = [r["identical_to_plain"] for r in results]
+        s["identical_to_plain"] = None if None in same else all(same)  # None: sampled, not compared
         from profiler.compare import summarize
 
         s.update(summarize([r["comparison"]["status"] for r in results]))  # near ties (bf16 rounding) apart from mismatches
