@@ -29,7 +29,7 @@ import torch
 from decoder.draft_cache import DraftCache
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source
-from decoder.noise import noisy_top_k
+from decoder.noise import aimed_top_k
 from decoder.verify import draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, choose, q_bins
 
@@ -65,9 +65,7 @@ class DraftSource(Source):
             top = probs.topk(k, dim=-1)
             idx, values = top.indices, top.values
         else:
-            q = probabilities(logits, self.ctx.sampling).cpu()  # [rows, V]
-            g = noise.gumbel(noise.cursor + d - 1, q.shape[-1])[None].expand_as(q)
-            idx = noisy_top_k(q, g, k).to(probs.device)
+            idx = aimed_top_k(logits, self.ctx.sampling, noise, [noise.cursor + d - 1] * logits.shape[0], k)
             values = probs.gather(-1, idx)
         both = torch.stack([values, idx.float()]).cpu().numpy()
         return both[1].astype(np.int64), both[0], None

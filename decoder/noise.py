@@ -42,9 +42,7 @@ class PositionNoise:
         key = (int(index), int(vocab))
         g = self._cache.get(key)
         if g is None:
-            gen = torch.Generator().manual_seed((self.seed * _MIX + int(index)) % (1 << 63))
-            u = torch.rand(vocab, generator=gen).clamp_(1e-38, 1.0 - 2 ** -24)  # float32: ties at the max ~1e-7 a token
-            g = u.log_().neg_().log_().neg_()
+            g = standard_gumbel(vocab, torch.Generator().manual_seed((self.seed * _MIX + int(index)) % (1 << 63)))
             if len(self._cache) > 2 * KEEP:
                 self._cache = {k: v for k, v in self._cache.items() if k[0] >= self.cursor - KEEP}
             self._cache[key] = g
@@ -54,6 +52,26 @@ class PositionNoise:
         """The token at `index` drawn from p [V] (any device): argmax of log p + g_index."""
         p = p.float().cpu()
         return int((torch.log(p) + self.gumbel(index, p.numel())).argmax())
+
+
+def standard_gumbel(shape, generator: torch.Generator) -> torch.Tensor:
+    """Standard Gumbel noise [shape] float32 on the CPU (ties at a row's max ~1e-7 a token)."""
+    u = torch.rand(shape, generator=generator).clamp_(1e-38, 1.0 - 2 ** -24)
+    return u.log_().neg_().log_().neg_()
+
+
+def aimed_top_k(logits: torch.Tensor, s, noise: PositionNoise, indices: list[int], k: int, vocab: int | None = None,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, k] positions in a drafter's logits [rows, V'] (on their device): each row's Gumbel top-k
+    of its warped q (`s`, decoder.verify.probabilities) with the noise of token index indices[row].
+    A head over part of the vocabulary gives token_ids [V'] (its positions' ids) and the target's
+    vocab, whose noise its positions read; otherwise the noise spans V'."""
+    from decoder.verify import probabilities
+
+    q = probabilities(logits, s).cpu()  # [rows, V']
+    rows = [noise.gumbel(i, vocab or q.shape[-1]) for i in indices]
+    g = torch.stack([r if token_ids is None else r[token_ids] for r in rows])  # [rows, V']
+    return noisy_top_k(q, g, k).to(logits.device)
 
 
 def noisy_top_k(q: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:

@@ -37,9 +37,8 @@ from decoder.engine import torch_model
 from decoder.forward import kv
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.noise import noisy_top_k
+from decoder.noise import aimed_top_k
 from decoder.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
-from decoder.verify import probabilities
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
@@ -330,19 +329,14 @@ class ParallelSource(Source):
             top = probs.topk(self.width, dim=-1)
             ranks, values = top.indices, top.values
         else:
-            ranks = self._noisy_ranks(logits, noise, distance)
+            head = self.d.head_ids.cpu() if self.d.head_ids.numel() else None  # head position -> token id
+            first = noise.cursor + distance - 1
+            ranks = aimed_top_k(logits, self.s.ctx.sampling, noise, list(range(first, first + logits.shape[0])),
+                                self.width, self.d.target[1].weight.shape[0], head)
             values = probs.gather(-1, ranks)
         ids = self.d.token_ids(ranks)
         both = torch.stack([values, ids.float()]).cpu().numpy()
         return both[0], both[1].astype(np.int64)
-
-    def _noisy_ranks(self, logits: torch.Tensor, noise, distance: int) -> torch.Tensor:
-        """[k, width] head positions: the Gumbel top-width of each row's warped q (decoder.noise.noisy_top_k)."""
-        q = probabilities(logits, self.s.ctx.sampling).cpu()  # [k, V']
-        V = self.d.target[1].weight.shape[0]
-        ids = self.d.token_ids(torch.arange(logits.shape[-1], device=logits.device)).cpu()  # head position -> token id
-        g = torch.stack([noise.gumbel(noise.cursor + distance - 1 + i, V)[ids] for i in range(logits.shape[0])])
-        return noisy_top_k(q, g, self.width).to(logits.device)
 
     def _cells(self, q: np.ndarray, depth0: int) -> tuple[np.ndarray, np.ndarray]:
         """(flat cells, q bins) [D, K] of a guess matrix whose first row is distance depth0 + 1."""

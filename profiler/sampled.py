@@ -34,7 +34,7 @@ from decoder.hf_engine import as_engine
 from decoder.loop import generate
 from decoder.verify import Sampling, probabilities, residual, without
 from planner.errors import UserError
-from planner.sampling import record
+from planner.sampling import LOSSLESS, record
 from profiler.acceptance import Measuring, accuracy_json, chain_plan, guessing_record
 from profiler.teacher_forced import Continuations, replay_guesses
 
@@ -55,7 +55,7 @@ def sampled_continuations(target, prompts: list[torch.Tensor], max_new_tokens: i
                           ppd=None, eos_token_id=None, progress=None) -> SampledContinuations:
     """Sample every prompt's continuation once (prompt i with seed + i); with `ppd` (PromptTokens)
     its guesses ride along every root and its acceptance record comes back too."""
-    if s.rule not in ("lossless", "coupled"):
+    if s.rule not in LOSSLESS:
         raise UserError(f"sampled acceptance: needs temperature > 0 and an exact rule (lossless, coupled), got {s}")
     engine = as_engine(target)
     D = ppd.num_distances if ppd is not None else 1
@@ -176,11 +176,10 @@ def coupled_shares(p: torch.Tensor, q: torch.Tensor, width: int, samples: int, g
     """[width]: P(the rank-r child is the target's draw) under coupled sampling (decoder/noise.py) at one
     position: the children are the Gumbel top-width of log q + g and the draw is argmax log p + g, one
     g for both (decoder.noise.noisy_top_k), estimated over `samples` draws of g (at least one)."""
-    from decoder.noise import noisy_top_k
+    from decoder.noise import noisy_top_k, standard_gumbel
 
     n = max(samples, 1)
-    u = torch.rand(n, p.numel(), generator=generator).clamp_(1e-38, 1.0 - 2 ** -24)
-    g = -torch.log(-torch.log(u))  # [n, V]
+    g = standard_gumbel((n, p.numel()), generator)  # [n, V]
     y = (torch.log(p.float())[None] + g).argmax(-1)  # [n] the target's draws
     top = noisy_top_k(q.float()[None].expand(n, -1), g, width)  # [n, width] the aimed children
     out = np.zeros(width)

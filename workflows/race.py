@@ -157,16 +157,11 @@ def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list,
         a = race.arm(key)
         if a.dropped.startswith("output differs") or p not in outputs.tokens.get(key, {}):
             continue
-        if guesser_kind(_guesser_of(key)).loop and coupled:  # PEARL's own loop samples with the lossless rule
+        if a.parallel and coupled:  # PEARL (its own two-job loop) samples with the lossless rule
             continue
         if classify(run.model, decode_ids[p], plain, outputs.tokens[key][p].tolist(), **coupled)["status"] == "mismatch":
             a.dropped = f"output differs from plain {'coupled sampling' if coupled else 'greedy decoding'} on prompt {p}"
             race.log.append(f"{a.key}: {a.dropped}")
-
-
-def _guesser_of(key: str) -> str:
-    """An arm's guesser kind from its label (guesser/method-size)."""
-    return key.partition("/")[0]
 
 
 def _step_lengths(run, tried: list[Candidate]) -> set[int]:
