@@ -177,3 +177,29 @@ def test_a_follow_up_of_a_selection_question_never_confirms():
     assert race.spare == [2, 3, 4, 5] and race.confirmation[:10] == list(range(6, 16)) and 1 not in race.confirmation
     assert "selection prompts left unused, from 2 on: past the budget" in " ".join(race.log)  # spares only while time is left
     assert {p for p, _ in race.winner.pairs} <= set(range(2, 16))
+
+
+def _tied_race(same_text: bool, few_steps_speed: float = 1.3, steps_on=(0, 1, 2)) -> Race:
+    """Plain and two plans measured on 3 prompts: 'cheap-step' predicts the cheaper step,
+    'few-steps' takes 20 % fewer steps on the prompts listed."""
+    arms = [Arm(PLAIN, 1.0, 1.0), Arm("cheap-step", 1.00, 1.3), Arm("few-steps", 1.05, 1.3)]
+    race = Race(arms, list(range(10)), same_text=same_text)
+    for p in range(3):
+        race.selected_on.append(p)
+        arms[1].ratios[p] = math.log(1.3) + 0.01 * (p - 1)
+        arms[2].ratios[p] = math.log(few_steps_speed) + 0.01 * (p - 1)
+        arms[1].steps[p] = 20
+        if p in steps_on:
+            arms[2].steps[p] = 16
+    return race
+
+
+def test_a_tie_on_one_shared_text_goes_to_the_plan_whose_steps_cost_less_else_to_the_cheaper_step():
+    race = _tied_race(same_text=True)
+    assert race.select().key == "few-steps"  # 16 x 1.05 < 20 x 1.00
+    assert "shared text" in race.log[-1]
+    assert _tied_race(same_text=False).select().key == "cheap-step"  # texts differ: steps say nothing
+    # only prompts every tied plan decoded count; with none in common, the step cost decides
+    assert _tied_race(same_text=True, steps_on=()).select().key == "cheap-step"
+    # a plan measured faster beyond the tie wins whatever its steps
+    assert _tied_race(same_text=True, few_steps_speed=1.2).select().key == "cheap-step"

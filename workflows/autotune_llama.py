@@ -214,7 +214,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
     lookup = load_guesser(LOOKUP, LoadRequest(eng, depth=8))
     by_key = {c.label: c for c in racing}
     race = Race(_arms(racing, race_ids, profile, s.decode_tokens), list(range(len(race_ids))), rounds=s.rounds,
-                seed=s.seed, groups=question_of(len(race_ids), s.turns))
+                seed=s.seed, groups=question_of(len(race_ids), s.turns), same_text=s.sampling.rule == "greedy")
     rec = _Record()
     stock = StockLlama(target.gguf, threads=eng.threads, n_ctx=eng.n_ctx)
     samp = s.sampling
@@ -239,6 +239,8 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
         run = Run(key, p, time.perf_counter() - start, start - t0, meter.stop())
         rec.tokens.setdefault(key, {}).setdefault(p, o.tokens.tolist())
         rec.steps[key] = rec.steps.get(key, 0) + o.steps
+        if race.same_text:
+            race.arm(key).steps.setdefault(p, int(o.steps))
         rec.emitted[key] = rec.emitted.get(key, 0) + len(o.tokens)
         if o.stats.dynamic:
             rec.decide_s.setdefault(key, []).append(o.stats.dynamic["decide_s_median"])

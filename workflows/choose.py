@@ -10,7 +10,10 @@ posterior mean: measured mean shrunk towards the prediction (sd PRIOR_SD, less t
 in this race of the predictions made the same way: a replayed prediction reproduces the
 acceptance prompts' own text and errs with how much more the race's prompts repeat, the cost
 model's averages err otherwise, so one pooled offset would favour whichever way erred less). The
-prior ranks plans while few prompts are measured; it never enters the test.
+prior ranks plans while few prompts are measured; it never enters the test. Plans whose posterior
+means lie within TIE of the leader's tie: the cheapest wins the selection, where every plan
+decodes one text (greedy, coupled sampling) by the profile's time for the steps it took on that
+text (exact counts, where the timings are noisy), else by its predicted step cost.
 
 Confirmation (the other prompts, CONFIRM_PROMPTS of 8, and selection prompts left unused): the
 winner and plain decode each prompt in up to PAIRS pairs ordered by a coin flip. The decision is
@@ -44,7 +47,7 @@ Z_DROP = 2.0  # a plan leaves when slower than the leader (or plain) by this man
 PRIOR_SD = 0.10  # the prediction's error (log speedup) once its common bias is removed
 NOISE_SD = 0.15  # a per-prompt log-ratio's sd before two prompts measured it
 NOISE_FLOOR = 0.02  # pooled sds never below this: a few equal prompts do not prove a plan exact
-TIE = 0.02  # posterior means this close (log) tie: the cheaper plan wins
+TIE = 0.02  # posterior means this close (log) tie: the cheaper plan wins (Race.tie_costs)
 LOADED_CORES = 0.3  # other processes' CPU (cores) above which a run counts as loaded
 
 
@@ -80,6 +83,7 @@ class Arm:
     ratios: dict[int, float] = field(default_factory=dict)  # selection: prompt -> log(t_plain / t_arm)
     pairs: list[tuple[int, float]] = field(default_factory=list)  # confirmation: (prompt, log(t_plain / t_arm))
     dropped: str = ""  # why the arm left the race ("" while it runs)
+    steps: dict[int, int] = field(default_factory=dict)  # prompt -> its decode's steps there (Race.same_text)
     times: dict[int, list[float]] = field(default_factory=dict, repr=False)
     loaded_runs: int = 0
 
@@ -141,6 +145,7 @@ class Race:
     winner: Arm | None = None
     loaded_now: bool = False  # the last run (or the caller's probe before the first) was loaded
     groups: dict[int, int] = field(default_factory=dict)  # prompt -> its question (a first turn and its follow-up)
+    same_text: bool = False  # every plan decodes one text per prompt (greedy, coupled sampling): steps compare
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -316,9 +321,25 @@ class Race:
             return None
         s, off = self.noise(), self.offsets()
         best = self.score(measured[0], s, off)
-        self.winner = min((a for a in measured if self.score(a, s, off) >= best - TIE),
-                          key=lambda a: (a.cost, -self.score(a, s, off)))
+        tied = [a for a in measured if self.score(a, s, off) >= best - TIE]
+        cost, how = self.tie_costs(tied)
+        self.winner = min(tied, key=lambda a: (cost[a.key], -self.score(a, s, off)))
+        if self.winner is not measured[0]:
+            self.log.append(f"selection: {self.winner.key} within {TIE:g} (log) of {measured[0].key}, "
+                            f"the cheaper of the tie by {how}")
         return self.winner
+
+    def tie_costs(self, tied: list[Arm]) -> tuple[dict[str, float], str]:
+        """What a tie is broken on, per arm, and its name. Where every plan decodes one text
+        (same_text) each plan's step count on a prompt is exact while its time there is noisy: the
+        cost is the profile's time for the steps it took on the prompts every tied plan decoded
+        (cost x steps), so of two plans the timing cannot order, the one that needs fewer steps of
+        a similar price wins. Otherwise (sampled texts differ per plan) the predicted step cost."""
+        common = set.intersection(*(set(a.steps) for a in tied)) if self.same_text else set()
+        if common:
+            return {a.key: a.cost * sum(a.steps[p] for p in common) for a in tied}, \
+                f"predicted time for its steps on the {len(common)} prompts' shared text"
+        return {a.key: a.cost for a in tied}, "predicted step cost"
 
     def confirmation_order(self, pairs: int) -> list[str]:
         """`pairs` pairs of (winner, plain), each in the order of a coin flip."""

@@ -79,7 +79,7 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     s = run.settings
     by_key = {c.label: c for c in racing}
     race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed,
-                groups=question_of(len(decode_ids), s.turns))
+                groups=question_of(len(decode_ids), s.turns), same_text=s.sampling.rule in ("greedy", "coupled"))
     outputs = _Outputs()
     deadline = run.clock.budget_s - run.budget.after_race_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
@@ -107,6 +107,9 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
         seconds = time.perf_counter() - start
         if p not in outputs.tokens.get(key, {}):
             outputs.add(key, p, out)
+        a = race.arm(key)
+        if race.same_text and not a.parallel:  # PEARL samples with the lossless rule: its text is its own
+            a.steps.setdefault(p, int(out.steps))
         return Run(key, p, seconds, start - t0, meter.stop())
 
     def check(p: int, keys: list[str]) -> None:
