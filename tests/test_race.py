@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workflows.choose import PLAIN, Arm, Race, Run, run_race
+from workflows.choose import PLAIN, REPLAYED, Arm, Race, Run, run_race
 from workflows.signflip import ALPHA, sign_flip_p
 
 
@@ -203,3 +203,13 @@ def test_a_tie_on_one_shared_text_goes_to_the_plan_whose_steps_cost_less_else_to
     assert _tied_race(same_text=True, steps_on=()).select().key == "cheap-step"
     # a plan measured faster beyond the tie wins whatever its steps
     assert _tied_race(same_text=True, few_steps_speed=1.2).select().key == "cheap-step"
+
+
+def test_a_tie_counts_the_replayed_steps_where_every_tied_plan_has_them():
+    race = _tied_race(same_text=True)  # the race prompts: few-steps 3 x 16 x 1.05 = 50.4 < 60
+    race.arm("cheap-step").steps[REPLAYED], race.arm("few-steps").steps[REPLAYED] = 100, 110
+    assert race.select().key == "cheap-step"  # (60 + 100) x 1.00 < (48 + 110) x 1.05
+    assert "acceptance prompts' replay" in race.log[-1]
+    race = _tied_race(same_text=True)
+    race.arm("cheap-step").steps[REPLAYED] = 100  # one plan's replay alone says nothing
+    assert race.select().key == "few-steps"

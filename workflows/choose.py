@@ -49,6 +49,7 @@ NOISE_SD = 0.15  # a per-prompt log-ratio's sd before two prompts measured it
 NOISE_FLOOR = 0.02  # pooled sds never below this: a few equal prompts do not prove a plan exact
 TIE = 0.02  # posterior means this close (log) tie: the cheaper plan wins (Race.tie_costs)
 LOADED_CORES = 0.3  # other processes' CPU (cores) above which a run counts as loaded
+REPLAYED = -1  # Arm.steps' key for the steps its replay took over the acceptance prompts' text (one text for all)
 
 
 # ------------------------------------------------------------------ runs and arms
@@ -83,7 +84,7 @@ class Arm:
     ratios: dict[int, float] = field(default_factory=dict)  # selection: prompt -> log(t_plain / t_arm)
     pairs: list[tuple[int, float]] = field(default_factory=list)  # confirmation: (prompt, log(t_plain / t_arm))
     dropped: str = ""  # why the arm left the race ("" while it runs)
-    steps: dict[int, int] = field(default_factory=dict)  # prompt -> its decode's steps there (Race.same_text)
+    steps: dict[int, int] = field(default_factory=dict)  # prompt (or REPLAYED) -> its steps there (Race.same_text)
     times: dict[int, list[float]] = field(default_factory=dict, repr=False)
     loaded_runs: int = 0
 
@@ -324,21 +325,25 @@ class Race:
         tied = [a for a in measured if self.score(a, s, off) >= best - TIE]
         cost, how = self.tie_costs(tied)
         self.winner = min(tied, key=lambda a: (cost[a.key], -self.score(a, s, off)))
-        if self.winner is not measured[0]:
-            self.log.append(f"selection: {self.winner.key} within {TIE:g} (log) of {measured[0].key}, "
-                            f"the cheaper of the tie by {how}")
+        if len(tied) > 1:
+            others = ", ".join(a.key for a in tied if a is not self.winner)
+            self.log.append(f"selection: a tie within {TIE:g} (log) of the leader {measured[0].key}; "
+                            f"{self.winner.key} is cheaper than {others} by {how}")
         return self.winner
 
     def tie_costs(self, tied: list[Arm]) -> tuple[dict[str, float], str]:
         """What a tie is broken on, per arm, and its name. Where every plan decodes one text
         (same_text) each plan's step count on a prompt is exact while its time there is noisy: the
-        cost is the profile's time for the steps it took on the prompts every tied plan decoded
-        (cost x steps), so of two plans the timing cannot order, the one that needs fewer steps of
-        a similar price wins. Otherwise (sampled texts differ per plan) the predicted step cost."""
+        cost is the profile's time for the steps it took on the text every tied plan decoded (cost
+        x steps; the race prompts, and the acceptance prompts' text where each was replayed over it,
+        REPLAYED), so of two plans the timing cannot order, the one that needs fewer steps of a
+        similar price wins. Otherwise (sampled texts differ per plan) the predicted step cost."""
         common = set.intersection(*(set(a.steps) for a in tied)) if self.same_text else set()
         if common:
+            race = len(common - {REPLAYED})
+            what = " and the acceptance prompts' replay" if REPLAYED in common else ""
             return {a.key: a.cost * sum(a.steps[p] for p in common) for a in tied}, \
-                f"predicted time for its steps on the {len(common)} prompts' shared text"
+                f"predicted time for its steps on the shared text ({race} race prompts{what})"
         return {a.key: a.cost for a in tied}, "predicted step cost"
 
     def confirmation_order(self, pairs: int) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from planner.guessers import kind as guesser_kind
 from planner.profile import LatencyProfile
 from workflows.candidates import Candidate
-from workflows.choose import LOADED_CORES, PLAIN, Arm, Decision, Race, Run, run_race, speedup
+from workflows.choose import LOADED_CORES, PLAIN, REPLAYED, Arm, Decision, Race, Run, run_race, speedup
 
 
 def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
@@ -50,7 +50,22 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
     for c in racing:
         out.append(arm(c.label, c.step_s(step) / step, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None,
                        how=(c.prediction or {}).get("method") or "cost model"))
+    _replayed_steps(run, racing, out[1:])
     return out
+
+
+def _replayed_steps(run, racing: list[Candidate], arms: list[Arm]) -> None:
+    """Where every plan decodes one text (greedy, coupled sampling), each replayed plan's steps over
+    the acceptance prompts' text join its race steps for the race's tie (Race.tie_costs): exact counts
+    on more text than the race's selection decodes. Only when every replay covered the same tokens."""
+    if run.settings.sampling.rule not in ("greedy", "coupled"):
+        return
+    replays = {a.key: c.prediction for c, a in zip(racing, arms)
+               if (c.prediction or {}).get("method") == "replay" and not a.parallel}
+    if len({p["tokens"] for p in replays.values()}) == 1:
+        for a in arms:
+            if a.key in replays:
+                a.steps[REPLAYED] = int(replays[a.key]["steps"])
 
 
 @dataclass
