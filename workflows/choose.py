@@ -327,8 +327,9 @@ class Race:
         self.winner = min(tied, key=lambda a: (cost[a.key], -self.score(a, s, off)))
         if len(tied) > 1:
             others = ", ".join(a.key for a in tied if a is not self.winner)
+            costs = ", ".join(f"{a.key} {cost[a.key]:.3g}" for a in tied)
             self.log.append(f"selection: a tie within {TIE:g} (log) of the leader {measured[0].key}; "
-                            f"{self.winner.key} is cheaper than {others} by {how}")
+                            f"{self.winner.key} is cheaper than {others} by {how} ({costs})")
         return self.winner
 
     def tie_costs(self, tied: list[Arm]) -> tuple[dict[str, float], str]:
@@ -446,6 +447,8 @@ class Race:
             "alpha": ALPHA, "selection_prompts": self.selected_on, "confirmation_prompts": self.confirmation,
             "stages": len(self.selected_on) + len({p for p, _ in self.winner.pairs} if self.winner else ()),
             "winner": self.winner.key if self.winner else None, "log": self.log,
+            "same_text": self.same_text,  # then each plan's steps per prompt (REPLAYED: its replay's) compare
+            "steps": {a.key: {str(p): n for p, n in sorted(a.steps.items())} for a in self.arms[1:] if a.steps},
             "machine": {"loaded_cores": LOADED_CORES, "runs": len(self.runs), "loaded_runs": sum(r.loaded for r in self.runs),
                         "others_cores_median": float(np.median(others)) if others else None,
                         "others_cores_max": float(max(others)) if others else None,
