@@ -30,7 +30,8 @@ exactness is the distribution tests', tests/test_sampling_rules.py); a coupled p
 compared with the coupled plain loop's, token for token. Reported: tokens/s (tokens over seconds, the
 median over repeats per prompt), the per-prompt speedup over generate (geometric mean of
 tokens-per-second ratios, since sampled answers end at different lengths; with the llama.cpp rows also
-over llama.cpp generate) and the mean accepted candidates per step. This project's loops run the matmul
+over llama.cpp generate) and the mean accepted candidates per step; and the sampling-tuned plan against
+each greedy-tuned row paired by prompt, with the sign-flip interval over prompts. This project's loops run the matmul
 paths of the profile the sampling-tuned
 plan was made with; transformers runs stock. Writes bench/results/sampling.{json,md} (--out) with the machine and load.
 """
@@ -282,6 +283,20 @@ def summarise(prompts, got: dict) -> dict:
     return out
 
 
+def paired(got: dict, plan: str = "sampling-tuned") -> dict:
+    """The sampling-tuned plan against each greedy-tuned row, prompt by prompt: the geometric mean of
+    its per-prompt tokens/s ratio (medians over repeats, the runs interleaved) with the interval that
+    inverts the sign-flip test over prompts (workflows.signflip, as the race's confirmation)."""
+    from workflows.signflip import interval, sign_flip_p
+
+    out = {}
+    for other in [k for k in got if k.startswith("greedy-tuned plan")]:
+        logs = [math.log(a / b) for a, b in zip(got[plan]["rates"], got[other]["rates"])]
+        up = interval(logs)
+        out[other] = {**up.to_json(), "p_faster": sign_flip_p(logs), "faster_on": sum(x > 0 for x in logs)}
+    return out
+
+
 def _geo(xs) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
@@ -315,6 +330,11 @@ def markdown(doc: dict) -> str:
             runs = doc["repeats"] * len(doc["prompts"])
             lines += ["", "Outputs identical to the coupled plain loop's (decoder/noise.py; one seed per (prompt, repeat)): "
                       + ", ".join(f"{k} {v}/{runs}" for k, v in same.items()) + "."]
+        for other, v in block.get("paired", {}).items():
+            span = (f"[{v['lo']:.3f}, {v['hi']:.3f}] ({v['level']:.0%} sign-flip interval over {v['prompts']} prompts)"
+                    if v["lo"] is not None else f"(no interval: {v['prompts']} prompts are too few)")
+            lines += ["", (f"sampling-tuned against {other}, paired by prompt: {v['mean']:.3f}x {span}, faster on "
+                           f"{v['faster_on']} of {v['prompts']}, one-sided p = {v['p_faster']:.3f}.")]
         notes = block.get("llama_notes", [])
         lines += [""] + [f"{note}." for note in notes] + ([""] if notes else [])
     return "\n".join(lines)
@@ -514,7 +534,7 @@ def _run(a) -> int:
                                     "sampled_plan_label": _label(*sampled[key][1]),
                                     "greedy_plan_label": _label(*greedy[1]), "load_avg_1m": load0,
                                     "load_avg_1m_after": round(os.getloadavg()[0], 2),
-                                    "results": summarise(prompts, got), "llama_notes": notes}
+                                    "results": summarise(prompts, got), "paired": paired(got), "llama_notes": notes}
     doc["kinds"] = sorted({k for k, _ in prompts})
     doc["prompts"] = [{"kind": k, "length": int(i.numel())} for k, i in prompts]
     out = Path(a.out)

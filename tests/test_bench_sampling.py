@@ -1,6 +1,7 @@
 """The sampling benchmarks run end to end on the toy model (--smoke), so they work when the lead
 re-runs them: every contender decodes every prompt under both settings, and the files say what ran."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def test_bench_sampling_smoke(tmp_path):
             assert any("own chain" in n for n in block["llama_notes"])
         assert res["generate"]["speedup_vs_generate"] == 1.0 and res["generate"]["mean_accepted"] is None
         assert res["greedy-tuned plan"]["mean_accepted"] is not None  # a lookup chain: steps counted
+        pair = block["paired"]["greedy-tuned plan"]  # the sampling-tuned plan against it, prompt by prompt
+        ratios = [a / b for a, b in zip(res["sampling-tuned"]["per_prompt_speedup"],
+                                        res["greedy-tuned plan"]["per_prompt_speedup"])]
+        assert pair["prompts"] == 2 and abs(pair["mean"] - math.prod(ratios) ** 0.5) < 1e-9
+        assert pair["faster_on"] == sum(r > 1 for r in ratios)
         assert set(block["per_token_warp_and_draw_s"]) == {"transformers warpers + multinomial",
                                                            "decoder.verify probabilities + draw"}
     assert "| sampling-tuned |" in out.with_suffix(".md").read_text()
