@@ -1,5 +1,6 @@
 """The sampling benchmarks run end to end on the toy model (--smoke), so they work when the lead
 re-runs them: every contender decodes every prompt under both settings, and the files say what ran."""
+import importlib.util
 import json
 import math
 import subprocess
@@ -68,3 +69,33 @@ def test_bench_draft_q_smoke(tmp_path):
         assert set(res) == {"warped q", "tempered softmax q", "deterministic top-k guesses",
                             "coupled: Gumbel top-k of warped q"}
         assert all(0 <= x["first_child"] <= 1 and 0 <= x["any_of_4"] <= 1 + 1e-9 for x in res.values())
+
+
+def test_bench_sampling_plans_on_the_committed_runs(tmp_path):
+    """Each planner is optimal for the acceptance it is given, so valued under the sampled acceptance
+    the tree planned from it is never worse than the one planned from greedy acceptance; and valued
+    under the greedy acceptance instead (a wrong valuation) the order turns somewhere."""
+    spec = importlib.util.spec_from_file_location("bench_sampling_plans", ROOT / "bench" / "bench_sampling_plans.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "plans"
+    assert mod.main(["--out", str(out), "--slopes", "0,0.03"]) == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert {r["guesser"] for r in doc["rows"]} >= {"lookup", "chain", "parallelspec", "draft"}
+    assert all(r["ratio"] >= 1 - 1e-9 for r in doc["rows"])
+    greedy = mod.load_acceptance(str(mod.GREEDY_RUN / "accept-parallelspec.json"))
+    sampled = mod.load_acceptance(str(mod.SAMPLED_RUN / "accept-parallelspec.json"))
+    prof = mod.load_profile(str(mod.GREEDY_RUN / "profile.json"))
+    assert mod.compare(greedy, sampled, "medusa", prof)["ratio"] > 1.0
+    assert mod.compare(sampled, greedy, "medusa", prof)["ratio"] > 1.0  # roles swapped: greedy's own tree wins there
+
+
+def test_bench_sampling_plans_bad_input(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_sampling_plans", ROOT / "bench" / "bench_sampling_plans.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--greedy-run", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_sampling_plans: error:") and "profile" in err and "\n" not in err
+    assert mod.main(["--slopes", "a,b", "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x.json").exists()
