@@ -10,7 +10,9 @@ position: the first child's acceptance sum_x min(p, q), the sibling procedure's 
 1..3 (Monte Carlo), for reference a deterministic top-k guess's p(x) (the draft used as a fixed
 guesser), and under coupled sampling (decoder/noise.py) the chance that the Gumbel top-k of the
 warped q holds the target's draw made with the same noise (Monte Carlo over --samples noise
-draws per position). Means over positions; writes bench/results/draft_q.{json,md}.
+draws per position), the q warped at the target's temperature and, aimed sharper, at --aim
+multiples of it (the same noise draws for every q: a paired comparison). Means over positions;
+writes bench/results/draft_q.{json,md}.
 """
 from __future__ import annotations
 
@@ -38,11 +40,19 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--samples", type=int, default=16, help="sibling procedures per position (ranks 1+)")
+    p.add_argument("--aim", default="0.5,0.75", help="coupled rows aimed with q warped at these multiples of the "
+                                                   "target's temperature (comma-separated, in (0, 2])")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_q"))
     a = p.parse_args(argv)
-    if not (1 <= a.prompts <= 16 and 1 <= a.tokens <= 512 and 0 <= a.samples <= 1000):
-        print("bench_draft_q: error: --prompts 1..16, --tokens 1..512, --samples 0..1000", file=sys.stderr)
+    try:
+        aims = [float(x) for x in a.aim.split(",") if x.strip()]
+    except ValueError:
+        aims = [-1.0]
+    if not (1 <= a.prompts <= 16 and 1 <= a.tokens <= 512 and 0 <= a.samples <= 1000 and len(aims) <= 8
+            and all(0 < x <= 2 for x in aims)):
+        print("bench_draft_q: error: --prompts 1..16, --tokens 1..512, --samples 0..1000, --aim up to 8 numbers in (0, 2]",
+              file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
@@ -67,15 +77,16 @@ def main(argv=None) -> int:
     texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), a.prompts, 1)
     prompts = encode_prompts(AutoTokenizer.from_pretrained(loaded.tokenizer_dir), texts)
     doc = {"model": loaded.name, "machine": machine(), "prompts": a.prompts, "tokens": a.tokens,
-           "samples": a.samples, "settings": {}}
+           "samples": a.samples, "aim": aims, "settings": {}}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for key, s in SETTINGS.items():
             load0 = round(os.getloadavg()[0], 2)
             cont = sampled_continuations(model, prompts, a.tokens, s, seed=0)
             rows = {"warped q": [], "tempered softmax q": []}
-            det1, det4, coupled = [], [], []
-            for ids, toks, p in zip(cont.prompts, cont.tokens, cont.probs):
+            det1, det4 = [], []
+            coupled: dict[float, list] = {f: [] for f in [1.0] + aims}
+            for i, (ids, toks, p) in enumerate(zip(cont.prompts, cont.tokens, cont.probs)):
                 T, N = ids.numel(), toks.numel()
                 logits = draft(torch.cat([ids, toks])[None]).logits[0, T - 1: T - 1 + N].float()
                 qs = {"warped q": probabilities(logits, s), "tempered softmax q": torch.softmax(logits / s.temperature, -1)}
@@ -85,13 +96,19 @@ def main(argv=None) -> int:
                 det4 += pt.sum(1).tolist()
                 for k, q in qs.items():
                     rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, a.samples, gen) for j in range(N)]
-                coupled += [coupled_shares(p[j], qs["warped q"][j], WIDTH, a.samples, gen) for j in range(N)]
+                for f in coupled:  # one seed per position for every aim: the rows differ by q only
+                    q = qs["warped q"] if f == 1.0 else probabilities(logits, Sampling(s.temperature * f, s.top_k, s.top_p))
+                    coupled[f] += [coupled_shares(p[j], q[j], WIDTH, a.samples, torch.Generator().manual_seed(
+                        1_000_003 * i + j)) for j in range(N)]
             res = {k: {"first_child": float(np.mean([r[0] for r in v])), "ranks": np.mean(v, axis=0).round(4).tolist(),
                        "any_of_4": float(np.mean([r.sum() for r in v]))} for k, v in rows.items()}
             res["deterministic top-k guesses"] = {"first_child": float(np.mean(det1)), "any_of_4": float(np.mean(det4))}
-            res["coupled: Gumbel top-k of warped q"] = {"first_child": float(np.mean([c[0] for c in coupled])),
-                                                        "ranks": np.mean(coupled, axis=0).round(4).tolist(),
-                                                        "any_of_4": float(np.mean([c.sum() for c in coupled]))}
+            for f, rows_f in coupled.items():
+                name = ("coupled: Gumbel top-k of warped q" if f == 1.0 else
+                        f"coupled: Gumbel top-k of q warped at temperature {s.temperature * f:g} ({f:g} T)")
+                res[name] = {"first_child": float(np.mean([c[0] for c in rows_f])),
+                             "ranks": np.mean(rows_f, axis=0).round(4).tolist(),
+                             "any_of_4": float(np.mean([c.sum() for c in rows_f]))}
             doc["settings"][key] = {"label": describe(record(s)), "positions": sum(int(t.numel()) for t in cont.tokens),
                                     "load_avg_1m": load0, "load_avg_1m_after": round(os.getloadavg()[0], 2),
                                     "results": res}
