@@ -101,3 +101,19 @@ def test_bench_sampling_plans_bad_input(tmp_path, capsys):
     assert err.startswith("bench_sampling_plans: error:") and "profile" in err and "\n" not in err
     assert mod.main(["--slopes", "a,b", "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_sampling_steps_bad_input(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--a", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_sampling_steps: error:") and "none.json" in err and "\n" not in err
+    static = tmp_path / "static.json"
+    static.write_text('{"method": "medusa"}')
+    assert mod.main(["--a", str(static), "--out", str(tmp_path / "x")]) == 2
+    assert "field dynamic" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+    hybrid = mod.hybrid({"dynamic": {"step_cost_s": [1.0]}}, {"dynamic": {"step_cost_s": [2.0], "guessers": {"g": 1}}})
+    assert hybrid == {"dynamic": {"step_cost_s": [1.0], "guessers": {"g": 1}}}
