@@ -76,19 +76,18 @@ def compare(greedy: Acceptance, sampled: Acceptance, method: str, profile: Laten
 def run(greedy_dir: Path, sampled_dir: Path, profile_path: Path, slopes: list[float]) -> dict:
     measured = load_profile(str(profile_path))
     curves = {"measured": measured} | {f"slope {a:g}": synthetic(measured, a) for a in slopes}
-    rows = []
+    rows, sampling = [], None
     for g in GUESSERS:
         paths = greedy_dir / f"accept-{g}.json", sampled_dir / f"accept-{g}.json"
         if not all(p.is_file() for p in paths):
             continue
         ga, sa = (load_acceptance(str(p)) for p in paths)
+        sampling = sampling or sa.source.get("sampling")
         for method in METHODS if g != "ppd" else ("medusa",):
             for name, prof in curves.items():
                 rows.append({"guesser": g, "method": method, "curve": name, **compare(ga, sa, method, prof)})
     if not rows:
         raise UserError(f"{greedy_dir}, {sampled_dir}: no guesser has an accept-*.json in both")
-    sampling = next((load_acceptance(str(sampled_dir / f"accept-{g}.json")).source.get("sampling")
-                     for g in GUESSERS if (sampled_dir / f"accept-{g}.json").is_file()), None)
     return {"greedy_run": str(greedy_dir), "sampled_run": str(sampled_dir), "profile": str(profile_path),
             "sampling": sampling, "slopes": slopes, "rows": rows}
 

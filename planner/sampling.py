@@ -18,6 +18,7 @@ from planner.errors import UserError
 
 RULES = ("auto", "greedy", "typical", "lossless", "coupled")
 LOSSLESS = ("lossless", "coupled")  # sampled rules whose output follows the warped distribution exactly
+ONE_TEXT = ("greedy", "coupled")  # rules under which every plan emits plain decoding's own text (same seed)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class Sampling:
         if self.temperature <= 0 or self.mode == "greedy":
             return "greedy"
         return "lossless" if self.mode == "auto" else self.mode
+
+    @property
+    def one_text(self) -> bool:
+        """Every plan emits plain decoding's text (greedy, or coupled sampling with the same seed), so
+        two plans' outputs and step counts on a prompt compare token for token."""
+        return self.rule in ONE_TEXT
 
 
 

@@ -121,7 +121,7 @@ def _replayable(run, guesser: str) -> bool:
     given the text's noise (profiler.replay.context), so a drawn-free decode is the text's own. Sampled
     with the lossless rule: when every guess is deterministic, since the rule then emits each node's
     token with the target's warped p whatever was guessed, so the text's draw decides which guess is accepted."""
-    return run.settings.sampling.rule in ("greedy", "coupled") or not _draws(guesser)
+    return run.settings.sampling.one_text or not _draws(guesser)
 
 
 def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None:

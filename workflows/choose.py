@@ -341,10 +341,9 @@ class Race:
         similar price wins. Otherwise (sampled texts differ per plan) the predicted step cost."""
         common = set.intersection(*(set(a.steps) for a in tied)) if self.same_text else set()
         if common:
-            race = len(common - {REPLAYED})
             what = " and the acceptance prompts' replay" if REPLAYED in common else ""
             return {a.key: a.cost * sum(a.steps[p] for p in common) for a in tied}, \
-                f"predicted time for its steps on the shared text ({race} race prompts{what})"
+                f"predicted time for its steps on the shared text ({len(common - {REPLAYED})} race prompts{what})"
         return {a.key: a.cost for a in tied}, "predicted step cost"
 
     def confirmation_order(self, pairs: int) -> list[str]:

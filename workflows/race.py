@@ -50,16 +50,13 @@ def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: lis
     for c in racing:
         out.append(arm(c.label, c.step_s(step) / step, c.predicted_speedup, parallel=guesser_kind(c.guesser).loop is not None,
                        how=(c.prediction or {}).get("method") or "cost model"))
-    _replayed_steps(run, racing, out[1:])
     return out
 
 
-def _replayed_steps(run, racing: list[Candidate], arms: list[Arm]) -> None:
-    """Where every plan decodes one text (greedy, coupled sampling), each replayed plan's steps over
-    the acceptance prompts' text join its race steps for the race's tie (Race.tie_costs): exact counts
+def _replayed_steps(racing: list[Candidate], arms: list[Arm]) -> None:
+    """Where every plan decodes one text (Race.same_text), each replayed plan's steps over the
+    acceptance prompts' text join its race steps for the race's tie (Race.tie_costs): exact counts
     on more text than the race's selection decodes. Only when every replay covered the same tokens."""
-    if run.settings.sampling.rule not in ("greedy", "coupled"):
-        return
     replays = {a.key: c.prediction for c, a in zip(racing, arms)
                if (c.prediction or {}).get("method") == "replay" and not a.parallel}
     if len({p["tokens"] for p in replays.values()}) == 1:
@@ -94,7 +91,9 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
     s = run.settings
     by_key = {c.label: c for c in racing}
     race = Race(_arms(run, racing, profile, decode_ids), list(range(len(decode_ids))), rounds=s.rounds, seed=s.seed,
-                groups=question_of(len(decode_ids), s.turns), same_text=s.sampling.rule in ("greedy", "coupled"))
+                groups=question_of(len(decode_ids), s.turns), same_text=s.sampling.one_text)
+    if race.same_text:
+        _replayed_steps(racing, race.arms[1:])
     outputs = _Outputs()
     deadline = run.clock.budget_s - run.budget.after_race_s
     eta = race.selection_seconds(0) * len(race.selection) + race.confirmation_seconds(2 * s.rounds)
@@ -167,7 +166,7 @@ def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list,
     from profiler.compare import classify
 
     s = run.settings.sampling
-    if s.rule not in ("greedy", "coupled"):
+    if not s.one_text:
         return
     coupled = dict(sampling=s, seed=run.settings.seed + p) if s.rule == "coupled" else {}
     plain = outputs.tokens[PLAIN][p].tolist()
