@@ -214,7 +214,7 @@ def _race(s: LlamaAutotune, target, racing: list, race_ids: list, profile, left,
     lookup = load_guesser(LOOKUP, LoadRequest(eng, depth=8))
     by_key = {c.label: c for c in racing}
     race = Race(_arms(racing, race_ids, profile, s.decode_tokens), list(range(len(race_ids))), rounds=s.rounds,
-                seed=s.seed, groups=question_of(len(race_ids), s.turns), same_text=s.sampling.rule == "greedy")
+                seed=s.seed, groups=question_of(len(race_ids), s.turns), same_text=s.sampling.one_text)
     rec = _Record()
     stock = StockLlama(target.gguf, threads=eng.threads, n_ctx=eng.n_ctx)
     samp = s.sampling
