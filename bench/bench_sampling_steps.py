@@ -1,6 +1,7 @@
 """Why one per-step plan takes fewer steps than another under coupled sampling: swap their parts.
 
     python bench/bench_sampling_steps.py      # the greedy rerun's and the T 0.7 run's lookup + ParallelSpec plans
+    python bench/bench_sampling_steps.py --a G.json --b S.json --slopes 0.01,0.03,0.1 --prompts bench
 
 No timing: under coupled sampling (decoder/noise.py) every plan emits plain sampling's text with the same
 seed, so the steps a plan takes on a prompt are exact, and two plans compare on one text. Two dynamic
@@ -10,6 +11,13 @@ autotune's held-out prompts (acceptance and race prompts, each as its first turn
 coupled, at the sampling settings: the step-cost curve (`dynamic.step_cost_s`, the profile each was planned
 against) taken from one plan and the guessers' priors and calibrations from the other. Writes
 bench/results/sampling_steps.{json,md} (--out).
+
+With --slopes the question is where a plan calibrated under sampling (b) would beat one calibrated
+greedily (a): both decode the text on their own step costs and on synthetic curves L(n) = L(1) (1 + s (n - 1))
+(a forward that grows with its input, as on a compute-bound device), and each run is priced by its curve:
+modeled seconds = the sum over its steps of the curve at the step's input length. Steps and input lengths are
+exact (one text); only the price is a model, the same one the per-step planner decides with. --prompts bench
+takes bench_sampling's benchmark prompts, which no tuning step read.
 """
 from __future__ import annotations
 
@@ -35,13 +43,46 @@ def hybrid(costs_from: dict, guessers_from: dict) -> dict:
     return t
 
 
+def sloped(doc: dict, slope: float) -> dict:
+    """The plan with step costs L(n) = L(1) (1 + slope (n - 1)) over its own lengths, L(1) its own."""
+    t = copy.deepcopy(doc)
+    cost = t["dynamic"]["step_cost_s"]
+    t["dynamic"]["step_cost_s"] = [float(cost[0]) * (1.0 + slope * n) for n in range(len(cost))]
+    return t
+
+
+def modeled_seconds(input_lengths: list[int], cost: list[float]) -> float:
+    """A run's price on a step-cost curve: the curve at each step's input length (clamped to its end)."""
+    return float(sum(cost[min(int(n), len(cost)) - 1] for n in input_lengths))
+
+
+def _slopes(text: str | None) -> list[float]:
+    from planner.errors import UserError
+
+    if text is None:
+        return []
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--slopes: expected comma-separated numbers, got {text!r}") from None
+    if not out or any(not 0.0 <= x <= 1.0 for x in out):
+        raise UserError(f"--slopes: expected slopes in [0, 1] (a fraction of L(1) per token), got {text!r}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", default=str(A_PLAN), help="a dynamic plan (default: the greedy rerun's)")
     p.add_argument("--b", default=str(B_PLAN), help="another of the same guessers (default: the T 0.7 run's)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--slopes", default=None, help="comma-separated s: a and b on their own step costs and on "
+                                                  "L(n) = L(1) (1 + s (n - 1)), priced by the curve (no hybrids)")
+    p.add_argument("--prompts", choices=["held-out", "bench"], default="held-out",
+                   help="the autotune's held-out prompts (default) or bench_sampling's benchmark prompts")
+    p.add_argument("--bench-prompts", type=int, default=8, help="--prompts bench: this many chats and rewrites each")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling_steps"))
     a = p.parse_args(argv)
     from planner.errors import UserError
@@ -66,8 +107,10 @@ def _run(a) -> int:
     from profiler.models import load_model
     from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
-    if not (1 <= a.tokens <= 512 and 0 < a.temperature <= 5 and 0 < a.top_p <= 1):
-        raise UserError("--tokens 1..512, --temperature in (0, 5], --top-p in (0, 1]")
+    if not (1 <= a.tokens <= 512 and 0 < a.temperature <= 5 and 0 < a.top_p <= 1 and 0 <= a.top_k <= 1000
+            and 1 <= a.bench_prompts <= 32):
+        raise UserError("--tokens 1..512, --temperature in (0, 5], --top-p in (0, 1], --top-k 0..1000, --bench-prompts 1..32")
+    slopes = _slopes(a.slopes)
     docs = {}
     for name, path in (("a", a.a), ("b", a.b)):
         try:
@@ -83,34 +126,75 @@ def _run(a) -> int:
     use_profile_paths(model, str(PATHS_PROFILE))
     _, guesser = load_plan(a.a, loaded)
     A, B = docs["a"], docs["b"]
-    plans = {"a": A, "b": B, "a's step costs, b's guessers": hybrid(A, B), "b's step costs, a's guessers": hybrid(B, A)}
-    accept, race = held_out_prompts(str(DEFAULT_QUESTIONS), 8, 16, 2)
-    prompts = encode_prompts(AutoTokenizer.from_pretrained(loaded.tokenizer_dir), accept + race)
+    if slopes:
+        plans = {"a": A, "b": B}
+        for x in slopes:
+            plans[f"a, slope {x:g}"], plans[f"b, slope {x:g}"] = sloped(A, x), sloped(B, x)
+    else:
+        plans = {"a": A, "b": B, "a's step costs, b's guessers": hybrid(A, B), "b's step costs, a's guessers": hybrid(B, A)}
+    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    if a.prompts == "bench":
+        from bench_sampling import build_prompts
+
+        prompts = [ids for _, ids in build_prompts(model, tok, a.bench_prompts, a.bench_prompts, 64)]
+    else:
+        accept, race = held_out_prompts(str(DEFAULT_QUESTIONS), 8, 16, 2)
+        prompts = encode_prompts(tok, accept + race)
     rows = {}
     with torch.inference_mode():
         for name, doc in plans.items():
             tree = tree_from_json(doc, name)
+            cost = doc["dynamic"]["step_cost_s"]
             steps = tokens = 0
+            lengths: list[int] = []
             for i, ids in enumerate(prompts):
                 out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=a.tokens, phase_times=False,
-                               seed=i, verify_rule="coupled", temperature=a.temperature, top_k=0, top_p=a.top_p)
+                               seed=i, verify_rule="coupled", temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
                 steps, tokens = steps + int(out.steps), tokens + len(out.tokens)
-            rows[name] = {"steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps}
+                lengths += out.stats.input_lengths
+            modeled = modeled_seconds(lengths, cost)
+            rows[name] = {"steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps,
+                          "mean_input_length": sum(lengths) / len(lengths), "modeled_s": modeled,
+                          "modeled_speedup": tokens * float(cost[0]) / modeled}  # plain: one token a step at L(1)
             print(f"bench_sampling_steps: {name}: {tokens} tokens in {steps} steps", file=sys.stderr, flush=True)
-    doc = {"a": str(a.a), "b": str(a.b), "prompts": len(prompts), "tokens": a.tokens, "machine": machine(),
-           "sampling": {"temperature": a.temperature, "top_p": a.top_p}, "rows": rows,
-           "step_cost_s": {k: plans[k]["dynamic"]["step_cost_s"][:8] for k in ("a", "b")}}
+    doc = {"a": str(a.a), "b": str(a.b), "prompts": len(prompts), "prompt_set": a.prompts, "tokens": a.tokens,
+           "machine": machine(), "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}, "slopes": slopes,
+           "rows": rows, "step_cost_s": {k: plans[k]["dynamic"]["step_cost_s"][:8] for k in ("a", "b")}}
+    if slopes:
+        doc["b_over_a"] = {c: rows[f"a{c}"]["modeled_s"] / rows[f"b{c}"]["modeled_s"]
+                           for c in [""] + [f", slope {x:g}" for x in slopes]}
     out = Path(a.out)
     atomic_write_json(out.with_suffix(".json"), doc)
-    lines = ["# Steps of per-step plans on one coupled text, their parts swapped", "",
-             (f"{doc['prompts']} held-out prompts x {a.tokens} tokens, coupled sampling at temperature {a.temperature}, "
-              f"top-p {a.top_p} (seed = prompt index); a = `{a.a}`, b = `{a.b}`. Step costs (s) for input lengths "
-              f"1..8: a {[round(x, 4) for x in doc['step_cost_s']['a']]}, b {[round(x, 4) for x in doc['step_cost_s']['b']]}."),
-             "", "| plan | tokens | steps | tokens per step |", "|---|---|---|---|"]
-    lines += [f"| {k} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} |" for k, r in rows.items()]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    out.with_suffix(".md").write_text(_markdown(doc, a) + "\n")
+    print(_markdown(doc, a))
     return 0
+
+
+def _markdown(doc: dict, a) -> str:
+    which = "held-out" if doc["prompt_set"] == "held-out" else "benchmark (no tuning step read them)"
+    head = ("# Steps of per-step plans on one coupled text, priced on step-cost curves" if doc["slopes"] else
+            "# Steps of per-step plans on one coupled text, their parts swapped")
+    cost = doc["step_cost_s"]
+    lines = [head, "",
+             (f"{doc['prompts']} {which} prompts x {a.tokens} tokens, coupled sampling at temperature {a.temperature}, "
+              f"top-k {a.top_k or 'off'}, top-p {a.top_p} (seed = prompt index); a = `{a.a}`, b = `{a.b}`. Step costs (s) for input lengths "
+              f"1..8: a {[round(x, 4) for x in cost['a']]}, b {[round(x, 4) for x in cost['b']]}."), ""]
+    if not doc["slopes"]:
+        lines += ["| plan | tokens | steps | tokens per step |", "|---|---|---|---|"]
+        lines += [f"| {k} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} |" for k, r in doc["rows"].items()]
+        return "\n".join(lines)
+    lines += ["Slope s: both plans' step costs replaced by L(n) = L(1) (1 + s (n - 1)). Modeled seconds: the sum over "
+              "the run's steps of its curve at the step's input length; speedup: plain decoding's price (one token a "
+              "step at L(1)) over it.", "",
+              "| curve | plan | steps | tokens per step | mean input length | modeled s | modeled speedup | b's speedup over a |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c, ratio in doc["b_over_a"].items():
+        for k in ("a", "b"):
+            r = doc["rows"][f"{k}{c}"]
+            lines.append(f"| {c.lstrip(', ') or 'own'} | {k} | {r['steps']} | {r['tokens_per_step']:.3f} | "
+                         f"{r['mean_input_length']:.2f} | {r['modeled_s']:.2f} | {r['modeled_speedup']:.3f}x | "
+                         + (f"{ratio:.3f}x |" if k == "b" else " |"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

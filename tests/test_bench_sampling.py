@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_ROWS = {"llama.cpp generate", "llama.cpp plain loop", "llama.cpp plan"}
 
@@ -117,3 +119,19 @@ def test_bench_sampling_steps_bad_input(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
     hybrid = mod.hybrid({"dynamic": {"step_cost_s": [1.0]}}, {"dynamic": {"step_cost_s": [2.0], "guessers": {"g": 1}}})
     assert hybrid == {"dynamic": {"step_cost_s": [1.0], "guessers": {"g": 1}}}
+
+
+def test_bench_sampling_steps_slopes(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for bad in ("x", "2", "0.1,-0.1"):
+        assert mod.main(["--slopes", bad, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("bench_sampling_steps: error: --slopes") and "\n" not in err
+    assert not (tmp_path / "x.json").exists()
+    doc = {"dynamic": {"step_cost_s": [0.04, 0.05, 0.041, 0.06]}}
+    assert mod.sloped(doc, 0.1)["dynamic"]["step_cost_s"] == pytest.approx([0.04, 0.044, 0.048, 0.052])
+    assert doc["dynamic"]["step_cost_s"][1] == 0.05  # a copy
+    # each step priced at its input length, lengths past the curve at its end
+    assert mod.modeled_seconds([1, 3, 9], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(1.0 + 3.0 + 4.0)
