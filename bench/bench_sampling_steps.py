@@ -14,9 +14,10 @@ bench/results/sampling_steps.{json,md} (--out).
 
 With --slopes the question is where a plan calibrated under sampling (b) would beat one calibrated
 greedily (a): both decode the text on their own step costs and on synthetic curves L(n) = L(1) (1 + s (n - 1))
-(a forward that grows with its input, as on a compute-bound device), and each run is priced by its curve:
-modeled seconds = the sum over its steps of the curve at the step's input length. Steps and input lengths are
-exact (one text); only the price is a model, the same one the per-step planner decides with. --prompts bench
+(a forward that grows with its input, as on a compute-bound device), b at a's price of a drafter pass, and
+each run is priced by its curve: modeled seconds = the sum over its steps of the curve at the step's input
+length, plus the drafter passes it paid for. Steps, input lengths and passes are exact (one text); only the
+price is a model, the same one the per-step planner decides with. --prompts bench
 takes bench_sampling's benchmark prompts, which no tuning step read.
 """
 from __future__ import annotations
@@ -51,9 +52,19 @@ def sloped(doc: dict, slope: float) -> dict:
     return t
 
 
-def modeled_seconds(input_lengths: list[int], cost: list[float]) -> float:
-    """A run's price on a step-cost curve: the curve at each step's input length (clamped to its end)."""
-    return float(sum(cost[min(int(n), len(cost)) - 1] for n in input_lengths))
+def drafting_from(doc: dict, like: dict) -> dict:
+    """The plan with `like`'s price of a drafter pass per guesser (draft_s: this machine's, measured
+    by each run with its own noise), so that two plans differ only by their priors and calibrations."""
+    t = copy.deepcopy(doc)
+    for kind, g in t["dynamic"]["guessers"].items():
+        g["draft_s"] = like["dynamic"]["guessers"][kind]["draft_s"]
+    return t
+
+
+def modeled_seconds(input_lengths: list[int], cost: list[float], drafting_s: list[float]) -> float:
+    """A run's price on a step-cost curve: the curve at each step's input length (clamped to its end)
+    plus the drafter passes each step paid for (the session's own record, at the plan's draft_s)."""
+    return float(sum(cost[min(int(n), len(cost)) - 1] for n in input_lengths) + sum(drafting_s))
 
 
 def _slopes(text: str | None) -> list[float]:
@@ -127,6 +138,7 @@ def _run(a) -> int:
     _, guesser = load_plan(a.a, loaded)
     A, B = docs["a"], docs["b"]
     if slopes:
+        B = drafting_from(B, A)
         plans = {"a": A, "b": B}
         for x in slopes:
             plans[f"a, slope {x:g}"], plans[f"b, slope {x:g}"] = sloped(A, x), sloped(B, x)
@@ -147,14 +159,17 @@ def _run(a) -> int:
             cost = doc["dynamic"]["step_cost_s"]
             steps = tokens = 0
             lengths: list[int] = []
+            drafting: list[float] = []
             for i, ids in enumerate(prompts):
                 out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=a.tokens, phase_times=False,
                                seed=i, verify_rule="coupled", temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
                 steps, tokens = steps + int(out.steps), tokens + len(out.tokens)
                 lengths += out.stats.input_lengths
-            modeled = modeled_seconds(lengths, cost)
+                drafting += out.stats.dynamic["predicted_draft_s"]
+            modeled = modeled_seconds(lengths, cost, drafting)
             rows[name] = {"steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps,
-                          "mean_input_length": sum(lengths) / len(lengths), "modeled_s": modeled,
+                          "mean_input_length": sum(lengths) / len(lengths), "drafting_s": sum(drafting),
+                          "modeled_s": modeled,
                           "modeled_speedup": tokens * float(cost[0]) / modeled}  # plain: one token a step at L(1)
             print(f"bench_sampling_steps: {name}: {tokens} tokens in {steps} steps", file=sys.stderr, flush=True)
     doc = {"a": str(a.a), "b": str(a.b), "prompts": len(prompts), "prompt_set": a.prompts, "tokens": a.tokens,
@@ -183,16 +198,19 @@ def _markdown(doc: dict, a) -> str:
         lines += ["| plan | tokens | steps | tokens per step |", "|---|---|---|---|"]
         lines += [f"| {k} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} |" for k, r in doc["rows"].items()]
         return "\n".join(lines)
-    lines += ["Slope s: both plans' step costs replaced by L(n) = L(1) (1 + s (n - 1)). Modeled seconds: the sum over "
-              "the run's steps of its curve at the step's input length; speedup: plain decoding's price (one token a "
-              "step at L(1)) over it.", "",
-              "| curve | plan | steps | tokens per step | mean input length | modeled s | modeled speedup | b's speedup over a |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["b drafts at a's price of a drafter pass (draft_s), so the two differ only by their priors and "
+              "calibrations. Slope s: both plans' step costs replaced by L(n) = L(1) (1 + s (n - 1)). Modeled seconds: "
+              "the sum over the run's steps of its curve at the step's input length, plus the drafter passes each "
+              "step paid for at draft_s; speedup: plain decoding's price (one token a step at L(1)) over it.", "",
+              "| curve | plan | steps | tokens per step | mean input length | drafting s | modeled s | modeled speedup "
+              "| b's speedup over a |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c, ratio in doc["b_over_a"].items():
         for k in ("a", "b"):
             r = doc["rows"][f"{k}{c}"]
             lines.append(f"| {c.lstrip(', ') or 'own'} | {k} | {r['steps']} | {r['tokens_per_step']:.3f} | "
-                         f"{r['mean_input_length']:.2f} | {r['modeled_s']:.2f} | {r['modeled_speedup']:.3f}x | "
+                         f"{r['mean_input_length']:.2f} | {r['drafting_s']:.2f} | {r['modeled_s']:.2f} | "
+                         f"{r['modeled_speedup']:.3f}x | "
                          + (f"{ratio:.3f}x |" if k == "b" else " |"))
     return "\n".join(lines)
 

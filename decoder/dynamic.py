@@ -129,6 +129,7 @@ class DynamicSession:
         self.expected: list[float] = []
         self.decide_est = spec.decide_s  # running estimate of the decision's cost per step
         self.costs: list[float] = []  # the model's cost of each step (drafting + step_cost), before the decision's own
+        self.drafting: list[float] = []  # the plan's price of each step's drafter passes (draft_s a pass)
         self.pool: Pool | None = None
         self.chosen: list[int] = []
 
@@ -168,6 +169,7 @@ class DynamicSession:
         else:
             chosen, expected, cost = [], 1.0, pool.sunk_s + float(self.cost_n[0])
         self.costs.append(cost)
+        self.drafting.append(pool.sunk_s - self.decide_est)
         self.pool, self.chosen = pool, chosen
         paths = rank_paths(pool.parent, chosen)
         top_k = 1 + max((p[-1] for p in paths), default=0)
@@ -234,6 +236,7 @@ class DynamicSession:
         plain = float(self.spec.step_cost_s[0])
         out = {"sizes": self.sizes, "expected_tokens": [round(x, 4) for x in self.expected],
                "predicted_cost_s": [round(x, 6) for x in self.costs],
+               "predicted_draft_s": [round(x, 6) for x in self.drafting],
                # the session's own forecast over the run: expected tokens per predicted second, against a plain step
                "predicted_speedup": tau * plain / cost if cost > 0 and self.spec.profiled else None,
                "predicted_tokens_per_step": tau / max(len(self.expected), 1),

@@ -134,4 +134,9 @@ def test_bench_sampling_steps_slopes(tmp_path, capsys):
     assert mod.sloped(doc, 0.1)["dynamic"]["step_cost_s"] == pytest.approx([0.04, 0.044, 0.048, 0.052])
     assert doc["dynamic"]["step_cost_s"][1] == 0.05  # a copy
     # each step priced at its input length, lengths past the curve at its end
-    assert mod.modeled_seconds([1, 3, 9], [1.0, 2.0, 3.0, 4.0]) == pytest.approx(1.0 + 3.0 + 4.0)
+    assert mod.modeled_seconds([1, 3, 9], [1.0, 2.0, 3.0, 4.0], [0.0, 0.5, 0.25]) == pytest.approx(8.75)
+    a = {"dynamic": {"guessers": {"lookup": {"draft_s": 0.0}, "chain": {"draft_s": 0.004}}}}
+    b = {"dynamic": {"guessers": {"lookup": {"draft_s": 0.0, "prior": [1]}, "chain": {"draft_s": 0.005}}}}
+    assert mod.drafting_from(b, a) == {"dynamic": {"guessers": {"lookup": {"draft_s": 0.0, "prior": [1]},
+                                                                "chain": {"draft_s": 0.004}}}}
+    assert b["dynamic"]["guessers"]["chain"]["draft_s"] == 0.005

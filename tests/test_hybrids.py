@@ -62,9 +62,14 @@ def test_each_hybrid_is_token_identical_to_generate(builtin, drafter):
         accept[drafter] = ACC[drafter]
     (cand,) = dynamic_candidates(f"lookup+{drafter}", accept, None, max_size=8)
     g = HybridGuesser(PromptLookupGuesser(num_tokens=6), _drafter(drafter, builtin), drafter)
-    sizes = []
+    draft_s = cand.tree.dynamic.guessers[drafter].draft_s
+    sizes, passes = [], []
     for ids in _prompts(builtin.config.vocab_size):
         out = generate(builtin, ids, plan=cand.tree, guesser=g, max_new_tokens=24)
         assert out.tokens.tolist() == reference(builtin, ids, 24)
         sizes += out.stats.dynamic["sizes"]
+        passes += [x / draft_s if draft_s else x for x in out.stats.dynamic["predicted_draft_s"]]
     assert max(sizes) > 0  # trees were built and verified, not only plain steps
+    # each step's drafting is priced at whole passes of the plan's draft_s (lookup's guesses are free)
+    assert len(passes) == len(sizes) and all(x >= 0 and abs(x - round(x)) < 1e-3 for x in passes)
+    assert (max(passes) >= 1) == (draft_s > 0)
