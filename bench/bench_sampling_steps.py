@@ -180,8 +180,9 @@ def _run(a) -> int:
                            for c in [""] + [f", slope {x:g}" for x in slopes]}
     out = Path(a.out)
     atomic_write_json(out.with_suffix(".json"), doc)
-    out.with_suffix(".md").write_text(_markdown(doc, a) + "\n")
-    print(_markdown(doc, a))
+    md = _markdown(doc, a)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
     return 0
 
 
