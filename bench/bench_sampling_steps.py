@@ -19,6 +19,11 @@ each run is priced by its curve: modeled seconds = the sum over its steps of the
 length, plus the drafter passes it paid for. Steps, input lengths and passes are exact (one text); only the
 price is a model, the same one the per-step planner decides with. --prompts bench
 takes bench_sampling's benchmark prompts, which no tuning step read.
+
+With --frozen both plans also decode with their online correction off (dynamic.prior_strength 1e6: the
+priors and calibrations each was tuned with, never corrected by what the prompt's own steps accept), on
+their own step costs: how much of the difference between a greedy and a sampled calibration the per-step
+correction recovers while it decodes.
 """
 from __future__ import annotations
 
@@ -61,6 +66,16 @@ def drafting_from(doc: dict, like: dict) -> dict:
     return t
 
 
+FROZEN = 1e6  # dynamic.prior_strength's largest value: the priors outweigh any prompt's observations
+
+
+def frozen(doc: dict) -> dict:
+    """The plan without its online correction: the tuned priors and calibrations, as they are, every step."""
+    t = copy.deepcopy(doc)
+    t["dynamic"]["prior_strength"] = FROZEN
+    return t
+
+
 def modeled_seconds(input_lengths: list[int], cost: list[float], drafting_s: list[float]) -> float:
     """A run's price on a step-cost curve: the curve at each step's input length (clamped to its end)
     plus the drafter passes each step paid for (the session's own record, at the plan's draft_s)."""
@@ -91,6 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--slopes", default=None, help="comma-separated s: a and b on their own step costs and on "
                                                   "L(n) = L(1) (1 + s (n - 1)), priced by the curve (no hybrids)")
+    p.add_argument("--frozen", action="store_true", help="also a and b without their online correction, priced "
+                                                          "on their own step costs (implies the priced table)")
     p.add_argument("--prompts", choices=["held-out", "bench"], default="held-out",
                    help="the autotune's held-out prompts (default) or bench_sampling's benchmark prompts")
     p.add_argument("--bench-prompts", type=int, default=8, help="--prompts bench: this many chats and rewrites each")
@@ -137,11 +154,14 @@ def _run(a) -> int:
     use_profile_paths(model, str(PATHS_PROFILE))
     _, guesser = load_plan(a.a, loaded)
     A, B = docs["a"], docs["b"]
-    if slopes:
+    priced = [f", slope {x:g}" for x in slopes] + ([", frozen"] if a.frozen else [])
+    if priced:
         B = drafting_from(B, A)
         plans = {"a": A, "b": B}
         for x in slopes:
             plans[f"a, slope {x:g}"], plans[f"b, slope {x:g}"] = sloped(A, x), sloped(B, x)
+        if a.frozen:
+            plans["a, frozen"], plans["b, frozen"] = frozen(A), frozen(B)
     else:
         plans = {"a": A, "b": B, "a's step costs, b's guessers": hybrid(A, B), "b's step costs, a's guessers": hybrid(B, A)}
     tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
@@ -174,10 +194,10 @@ def _run(a) -> int:
             print(f"bench_sampling_steps: {name}: {tokens} tokens in {steps} steps", file=sys.stderr, flush=True)
     doc = {"a": str(a.a), "b": str(a.b), "prompts": len(prompts), "prompt_set": a.prompts, "tokens": a.tokens,
            "machine": machine(), "sampling": {"temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p}, "slopes": slopes,
+           "frozen": bool(a.frozen),
            "rows": rows, "step_cost_s": {k: plans[k]["dynamic"]["step_cost_s"][:8] for k in ("a", "b")}}
-    if slopes:
-        doc["b_over_a"] = {c: rows[f"a{c}"]["modeled_s"] / rows[f"b{c}"]["modeled_s"]
-                           for c in [""] + [f", slope {x:g}" for x in slopes]}
+    if priced:
+        doc["b_over_a"] = {c: rows[f"a{c}"]["modeled_s"] / rows[f"b{c}"]["modeled_s"] for c in [""] + priced}
     out = Path(a.out)
     atomic_write_json(out.with_suffix(".json"), doc)
     md = _markdown(doc, a)
@@ -188,21 +208,24 @@ def _run(a) -> int:
 
 def _markdown(doc: dict, a) -> str:
     which = "held-out" if doc["prompt_set"] == "held-out" else "benchmark (no tuning step read them)"
-    head = ("# Steps of per-step plans on one coupled text, priced on step-cost curves" if doc["slopes"] else
+    priced = bool(doc["slopes"]) or doc.get("frozen", False)
+    head = ("# Steps of per-step plans on one coupled text, priced on step-cost curves" if priced else
             "# Steps of per-step plans on one coupled text, their parts swapped")
     cost = doc["step_cost_s"]
     lines = [head, "",
              (f"{doc['prompts']} {which} prompts x {a.tokens} tokens, coupled sampling at temperature {a.temperature}, "
               f"top-k {a.top_k or 'off'}, top-p {a.top_p} (seed = prompt index); a = `{a.a}`, b = `{a.b}`. Step costs (s) for input lengths "
               f"1..8: a {[round(x, 4) for x in cost['a']]}, b {[round(x, 4) for x in cost['b']]}."), ""]
-    if not doc["slopes"]:
+    if not priced:
         lines += ["| plan | tokens | steps | tokens per step |", "|---|---|---|---|"]
         lines += [f"| {k} | {r['tokens']} | {r['steps']} | {r['tokens_per_step']:.3f} |" for k, r in doc["rows"].items()]
         return "\n".join(lines)
     lines += ["b drafts at a's price of a drafter pass (draft_s), so the two differ only by their priors and "
               "calibrations. Slope s: both plans' step costs replaced by L(n) = L(1) (1 + s (n - 1)). Modeled seconds: "
               "the sum over the run's steps of its curve at the step's input length, plus the drafter passes each "
-              "step paid for at draft_s; speedup: plain decoding's price (one token a step at L(1)) over it.", "",
+              "step paid for at draft_s; speedup: plain decoding's price (one token a step at L(1)) over it."
+              + (" Frozen: the plan's own step costs, its online correction off (prior_strength 1e6): the tuned "
+                 "priors and calibrations used as they are on every step." if doc.get("frozen") else ""), "",
               "| curve | plan | steps | tokens per step | mean input length | drafting s | modeled s | modeled speedup "
               "| b's speedup over a |",
               "|---|---|---|---|---|---|---|---|---|"]

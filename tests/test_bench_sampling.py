@@ -140,3 +140,27 @@ def test_bench_sampling_steps_slopes(tmp_path, capsys):
     assert mod.drafting_from(b, a) == {"dynamic": {"guessers": {"lookup": {"draft_s": 0.0, "prior": [1]},
                                                                 "chain": {"draft_s": 0.004}}}}
     assert b["dynamic"]["guessers"]["chain"]["draft_s"] == 0.005
+
+
+def test_bench_sampling_steps_frozen():
+    """--frozen: the plan's priors and calibrations as tuned, which its own loader accepts and no run moves."""
+    import numpy as np
+
+    from planner.dynamic import OnlineMap
+    from planner.tree import tree_from_json
+
+    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    doc = json.loads((ROOT / "reports" / "shared-autotune-cpu-smollm2-135m" / "chosen.json").read_text())
+    cold = mod.frozen(doc)
+    assert cold["dynamic"]["prior_strength"] == mod.FROZEN and doc["dynamic"]["prior_strength"] == 4.0
+    assert tree_from_json(cold, "frozen").dynamic.prior_strength == mod.FROZEN
+    base = np.array([0.2, 0.5, 0.9])
+    m = OnlineMap(base, mod.FROZEN, 0.95)
+    for _ in range(500):  # a long run in which every guess fails
+        m.observe(np.array([0, 1, 2]), np.zeros(3))
+    assert np.abs(m.c - base).max() < 1e-4
+    live = OnlineMap(base, 4.0, 0.95)
+    live.observe(np.array([0, 1, 2]), np.zeros(3))
+    assert np.abs(live.c - base).max() > 0.1  # the correction the frozen plan lacks
