@@ -229,6 +229,39 @@ def test_two_worker_processes_share_one_study(inputs, storage):
     assert len({t.number for t in study.trials}) == 10
 
 
+_POP = """
+import sys
+import optuna
+from workflows.tune import open_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+study = optuna.load_study(study_name="q", storage=open_storage(sys.argv[1]))
+while True:
+    t = study.ask()
+    if t.number >= int(sys.argv[2]):  # nothing waiting: ask made a fresh trial
+        study.tell(t, state=optuna.trial.TrialState.FAIL)
+        break
+    study.tell(t, 0.0)  # a trial another worker popped too fails here: "Cannot tell a COMPLETE trial"
+    print(t.number, flush=True)
+"""
+
+
+def test_sqlite_workers_never_pop_one_enqueued_trial_twice(tmp_path):
+    """SQLite ignores SELECT ... FOR UPDATE, on which Optuna hands each waiting trial to one worker;
+    open_storage makes every SQLite transaction take the write lock first (the flaky two-worker failure)."""
+    url, n = str(tmp_path / "q.db"), 60
+    study = optuna.create_study(study_name="q", storage=open_storage(url))
+    for i in range(n):
+        study.enqueue_trial({"i": i})
+    procs = [subprocess.Popen([sys.executable, "-c", _POP, url, str(n)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    popped = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        popped += [int(x) for x in out.split()]
+    assert sorted(popped) == list(range(n))
+
+
 def test_cli_errors_are_one_line(inputs, capsys):
     tmp, acc, prof = inputs
     base = ["tune", "--accept", f"{acc}:medusa-x", "-o", str(tmp / "b.json"), "--storage", str(tmp / "c.db")]

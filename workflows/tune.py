@@ -141,11 +141,36 @@ def _rdb_storage(url: str, attempts: int = 6):
 
     for i in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
+            break
         except (OperationalError, IntegrityError):
             if i == attempts - 1:
                 raise
             time.sleep(0.3 * (i + 1))
+    if storage.engine.dialect.name == "sqlite" and storage.engine.url.database not in (None, "", ":memory:"):
+        _begin_immediate(storage.engine)  # a file other processes may share (in memory: this process alone)
+    return storage
+
+
+def _begin_immediate(engine) -> None:
+    """Every transaction on this SQLite engine takes the write lock when it begins.
+
+    Optuna hands each waiting (enqueued) trial to one worker by reading it WAITING and setting it
+    RUNNING in one transaction under SELECT ... FOR UPDATE, which SQLite ignores; and Python's sqlite3
+    begins a transaction only at the first write. So two workers could both read a trial WAITING, both
+    run it, and the second to finish failed with "Cannot tell a COMPLETE trial". BEGIN IMMEDIATE makes
+    the read and the write one step across processes (the others wait, up to the connect timeout)."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _driver_autocommit(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None  # the driver's own deferred BEGIN off: ours below
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections pooled while the schema was made predate the hook
 
 
 def _engine_kwargs(url: str) -> dict:
