@@ -161,7 +161,7 @@ def fig_tree(tree: Tree, label: str, image: str) -> Section:
 def load_study(storage: str, study_name: str | None):
     import optuna
 
-    from workflows.tune import open_storage
+    from workflows.study_storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     st = open_storage(storage)
