@@ -66,13 +66,12 @@ def drafting_from(doc: dict, like: dict) -> dict:
     return t
 
 
-FROZEN = 1e6  # dynamic.prior_strength's largest value: the priors outweigh any prompt's observations
-
-
 def frozen(doc: dict) -> dict:
     """The plan without its online correction: the tuned priors and calibrations, as they are, every step."""
+    from planner.dynamic import MAX_PRIOR_STRENGTH
+
     t = copy.deepcopy(doc)
-    t["dynamic"]["prior_strength"] = FROZEN
+    t["dynamic"]["prior_strength"] = MAX_PRIOR_STRENGTH
     return t
 
 
@@ -208,7 +207,7 @@ def _run(a) -> int:
 
 def _markdown(doc: dict, a) -> str:
     which = "held-out" if doc["prompt_set"] == "held-out" else "benchmark (no tuning step read them)"
-    priced = bool(doc["slopes"]) or doc.get("frozen", False)
+    priced = "b_over_a" in doc
     head = ("# Steps of per-step plans on one coupled text, priced on step-cost curves" if priced else
             "# Steps of per-step plans on one coupled text, their parts swapped")
     cost = doc["step_cost_s"]
@@ -225,7 +224,7 @@ def _markdown(doc: dict, a) -> str:
               "the sum over the run's steps of its curve at the step's input length, plus the drafter passes each "
               "step paid for at draft_s; speedup: plain decoding's price (one token a step at L(1)) over it."
               + (" Frozen: the plan's own step costs, its online correction off (prior_strength 1e6): the tuned "
-                 "priors and calibrations used as they are on every step." if doc.get("frozen") else ""), "",
+                 "priors and calibrations used as they are on every step." if doc["frozen"] else ""), "",
               "| curve | plan | steps | tokens per step | mean input length | drafting s | modeled s | modeled speedup "
               "| b's speedup over a |",
               "|---|---|---|---|---|---|---|---|---|"]

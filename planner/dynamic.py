@@ -230,6 +230,9 @@ class GuesserModel:
         return d
 
 
+MAX_PRIOR_STRENGTH = 1e6  # dynamic.prior_strength's bound: at it the priors outweigh any prompt's observations
+
+
 @dataclass
 class DynamicSpec:
     """A dynamic plan's settings: the size limit, the step cost at every size, the guessers' maps."""
@@ -288,7 +291,7 @@ def spec_from_json(obj, label: str) -> DynamicSpec:
         if passes not in ("depth", "one"):
             raise UserError(f"{label}: field '{f}.draft_passes' must be depth or one")
         models[kind] = GuesserModel(kind, prior, cal, _num(g.get("draft_s", 0.0), label, f"{f}.draft_s"), passes)
-    return DynamicSpec(n, cost, models, depth, _num(obj.get("prior_strength", 4.0), label, "dynamic.prior_strength", 0.0, 1e6),
+    return DynamicSpec(n, cost, models, depth, _num(obj.get("prior_strength", 4.0), label, "dynamic.prior_strength", 0.0, MAX_PRIOR_STRENGTH),
                        _num(obj.get("forget", 0.95), label, "dynamic.forget", 0.0, 1.0), bool(obj.get("profiled", True)),
                        _num(obj.get("decide_s", 0.0), label, "dynamic.decide_s"))
 

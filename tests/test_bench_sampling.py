@@ -10,6 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str):
+    """A bench/ script as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 LLAMA_ROWS = {"llama.cpp generate", "llama.cpp plain loop", "llama.cpp plan"}
 
 
@@ -79,9 +89,7 @@ def test_bench_sampling_plans_on_the_committed_runs(tmp_path):
     """Each planner is optimal for the acceptance it is given, so valued under the sampled acceptance
     the tree planned from it is never worse than the one planned from greedy acceptance; and valued
     under the greedy acceptance instead (a wrong valuation) the order turns somewhere."""
-    spec = importlib.util.spec_from_file_location("bench_sampling_plans", ROOT / "bench" / "bench_sampling_plans.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("bench_sampling_plans")
     out = tmp_path / "plans"
     assert mod.main(["--out", str(out), "--slopes", "0,0.03"]) == 0
     doc = json.loads(out.with_suffix(".json").read_text())
@@ -95,9 +103,7 @@ def test_bench_sampling_plans_on_the_committed_runs(tmp_path):
 
 
 def test_bench_sampling_plans_bad_input(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_sampling_plans", ROOT / "bench" / "bench_sampling_plans.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("bench_sampling_plans")
     assert mod.main(["--greedy-run", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench_sampling_plans: error:") and "profile" in err and "\n" not in err
@@ -106,9 +112,7 @@ def test_bench_sampling_plans_bad_input(tmp_path, capsys):
 
 
 def test_bench_sampling_steps_bad_input(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("bench_sampling_steps")
     assert mod.main(["--a", str(tmp_path / "none.json"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench_sampling_steps: error:") and "none.json" in err and "\n" not in err
@@ -122,9 +126,7 @@ def test_bench_sampling_steps_bad_input(tmp_path, capsys):
 
 
 def test_bench_sampling_steps_slopes(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("bench_sampling_steps")
     for bad in ("x", "2", "0.1,-0.1"):
         assert mod.main(["--slopes", bad, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip()
@@ -149,15 +151,13 @@ def test_bench_sampling_steps_frozen():
     from planner.dynamic import OnlineMap
     from planner.tree import tree_from_json
 
-    spec = importlib.util.spec_from_file_location("bench_sampling_steps", ROOT / "bench" / "bench_sampling_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("bench_sampling_steps")
     doc = json.loads((ROOT / "reports" / "shared-autotune-cpu-smollm2-135m" / "chosen.json").read_text())
     cold = mod.frozen(doc)
-    assert cold["dynamic"]["prior_strength"] == mod.FROZEN and doc["dynamic"]["prior_strength"] == 4.0
-    assert tree_from_json(cold, "frozen").dynamic.prior_strength == mod.FROZEN
+    assert cold["dynamic"]["prior_strength"] == 1e6 and doc["dynamic"]["prior_strength"] == 4.0
+    assert tree_from_json(cold, "frozen").dynamic.prior_strength == 1e6
     base = np.array([0.2, 0.5, 0.9])
-    m = OnlineMap(base, mod.FROZEN, 0.95)
+    m = OnlineMap(base, 1e6, 0.95)
     for _ in range(500):  # a long run in which every guess fails
         m.observe(np.array([0, 1, 2]), np.zeros(3))
     assert np.abs(m.c - base).max() < 1e-4

@@ -33,7 +33,7 @@ from planner.plan import MAX_PROMPT_TOKENS, MAX_SIZE
 from planner.profile import LatencyProfile
 from planner.simulate import refuse_to_measure
 from planner.tree import MEDUSA, METHODS, PPD, SEQUOIA, Tree, save_tree
-from workflows.study_storage import open_storage  # noqa: F401 (callers and tests import it from here too)
+from workflows.study_storage import open_storage
 
 OBJECTIVES = ("predicted", "measured")
 MEMORY_OBJECTIVES = ("input_length", "kv_bytes")
