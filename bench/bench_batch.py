@@ -33,8 +33,8 @@ def _setup(args):
     import torch
 
     from decoder import PromptTokens
-    from profiler.models import load_model
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
     torch.set_num_threads(args.threads)
     loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")

@@ -38,7 +38,7 @@ def _machine() -> dict:
 
 def _setup(args):
     """The model and its benchmark prompts (a tiny random model: the built-in tokenizer's ids)."""
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     loaded = load_model("tiny" if args.smoke else args.model, device="cpu", **({} if args.smoke else {"dtype": "fp32"}))
     if loaded.tokenizer_dir:
@@ -56,9 +56,9 @@ def _setup(args):
 
 def _paths(model, args, rows: list[int]) -> dict:
     """The profile's matmul_paths (--profile), else chosen now (isolated per shape, then whole-forward check)."""
-    from decoder.cpu_paths import use_profile_paths
+    from decoder.engines.hf.cpu_paths import use_profile_paths
     from planner.jsonio import read_json
-    from profiler.matmul_paths import choose_matmul_paths
+    from decoder.engines.hf.matmul_choice import choose_matmul_paths
 
     if args.profile:
         obj = read_json(args.profile).get("matmul_paths")
@@ -69,7 +69,7 @@ def _paths(model, args, rows: list[int]) -> dict:
 
 
 def _whole_model(model, args, rows: list[int]) -> dict:
-    from profiler.matmul_paths import validate_whole_model
+    from decoder.engines.hf.matmul_choice import validate_whole_model
 
     w = validate_whole_model(model, rows, args.context, time.time() + args.budget, args.repeats, seed=1)
     for key in ("default_s", "chosen_s"):
@@ -80,7 +80,7 @@ def _whole_model(model, args, rows: list[int]) -> dict:
 
 def _variants(model, plan_run) -> dict:
     """name -> fn(ids) -> token list; 'paths' switches the installed paths on for that run only."""
-    from decoder.cpu_paths import set_paths_enabled
+    from decoder.engines.hf.cpu_paths import set_paths_enabled
     from decoder.loop import generate_plain
 
     def hf(ids, n):
@@ -113,7 +113,7 @@ def _plan_runner(model, loaded, args):
 
     from decoder.loop import generate
     from planner.tree import load_tree
-    from workflows.inputs import make_guesser
+    from workflows.cli.inputs import make_guesser
 
     tree = load_tree(args.plan)
     kind = args.guesser or (tree.settings.get("guesser") if isinstance(tree.settings.get("guesser"), str) else "ppd")

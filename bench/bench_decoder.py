@@ -30,9 +30,9 @@ from decoder import (  # noqa: E402
     generate,
     generate_plain,
 )
-from decoder.cache import crop_cache  # noqa: E402
-from decoder.forward import kv  # noqa: E402
-from decoder.forward import prefill  # noqa: E402
+from decoder.engines.hf.cache import crop_cache  # noqa: E402
+from decoder.engines.hf.forward import kv  # noqa: E402
+from decoder.engines.hf.forward import prefill  # noqa: E402
 from planner.accept import load_acceptance  # noqa: E402
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
 from planner.plan import plan  # noqa: E402

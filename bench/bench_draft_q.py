@@ -56,12 +56,12 @@ def main(argv=None) -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from decoder.draft import build_draft_lm, load_draft_model
+    from decoder.guessers.draft import build_draft_lm, load_draft_model
     from decoder.verify import probabilities
     from planner.jsonio import atomic_write_json
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
     from profiler.sampled import coupled_shares, sampled_continuations, sibling_shares
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
+    from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
     torch.set_num_threads(1)
     name = "builtin" if a.smoke else "smollm2-135m"

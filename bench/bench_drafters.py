@@ -30,15 +30,15 @@ from planner.errors import UserError  # noqa: E402
 def _guessers(target, smoke: bool) -> dict:
     """name -> a guesser factory (each decode gets a fresh guesser object where it keeps state)."""
     from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
-    from decoder.draft import build_draft_lm, load_draft_model
-    from decoder.parallel import arch_of
+    from decoder.guessers.draft import build_draft_lm, load_draft_model
+    from decoder.guessers.parallel import arch_of
 
     if smoke:
         ps = ParallelDrafter(arch_of(target.config), num_masks=2, top_k=4,
                              head_ids=torch.arange(0, target.config.vocab_size, 2))
         draft = build_draft_lm(target, 1)
     else:
-        from workflows.inputs import shipped
+        from workflows.cli.inputs import shipped
 
         ps = ParallelDrafter.load(str(shipped("smollm2-135m", "parallelspec")))
         draft = load_draft_model(str(shipped("smollm2-135m", "draft_lm")), target)
@@ -52,7 +52,7 @@ def _guessers(target, smoke: bool) -> dict:
 
 def _setup(args):
     """(target, prompts [BenchIds], label); a tiny random model reads them with the built-in tokenizer."""
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")

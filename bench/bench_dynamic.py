@@ -46,8 +46,8 @@ CLOCK = {"cpu": False}
 
 def _guesser(kind: str, model, smoke_draft=None):
     from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
-    from decoder.draft import load_draft_model
-    from decoder.dynamic import HybridGuesser
+    from decoder.guessers.draft import load_draft_model
+    from decoder.guessers.dynamic import HybridGuesser
 
     if "+" in kind:
         _, drafter = kind.split("+")
@@ -269,11 +269,11 @@ def main(argv=None) -> int:
             raise UserError(f"--{name.replace('_', '-')}: expected 0..1024")
     from transformers import AutoTokenizer
 
-    from decoder.draft import load_draft_model
+    from decoder.guessers.draft import load_draft_model
     from planner.accept import load_acceptance
     from planner.profile import load_profile
     from planner.tree import load_tree
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
     mach = machine()
     loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
     model = loaded.model

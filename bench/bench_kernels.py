@@ -117,7 +117,7 @@ def bench_tree_attention(cfg, measure, use_flex: bool, progress):
     import torch
     import torch.nn.functional as F
 
-    from decoder.forward import ancestor_matrix, tree_attention_mask
+    from decoder.engines.hf.forward import ancestor_matrix, tree_attention_mask
     from kernels import tree_attention, tree_attention_ref, tree_mask
 
     dev, dtype, H, H_kv, D = cfg["device"], cfg["dtype"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -219,9 +219,9 @@ def bench_step(cfg, measure_many, progress):
     """One decoder step (tree inputs, forward, KV compaction) on a real model, dense mask vs kernels."""
     import torch
 
-    from decoder.attention import enable_tree_attention, prepare_tree
-    from decoder.cache import compact_cache
-    from decoder.forward import (
+    from decoder.engines.hf.attention import enable_tree_attention, prepare_tree
+    from decoder.engines.hf.cache import compact_cache
+    from decoder.engines.hf.forward import (
         ancestor_matrix,
         prefill,
         step_mask,
@@ -229,7 +229,7 @@ def bench_step(cfg, measure_many, progress):
         tree_depths,
         tree_forward,
     )
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     dev = cfg["device"]
     model = load_model(cfg["step_model"], device=dev, dtype=cfg["step_dtype"]).model

@@ -86,12 +86,12 @@ def main() -> int:
 
 def run(args) -> int:
     from bench.bench_llamacpp import build_prompts, machine
-    from decoder.llama_engine import check_threads
-    from decoder.llama_stock import StockLlama
+    from decoder.engines.llama_cpp.engine import check_threads
+    from decoder.engines.llama_cpp.stock import StockLlama
     from planner.export_llama import llama_server_export
     from planner.jsonio import atomic_write_bytes, atomic_write_json
     from planner.tree import load_tree
-    from profiler.registry import gguf_file, model_dir
+    from decoder.engines.shipped import gguf_file, model_dir
 
     if not Path(args.server).is_file():
         raise UserError(f"{args.server}: no llama-server binary (build it: bash scripts/build_llama_server.sh)")

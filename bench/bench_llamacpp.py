@@ -75,7 +75,7 @@ def contenders(args, target, plans: dict, stock: dict, hf) -> dict:
     """name -> fn(ids) -> (tokens, seconds)."""
     from decoder.guesser import PlainGuesser
     from decoder.loop import generate
-    from decoder.registry import LoadRequest, load_guesser
+    from decoder.guessers.registry import LoadRequest, load_guesser
 
     eng = target.engine
     out = {BASE: lambda ids: stock["plain"].greedy(ids, args.tokens)}
@@ -136,7 +136,7 @@ def measure(args, prompts, fns: dict) -> tuple[dict, dict, bool]:
 
 def ceilings(prompts, answers: dict, profile, max_guesses: int = 15) -> dict:
     """Per prompt: the oracle ceiling of prompt lookup on llama.cpp plain's own answer (planner/ceiling.py)."""
-    from decoder.lookup import available_lengths
+    from decoder.guessers.lookup import available_lengths
     from planner.ceiling import oracle_ceiling, simulate_fixed
     from planner.cost import step_cost
 
@@ -229,12 +229,12 @@ def main() -> int:
 
 
 def run(args) -> int:
-    from decoder.llama_engine import check_threads
-    from decoder.llama_stock import StockLlama
+    from decoder.engines.llama_cpp.engine import check_threads
+    from decoder.engines.llama_cpp.stock import StockLlama
     from planner.jsonio import atomic_write_bytes, atomic_write_json
     from planner.profile import load_profile
     from planner.tree import load_tree
-    from workflows.llama_target import open_llama
+    from workflows.cli.llama_target import open_llama
 
     if args.smoke:
         args.chat, args.repeat, args.tokens, args.repeats, args.no_hf = 1, 0, 16, 1, True
@@ -256,7 +256,7 @@ def run(args) -> int:
     prompts = build_prompts(tokenizer, stock["plain"], args.chat, args.repeat)
     hf = None
     if not args.no_hf:
-        from profiler.models import load_model
+        from decoder.engines.hf.load import load_model
 
         hf_model = load_model("smollm2-135m", device="cpu", dtype="fp32").model
         hf = (hf_model, sorted(target.engine.eos_ids()))

@@ -15,7 +15,7 @@ in a shuffled order per repeat after a warm-up, medians over `--repeats`:
   chosen            the plan (decoder.generate with its recorded guesser; PEARL; or plain)
   chosen (NAME)     --also NAME=RUN: another run's decision (e.g. one made while a core was busy), on
                     its own copy of the model with its own run's matmul paths
-This project's loops run the matmul paths of the run's profile (--profile; decoder/cpu_paths.py),
+This project's loops run the matmul paths of the run's profile (--profile; decoder/engines/hf/cpu_paths.py),
 transformers runs stock.
 Reports tokens/s per contender, per-prompt speedup over generate (geometric mean, min, max) and
 whether every output equals generate's (a difference may only be a near tie, profiler.compare).
@@ -41,8 +41,8 @@ from planner.errors import UserError  # noqa: E402
 def load_plan(path: str, loaded):
     """The plan and the guesser it records (autotune writes both); None guesser for plain/PEARL."""
     from planner.tree import load_tree
-    from workflows.cmd_decode import _recorded_guesser
-    from workflows.inputs import make_guesser
+    from workflows.cli.cmd_decode import _recorded_guesser
+    from workflows.cli.inputs import make_guesser
 
     tree = load_tree(path)
     kind = tree.settings.get("guesser")
@@ -63,8 +63,8 @@ def contenders(model, tree, guesser, n: int, eos) -> dict:
     """name -> fn(ids [T]) -> list of new token ids. transformers runs stock (F.linear in every
     Linear); this project's loops run the matmul paths the profile chose, if any are installed."""
     from decoder import generate, generate_plain
-    from decoder.cpu_paths import set_paths_enabled
-    from decoder.pearl import generate_pearl
+    from decoder.engines.hf.cpu_paths import set_paths_enabled
+    from decoder.guessers.pearl import generate_pearl
 
     def ours(fn):
         def run(ids):
@@ -146,8 +146,8 @@ def _also(specs: list[str]) -> list[tuple[str, Path]]:
 
 def _other_decision(model_name: str, run: Path, n: int, eos):
     """Another run's chosen plan on its own model copy, with that run's matmul paths."""
-    from decoder.cpu_paths import use_profile_paths
-    from profiler.models import load_model
+    from decoder.engines.hf.cpu_paths import use_profile_paths
+    from decoder.engines.hf.load import load_model
 
     loaded = load_model(model_name, device="cpu")
     if (run / "profile.json").is_file():
@@ -186,7 +186,7 @@ def _run(a) -> int:
     from transformers import AutoTokenizer
 
     from planner.jsonio import atomic_write_json
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     if a.smoke:
         a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats = "builtin", 1, 1, 12, 1
@@ -201,7 +201,7 @@ def _run(a) -> int:
     tree, guesser = load_plan(plan, loaded) if plan else (None, None)
     profile = a.profile or (str(Path(a.run) / "profile.json") if a.run else None)
     if profile:
-        from decoder.cpu_paths import installed_bytes, use_profile_paths
+        from decoder.engines.hf.cpu_paths import installed_bytes, use_profile_paths
 
         use_profile_paths(model, profile)
         print(f"matmul paths from {profile}: {installed_bytes(model) / 2**20:.0f} MiB of extra layouts", file=sys.stderr)

@@ -41,7 +41,7 @@ GRIDS = {  # (widths, gammas, taus)
 
 
 def _draft(spec: str | None, target):
-    from decoder.draft import build_draft_lm, load_draft_model
+    from decoder.guessers.draft import build_draft_lm, load_draft_model
     from planner.errors import UserError
 
     if spec is None:
@@ -79,8 +79,8 @@ def _setup(args):
         return "smoke (random 2-layer Llama)", target, draft, label, prompts[:1], [BenchIds("s0", "random", prompts[1])]
     from transformers import AutoTokenizer
 
-    from profiler.models import load_model
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
     loaded = load_model(args.model, device="cpu", dtype="fp32")
     draft, label = _draft(args.draft, loaded.model)
@@ -97,7 +97,7 @@ def _setup(args):
 def _run(kind: str, target, draft, ids, args, seed: int, settings=None, n: int | None = None):
     """One decode; kind plain | speculative | mtad."""
     from decoder import DraftModelGuesser, generate, generate_plain
-    from decoder.mtad import MTADGuesser, generate_mtad
+    from decoder.guessers.mtad import MTADGuesser, generate_mtad
 
     kw = dict(max_new_tokens=n or args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=seed)
@@ -124,7 +124,7 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
     """Walks per (W, gamma), perplexity per point and of plain sampling, on the calibration prompts."""
     import numpy as np
 
-    from decoder.mtad import perplexity
+    from decoder.guessers.mtad import perplexity
 
     walks, sizes, outputs = {}, {}, {p: [] for p in points}
     plain, overhead = [], []
@@ -148,7 +148,7 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
 def _evaluate(target, draft, prompts, points, args) -> list[dict]:
     """Every method on every prompt (BenchIds) in a shuffled order per prompt (bench/common.py: a
     slow spell hits all alike), one sampling seed per prompt."""
-    from decoder.mtad import text_quality
+    from decoder.guessers.mtad import text_quality
 
     methods = [("plain", None), ("speculative", None)] + [("mtad", p) for p in points]
     runs = {m: {"tokens": [], "steps": 0, "seconds": [], "outputs": []} for m in methods}
@@ -206,10 +206,10 @@ def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
     Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass."""
     import torch
 
-    from decoder.cache import crop_cache
-    from decoder.forward import kv
-    from decoder.forward import prefill
-    from decoder.mtad import beam_step, draft_logprobs
+    from decoder.engines.hf.cache import crop_cache
+    from decoder.engines.hf.forward import kv
+    from decoder.engines.hf.forward import prefill
+    from decoder.guessers.mtad import beam_step, draft_logprobs
     from decoder.verify import Sampling
 
     s = Sampling(args.temperature, args.top_k, args.top_p)

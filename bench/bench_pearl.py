@@ -44,7 +44,7 @@ METHODS = ("plain", "sd", "pearl", "pearl_serial")
 
 
 def _drafter(spec: str, target):
-    from decoder.draft import build_draft_lm, load_draft_model
+    from decoder.guessers.draft import build_draft_lm, load_draft_model
 
     if spec.startswith("first-layers:"):
         try:
@@ -60,7 +60,7 @@ def _drafter(spec: str, target):
 def _setup(args):
     """(target, drafter, prompts [BenchIds], label). A tiny random model reads the prompts through the
     built-in model's tokenizer (same vocabulary)."""
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     if args.smoke:
         target, tok = load_model("tiny", device="cpu").model, builtin_tokenizer()
@@ -88,7 +88,7 @@ from profiler.overlap import split_check as _split_check  # noqa: E402
 
 def _run(method: str, target, draft, ids, gamma: int, tokens: int, split, total: int):
     from decoder import DraftModelGuesser, generate, generate_plain
-    from decoder.pearl import generate_pearl
+    from decoder.guessers.pearl import generate_pearl
 
     torch.set_num_threads(total)
     if method == "plain":
@@ -243,7 +243,7 @@ def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, ro
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from decoder.pearl import generate_pearl
+    from decoder.guessers.pearl import generate_pearl
 
     out = generate_pearl(target, draft, ids, gamma, tokens, threads=split)
     evs = [e for e in out.stats.events if e.phase != "prefill"]
@@ -330,7 +330,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     mach = machine()
     target, draft, prompts, label = _setup(args)
-    from decoder.pearl import split_threads
+    from decoder.guessers.pearl import split_threads
 
     split = split_threads(args.threads)
     context = prompts[0].ids

@@ -3,7 +3,7 @@ wall time of `planner profile` with no arguments.
 
   python bench/bench_profiler.py [--preset qwen2-0.5b] [--repeats 3] [--threads 1] [--out bench/results]
 
-Build: `profiler.models.load_model` (allocate with init skipped, fill uniform noise of the same
+Build: `decoder.engines.hf.load.load_model` (allocate with init skipped, fill uniform noise of the same
 std) against the baseline `AutoModelForCausalLM.from_config` (the library's full random init),
 same preset, dtype and device, in the same run; medians over repeats. The default run is timed
 end to end as a user sees it (process start to exit). Writes profiler.json and profiler.md.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from profiler.models import PRESET_DIR, _load_config, load_model  # noqa: E402
+from decoder.engines.hf.load import PRESET_DIR, _load_config, load_model  # noqa: E402
 
 
 def build_cheap(preset: str) -> float:

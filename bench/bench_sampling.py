@@ -89,8 +89,8 @@ def _template(tokenizer, msgs: list[dict]) -> torch.Tensor:
 def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
     """name -> fn(ids, seed) -> (new token ids, accepted per step or None)."""
     from decoder import generate, generate_plain
-    from decoder.cpu_paths import set_paths_enabled
-    from decoder.pearl import generate_pearl
+    from decoder.engines.hf.cpu_paths import set_paths_enabled
+    from decoder.guessers.pearl import generate_pearl
 
     warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
@@ -286,8 +286,8 @@ def summarise(prompts, got: dict) -> dict:
 def paired(got: dict, plan: str = "sampling-tuned") -> dict:
     """The sampling-tuned plan against each greedy-tuned row, prompt by prompt: the geometric mean of
     its per-prompt tokens/s ratio (medians over repeats, the runs interleaved) with the interval that
-    inverts the sign-flip test over prompts (workflows.signflip, as the race's confirmation)."""
-    from workflows.signflip import interval, sign_flip_p
+    inverts the sign-flip test over prompts (workflows.mainjob.signflip, as the race's confirmation)."""
+    from workflows.mainjob.signflip import interval, sign_flip_p
 
     out = {}
     for other in [k for k in got if k.startswith("greedy-tuned plan")]:
@@ -393,7 +393,7 @@ def _lookup_chain():
 
 def _smoke_plans(loaded):
     """The toy model: a lookup chain as the greedy plan, plain decoding as the sampled one (seconds, no runs)."""
-    from decoder.lookup import PromptLookupGuesser
+    from decoder.guessers.lookup import PromptLookupGuesser
     from planner.tree import MEDUSA, Tree, TreeState
 
     plain = Tree(MEDUSA, [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "plain"})
@@ -403,8 +403,8 @@ def _smoke_plans(loaded):
 def _llama_side(a) -> LlamaSide | None:
     """llama.cpp's engine, its own Llama and the plans, or None (with the reason printed) when
     llama-cpp-python or the model's GGUF is missing, or --no-llama."""
-    from decoder.llama_stock import StockLlama
-    from workflows.llama_target import open_llama
+    from decoder.engines.llama_cpp.stock import StockLlama
+    from workflows.cli.llama_target import open_llama
 
     if a.no_llama:
         return None
@@ -418,7 +418,7 @@ def _llama_side(a) -> LlamaSide | None:
         torch.set_num_threads(before)
     side = LlamaSide(target.engine, StockLlama(target.gguf, target.engine.threads, n_ctx=target.engine.n_ctx))
     if a.smoke:
-        from decoder.lookup import PromptLookupGuesser
+        from decoder.guessers.lookup import PromptLookupGuesser
 
         side.plans = {k: ("lookup chain", _lookup_chain(), PromptLookupGuesser(2)) for k in a.settings}
         side.weights = ("SmolLM2's GGUF in llama.cpp on the toy model's prompt ids (a smoke run: the code paths, "
@@ -433,7 +433,7 @@ def _llama_side(a) -> LlamaSide | None:
 
 def _llama_plan(path: str, engine) -> tuple[str, tuple]:
     """(setting, (label, tree, guesser or None)) of a llama.cpp plan: the setting whose sampling it records."""
-    from decoder.registry import LoadRequest, load_guesser
+    from decoder.guessers.registry import LoadRequest, load_guesser
     from planner.tree import load_tree
 
     tree = load_tree(path)
@@ -486,7 +486,7 @@ def _run(a) -> int:
     from transformers import AutoTokenizer
 
     from planner.jsonio import atomic_write_json
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     a.settings = [s.strip() for s in a.settings.split(",") if s.strip()]
     if not a.settings or any(s not in SETTINGS for s in a.settings):
@@ -508,7 +508,7 @@ def _run(a) -> int:
     llama = _llama_side(a)
     profile = a.profile or next(filter(None, (_profile_of(p) for p, _ in list(sampled.values()) + [greedy])), None)
     if profile:
-        from decoder.cpu_paths import use_profile_paths
+        from decoder.engines.hf.cpu_paths import use_profile_paths
 
         use_profile_paths(model, profile)
     eos = model.generation_config.eos_token_id

@@ -127,12 +127,12 @@ def _run(a) -> int:
     from transformers import AutoTokenizer
 
     from decoder import generate
-    from decoder.cpu_paths import use_profile_paths
+    from decoder.engines.hf.cpu_paths import use_profile_paths
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
     from planner.tree import tree_from_json
-    from profiler.models import load_model
-    from workflows.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
     if not (1 <= a.tokens <= 512 and 0 < a.temperature <= 5 and 0 < a.top_p <= 1 and 0 <= a.top_k <= 1000
             and 1 <= a.bench_prompts <= 32):

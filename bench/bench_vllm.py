@@ -8,7 +8,7 @@ project's plan on its own engine and transformers' `generate`, on prompts no tun
 Prompts: training.splits.bench_prompts, "chat" (the first user turn of each hand-written two-turn
 chat; the second turn would need the model's own first answer, which every contender would have to
 share) and "repeat" (requests that repeat their input), each through the model's chat template
-(workflows.inputs.encode_prompts), the same token ids for every contender.
+(workflows.cli.inputs.encode_prompts), the same token ids for every contender.
 
 Contenders, one engine per process for vLLM (scripts/setup_vllm.sh's environment; fp32, eager,
 greedy, one request at a time after a warm-up request on a prompt outside the set), the others in
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, shared 
 from planner.errors import UserError  # noqa: E402
 
 RUN = ROOT / "reports" / "autotune-quiet-cpu-smollm2-135m"  # the main job the README quotes
-from workflows.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's own settings, as the race uses them
+from workflows.export.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's own settings, as the race uses them
 
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
 # lists per prompt (and optionally a third: {"drafted", "accepted"}); run in this process, interleaved.
@@ -61,7 +61,7 @@ def load_avg() -> float:
 def prompts(tokenizer, n_chat: int, n_repeat: int) -> tuple[list[tuple[str, str, list[int]]], list[int]]:
     """(group, id, token ids) per prompt, and a warm-up prompt outside the set."""
     from training.splits import bench_prompts
-    from workflows.inputs import encode_prompts
+    from workflows.cli.inputs import encode_prompts
 
     rows = bench_prompts("chat", n_chat + 1) + bench_prompts("repeat", n_repeat)
     ids = encode_prompts(tokenizer, [p.turns[0] for p in rows])
@@ -73,7 +73,7 @@ def prompts(tokenizer, n_chat: int, n_repeat: int) -> tuple[list[tuple[str, str,
 def exported_configs(exports: list[str]) -> dict[str, dict]:
     """name -> {"config", "file", "notes"}: each export file's vLLM config, else the main job's
     decision exported now (`planner export --engine vllm`, no race)."""
-    from workflows.cli import main
+    from workflows.cli.main import main
 
     if not exports:
         tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / "vllm.json"
@@ -94,7 +94,7 @@ def exported_configs(exports: list[str]) -> dict[str, dict]:
 
 
 def vllm_contender(model_dir: str, config: dict | None, warmup: list[int], batched: bool):
-    from workflows.vllm import decode_request, run_engine
+    from workflows.export.vllm import decode_request, run_engine
 
     def run(ids, n, eos):
         r = run_engine("decode", decode_request(model_dir, config, ids, warmup, n, batched=batched))
@@ -112,7 +112,7 @@ def local_contenders(model, plan, guesser, profile: str | None) -> dict:
     import torch
 
     from decoder import generate
-    from decoder.cpu_paths import set_paths_enabled, use_profile_paths
+    from decoder.engines.hf.cpu_paths import set_paths_enabled, use_profile_paths
 
     if profile:
         use_profile_paths(model, profile)
@@ -259,8 +259,8 @@ def _run(a) -> int:
     from bench_main_job import load_plan
     from common import machine
     from planner.jsonio import atomic_write_json
-    from profiler.models import load_model
-    from workflows.vllm import SETUP, STAMP, venv_python
+    from decoder.engines.hf.load import load_model
+    from workflows.export.vllm import SETUP, STAMP, venv_python
 
     python = venv_python()
     if python is None:

@@ -74,7 +74,7 @@ def builtin_tokenizer():
 
 def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
     """Messages [{role, content}] up to the assistant's next turn: the model's chat template, or the
-    "USER: ... ASSISTANT: ..." format the built-in model was trained on (workflows.inputs)."""
+    "USER: ... ASSISTANT: ..." format the built-in model was trained on (workflows.cli.inputs)."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)

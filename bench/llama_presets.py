@@ -31,7 +31,7 @@ from planner.errors import UserError  # noqa: E402
 
 def best_chain(accept, profile, max_depth: int = 8) -> dict:
     from planner.cost import Guessing, predict
-    from workflows.candidates import chain_tree
+    from workflows.mainjob.candidates import chain_tree
 
     top = min(max_depth, profile.max_input_length - 1, accept.max_depth or max_depth)
     rows = []
@@ -44,7 +44,7 @@ def best_chain(accept, profile, max_depth: int = 8) -> dict:
 
 
 def vicuna_lookup_ceiling(profile, tokenizer, answers: list[tuple[str, str]], max_guesses: int = 15) -> dict:
-    from decoder.lookup import available_lengths
+    from decoder.guessers.lookup import available_lengths
     from planner.ceiling import oracle_ceiling
     from planner.cost import step_cost
 
@@ -80,7 +80,7 @@ def run(args) -> int:
     from planner.accept import load_acceptance
     from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
     from planner.profile import load_profile
-    from profiler.registry import model_dir
+    from decoder.engines.shipped import model_dir
     from training.data import DEFAULT_DATA
 
     profiles = {}

@@ -6,8 +6,8 @@ A decoding step has three roles, each behind one interface:
   rule      a verification rule picks the accepted path (decoder/verify.py),
 after which the engine keeps the accepted path in its KV cache and drops the rest (commit).
 
-Two engines stand behind it: Hugging Face transformers (decoder/hf_engine.py: any causal LM, fp32 or
-bf16, CPU or CUDA, the matmul paths and the Triton tree kernels) and llama.cpp (decoder/llama_engine.py:
+Two engines stand behind it: Hugging Face transformers (decoder/engines/hf/engine.py: any causal LM, fp32 or
+bf16, CPU or CUDA, the matmul paths and the Triton tree kernels) and llama.cpp (decoder/engines/llama_cpp/engine.py:
 a GGUF file through llama-cpp-python). The profiler times an engine through `forward_timer`, the
 acceptance pass and every decoding loop (plain, trees, per-step trees, PEARL, MTAD, batches) reach the
 model only through an engine, so a third engine is one module implementing this file's protocols.
@@ -138,7 +138,7 @@ class Engine(Protocol):
 
 @dataclass(frozen=True)
 class Needs:
-    """What a guesser needs of the target engine (decoder/registry.py states it per kind)."""
+    """What a guesser needs of the target engine (decoder/guessers/registry.py states it per kind)."""
 
     hidden_states: bool = False
     input_embeddings: bool = False

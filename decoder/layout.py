@@ -8,7 +8,7 @@ it; every layout is built once per shape and reused (`layout_for`, `plan_layout`
 Step input layout for a tree with N candidates:
   [root, node_1 .. node_N, prompt slots]
 prompt slots: for each tree token u (root first) with k_u prompt tokens, k_u * E slots in order
-(distance j, ensemble copy e), embedding row j * E + e (see decoder/prompt_tokens.py).
+(distance j, ensemble copy e), embedding row j * E + e (see decoder/guessers/prompt_tokens.py).
 Positions: a tree token at depth d sits at prefix + d; prompt slot j (0-based) of u at pos(u) + j + 1.
 
 Static trees (medusa, sequoia) have no per-node prompt counts in the plan: every tree token
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.forward import ancestor_matrix, tree_depths
+from decoder.engines.hf.forward import ancestor_matrix, tree_depths
 from planner.tree import PPD, Tree
 
 

@@ -23,7 +23,7 @@ from decoder.guesser import (
     PlainGuesser,
     StepOutcome,
 )
-from decoder.hf_engine import as_engine, model_eos_ids
+from decoder.engines.hf.engine import as_engine, model_eos_ids
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.noise import PositionNoise
 from decoder.verify import Sampling, verify
@@ -44,7 +44,7 @@ def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temper
              attention: str = "auto", phase_times: bool = True, layout: str = "packed", matmul_paths=None):
     """Decode with a plan (a tree file path or a loaded Tree; None for guessers that need none) and
     a guesser (PromptTokens, OracleGuesser, a draft model, ...; decoder/guesser.py), on a target:
-    a transformers model (wrapped in decoder.hf_engine.HFEngine) or any decoder/engine.py engine.
+    a transformers model (wrapped in decoder.engines.hf.engine.HFEngine) or any decoder/engine.py engine.
 
     verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless,
     coupled (plain sampling's own text with the same seed: decoder/noise.py).
@@ -58,14 +58,14 @@ def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temper
     phase_times: split each step into PHASES. On a GPU that costs five device syncs per step, which
     stall the launch queue; pass False for deployment-speed timing (total_s stays exact, the
     phase lists stay empty on CUDA; on the CPU, where work is synchronous, they are always kept).
-    matmul_paths: a profile file (or decoder.cpu_paths table) whose "matmul_paths" to install on
-    the model's Linears first (decoder/cpu_paths.py; stays installed); None leaves the model as it is.
+    matmul_paths: a profile file (or decoder.engines.hf.cpu_paths table) whose "matmul_paths" to install on
+    the model's Linears first (decoder/engines/hf/cpu_paths.py; stays installed); None leaves the model as it is.
     """
     engine = as_engine(target)
     _use_paths(engine, matmul_paths)
     tree, label = as_tree(plan)
-    if tree is not None and tree.dynamic is not None:  # a tree chosen every step (decoder/dynamic.py)
-        from decoder.dynamic import DynamicGuesser
+    if tree is not None and tree.dynamic is not None:  # a tree chosen every step (decoder/guessers/dynamic.py)
+        from decoder.guessers.dynamic import DynamicGuesser
 
         if isinstance(input_ids, (list, tuple)):
             raise UserError(f"{label}: dynamic plans decode one prompt at a time")
@@ -121,7 +121,7 @@ def _use_paths(engine, matmul_paths) -> None:
         if engine.caps.name != "hf":
             raise UserError(f"matmul_paths: the CPU matmul paths are the hf engine's; the {engine.caps.name} engine "
                             "has its own kernels")
-        from decoder.cpu_paths import use_profile_paths
+        from decoder.engines.hf.cpu_paths import use_profile_paths
 
         use_profile_paths(engine.model, matmul_paths)
 
@@ -144,7 +144,7 @@ def select_attention(model, attention: str) -> None:
             import triton  # noqa: F401
         except ImportError:
             return
-    from decoder.attention import (
+    from decoder.engines.hf.attention import (
         enable_tree_attention,
         unsupported_reason,
         uses_tree_attention,

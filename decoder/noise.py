@@ -16,7 +16,7 @@ probability p(x), as under the recursive-rejection rule; a drafter that sees the
 the draw, guessing the top-k of log q + g (`noisy_top_k`), which is accepted with about
 sum_x min(p(x), q(x)) when q is close to p. And since the text is plain sampling's, two decoders'
 times on one prompt compare like greedy decoding's: the autotuner's sampled race pairs them on
-the same text (workflows/race.py), and a replay of a plan on that text is its decode.
+the same text (workflows/mainjob/race.py), and a replay of a plan on that text is its decode.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
   and their ancestors, the tree given as ancestor bitmasks (`tree_mask`), no dense mask.
 - `kv_compact(layers_k, layers_v, prefix_len, accepted_idx)`: move the accepted path's K/V rows
   after the prefix in every layer, one launch.
-- `decoder.attention`: the "tree_triton" attention implementation for transformers models.
+- `decoder.engines.hf.attention`: the "tree_triton" attention implementation for transformers models.
 
 Importing this package needs neither triton nor CUDA: without them the functions run their
 references (backend="auto") or raise (backend="triton").

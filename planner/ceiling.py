@@ -3,7 +3,7 @@ guesses each step would accept could reach, priced with a measured L(n) (numpy o
 
 Input per answer position i (tokens 0..i-1 already emitted): `available[i]`, how many of the guesser's
 proposed tokens there plain greedy decoding would accept (prompt lookup: the matching prefix of its
-continuation and the real answer; decoder.lookup.available_lengths). A step at i with g <= available[i]
+continuation and the real answer; decoder.guessers.lookup.available_lengths). A step at i with g <= available[i]
 guesses emits g + 1 tokens and costs step_cost[g] = L(1 + g) plus the per-step overhead. The ceiling is
 the cheapest way through the answer (a shortest path over positions; the text, and so every
 available[i], is the same whatever steps came before). It ignores the decision's own time.

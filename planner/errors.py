@@ -1,4 +1,4 @@
-"""User-facing errors: one line, non-zero exit, no traceback (see workflows.cli.main)."""
+"""User-facing errors: one line, non-zero exit, no traceback (see workflows.cli.main.main)."""
 
 
 class UserError(Exception):

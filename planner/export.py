@@ -5,7 +5,7 @@ Pure functions: a plan (a Tree, with its batch-size schedule when it has one) an
 length per batch-size range (`DraftRange`: chains planned by planner.batch.plan_chain_schedule,
 or the trees' depths when no acceptance and profile are at hand) become an `Export`: the
 engine's own settings, one note per thing the engine cannot express, and the measured basis.
-workflows/cmd_export.py reads the inputs and writes the files.
+workflows/cli/cmd_export.py reads the inputs and writes the files.
 
 What each engine takes (keys read from the engines' sources and docs, late 2026):
 - vllm: the --speculative-config JSON object: method, model, num_speculative_tokens (> 0, the
@@ -387,7 +387,7 @@ def _hf(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
 
 # ---------------------------------------------------------------- lookup parameters
 
-MEASURED_NGRAMS = (1, 3)  # the n-gram sizes this project's prompt lookup matches (decoder/lookup.py defaults)
+MEASURED_NGRAMS = (1, 3)  # the n-gram sizes this project's prompt lookup matches (decoder/guessers/lookup.py defaults)
 SUFFIX_SPEC_FACTOR = 1.0  # vLLM's: at most this many drafted tokens per matched token
 SUFFIX_MAX_DRAFT = 24  # vLLM's default suffix tree depth: drafts past it are beyond what our acceptance rows show
 

@@ -29,7 +29,7 @@ from planner.guessers import PLAIN, names
 from planner.guessers import kind as guesser_kind
 from planner.tree import DYNAMIC, Tree
 
-LOOKUP_NGRAMS = (1, 2, 3)  # the n-gram sizes our prompt lookup tries (decoder/lookup.py: 3 down to 1)
+LOOKUP_NGRAMS = (1, 2, 3)  # the n-gram sizes our prompt lookup tries (decoder/guessers/lookup.py: 3 down to 1)
 STATIC_NGRAM = 3  # a static chain plan has no per-match statistics: guess after a 3-token match
 REMOVED_FLAGS = ("--draft", "--draft-n", "--draft-max", "--draft-min", "--draft-n-min")
 

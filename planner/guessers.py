@@ -130,41 +130,41 @@ register(GuesserKind(
     "decoder.guesser:load_plain", signal="none", passes="none", branches=False, autotune=False))
 register(GuesserKind(
     "ppd", "PPD prompt tokens: trained input embeddings guess several distances in the target's own pass",
-    "decoder.prompt_tokens:load", files="prompt_tokens", needs_embeddings=True, needs_torch=True,
+    "decoder.guessers.prompt_tokens:load", files="prompt_tokens", needs_embeddings=True, needs_torch=True,
     passes="none", static=("ppd", "medusa", "sequoia"), record_names=("PromptTokens",)))
 register(GuesserKind(
     "draft", "a draft LM (the project's, on the target's embedding and head, or any HF model with the vocabulary)",
-    "decoder.draft:load", files="draft_lm", needs_torch=True, samples=True, passes="depth",
+    "decoder.guessers.draft:load", files="draft_lm", needs_torch=True, samples=True, passes="depth",
     static=("chain", "medusa", "sequoia"), measure_shape=(6, 4), record_names=("DraftModelGuesser",),
     export="draft_model"))
 register(GuesserKind(
     "parallelspec", "the ParallelSpec drafter: one pass guesses every distance (a Cartesian tree)",
-    "decoder.parallel:load", files="parallelspec", needs_hidden=True, needs_torch=True, passes="one",
+    "decoder.guessers.parallel:load", files="parallelspec", needs_hidden=True, needs_torch=True, passes="one",
     static=("chain", "medusa"), record_names=("ParallelDrafter",)))
 register(GuesserKind(
     "chain", "the ParallelSpec drafter run as a chain: one token per pass, its own feature as the next input",
-    "decoder.parallel:load_chain", files="parallelspec", needs_hidden=True, needs_torch=True, passes="depth",
+    "decoder.guessers.parallel:load_chain", files="parallelspec", needs_hidden=True, needs_torch=True, passes="depth",
     static=("chain",), measure_shape=(6, 4), record_names=("ParallelDrafter",)))
 register(GuesserKind(
     LOOKUP, "prompt lookup: what followed the last matching n-gram of the text so far (no model)",
-    "decoder.lookup:load", signal=LOOKUP_SIGNAL, passes="none", branches=False, static=("chain",),
+    "decoder.guessers.lookup:load", signal=LOOKUP_SIGNAL, passes="none", branches=False, static=("chain",),
     measure_shape=(6, 1), record_names=("PromptLookupGuesser",), export="ngram"))
 register(GuesserKind(
     "oracle", "the oracle: knows the target's continuation (tests and ceilings, not for decoding new text)",
-    "decoder.oracle:load", signal="none", passes="none", autotune=False))
+    "decoder.guessers.oracle:load", signal="none", passes="none", autotune=False))
 for _drafter in ("draft", "parallelspec", "chain", "ppd"):
     _d = _KINDS[_drafter]
     register(GuesserKind(
         f"lookup+{_drafter}", f"prompt lookup's continuation and {_drafter}'s candidates in one per-step tree",
-        "decoder.dynamic:load_hybrid", files=_d.files, needs_hidden=_d.needs_hidden, needs_embeddings=_d.needs_embeddings,
+        "decoder.guessers.dynamic:load_hybrid", files=_d.files, needs_hidden=_d.needs_hidden, needs_embeddings=_d.needs_embeddings,
         needs_torch=_d.needs_torch, samples=_d.samples, passes=_d.passes, members=("lookup", _drafter),
         export="ngram"))
 register(GuesserKind(
     "pearl", "PEARL: the draft LM drafts the next window while the target verifies (two jobs, split cores)",
-    "decoder.draft:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
-    loop="decoder.pearl:generate_pearl", export="draft_model"))
+    "decoder.guessers.draft:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
+    loop="decoder.guessers.pearl:generate_pearl", export="draft_model"))
 register(GuesserKind(
     "mtad", "MTAD: the draft LM's beam drafts accepted jointly (not lossless: off unless asked for)",
-    "decoder.mtad:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
+    "decoder.guessers.mtad:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
     autotune=False))
 del _drafter, _d

@@ -1,6 +1,6 @@
 """The profile's "matmul_paths": which CPU matmul path each weight shape runs at each row count.
 
-Written by `planner profile` (profiler/matmul_paths.py), installed by decoder/cpu_paths.py.
+Written by `planner profile` (decoder/engines/hf/matmul_choice.py), installed by decoder/engines/hf/cpu_paths.py.
 Schema (version 1; fields marked * are required):
 
   "matmul_paths": {

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decoder.dynamic import DynamicGuesser, DynamicSession, guesser_kind
+from decoder.guessers.dynamic import DynamicGuesser, DynamicSession, guesser_kind
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.loop import generate
-from decoder.pool import Pool
+from decoder.guessers.pool import Pool
 from decoder.verify import Sampling, Verdict
 from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
 from planner.errors import UserError
@@ -70,7 +70,7 @@ def observations(records, text: list[int], probs: torch.Tensor | None = None) ->
 
 def _drew(model, ids: torch.Tensor, tokens: torch.Tensor, sampling) -> torch.Tensor:
     """[N, V]: the warped p that drew each new token (one teacher-forced pass)."""
-    from decoder.hf_engine import as_engine
+    from decoder.engines.hf.engine import as_engine
     from decoder.verify import probabilities
 
     T = ids.numel()

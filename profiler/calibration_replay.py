@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decoder.dynamic import DynamicGuesser, guesser_kind
+from decoder.guessers.dynamic import DynamicGuesser, guesser_kind
 from planner.errors import UserError
 from planner.guessers import kind as registered_kind
 from profiler.calibration import _calibration_doc, _plan, _RecordingSession, observations

@@ -4,7 +4,7 @@ The timing loop is profiler/measure.py's (first round coarse to fine, later roun
 done when its median's 95 % interval is within `target_rel_ci`), over the engine's `forward_timer`:
 n new tokens after a random context, every row's logits (what verification reads), as a tree (node i
 under (i - 1) // 2, one sequence id per path) and as a chain (what prompt lookup runs), at each
-context length (chains only for the default chain-only engine, decoder/llama_engine.py). The file's
+context length (chains only for the default chain-only engine, decoder/engines/llama_cpp/engine.py). The file's
 top level (what planner.profile reads) is the first shape at the first context length; "shapes" keeps every (shape, context length) series. It also
 records the loop's own per-step work outside the forward ("decoder_overhead", the cost model adds it)
 and the build ("llamafile": whether multi-token evaluation rounds like one-token evaluation).
@@ -97,7 +97,7 @@ def llama_overhead(engine, max_input_length: int = 16, steps: int = 8, seed: int
     the guesser's commit) on chains of several lengths, fitted as fixed_s + per_token_s * n."""
     from decoder import generate
     from decoder.guesser import PlainGuesser
-    from decoder.oracle import OracleGuesser
+    from decoder.guessers.oracle import OracleGuesser
     from profiler.overhead import OUTSIDE, _chain_tree, _fit_line
 
     gen = torch.Generator().manual_seed(seed)

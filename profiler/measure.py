@@ -1,6 +1,6 @@
 """Timing the decoder's forward pass: n tree tokens over a KV cache of C tokens.
 
-One sample = crop the cache back to C tokens (untimed), then one `decoder.forward.tree_forward`
+One sample = crop the cache back to C tokens (untimed), then one `decoder.engines.hf.forward.tree_forward`
 of n tokens with a tree-shaped 4D mask and explicit position ids (timed), exactly the pass the
 decoder runs each step. Clocks are not assumed stable: the first round visits lengths coarse to
 fine (ends, then midpoints, so a budget that runs out early still leaves the range covered), and
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.hf_engine import HFEngine
-from decoder.hf_timer import (  # noqa: F401 (TreeInput, Runner, make_tree_input: re-exported for tests)
+from decoder.engines.hf.engine import HFEngine
+from decoder.engines.hf.timer import (  # noqa: F401 (TreeInput, Runner, make_tree_input: re-exported for tests)
     TREE_BRANCHING,
     HFForwardTimer,
     Runner,
@@ -37,7 +37,7 @@ from decoder.hf_timer import (  # noqa: F401 (TreeInput, Runner, make_tree_input
 from planner.errors import UserError
 from profiler.fit import fit_latency
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
-from profiler.models import LoadedModel, config_hash, dtype_name
+from decoder.engines.hf.load import LoadedModel, config_hash, dtype_name
 
 def check_lengths(input_lengths: list[int], context_length: int, max_positions: int | None, model=None,
                   batch_size: int = 1, device=None) -> None:
@@ -298,18 +298,18 @@ def _measure_batches(st: _Settings, batch_sizes: list[int], time_budget_s: float
 
 def _matmul_paths(hf, device, input_lengths, context_length, mode, budget_s, max_rows, seed, progress) -> dict | None:
     """mode "auto" (CPU): first choose each Linear's matmul path per row count up to `max_rows`
-    (profiler/matmul_paths.py, within budget_s, default the time budget) and leave them installed,
+    (decoder/engines/hf/matmul_choice.py, within budget_s, default the time budget) and leave them installed,
     so L(n) is timed with them and the profile describes what decoding runs
-    (decoder.cpu_paths.use_profile_paths installs the same table from the file); "off": F.linear."""
+    (decoder.engines.hf.cpu_paths.use_profile_paths installs the same table from the file); "off": F.linear."""
     if mode not in ("auto", "off"):
         raise UserError(f"--matmul-paths: expected auto or off, got {mode!r}")
     rows = sorted({int(n) for n in input_lengths if int(n) <= max_rows})
     if mode == "off" or device.type != "cpu" or not rows:
-        from decoder.cpu_paths import remove_paths
+        from decoder.engines.hf.cpu_paths import remove_paths
 
         remove_paths(hf)
         return None
-    from profiler.matmul_paths import choose_matmul_paths
+    from decoder.engines.hf.matmul_choice import choose_matmul_paths
 
     return choose_matmul_paths(hf, rows, context_length, budget_s, seed=seed, progress=progress)
 
@@ -378,7 +378,7 @@ def _layout(hf, layout: str, cuda_graphs: bool) -> str:
     if layout == "packed":
         if cuda_graphs:
             raise UserError("--layout packed: not with --cuda-graphs (per-sequence attention loops on the host)")
-        from decoder.hf_batch import enable_packed_attention
+        from decoder.engines.hf.batch import enable_packed_attention
 
         enable_packed_attention(hf)
     return layout
@@ -525,7 +525,7 @@ def warm_up_shapes(target, prompts: list[torch.Tensor], input_lengths) -> None:
     """One untimed pass at every shape a timed decoding run will meet: each prompt's prefill and a
     tree step of every input length (the first forward at a new shape can cost many times a
     warm one on the CPU), so that no timing pays a first-call cost. target: an engine or a model."""
-    from decoder.hf_engine import as_engine
+    from decoder.engines.hf.engine import as_engine
 
     engine = as_engine(target)
     gen = torch.Generator().manual_seed(0)

@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from decoder.forward import kv
-from decoder.pearl import set_thread_count
+from decoder.engines.hf.forward import kv
+from decoder.guessers.pearl import set_thread_count
 
 
 @torch.inference_mode()
 def forward_seconds(model, context: torch.Tensor, n: int, threads: int, repeats: int) -> float:
     """Median seconds of one forward over n new tokens after `context`, at `threads` (in this thread)."""
-    from decoder.cache import crop_cache
-    from decoder.forward import prefill
+    from decoder.engines.hf.cache import crop_cache
+    from decoder.engines.hf.forward import prefill
 
     set_thread_count(threads)
     cache = prefill(model, context[None]).cache
@@ -65,7 +65,7 @@ def side_latencies(target, draft, context, lengths, split, total: int, repeats: 
 def _job(model, cache, n_tokens: int, passes: int, threads: int, start=None) -> tuple[float, float]:
     """`passes` forwards of n_tokens each after the prefilled `cache`, cropped back after; (start, end).
     start: a threading.Barrier both sides pass first, so that neither times the other's setup."""
-    from decoder.cache import crop_cache
+    from decoder.engines.hf.cache import crop_cache
 
     set_thread_count(threads)
     C = cache.get_seq_length()
@@ -86,7 +86,7 @@ def split_check(target, draft, context, gamma: int, split, repeats: int) -> dict
     alone, one after the other, and at the same time. A real split: together ~ max(alone)."""
     import threading
 
-    from decoder.forward import prefill
+    from decoder.engines.hf.forward import prefill
 
     tcache, dcache = prefill(target, context[None]).cache, prefill(draft, context[None]).cache
     rows = {"target": [], "draft": [], "serial": [], "together": []}

@@ -40,7 +40,7 @@ def plot_profile(profile: dict, path) -> None:
 
 
 def _matmul_paths(ax, mp: dict | None) -> None:
-    """The matmul-paths check (profiler/matmul_paths.py): the whole forward with F.linear only and
+    """The matmul-paths check (decoder/engines/hf/matmul_choice.py): the whole forward with F.linear only and
     with the chosen paths at each n, and which n run their own paths."""
     w = (mp or {}).get("whole_model")
     if not w:

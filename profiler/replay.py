@@ -229,8 +229,8 @@ class TeacherDraft:
 def use_teacher_drafts(session, teacher: Teacher, cursor: Cursor) -> None:
     """Swap the draft LM's cache of a static DraftSession, or of a DraftSource in a dynamic
     session, for its teacher-forced logits."""
-    from decoder.draft import DraftSession
-    from decoder.draft_source import DraftSource
+    from decoder.guessers.draft import DraftSession
+    from decoder.guessers.draft_source import DraftSource
 
     def fake(model):
         dev = model.get_input_embeddings().weight.device
@@ -308,7 +308,7 @@ def replay(session, teacher: Teacher, ctx: DecodeContext, max_new_tokens: int | 
            cursor: Cursor | None = None) -> list[Step]:
     """Run `session` (opened with `ctx`) over the teacher's continuation, its first max_new_tokens,
     as greedy decoding would: per step the proposal, the accepted path, the commit."""
-    from decoder.dynamic import DynamicSession
+    from decoder.guessers.dynamic import DynamicSession
 
     text = teacher.tokens.tolist()[:max_new_tokens]
     N, T = len(text), teacher.prompt.numel()
@@ -363,9 +363,9 @@ def _outcome(proposal, nodes: list[int], emitted: list[int], seq: torch.Tensor, 
 
 def open_session(engine, guesser, plan, teacher: Teacher, teacher_drafts: bool = False):
     """(session, ctx, cursor): `guesser` begun on the teacher's prompt as `generate` would begin it
-    (a dynamic plan wraps it in decoder.dynamic.DynamicGuesser); teacher_drafts: a draft LM's
+    (a dynamic plan wraps it in decoder.guessers.dynamic.DynamicGuesser); teacher_drafts: a draft LM's
     passes come from its teacher-forced logits (`TeacherDraft`)."""
-    from decoder.dynamic import DynamicGuesser
+    from decoder.guessers.dynamic import DynamicGuesser
 
     if plan is not None and plan.dynamic is not None and not isinstance(guesser, DynamicGuesser):
         guesser = DynamicGuesser(guesser, plan)

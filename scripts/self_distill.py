@@ -47,7 +47,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, device="cpu")

@@ -230,7 +230,7 @@ def awareness_table(rows: list[dict]) -> str:
 
 
 def h100_exports(progress=print) -> str:
-    from workflows.cli import main
+    from workflows.cli.main import main
 
     EXPORT_DIR.mkdir(parents=True, exist_ok=True)
     prof = EXPORT_DIR / "profile-h100-sxm-vicuna-7b.json"

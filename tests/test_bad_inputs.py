@@ -13,7 +13,7 @@ import pytest
 from planner.accept import load_acceptance
 from planner.plan import SHARED_DIR, plan
 from planner.profile import load_profile
-from workflows.cli import main
+from workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = SHARED_DIR / "data" / "published_acceptance.json"
@@ -132,7 +132,7 @@ def test_huge_sizes_are_refused(tmp_path, capsys, argv, message):
 
 
 def test_huge_values_in_files_are_refused(tmp_path):
-    from decoder.prompt_tokens import PromptTokens
+    from decoder.guessers.prompt_tokens import PromptTokens
     from planner.errors import UserError
     from planner.tree import load_tree
 
@@ -156,7 +156,7 @@ def test_profile_lengths_are_bounded_before_anything_is_built(capsys):
 def test_profile_lengths_are_bounded_by_memory(capsys):
     from planner.errors import UserError
     from profiler.measure import check_lengths
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     tiny = load_model("tiny", device="cpu").model
     with pytest.raises(UserError, match="GiB are free"):

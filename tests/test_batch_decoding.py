@@ -6,7 +6,7 @@ import torch
 from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
 
 from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
-from decoder.hf_batch import PackedSegments, packed_attention_forward
+from decoder.engines.hf.batch import PackedSegments, packed_attention_forward
 from planner.tree import ScheduleEntry
 
 torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from planner.errors import UserError
 from planner.plan import SHARED_DIR, plan
 from planner.profile import LatencyProfile, load_batch_profiles, load_profile
 from planner.tree import SCHEMA_PATH, ScheduleEntry, load_tree, save_tree, tree_from_json
-from workflows.cli import main
+from workflows.cli.main import main
 
 PUBLISHED = SHARED_DIR / "data" / "published_acceptance.json"
 MEDUSA = f"{PUBLISHED}:medusa-vicuna-7b"

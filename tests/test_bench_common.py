@@ -32,7 +32,7 @@ def test_geomean_and_groups():
 
 
 def test_bench_ids_answer_a_chat_and_keep_the_groups():
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     model = load_model("builtin", device="cpu").model
     tok = common.builtin_tokenizer()

@@ -28,7 +28,7 @@ def _llama_available() -> bool:
     import importlib.util
 
     from planner.errors import UserError
-    from profiler.registry import gguf_file
+    from decoder.engines.shipped import gguf_file
 
     if importlib.util.find_spec("llama_cpp") is None:
         return False

@@ -94,7 +94,7 @@ def test_greedy_continuation_is_not_degenerate(model, tokenizer, corpus):
 
 
 def test_shipped_prompt_tokens(model, tokenizer, corpus):
-    from decoder.prompt_tokens import PromptTokens
+    from decoder.guessers.prompt_tokens import PromptTokens
     from planner.accept import load_acceptance
 
     pt = PromptTokens.load(PROMPTS, model)

@@ -1,9 +1,9 @@
-"""The oracle ceiling (planner/ceiling.py) and lookup's offered / accepted lengths (decoder/lookup.py)."""
+"""The oracle ceiling (planner/ceiling.py) and lookup's offered / accepted lengths (decoder/guessers/lookup.py)."""
 from __future__ import annotations
 
 import pytest
 
-from decoder.lookup import available_lengths
+from decoder.guessers.lookup import available_lengths
 from planner.ceiling import oracle_ceiling, simulate_fixed
 from planner.errors import UserError
 
@@ -36,11 +36,11 @@ def test_available_lengths_match_the_answer():
 
 
 def test_per_step_lookup_index_finds_what_a_scan_finds():
-    """decoder.lookup.History keeps an n-gram index (a dict read per step, not a scan of the text):
+    """decoder.guessers.lookup.History keeps an n-gram index (a dict read per step, not a scan of the text):
     its continuation and follow counts are a brute-force scan's."""
     import random
 
-    from decoder.lookup import History
+    from decoder.guessers.lookup import History
 
     def scan(h, max_ngram, min_ngram, k):
         for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):

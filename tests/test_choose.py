@@ -1,4 +1,4 @@
-"""The race's pieces (workflows.choose) on hand-made runs: the sign-flip test and its interval,
+"""The race's pieces (workflows.mainjob.choose) on hand-made runs: the sign-flip test and its interval,
 the selection's block order and its pairing with plain in time, load handling, elimination,
 halving, the winner and the decision. Whole simulated races: tests/test_race.py."""
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from workflows.choose import (
+from workflows.mainjob.choose import (
     LOADED_CORES,
     PAIRS,
     PLAIN,
@@ -16,7 +16,7 @@ from workflows.choose import (
     Run,
     speedup,
 )
-from workflows.signflip import ALPHA, interval, sign_flip_p
+from workflows.mainjob.signflip import ALPHA, interval, sign_flip_p
 
 
 def test_sign_flip_p_counts_the_patterns_that_reach_the_observed_sum():

@@ -23,13 +23,13 @@ from test_decoder_sampling import _chi2
 
 import decoder.verify as verify
 from decoder import DraftModelGuesser, PromptLookupGuesser, generate, generate_plain
-from decoder.draft import build_draft_lm
-from decoder.dynamic import HybridGuesser
+from decoder.guessers.draft import build_draft_lm
+from decoder.guessers.dynamic import HybridGuesser
 from decoder.layout import layout_for
 from decoder.noise import PositionNoise, noisy_top_k
 from decoder.verify import Sampling, probabilities
 from planner.tree import Tree, TreeState
-from workflows.candidates import dynamic_candidates
+from workflows.mainjob.candidates import dynamic_candidates
 
 torch.set_num_threads(1)
 
@@ -39,7 +39,7 @@ N_WRONG = 1200
 
 def _propose(tree, noise: PositionNoise):
     """One step's tree: lookup's fixed guesses first at a node, then the drafter's Gumbel top-k of its
-    warped q with the noise of the children's index (what decoder/draft_source.py does)."""
+    warped q with the noise of the children's index (what decoder/guessers/draft_source.py does)."""
     paths = [p for p, _ in tree]
     tok = {(): PROMPT[-1]}
     for u, ctx, det, samp, guesses in nodes_with_children(tree, tok):
@@ -142,7 +142,7 @@ def test_the_noise_depends_on_seed_and_index_only():
 
 @pytest.fixture(scope="module")
 def builtin():
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     return load_model("builtin", device="cpu", dtype="fp32").model
 
@@ -179,7 +179,7 @@ def test_each_per_step_hybrid_emits_plain_coupled_text(builtin, drafter):
 def test_guesses_aimed_at_the_noise_are_accepted_more(builtin):
     """The draft LM replaced by the target itself: its Gumbel top-1 is the target's draw whenever the
     two warped distributions agree, where a fixed top-1 guess is accepted with p(x) only."""
-    from decoder.draft_source import DraftSource
+    from decoder.guessers.draft_source import DraftSource
 
     (cand,) = dynamic_candidates("draft", {"draft": ACC["draft"]}, None, max_size=4)
     ids = _prompts(builtin.config.vocab_size)[0]

@@ -1,4 +1,4 @@
-"""CPU matmul paths (decoder/cpu_paths.py, profiler/matmul_paths.py, planner/matmul_paths.py):
+"""CPU matmul paths (decoder/engines/hf/cpu_paths.py, decoder/engines/hf/matmul_choice.py, planner/matmul_paths.py):
 every path computes F.linear to fp32 rounding, decoding with any assignment of paths is
 token-identical to plain decoding without them (tiny models: exactly), the profile key is
 validated on load and older profiles still load, and the profiler's choice round-trips."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
 
-import decoder.cpu_paths as cp
+import decoder.engines.hf.cpu_paths as cp
 from decoder import PromptTokens, generate, generate_plain
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
@@ -171,8 +171,8 @@ def test_decode_cli_runs_the_profile_paths(tmp_path, capsys):
     from test_decoder_utils import ppd_tree as tree_of
 
     from planner.tree import save_tree
-    from profiler.models import load_model
-    from workflows.cli import main
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.main import main
 
     tiny = load_model("tiny", device="cpu").model
     prof = tmp_path / "prof.json"

@@ -4,11 +4,11 @@ differs at most by a near tie of the top two logits (profiler.compare). Shares t
 import pytest
 import torch
 
-import decoder.cpu_paths as cp
+import decoder.engines.hf.cpu_paths as cp
 from decoder import PromptLookupGuesser, generate, generate_plain
 from planner.matmul_paths import matmul_paths_from_json
 from profiler.compare import classify
-from workflows.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
+from workflows.cli.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
 
 torch.set_num_threads(2)
 PICK = ("t", "onednn", "chunked", "linear")
@@ -18,7 +18,7 @@ PICK = ("t", "onednn", "chunked", "linear")
 def smol():
     from transformers import AutoTokenizer
 
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
     tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)

@@ -8,7 +8,7 @@ from test_decoder_utils import ppd_tree, static_tree
 from planner.accept import load_acceptance
 from planner.errors import UserError
 from planner.tree import save_tree
-from workflows.cli import main
+from workflows.cli.main import main
 
 torch.set_num_threads(1)
 
@@ -65,7 +65,7 @@ def test_accept_with_prompt_lookup(files):
 
 def test_decode_runs_autotunes_plain_decision(files):
     """autotune writes 'plain decoding' as a plan with no candidates and guesser plain: decode takes it."""
-    from workflows.autotune_write import plain_plan
+    from workflows.mainjob.write import plain_plan
 
     plan = save_tree(plain_plan("no plan measured faster than plain"), files["dir"] / "chosen.json")
     out = files["dir"] / "plain.json"
@@ -119,7 +119,7 @@ def test_decode_runs_a_pearl_plan_at_the_thread_split_autotune_measured():
     from argparse import Namespace
 
     from planner.tree import Tree, TreeState
-    from workflows.cmd_decode import _follow_recorded_pearl
+    from workflows.cli.cmd_decode import _follow_recorded_pearl
 
     def args():
         return Namespace(guesser=None, plan="RUN/trees/pearl-pearl-3.json", pearl=False, gamma=4, batch_size=1,

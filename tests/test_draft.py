@@ -5,9 +5,9 @@ import torch
 from test_decoder_utils import V, reference, static_tree, tiny_model
 
 from decoder import generate
-from decoder.draft import DraftModelGuesser, DraftSession
-from decoder.forward import prefill
-from decoder.lookup import PromptLookupGuesser, find_continuation
+from decoder.guessers.draft import DraftModelGuesser, DraftSession
+from decoder.engines.hf.forward import prefill
+from decoder.guessers.lookup import PromptLookupGuesser, find_continuation
 from planner.errors import UserError
 from planner.tree import Tree, TreeState
 
@@ -115,7 +115,7 @@ def test_prompt_lookup_decoding_equals_generate_and_accepts_repeats():
 
 
 def test_acceptance_of_drafters_is_measured_along_their_chain():
-    from decoder.parallel import ParallelDrafter, arch_of
+    from decoder.guessers.parallel import ParallelDrafter, arch_of
     from planner.accept import from_entry
     from planner.cost import default_guessing
     from profiler.acceptance import measure_accuracy
@@ -153,7 +153,7 @@ def test_sampled_acceptance_of_a_draft_model():
 def test_chain_drafter_takes_combs_and_refuses_branching_trees():
     """The chain drafter continues its rank-0 draft only: siblings on leaves (a comb) are fine and
     decode token-identically, so its acceptance can be measured with ranks; a branch is refused."""
-    from decoder.parallel import ParallelDrafter, arch_of
+    from decoder.guessers.parallel import ParallelDrafter, arch_of
     from profiler.acceptance import measure_accuracy
 
     target = tiny_model("llama", seed=1)

@@ -9,7 +9,7 @@ from test_decoder_utils import tiny_model
 
 import decoder.verify as verify
 from decoder import generate
-from decoder.draft import DraftModelGuesser
+from decoder.guessers.draft import DraftModelGuesser
 from planner.tree import Tree, TreeState
 
 torch.set_num_threads(1)

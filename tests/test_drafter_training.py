@@ -5,8 +5,8 @@ import torch
 from test_decoder_utils import V, reference, static_tree, tiny_model
 
 from decoder import generate
-from decoder.draft import DraftModelGuesser, build_draft_lm, load_draft_model, save_draft_lm
-from decoder.parallel import ParallelDrafter, arch_of, slot_mask
+from decoder.guessers.draft import DraftModelGuesser, build_draft_lm, load_draft_model, save_draft_lm
+from decoder.guessers.parallel import ParallelDrafter, arch_of, slot_mask
 from training import drafters
 from training.teacher import TeacherData, coverage, frequent_vocab, teacher_data
 

@@ -9,11 +9,11 @@ import torch
 from test_decoder_utils import V, reference, tiny_model
 
 from decoder import generate
-from decoder.draft import DraftModelGuesser
-from decoder.dynamic import HybridGuesser
-from decoder.lookup import PromptLookupGuesser
-from decoder.parallel import ParallelDrafter, arch_of
-from decoder.prompt_tokens import PromptTokens
+from decoder.guessers.draft import DraftModelGuesser
+from decoder.guessers.dynamic import HybridGuesser
+from decoder.guessers.lookup import PromptLookupGuesser
+from decoder.guessers.parallel import ParallelDrafter, arch_of
+from decoder.guessers.prompt_tokens import PromptTokens
 from planner.accept import from_entry
 from planner.dynamic import (
     choose,
@@ -200,7 +200,7 @@ def test_calibration_is_measured_for_every_guesser(kind):
 def test_report_draws_the_reliability_diagram(tmp_path):
     import json
 
-    from workflows.report import write_report
+    from workflows.report.page import write_report
 
     rng = np.random.default_rng(2)
     q = rng.uniform(0, 1, 2000)
@@ -218,7 +218,7 @@ def test_report_draws_the_reliability_diagram(tmp_path):
 
 
 def test_dynamic_candidates_for_autotune_decode():
-    from workflows.candidates import dynamic_candidates
+    from workflows.mainjob.candidates import dynamic_candidates
 
     target = tiny_model("llama", seed=1)
     cands = dynamic_candidates("lookup+draft", {"lookup": ACC["lookup"], "draft": ACC["draft"]}, _profile(), sizes=(4, 8))
@@ -235,7 +235,7 @@ def test_cli_accept_calibrate_plan_dynamic_and_decode_a_hybrid(tmp_path, capsys)
     """planner accept --calibrate, planner plan dynamic with two files, planner decode --guesser lookup+ppd -o."""
     import json
 
-    from workflows.cli import main
+    from workflows.cli.main import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "one two three one two three one two"}\n{"text": "Hello there, hello there"}\n')

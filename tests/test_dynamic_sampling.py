@@ -7,9 +7,9 @@ import torch
 from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import tiny_model
 
-import decoder.draft_source as draft_sampled
+import decoder.guessers.draft_source as draft_sampled
 from decoder import generate
-from decoder.draft import DraftModelGuesser
+from decoder.guessers.draft import DraftModelGuesser
 from planner.accept import from_entry
 from planner.dynamic_plan import plan_dynamic
 

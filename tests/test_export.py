@@ -19,7 +19,7 @@ from planner.export import (
 )
 from planner.plan import SHARED_DIR
 from planner.tree import SCHEMA_PATH, load_tree
-from workflows.cli import main
+from workflows.cli.main import main
 
 PUBLISHED = SHARED_DIR / "data" / "published_acceptance.json"
 MEDUSA = f"{PUBLISHED}:medusa-vicuna-7b"
@@ -258,7 +258,7 @@ def test_depth_ranges_and_yaml_writer():
 
 def test_export_does_not_import_torch(files, tmp_path):
     code = (
-        "import sys; from workflows.cli import main; "
+        "import sys; from workflows.cli.main import main; "
         f"rc = main(['export', '--engine', 'vllm', {str(files['batched'])!r}, '--method', 'ngram', '-q', "
         f"'-o', {str(tmp_path / 'v.json')!r}]); "
         "heavy = [m for m in ('torch', 'transformers', 'optuna', 'matplotlib') if m in sys.modules]; "

@@ -1,5 +1,5 @@
 """planner export --engine llama-server (planner/export_llama.py), and the random-filled GGUF presets
-(profiler/gguf_random.py) that profile architectures without weights."""
+(decoder/engines/llama_cpp/gguf_random.py) that profile architectures without weights."""
 from __future__ import annotations
 
 import json
@@ -102,9 +102,9 @@ def test_every_flag_is_the_real_servers():
 
 def test_random_gguf_loads_in_llama_cpp(tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
-    import profiler.models as models
-    from decoder.llama_engine import LlamaEngine
-    from profiler.gguf_random import random_gguf, remove_random_gguf
+    import decoder.engines.hf.load as models
+    from decoder.engines.llama_cpp.engine import LlamaEngine
+    from decoder.engines.llama_cpp.gguf_random import random_gguf, remove_random_gguf
 
     monkeypatch.setenv("TREE_PLANNER_CACHE", str(tmp_path / "cache"))
     (tmp_path / "presets").mkdir()

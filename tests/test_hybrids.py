@@ -1,5 +1,5 @@
 """Every hybrid guesser the main job races (lookup+draft, lookup+parallelspec, lookup+chain,
-lookup+ppd), built the way autotune builds it (workflows.candidates.dynamic_candidates, the
+lookup+ppd), built the way autotune builds it (workflows.mainjob.candidates.dynamic_candidates, the
 HybridGuesser over the run's guessers), decodes the built-in model greedily token-identical to
 model.generate: on prompts that repeat themselves (lookup proposes) and prompts that do not."""
 import pytest
@@ -7,12 +7,12 @@ import torch
 from test_decoder_utils import reference
 
 from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
-from decoder.draft import build_draft_lm
-from decoder.dynamic import HybridGuesser
-from decoder.parallel import ParallelDrafter, arch_of
+from decoder.guessers.draft import build_draft_lm
+from decoder.guessers.dynamic import HybridGuesser
+from decoder.guessers.parallel import ParallelDrafter, arch_of
 from planner.accept import from_entry
-from workflows.candidates import dynamic_candidates
-from workflows.inputs import shipped
+from workflows.mainjob.candidates import dynamic_candidates
+from workflows.cli.inputs import shipped
 
 torch.set_num_threads(1)
 
@@ -29,7 +29,7 @@ ACC = {  # acceptance as autotune's files give it (no calibration: the prior)
 
 @pytest.fixture(scope="module")
 def builtin():
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     return load_model("builtin", device="cpu", dtype="fp32").model
 

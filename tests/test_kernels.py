@@ -114,7 +114,7 @@ def test_parents_from_visibility_round_trip(kind):
 
 def test_parents_from_visibility_matches_ppd_decoder_mask():
     """The decoder's step mask (tree + PPD prompt-token lanes) is a tree, so the kernel can express it."""
-    from decoder.prompt_tokens import prompt_block_mask
+    from decoder.guessers.prompt_tokens import prompt_block_mask
 
     P, E, u_parents = 3, 2, [-1, 0, 0, 1]
     anc = reference.ancestor_matrix_ref(u_parents)
@@ -343,7 +343,7 @@ def tiny_llama():
 def _with_kernels(model, backend):
     import copy
 
-    from decoder.attention import enable_tree_attention
+    from decoder.engines.hf.attention import enable_tree_attention
 
     _kernel_modules()
     return enable_tree_attention(copy.deepcopy(model), backend)
@@ -354,7 +354,7 @@ BACKENDS = ["sdpa", "reference", pytest.param("triton", marks=needs_triton)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
-    from decoder.forward import (
+    from decoder.engines.hf.forward import (
         ancestor_matrix,
         prefill,
         tree_attention_mask,
@@ -369,7 +369,7 @@ def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
     tok = torch.randint(0, 101, (1, n), generator=gen)
     pos = torch.tensor([tree_depths(parents)]) + C
 
-    from decoder.attention import prepare_tree
+    from decoder.engines.hf.attention import prepare_tree
 
     pre = prefill(tiny_llama, prompt)
     want = tree_forward(tiny_llama, tok, pos, tree_attention_mask(ancestor_matrix(parents), C, torch.float32), pre.cache).logits
@@ -389,7 +389,7 @@ def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
 
 def test_hf_chunk_after_cache_is_causal(tiny_llama):
     """A plain block of tokens after a cache (no tree, no mask) gets causal attention with the offset."""
-    from decoder.forward import kv, prefill
+    from decoder.engines.hf.forward import kv, prefill
 
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(2))
     want = tiny_llama(input_ids=ids).logits
@@ -401,7 +401,7 @@ def test_hf_chunk_after_cache_is_causal(tiny_llama):
 
 
 def _plain_greedy(model, prompt, steps):
-    from decoder.forward import kv, prefill
+    from decoder.engines.hf.forward import kv, prefill
 
     logits, _, cache = prefill(model, prompt)
     out = [int(logits[0, -1].argmax())]
@@ -414,9 +414,9 @@ def _plain_greedy(model, prompt, steps):
 
 def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
     """Greedy tree decoding at the tree_forward level; node tokens are the oracle's with prob. 0.7."""
-    from decoder.attention import prepare_tree
-    from decoder.cache import crop_cache
-    from decoder.forward import (
+    from decoder.engines.hf.attention import prepare_tree
+    from decoder.engines.hf.cache import crop_cache
+    from decoder.engines.hf.forward import (
         ancestor_matrix,
         prefill,
         tree_attention_mask,
@@ -499,7 +499,7 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     tree kernels: generate(attention="kernels") passes the tree as parents (no dense mask) and
     compacts the cache with kv_compact; tokens stay those of plain greedy decoding."""
     utils = pytest.importorskip("test_decoder_utils")
-    import decoder.attention as hf
+    import decoder.engines.hf.attention as hf
     from decoder import OracleGuesser, PromptTokens, generate
 
     model = utils.tiny_model(family)
@@ -529,7 +529,7 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     out = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=n, attention="kernels")
     assert out.tokens.tolist() == ref
     # every step compacts with the kernel, except one whose accepted path is the step input's own
-    # prefix (0, 1, .., a): that only cuts the cache (decoder.cache.compact_cache), nothing moves
+    # prefix (0, 1, .., a): that only cuts the cache (decoder.engines.hf.cache.compact_cache), nothing moves
     assert 1 <= calls["compact"] <= out.steps
     assert calls["tree"] >= out.steps  # the tree form reached the attention path every step (and per layer)
     assert out.steps <= n // 2  # the oracle's trees were accepted: compaction really moved rows
@@ -540,7 +540,7 @@ def test_models_the_kernels_cannot_serve_get_a_clear_answer():
     error, attention="auto" keeps the dense mask. Sliding windows: served while the keys fit."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    import decoder.attention as hf
+    import decoder.engines.hf.attention as hf
     from decoder import PromptTokens, generate
     from decoder.loop import select_attention
     from planner.errors import UserError

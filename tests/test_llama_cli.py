@@ -57,8 +57,8 @@ def test_decode_follows_the_plans_engine_and_matches_plain(flow):
     assert doc["summary"]["tokens_per_s"] > 0 and doc["summary"]["identical_to_plain"]
     from transformers import AutoTokenizer
 
-    from profiler.registry import model_dir
-    from workflows.inputs import encode_prompts
+    from decoder.engines.shipped import model_dir
+    from workflows.cli.inputs import encode_prompts
 
     ids = encode_prompts(AutoTokenizer.from_pretrained(model_dir("smollm2-135m")), [PROMPT])[0].tolist()
     assert doc["results"][0]["prompt_ids"] == ids  # the chat template's ids, exactly what llama.cpp was fed

@@ -1,4 +1,4 @@
-"""The llama.cpp engine (decoder/llama_engine.py) on the default model's own Q4_1 GGUF file.
+"""The llama.cpp engine (decoder/engines/llama_cpp/engine.py) on the default model's own Q4_1 GGUF file.
 
 The reference is llama.cpp's plain greedy decoding from the same build (llama-cpp-python's
 `Llama.generate`, top-k 1). Chains must give logits bit-identical to one-token steps; every guesser
@@ -11,7 +11,7 @@ import torch
 
 from decoder.engine import StepInput
 from decoder.layout import layout_for
-from decoder.llama_engine import batch_shape, binary_tree_shape, chain_shape
+from decoder.engines.llama_cpp.engine import batch_shape, binary_tree_shape, chain_shape
 from planner.errors import UserError
 
 N_NEW = 32
@@ -58,7 +58,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 @pytest.fixture(scope="module")
 def gguf():
-    from profiler.registry import gguf_file
+    from decoder.engines.shipped import gguf_file
 
     try:
         return gguf_file("smollm2-135m")
@@ -68,7 +68,7 @@ def gguf():
 
 @pytest.fixture(scope="module")
 def engine(gguf):
-    from decoder.llama_engine import LlamaEngine
+    from decoder.engines.llama_cpp.engine import LlamaEngine
 
     eng = LlamaEngine(gguf, n_ctx=1024, threads=THREADS)
     yield eng
@@ -79,8 +79,8 @@ def engine(gguf):
 def prompts():
     from transformers import AutoTokenizer
 
-    from profiler.registry import model_dir
-    from workflows.inputs import encode_prompts
+    from decoder.engines.shipped import model_dir
+    from workflows.cli.inputs import encode_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     texts = ["What is the capital of France? Answer in one sentence.",
@@ -142,7 +142,7 @@ def test_chain_rows_bit_identical_to_one_token_steps(engine, prompts, reference)
 
 
 def test_lookup_chains_token_identical(engine, prompts, reference):
-    from decoder.lookup import PromptLookupGuesser
+    from decoder.guessers.lookup import PromptLookupGuesser
 
     total = 0
     for k in (2, 6):
@@ -155,7 +155,7 @@ def test_lookup_chains_token_identical(engine, prompts, reference):
 
 @pytest.fixture(scope="module")
 def tree_engine(gguf):
-    from decoder.llama_engine import LlamaEngine
+    from decoder.engines.llama_cpp.engine import LlamaEngine
 
     eng = LlamaEngine(gguf, n_ctx=1024, threads=THREADS, trees=True)
     yield eng
@@ -240,7 +240,7 @@ def test_lookup_acceptance_and_calibration_replayed_equal_decoded(engine, prompt
     replaying the text gives exactly the counts that decoding with the guesser gives."""
     import numpy as np
 
-    from decoder.registry import LoadRequest, load_guesser
+    from decoder.guessers.registry import LoadRequest, load_guesser
     from profiler.acceptance import measure_accuracy
     from profiler.calibration import measure_calibration, replay_calibration
     from profiler.teacher_forced import greedy_continuations, replay_accuracy

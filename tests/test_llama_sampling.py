@@ -32,8 +32,8 @@ PROMPTS = ["List three colours of the rainbow, then repeat the list in reverse o
 
 @pytest.fixture(scope="module")
 def engine():
-    from decoder.llama_engine import LlamaEngine
-    from profiler.registry import gguf_file
+    from decoder.engines.llama_cpp.engine import LlamaEngine
+    from decoder.engines.shipped import gguf_file
 
     try:
         eng = LlamaEngine(gguf_file("smollm2-135m"), n_ctx=1024, threads=1)
@@ -47,15 +47,15 @@ def engine():
 def prompts():
     from transformers import AutoTokenizer
 
-    from profiler.registry import model_dir
-    from workflows.inputs import encode_prompts
+    from decoder.engines.shipped import model_dir
+    from workflows.cli.inputs import encode_prompts
 
     return encode_prompts(AutoTokenizer.from_pretrained(model_dir("smollm2-135m")), PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def lookup(engine):
-    from decoder.registry import LoadRequest, load_guesser
+    from decoder.guessers.registry import LoadRequest, load_guesser
 
     return load_guesser("lookup", LoadRequest(engine, depth=6))
 
@@ -97,7 +97,7 @@ def test_sampled_calibration_replayed_equals_sampled_decoding(engine, prompts, l
 
 
 def _main(capsys, *args: str) -> tuple[int, str]:
-    from workflows.cli import main
+    from workflows.cli.main import main
 
     code = main(list(args))
     return code, capsys.readouterr().err.strip()

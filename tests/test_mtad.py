@@ -1,4 +1,4 @@
-"""MTAD (decoder/mtad.py, planner/mtad.py): greedy identity at temperature 0, the joint rule on
+"""MTAD (decoder/guessers/mtad.py, planner/mtad.py): greedy identity at temperature 0, the joint rule on
 synthetic tables, target sampling under an unreachable threshold (chi-square), no NaN outside the
 warped support, the beam-reordered drafter cache, exact beam search, the planning model (replay,
 DP vs Monte Carlo, the perplexity cap), the CLI and the benchmark's smoke mode."""
@@ -16,8 +16,8 @@ from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import V, reference, tiny_model
 
 from decoder import generate
-from decoder.forward import prefill
-from decoder.mtad import (
+from decoder.engines.hf.forward import prefill
+from decoder.guessers.mtad import (
     MTADGuesser,
     MTADSession,
     beam_step,
@@ -467,9 +467,9 @@ def test_quality_figures(pair):
 
 
 def test_decode_cli_writes_mtad_quality(tmp_path):
-    from decoder.draft import build_draft_lm, save_draft_lm
-    from profiler.models import load_model
-    from workflows.cli import main
+    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.main import main
 
     target = load_model("tiny", device="cpu").model
     save_draft_lm(build_draft_lm(target, 1), tmp_path / "draft")
@@ -500,7 +500,7 @@ def test_decode_cli_writes_mtad_quality(tmp_path):
     (["--max-perplexity-ratio", "1.1"], "--max-perplexity-ratio: needs --mtad"),
 ])
 def test_bad_mtad_options_are_one_line_errors(capsys, extra, message):
-    from workflows.cli import main
+    from workflows.cli.main import main
 
     rc = main(["decode", "--model", "tiny", "--prompt", "x"] + extra)
     err = capsys.readouterr().err.strip()

@@ -1,4 +1,4 @@
-"""PEARL (decoder/pearl.py) and its planning model (planner/pearl.py).
+"""PEARL (decoder/guessers/pearl.py) and its planning model (planner/pearl.py).
 
 Decoder: greedy output equals model.generate for unrelated, near and identical drafters, every
 prompt length 1..13, gammas 1..6, EOS and max_new_tokens inside a round; concurrent and serial
@@ -20,9 +20,9 @@ import torch
 from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import reference, tiny_model
 
-import decoder.pearl as pearl
-from decoder.forward import prefill
-from decoder.pearl import generate_pearl, split_threads
+import decoder.guessers.pearl as pearl
+from decoder.engines.hf.forward import prefill
+from decoder.guessers.pearl import generate_pearl, split_threads
 from planner.accept import from_entry
 from planner.errors import UserError
 from planner.pearl import (
@@ -362,9 +362,9 @@ def test_alpha_from_an_acceptance_file_and_from_mat():
 
 
 def test_decode_pearl_command(tmp_path, capsys):
-    from decoder.draft import build_draft_lm, save_draft_lm
-    from profiler.models import load_model
-    from workflows.cli import main
+    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.engines.hf.load import load_model
+    from workflows.cli.main import main
 
     save_draft_lm(build_draft_lm(load_model("tiny", device="cpu").model, 1), tmp_path / "draft")
     prompts = tmp_path / "p.jsonl"

@@ -8,7 +8,7 @@ import pytest
 
 from planner.plan import SHARED_DIR
 from planner.tree import SCHEMA_PATH, load_tree
-from workflows.cli import main
+from workflows.cli.main import main
 
 PUBLISHED = SHARED_DIR / "data" / "published_acceptance.json"
 MEDUSA = f"{PUBLISHED}:medusa-vicuna-7b"
@@ -119,7 +119,7 @@ def test_bad_options(tmp_path, capsys, args, message):
 
 def test_plan_does_not_import_torch(tmp_path):
     code = (
-        "import sys; from workflows.cli import main; "
+        "import sys; from workflows.cli.main import main; "
         f"rc = main(['plan', 'ppd', '--accept', {PPD!r}, '--input-length', '40', '-q', '-o', {str(tmp_path / 't.json')!r}]); "
         "heavy = [m for m in ('torch', 'transformers', 'optuna', 'matplotlib') if m in sys.modules]; "
         "assert rc == 0 and not heavy, heavy"

@@ -10,7 +10,7 @@ from test_decoder_utils import static_tree
 from planner.errors import UserError
 from planner.plan_settings import RacedWith, digest, file_ref, plan_settings
 from planner.tree import MEDUSA, Tree, TreeState, load_tree, save_tree
-from workflows.cli import main
+from workflows.cli.main import main
 
 torch.set_num_threads(1)
 
@@ -66,7 +66,7 @@ def _raced_plan(tmp_path, profile_src):
 
 
 def test_decode_runs_the_plan_as_raced_and_says_so(tmp_path, capsys):
-    from workflows.inputs import REPO
+    from workflows.cli.inputs import REPO
 
     plan, run = _raced_plan(tmp_path, REPO / "profiles" / "cpu-builtin.json")
     prompts = tmp_path / "p.txt"
@@ -98,7 +98,7 @@ def test_free_threads_leave_the_cores_other_processes_hold(monkeypatch):
 
 def test_a_plan_raced_on_free_cores_decodes_on_the_cores_free_now(tmp_path, capsys, monkeypatch):
     import profiler.load as load
-    from workflows.inputs import REPO
+    from workflows.cli.inputs import REPO
 
     plan, run = _raced_plan(tmp_path, REPO / "profiles" / "cpu-builtin.json")
     tree = load_tree(plan)

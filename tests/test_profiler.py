@@ -9,14 +9,14 @@ import torch
 
 from planner.errors import UserError
 from planner.profile import load_profile
-from decoder import hf_timer
+from decoder.engines.hf import timer as hf_timer
 from profiler import measure
 from profiler.fit import fit_latency, interpolate, isotonic
 from profiler.lengths import parse_lengths
 from profiler.measure import default_input_lengths, median_rel_ci, profile_model
-from profiler.models import load_model, preset_names
-from workflows.cli import build_parser, main
-from workflows.cmd_profile import parse_batch_sizes
+from decoder.engines.hf.load import load_model, preset_names
+from workflows.cli.main import build_parser, main
+from workflows.cli.cmd_profile import parse_batch_sizes
 
 torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ def test_parse_batch_sizes():
     for bad in (["0"], ["x"], ["1,-2"]):
         with pytest.raises(UserError, match="--batch-sizes"):
             parse_batch_sizes(bad)
-    from workflows.cli import build_parser
+    from workflows.cli.main import build_parser
 
     for flag in ("--batch-sizes", "--batch-size"):  # the spelling, and the singular kept for old scripts
         args = build_parser().parse_args(["profile", flag, "1,2,4,8", "-o", "x.json"])
@@ -126,7 +126,7 @@ def llama_params(c: dict) -> int:
 
 
 def test_presets_build_on_meta_with_published_sizes():
-    from profiler.models import PRESET_DIR
+    from decoder.engines.hf.load import PRESET_DIR
 
     names = preset_names()
     for required in ("tiny", "builtin", "llama-2-7b", "vicuna-7b", "vicuna-13b", "mobilellama-1.4b", "qwen2-0.5b", "qwen2-7b"):
@@ -420,7 +420,7 @@ def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
 
 
 def test_runner_resets_to_the_prefix(small_model):
-    from decoder.forward import prefill
+    from decoder.engines.hf.forward import prefill
 
     cache = prefill(small_model.model, torch.arange(8)[None]).cache
     runner = measure.Runner(small_model.model, cache, cuda_graphs=False)

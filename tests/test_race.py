@@ -1,4 +1,4 @@
-"""The race's guarantees (workflows.choose), on simulated machines: arms of known speed, noisy
+"""The race's guarantees (workflows.mainjob.choose), on simulated machines: arms of known speed, noisy
 runs, prompts that favour some arms, drift, and another process taking a core mid-race.
 
 - equal arms: a false winner at most at ALPHA (the bound is 3 standard errors above it; testing
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from workflows.choose import PLAIN, REPLAYED, Arm, Race, Run, run_race
-from workflows.signflip import ALPHA, sign_flip_p
+from workflows.mainjob.choose import PLAIN, REPLAYED, Arm, Race, Run, run_race
+from workflows.mainjob.signflip import ALPHA, sign_flip_p
 
 
 @dataclass
@@ -140,12 +140,12 @@ def test_the_race_fits_its_budget_and_still_decides():
 
 
 def test_a_short_budget_still_confirms_on_enough_prompts():
-    """workflows/race.py extends a starved race to race_floor_s (one selection prompt, then a pair on
+    """workflows/mainjob/race.py extends a starved race to race_floor_s (one selection prompt, then a pair on
     every confirmation prompt), and the confirmation runs on every confirmation prompt whatever the time
     left (below MIN_PROMPTS pairs the sign-flip test cannot reach its level, and each prompt dropped
     costs it power): with the floor, or a third of it, a 30 % faster plan is found on every prompt."""
-    from workflows.signflip import MIN_PROMPTS
-    from workflows.race import race_floor_s
+    from workflows.mainjob.signflip import MIN_PROMPTS
+    from workflows.mainjob.race import race_floor_s
 
     speeds = {"fast": 1.3, "b": 1.0, "c": 0.9}
     for share in (1.2, 1 / 3):

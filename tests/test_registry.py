@@ -1,4 +1,4 @@
-"""The guesser registry (planner/guessers.py, decoder/registry.py) and the engine seam's refusals."""
+"""The guesser registry (planner/guessers.py, decoder/guessers/registry.py) and the engine seam's refusals."""
 from __future__ import annotations
 
 import pytest
@@ -7,12 +7,12 @@ import torch
 from decoder import generate
 from decoder.engine import EngineCaps, Needs, refuse
 from decoder.guesser import Proposal
-from decoder.hf_engine import HFEngine
+from decoder.engines.hf.engine import HFEngine
 from decoder.layout import layout_for
-from decoder.registry import LoadRequest, kind_of, load_guesser
+from decoder.guessers.registry import LoadRequest, kind_of, load_guesser
 from planner.errors import UserError
 from planner.guessers import GuesserKind, kind, kind_of_record, names, register, unregister
-from profiler.models import load_model
+from decoder.engines.hf.load import load_model
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_unknown_kinds_and_paths_fail_in_one_line():
     with pytest.raises(UserError, match="expected one of .*lookup"):
         kind("lookupp")
     with pytest.raises(ValueError, match="registered already"):
-        register(GuesserKind("lookup", "again", "decoder.lookup:load"))
+        register(GuesserKind("lookup", "again", "decoder.guessers.lookup:load"))
     with pytest.raises(UserError, match="needs its draft_lm directory"):
         load_guesser("draft", LoadRequest(object()))
 

@@ -11,8 +11,8 @@ from test_decoder_utils import static_tree, tiny_model
 from test_dynamic import ACC, _guesser, _profile, _prompts
 
 from decoder import generate
-from decoder.dynamic import HybridGuesser
-from decoder.lookup import PromptLookupGuesser
+from decoder.guessers.dynamic import HybridGuesser
+from decoder.guessers.lookup import PromptLookupGuesser
 from planner.dynamic_plan import plan_dynamic
 from profiler.calibration import measure_calibration
 from profiler.calibration_replay import calibrate_by_replay
@@ -211,7 +211,7 @@ def test_a_coupled_replay_needs_the_texts_noise(target):
     """The draft LM replaced by the target itself aims right at every draw: replayed with the text's
     noise it accepts what the coupled decode accepts; with the noise withheld (fixed top-k guesses,
     accepted only where the draw is the argmax) the replay accepts less, so the noise is what makes it exact."""
-    from decoder.draft import DraftModelGuesser
+    from decoder.guessers.draft import DraftModelGuesser
 
     plan = plan_dynamic([("draft", ACC["draft"])], None, max_size=8, max_depth=5)  # no latency: every guess pays
     g = DraftModelGuesser(target, top_k=4)

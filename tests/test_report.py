@@ -12,8 +12,8 @@ from planner.errors import UserError
 from planner.plan import plan
 from planner.profile import load_profile
 from planner.tree import save_tree
-from workflows.cli import main
-from workflows.report import _layout, write_report
+from workflows.cli.main import main
+from workflows.report.page import _layout, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -56,7 +56,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_full_report(inputs):
     pytest.importorskip("optuna")
-    from workflows.tune import SearchSpace, parse_accept_spec, tune
+    from workflows.tune.search import SearchSpace, parse_accept_spec, tune
 
     tmp, acc, pa, pb, run = inputs
     space = SearchSpace([parse_accept_spec(f"{acc}:ppd-x"), parse_accept_spec(f"{acc}:medusa-x")], max_size=16)
@@ -135,7 +135,7 @@ def test_cli_report_and_errors(inputs, capsys):
         err = capsys.readouterr().err
         assert msg in err and err.startswith("planner report: error:") and err.count("\n") == 1, err
     pytest.importorskip("optuna")
-    from workflows.tune import open_storage
+    from workflows.tune.search import open_storage
 
     open_storage(str(tmp / "empty.db"))
     assert main(["report", "--storage", str(tmp / "empty.db"), "--out", str(tmp / "e")]) == 2
@@ -146,7 +146,7 @@ def test_cli_report_and_errors(inputs, capsys):
 
 def test_measured_study_gets_predicted_versus_measured(inputs):
     pytest.importorskip("optuna")
-    from workflows.tune import SearchSpace, parse_accept_spec, tune
+    from workflows.tune.search import SearchSpace, parse_accept_spec, tune
 
     tmp, acc, pa, pb, run = inputs
 

@@ -8,8 +8,8 @@ import torch
 from test_decoder_utils import tiny_model
 
 from decoder import generate
-from decoder.draft import DraftModelGuesser
-from decoder.lookup import PromptLookupGuesser
+from decoder.guessers.draft import DraftModelGuesser
+from decoder.guessers.lookup import PromptLookupGuesser
 from decoder.verify import Sampling
 from profiler.acceptance import count_hits
 from profiler.sampled import (

@@ -17,8 +17,8 @@ from test_sampling_rules import samples_to_detect
 
 import decoder.verify as verify
 from decoder import generate
-from decoder.draft import DraftModelGuesser
-from decoder.lookup import PromptLookupGuesser
+from decoder.guessers.draft import DraftModelGuesser
+from decoder.guessers.lookup import PromptLookupGuesser
 from planner.tree import Tree, TreeState
 
 torch.set_num_threads(1)
@@ -74,7 +74,7 @@ def test_prompt_lookup_keeps_the_warped_distribution(world, monkeypatch):
 
 def test_a_draft_tree_past_its_warped_support_keeps_the_distribution(world, monkeypatch):
     """Three siblings under top-k 2: the third is the drafter's next token by logit, verified as a
-    deterministic guess (decoder.draft.fill_children) in a tree of sampled ones."""
+    deterministic guess (decoder.guessers.draft.fill_children) in a tree of sampled ones."""
     target, draft = world
     tree = Tree("sequoia", [TreeState(0, [(0,), (1,), (2,)], 1.0, 4)], 1.0)
     fixed = []
@@ -95,7 +95,7 @@ def test_a_draft_tree_past_its_warped_support_keeps_the_distribution(world, monk
 def test_a_hybrid_per_step_tree_keeps_the_distribution(world, monkeypatch):
     """lookup+draft under sampling (a dynamic plan): lookup's guess first at its node, the draft
     LM's children drawn without it; the mixed tree is verified with each sibling's own proposal."""
-    from decoder.dynamic import HybridGuesser
+    from decoder.guessers.dynamic import HybridGuesser
     from planner.accept import from_entry
     from planner.dynamic_plan import plan_dynamic
 

@@ -5,7 +5,7 @@ deliberately wrong rule and shows the same test fails.
 
 A tiny world keeps this fast enough for many samples: the target's and the drafter's logits are
 fixed random functions of the context over a 5-token vocabulary, so a sample costs one draft
-(decoder.draft.draft_children, the drafters' own sampler), one verification (decoder.verify.verify,
+(decoder.guessers.draft.draft_children, the drafters' own sampler), one verification (decoder.verify.verify,
 the loop's rule) and no model. tests/test_sampling_decode.py runs the same rules end to end
 through `generate` with tiny transformers models.
 
@@ -21,7 +21,7 @@ from scipy.stats import chi2, ncx2
 from test_decoder_sampling import _chi2, _process
 
 from decoder import verify
-from decoder.draft import draft_children, fill_children
+from decoder.guessers.draft import draft_children, fill_children
 from decoder.layout import layout_for
 from decoder.verify import Sampling, draw, probabilities
 
@@ -98,7 +98,7 @@ def propose(tree, s: Sampling, gen):
 
     A node's deterministic children come first (lookup's guesses: the lookup table's best tokens);
     its sampled ones are drawn after them from the drafter's warped q without their tokens, and
-    siblings beyond q's support are the drafter's next tokens by logit (decoder.draft.fill_children).
+    siblings beyond q's support are the drafter's next tokens by logit (decoder.guessers.draft.fill_children).
     (Dropping a draw equal to lookup's token instead of excluding it, as a pool merging equal paths
     would, is not wrong: the kept draws then follow q without that token all the same.)"""
     paths = [p for p, _ in tree]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from planner.tree import load_tree
-from workflows.cli import main
+from workflows.cli.main import main
 
 BAD = [
     (["--temperature", "-1"], "--temperature: expected a finite number in [0, 100]"),
@@ -67,9 +67,9 @@ def test_plan_records_its_settings_and_notes_acceptance_measured_under_others(tm
 
 
 def test_autotune_under_sampling_on_the_builtin_model(tmp_path, capsys):
-    from decoder.draft import build_draft_lm, save_draft_lm
-    from profiler.models import load_model
-    from workflows.autotune import AutotuneSettings, autotune
+    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.engines.hf.load import load_model
+    from workflows.mainjob.pipeline import AutotuneSettings, autotune
 
     target = load_model("builtin", device="cpu", dtype="fp32").model
     torch.manual_seed(0)
@@ -108,8 +108,8 @@ def test_autotune_with_coupled_sampling_checks_every_plan_against_plain_sampling
     """--verify coupled (the CLI's default under sampling): every raced plan emits plain sampling's
     text with the same seed, so the race compares them (a differing plan would leave it), chosen.json
     records the rule and `planner decode --plan` runs it."""
-    from profiler.models import load_model
-    from workflows.autotune import AutotuneSettings, autotune
+    from decoder.engines.hf.load import load_model
+    from workflows.mainjob.pipeline import AutotuneSettings, autotune
 
     load_model("builtin", device="cpu", dtype="fp32")
     run = tmp_path / "run"

@@ -17,7 +17,7 @@ from planner.profile import load_batch_profiles, load_profile
 from planner.simulate import (
     Architecture, architecture_from_config, gpu_time, latency, load_gpu_table, refuse_to_measure, simulate_profile,
 )
-from workflows.cli import main
+from workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "profiler" / "presets"
@@ -121,7 +121,7 @@ def test_stored_constants_are_the_fit():
 def test_presets_count_what_transformers_builds():
     """Architecture.params equals the parameters transformers allocates for each new preset (on the
     meta device; Qwen3's per-head q/k norms, 2 x head_dim per layer, are the one thing not counted)."""
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     published = {"llama-3-8b": 8.03e9, "llama-3.1-8b": 8.03e9, "llama-3.2-1b": 1.24e9, "qwen2.5-0.5b": 0.494e9,
                  "smollm2-360m": 0.362e9, "smollm2-1.7b": 1.71e9, "qwen3-8b": 8.19e9}
@@ -244,7 +244,7 @@ def test_plans_reports_and_exports_carry_the_mark(tmp_path, capsys, sim_profile)
 
 def test_report_labels_simulated_profiles(tmp_path, sim_profile):
     pytest.importorskip("matplotlib")
-    from workflows.report import load_profile_input, write_report
+    from workflows.report.page import load_profile_input, write_report
 
     assert load_profile_input(str(sim_profile)).label.startswith("SIMULATED h100-sxm (graphs, bf16)")
     write_report(tmp_path / "r", profiles=[str(sim_profile)])
@@ -257,7 +257,7 @@ def test_autotune_refuses_to_measure_on_a_simulated_profile(sim_profile, tmp_pat
     with pytest.raises(UserError, match="simulated profile.*planner autotune measures"):
         refuse_to_measure(load_profile(str(sim_profile)))
     refuse_to_measure(load_profile(str(ROOT / "reports" / "autotune-cpu-smollm2-135m" / "profile.json")))  # measured: fine
-    from workflows.autotune_measure import profile_phase as _profile_phase
+    from workflows.mainjob.measure import profile_phase as _profile_phase
 
     run = SimpleNamespace(settings=SimpleNamespace(profile=str(sim_profile), max_input_length=8), say=print)
     with pytest.raises(UserError, match="simulated"):
@@ -266,7 +266,7 @@ def test_autotune_refuses_to_measure_on_a_simulated_profile(sim_profile, tmp_pat
 
 def test_tune_refuses_to_measure_on_a_simulated_profile(sim_profile):
     pytest.importorskip("optuna")
-    from workflows.tune import SearchSpace, parse_accept_spec, tune
+    from workflows.tune.search import SearchSpace, parse_accept_spec, tune
 
     space = SearchSpace(sources=[parse_accept_spec(f"{PUBLISHED_ACCEPT}:ppd-vicuna-7b")])
     with pytest.raises(UserError, match="planner tune --objective measured"):
@@ -279,7 +279,7 @@ def test_simulate_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tempfile, os\nfrom workflows.cli import main\n"
+    code = ("import sys, tempfile, os\nfrom workflows.cli.main import main\n"
             "d = tempfile.mkdtemp()\n"
             "assert main(['profile', '--simulate', 'h100-sxm', '--model', 'llama-3-8b', '-o', os.path.join(d, 'p.json')]) == 0\n"
             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'transformers'))[:3])\n")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
-from decoder.draft import load_draft_model
-from decoder.parallel import ParallelDrafter
+from decoder.guessers.draft import load_draft_model
+from decoder.guessers.parallel import ParallelDrafter
 from planner.tree import Tree, TreeState
-from profiler.registry import MARKER, model_dir
-from workflows.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
+from decoder.engines.shipped import MARKER, model_dir
+from workflows.cli.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
 
 torch.set_num_threads(2)
 SHIPPED = SHIPPED_DIR / "smollm2-135m"
@@ -20,7 +20,7 @@ SHIPPED = SHIPPED_DIR / "smollm2-135m"
 def smol():
     from transformers import AutoTokenizer
 
-    from profiler.models import load_model
+    from decoder.engines.hf.load import load_model
 
     loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
     return loaded, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
@@ -85,7 +85,7 @@ def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
 @pytest.mark.parametrize("kind", ["lookup+parallelspec", "lookup+chain", "draft"])
 def test_dynamic_plans_are_token_identical(smol, prompts, kind):
     """Per-step trees (a hybrid, and the draft LM's expanding tree) on SmolLM2: what model.generate gives."""
-    from decoder.dynamic import HybridGuesser
+    from decoder.guessers.dynamic import HybridGuesser
     from planner.accept import load_acceptance
     from planner.dynamic_plan import plan_dynamic
 

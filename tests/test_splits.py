@@ -83,7 +83,7 @@ def test_a_follow_up_quotes_the_answer_cut_at_a_sentence(tmp_path):
 def test_a_follow_up_is_encoded_as_its_conversation():
     from transformers import AutoTokenizer
 
-    from workflows.inputs import REPO, encode_prompts
+    from workflows.cli.inputs import REPO, encode_prompts
 
     tok = AutoTokenizer.from_pretrained(REPO / "models" / "builtin")  # no chat template: its training format
     one, chat = encode_prompts(tok, ["q1", Chat(("q1", "the answer", "q2"))])

@@ -5,9 +5,9 @@ import torch
 from test_decoder_utils import V, tiny_model
 
 from decoder import PromptTokens
-from decoder.draft import DraftModelGuesser
-from decoder.lookup import PromptLookupGuesser
-from decoder.parallel import ParallelDrafter, arch_of
+from decoder.guessers.draft import DraftModelGuesser
+from decoder.guessers.lookup import PromptLookupGuesser
+from decoder.guessers.parallel import ParallelDrafter, arch_of
 from profiler.acceptance import measure_accuracy
 from profiler.teacher_forced import draft_lm_guesses, greedy_continuations, replay_accuracy
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder.prompt_tokens import PromptTokens, prompt_block_mask
+from decoder.guessers.prompt_tokens import PromptTokens, prompt_block_mask
 from training import prompts as tp
 
 REPO = Path(__file__).resolve().parents[1]

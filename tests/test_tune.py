@@ -17,8 +17,8 @@ from planner.errors import UserError  # noqa: E402
 from planner.plan import plan  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
 from planner.tree import load_tree  # noqa: E402
-from workflows.cli import main  # noqa: E402
-from workflows.tune import (  # noqa: E402
+from workflows.cli.main import main  # noqa: E402
+from workflows.tune.search import (  # noqa: E402
     Config,
     SearchSpace,
     build_tree,
@@ -232,7 +232,7 @@ def test_two_worker_processes_share_one_study(inputs, storage):
 _POP = """
 import sys
 import optuna
-from workflows.tune import open_storage
+from workflows.tune.search import open_storage
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 study = optuna.load_study(study_name="q", storage=open_storage(sys.argv[1]))
 while True:
@@ -301,7 +301,7 @@ def test_measured_objective_decodes_with_a_tiny_model(inputs):
     """End to end through the decoder: a random-weight tiny model, one short prompt, oracle guessers."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from workflows.measured import MeasuredEvaluator
+    from workflows.tune.measured import MeasuredEvaluator
 
     torch.set_num_threads(2)
     tmp, acc, prof = inputs

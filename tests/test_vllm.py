@@ -1,5 +1,5 @@
 """Every vLLM export the project writes, checked in vLLM itself (the environment of
-scripts/setup_vllm.sh, run through workflows/vllm.py): vLLM's own engine config (SpeculativeConfig
+scripts/setup_vllm.sh, run through workflows/export/vllm.py): vLLM's own engine config (SpeculativeConfig
 and its checks) accepts each one, and engines started on SmolLM2 with the chain exports decode
 exactly vLLM's plain greedy tokens.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from workflows.cli import main
-from workflows.vllm import SETUP, decode_request, run_engine, suffix_available, venv_dir, venv_python
+from workflows.cli.main import main
+from workflows.export.vllm import SETUP, decode_request, run_engine, suffix_available, venv_dir, venv_python
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"
@@ -68,7 +68,7 @@ def _export(tmp: Path, name: str, plan: Path, *extra) -> dict:
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from profiler.registry import model_dir  # the project's converted SmolLM2 (Hugging Face form, cached)
+    from decoder.engines.shipped import model_dir  # the project's converted SmolLM2 (Hugging Face form, cached)
 
     return model_dir("smollm2-135m", progress=False)
 
@@ -104,7 +104,7 @@ def prompts(smollm2) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from training.splits import bench_prompts
-    from workflows.inputs import encode_prompts
+    from workflows.cli.inputs import encode_prompts
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     texts = [p.turns[0] for p in bench_prompts("chat", 2) + bench_prompts("repeat", 2)]

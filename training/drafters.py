@@ -1,13 +1,13 @@
 """Training drafters for a frozen target by distillation from its cached outputs (training/teacher.py).
 
-- ParallelSpec drafter (decoder/parallel.py): group-wise. Every window's real slots (f_s, x_{s+1})
+- ParallelSpec drafter (decoder/guessers/parallel.py): group-wise. Every window's real slots (f_s, x_{s+1})
   run as a causal sequence; m sampled slots s each open a group of K masks at positions s+1..s+K,
   which see the real slots up to s and their own group's earlier masks, never another group's
-  masks (the inference layout: decoder.parallel.slot_mask). Targets: slot s and mask j of group s
+  masks (the inference layout: decoder.guessers.parallel.slot_mask). Targets: slot s and mask j of group s
   learn the target's next-token distribution at position s+1+j (distance j+1 beyond the token
   x_{s+1}) and its feature f_{s+1+j}. Loss = KL(teacher top-k || drafter) + w_f SmoothL1(features),
   the KL over the drafter's head (restricted to frequent tokens when asked).
-- Draft LM (decoder/draft.py, `DraftLM`): a few Llama layers of the target's shape on its frozen
+- Draft LM (decoder/guessers/draft.py, `DraftLM`): a few Llama layers of the target's shape on its frozen
   embedding and head; the same KL on every position.
 
 Both: AdamW, cosine schedule, checkpoints every ckpt_every steps and on Ctrl-C, resume, a progress

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decoder.forward import kv
+from decoder.engines.hf.forward import kv
 from decoder.layout import prompt_block_mask
-from decoder.prompt_tokens import PromptTokens
+from decoder.guessers.prompt_tokens import PromptTokens
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json
 from training.data import (  # noqa: F401 (re-exported)
@@ -211,7 +211,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
                         resume: bool = False, device=None, progress: bool = True, meta: dict | None = None) -> TrainResult:
     """Train P x E prompt tokens for `model` on train_windows [N, T]; checkpoints to out_dir/checkpoint.pt
     every config.ckpt_every steps (and on Ctrl-C), resumes from it with resume=True, and saves the
-    final PromptTokens (decoder/prompt_tokens.py format) into out_dir."""
+    final PromptTokens (decoder/guessers/prompt_tokens.py format) into out_dir."""
     from tqdm import tqdm
 
     cfg = config or TrainConfig()

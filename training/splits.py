@@ -137,7 +137,7 @@ def accept_and_race(questions_path: str | Path, n_accept: int, n_race: int, turn
 
 def question_of(prompts: int, turns: int) -> dict[int, int]:
     """prompt index -> its question's index, for a list accept_and_race made with `turns` (a
-    question's prompts sit in a row): the race keeps one question on one side (workflows.choose)."""
+    question's prompts sit in a row): the race keeps one question on one side (workflows.mainjob.choose)."""
     return {p: p // turns for p in range(prompts)}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from planner.jsonio import atomic_write_bytes
-from profiler.registry import cache_dir
+from decoder.engines.shipped import cache_dir
 
 CHUNK = 32  # windows per file
 
@@ -39,7 +39,7 @@ class TeacherData:
 
 
 def _key(model, windows: torch.Tensor, k: int, hidden: bool) -> str:
-    from profiler.models import config_hash
+    from decoder.engines.hf.load import config_hash
 
     h = hashlib.sha256()
     h.update(config_hash(model.config).encode())

@@ -1,0 +1,1 @@
+"""Target engines, one subpackage each (docs/layout.md)."""

@@ -1,0 +1,1 @@
+"""The Hugging Face engine: any transformers causal LM (docs/layout.md)."""

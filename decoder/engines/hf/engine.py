@@ -1,0 +1,196 @@
+"""The Hugging Face engine: any transformers causal LM behind decoder/engine.py's protocol.
+
+    engine = HFEngine(model)                      # a loaded AutoModelForCausalLM, any device and dtype
+    seq, _ = engine.start(prompt_ids)             # prefill all but the last token (the first root)
+    logits, hidden = seq.score(StepInput(tokens, layout))   # root + tree in one forward
+    seq.commit(verdict)                           # keep the accepted path, drop the rest
+
+A tree step is one forward of n tokens after a KV cache of C tokens, with explicit position ids
+and a 4D additive mask [1, 1, n, C + n] that lets a token see the cache and its own ancestors
+(decoder/engines/hf/forward.py); on CUDA with the tree kernels switched on (decoder/engines/hf/attention.py) the tree
+goes in as parents instead. A step whose profile found a longer forward cheaper is padded to it
+(tokens nothing reads). The CPU's per-shape matmul paths (decoder/engines/hf/cpu_paths.py) stay installed on
+the model's Linears, so every call through the engine runs them.
+"""
+from __future__ import annotations
+
+import torch
+
+from decoder.engines.hf.cache import compact_cache, crop_cache
+from decoder.engine import EngineCaps, Scored, StepInput
+from decoder.engines.hf.forward import prefill, step_mask, tree_forward
+from planner.errors import UserError
+
+
+def model_eos_ids(model, eos_token_id=None) -> set[int]:
+    """The model's end-of-sequence tokens (generation config first, then the model config), or the
+    ones given (an id or a list of ids; False: none)."""
+    if eos_token_id is None and model is not None:
+        gc = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None or eos_token_id is False:
+        return set()
+    return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+
+
+class HFEngine:
+    """A transformers model as the target engine."""
+
+    def __init__(self, model):
+        self.model = model
+        embed = model.get_input_embeddings()
+        self.device, self.dtype = embed.weight.device, embed.weight.dtype
+        self.vocab_size = int(embed.weight.shape[0])
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        cfg = model.config
+        self.model_name = getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", "")
+        self.caps = EngineCaps("hf", hidden_states=True, input_embeddings=True, trees=True, batches=True,
+                               threads=torch.get_num_threads() if self.device.type == "cpu" else None)
+
+    @property
+    def kernel_path(self) -> bool:
+        """Attention through the Triton tree kernels: trees go in as parents, no dense mask."""
+        return getattr(self.model.config, "_attn_implementation", None) == "tree_triton"
+
+    def eos_ids(self) -> set[int]:
+        return model_eos_ids(self.model)
+
+    def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
+              pad_to: dict[int, int] | None = None) -> tuple["HFSequence", torch.Tensor | None]:
+        from transformers import DynamicCache
+
+        ids = prompt_ids.reshape(-1)
+        prompt_hidden = None
+        if ids.numel() > 1:
+            out = prefill(self.model, ids[None, :-1], hidden=hidden)
+            cache = out.cache
+            prompt_hidden = None if out.hidden is None else out.hidden[0]  # [T-1, hidden]
+        else:
+            cache = DynamicCache(config=self.model.config)
+        pad_to = {} if self.kernel_path or not pad_to else {int(k): int(v) for k, v in pad_to.items()}
+        return HFSequence(self, cache, ids.numel() - 1, ids[-1:], pad_to), prompt_hidden
+
+    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True, packed: bool = False,
+                      cuda_graphs: bool = False, seed: int = 0):
+        """packed: b sequences in one row (decoder/batch.py's EMS-SD layout; the model must be switched
+        to packed attention first); cuda_graphs: each length captured once and replayed."""
+        from decoder.engines.hf.timer import HFForwardTimer
+
+        return HFForwardTimer(self.model, context_length, batch_size, tree, packed, cuda_graphs, seed)
+
+    def batch_runner(self, layout: str, seqs: list, started: list["HFSequence"], want_hidden: bool):
+        """The batched forward of decoder/batch.py over the sequences' own prefilled caches."""
+        from decoder.engines.hf.batch import batch_runner
+
+        caches = [s.cache if s.context_length else None for s in started]
+        return batch_runner(self.model, layout, seqs, caches, want_hidden)
+
+    @torch.inference_mode()
+    def teacher_forced(self, ids: torch.Tensor, hidden: bool = False) -> Scored:
+        """Logits (and the last hidden state) at every position of a token sequence [T], no cache."""
+        out = self.model(input_ids=ids.reshape(1, -1).to(self.device), output_hidden_states=hidden, use_cache=False)
+        return Scored(out.logits[0], out.hidden_states[-1][0] if hidden else None)
+
+    def check_room(self, seq: "HFSequence", max_new_tokens: int, step_input: int) -> None:
+        """The whole run must fit the model's positions (and a sliding window, which compaction cannot cross)."""
+        T = seq.context_length + 1
+        longest = T + max_new_tokens + max(step_input, *seq.pad_to.values(), 0)
+        if self.max_positions is not None and longest > self.max_positions:
+            raise UserError(f"model: prompt ({T}) + max_new_tokens ({max_new_tokens}) + step input ({step_input}) "
+                            f"exceeds the model's {self.max_positions} positions")
+        windows = [layer.sliding_window for layer in getattr(seq.cache, "layers", []) if getattr(layer, "is_sliding", False)]
+        if windows and T + max_new_tokens + step_input >= min(windows):
+            raise UserError(f"model: sliding window of {min(windows)} tokens: prompt ({T}) + max_new_tokens ({max_new_tokens}) "
+                            f"+ step input ({step_input}) must stay below it (KV compaction keeps the whole context)")
+
+
+class HFSequence:
+    """One sequence's transformers cache. Invariant: the cache holds every token before the root."""
+
+    def __init__(self, engine: HFEngine, cache, context_length: int, root: torch.Tensor, pad_to: dict[int, int]):
+        self.engine, self.cache = engine, cache
+        self.context_length = context_length
+        self.root = root  # [1] long
+        self.pad_to = pad_to
+
+    def score(self, step: StepInput) -> Scored:
+        args = self._inputs(step)
+        out = tree_forward(self.engine.model, cache=self.cache, **args)
+        n = step.layout.input_length
+        logits = out.logits[0]  # [n or m, V]
+        hidden = None if out.hidden is None else out.hidden[0]
+        if logits.shape[0] > n:  # a padded step: the padding's rows are nobody's
+            logits, hidden = logits[:n], None if hidden is None else hidden[:n]
+        return Scored(logits, hidden)
+
+    def _inputs(self, step: StepInput) -> dict:
+        """The forward's keyword arguments for this step."""
+        lay = step.layout
+        C = self.context_length
+        args = {"position_ids": lay.position_offsets + C, "hidden": step.hidden}
+        if lay.input_length == 1:  # a lone token sees the whole cache and itself: no mask, as in generate
+            args["attention_mask"] = None
+        elif self.engine.kernel_path:  # the tree reaches the kernel as parents; no dense mask
+            args.update(attention_mask=None, tree=_kernel_tree(lay, step.tokens.device))
+        else:
+            args["attention_mask"] = step_mask(lay.mask_block, C)
+        if step.extra_embeds is not None:
+            embed = self.engine.model.get_input_embeddings()
+            x = torch.cat([embed(step.tokens), step.extra_embeds])[None]  # [1, n, hidden]
+            args.update(input_ids=None, inputs_embeds=x)
+        else:
+            args.update(input_ids=step.tokens[None], inputs_embeds=None)
+        m = self.pad_to.get(lay.input_length)
+        if m and args["attention_mask"] is not None:
+            _pad(args, self.root, m, C)
+        return args
+
+    def commit(self, verdict) -> None:
+        # one launch for all layers on the kernel path; a verified path is increasing, so skip the index check's sync
+        self.context_length = compact_cache(self.cache, self.context_length, verdict.path,
+                                            kernel=self.engine.kernel_path, validate=False, nodes=verdict.nodes)
+        self.root = verdict.root
+
+    def rollback(self, length: int) -> None:
+        crop_cache(self.cache, length)
+        self.context_length = min(self.context_length, length)
+
+
+def _kernel_tree(layout, device):
+    if layout.kernel_tree is None:
+        from decoder.engines.hf.attention import prepare_tree
+        from kernels import parents_from_visibility
+
+        layout.kernel_tree = prepare_tree(parents_from_visibility(layout.mask_block), device)
+    return layout.kernel_tree
+
+
+def _pad(args: dict, root: torch.Tensor, m: int, C: int) -> None:
+    """Append m - n tokens that nothing reads, so the forward runs at the length the profile measured
+    cheaper: each sees the cache and itself, no tree token sees them, their logits are dropped and
+    the cache commit keeps accepted tree tokens only, so the step's outcome is the unpadded one's."""
+    pos = args["position_ids"]  # [1, n]
+    n = pos.shape[1]
+    k = m - n
+    args["position_ids"] = torch.cat([pos, pos.new_full((1, k), C)], dim=1)
+    if args["input_ids"] is not None:
+        args["input_ids"] = torch.cat([args["input_ids"], root.expand(k)[None]], dim=1)  # [1, m]
+    else:
+        e = args["inputs_embeds"]  # [1, n, H], the root first
+        args["inputs_embeds"] = torch.cat([e, e[:, :1].expand(1, k, e.shape[2])], dim=1)
+    mask = args["attention_mask"]  # [1, 1, n, C + n]
+    padded = mask.new_full((1, 1, m, C + m), torch.finfo(mask.dtype).min)
+    padded[..., :n, : C + n] = mask
+    padded[..., n:, :C] = 0
+    extra = torch.arange(n, m, device=mask.device)
+    padded[0, 0, extra, C + extra] = 0
+    args["attention_mask"] = padded
+
+
+def as_engine(target):
+    """An engine for `target`: an engine stays as it is, a transformers model is wrapped in an HFEngine."""
+    if hasattr(target, "caps") and hasattr(target, "start"):
+        return target
+    return HFEngine(target)

@@ -1,0 +1,1 @@
+"""The proposers: one module per guesser, and the registry's loader (docs/layout.md)."""

@@ -1,0 +1,303 @@
+"""Draft-model guessing: a small causal LM with the target's tokenizer proposes a token tree.
+
+    guesser = DraftModelGuesser(draft_model)          # any Hugging Face causal LM, same vocabulary
+    out = generate(target, ids, plan="trees/sequoia-draft.json", guesser=guesser)   # plan=None: a chain
+
+The tree's shape comes from the plan (medusa or sequoia trees over draft ranks; no plan: a chain
+of `depth` tokens, classic speculative decoding). Each step the drafter runs one pass per tree
+level over its own KV cache: first the tokens it has not seen yet (the last step's accepted leaf,
+if any, and the root), then the nodes of each level that have children, as a tree with a dense
+mask. A node's children are its rank-ordered guesses: at temperature 0 (and for typical
+acceptance) the top-k tokens of the drafter's distribution; for lossless sampling, tokens drawn
+without replacement, in order, from the drafter's warped distribution q (the target's temperature,
+top-k, top-p), with q handed to verification (decoder.verify.verify_sampled); siblings beyond q's
+support are the drafter's next tokens by logit, verified as deterministic guesses.
+After verification the drafter's cache keeps exactly the accepted tokens it has fed (KV compaction,
+as the target's), so it always equals a prefill of the accepted text.
+
+`DraftCache` is that mechanic, once: the static trees' `DraftSession` is built on it, and so is
+`DraftSource`, the draft LM's per-step pool under a dynamic plan (decoder/guessers/dynamic.py), which
+expands the most probable nodes level by level while a level pays, or under lossless sampling
+drafts a shape chosen before any draw.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from decoder.guessers.draft_cache import DraftCache
+from decoder.guessers.draft_source import DraftSource, SampledDraftSource
+from decoder.engine import vocab_size
+from decoder.engines.hf.forward import tree_depths
+from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.layout import layout_for
+from decoder.verify import Sampling, draw_children, probabilities
+from planner.dynamic import DynamicSpec, GuesserModel
+from planner.errors import UserError
+from planner.tree import PPD, Tree
+
+
+def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
+    """A chain of `depth` rank-0 guesses (speculative decoding's draft of `depth` tokens)."""
+    return tuple((0,) * d for d in range(1, depth + 1))
+
+
+def plan_nodes(plan: Tree | None, depth: int, label: str) -> tuple[tuple[int, ...], ...]:
+    """The static tree a drafter fills: the plan's (medusa or sequoia), or a chain of `depth`."""
+    if plan is None:
+        return chain_nodes(depth)
+    if plan.method == PPD:
+        raise UserError(f"{label}: a ppd plan needs PPD prompt tokens; drafters run medusa or sequoia trees "
+                        "(planner plan medusa|sequoia --accept <the drafter's acceptance>)")
+    nodes = tuple(plan.states[0].nodes)
+    if not nodes:
+        raise UserError(f"{label}: the {plan.method} tree has no candidates")
+    return nodes
+
+
+def contiguous(nodes) -> bool:
+    """Every sibling rank r > 0 has its rank r - 1 sibling: the first k draws of sampling without replacement."""
+    present = set(nodes)
+    return all(p[-1] == 0 or p[:-1] + (p[-1] - 1,) in present for p in nodes)
+
+
+@dataclass
+class TreeShape:
+    """A static tree's structure, host side: parents, levels and rank-ordered children."""
+
+    nodes: tuple[tuple[int, ...], ...]
+    parents: list[int]  # tree index of each token's parent (root: -1)
+    depth: list[int]
+    children: list[list[int]]  # per tree index, children in rank order
+
+    @classmethod
+    def of(cls, nodes) -> "TreeShape":
+        index = {(): 0}
+        parents = [-1]
+        for i, p in enumerate(nodes):
+            parents.append(index[p[:-1]])
+            index[p] = i + 1
+        children: list[list[int]] = [[] for _ in parents]
+        for i in sorted(range(1, len(parents)), key=lambda i: nodes[i - 1][-1]):
+            children[parents[i]].append(i)
+        return cls(tuple(nodes), parents, tree_depths(parents), children)
+
+    def level(self, d: int) -> list[int]:
+        """Tree indices at depth d that have children (leaves are never fed to the drafter)."""
+        return [u for u in range(len(self.parents)) if self.depth[u] == d and self.children[u]]
+
+
+def draft_children(logits: torch.Tensor, k: int, s: Sampling, sampled: bool, gen,
+                   exclude=()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Up to k child tokens from the drafter's logits [V] at one node, in rank order, and q [V] when
+    they were sampled (without replacement, decoder.verify.draw_children) rather than taken as the top-k.
+
+    q is the drafter's own warped distribution (the target's temperature, top-k and top-p): on
+    SmolLM2 and its draft LM at T = 0.7 / top-p 0.9 its first child is accepted more often than
+    with the unwarped softmax(logits / T) (docs/sampling.md). A warped q can hold fewer than k
+    tokens: then fewer come back (`fill_children` completes a static tree's siblings).
+    exclude: earlier siblings' tokens (a hybrid's deterministic guesses), never drawn.
+    """
+    if not sampled:
+        return logits.float().topk(k).indices, None
+    q = probabilities(logits, s)  # [V]
+    return torch.tensor(draw_children(q, k, gen, exclude), dtype=torch.long, device=logits.device), q
+
+
+def fill_children(logits: torch.Tensor, have: torch.Tensor, n: int) -> torch.Tensor:
+    """n more siblings after `have` once q's support is spent: the drafter's best other tokens by
+    logit, as deterministic guesses (point-mass proposals; decoder.verify.verify_sampled). They
+    depend on the node's logits alone, never on a draw, so the tree keeps its shape losslessly."""
+    x = logits.float().clone()
+    x[have] = float("-inf")
+    return x.topk(n).indices
+
+
+class DraftModelGuesser:
+    """A draft LM (any Hugging Face causal LM with the target's vocabulary) that proposes trees.
+
+    top_k: ranks a plan may use per node; depth: the chain length when no plan is given.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, draft_model, top_k: int = 8, depth: int = 4, label: str = "draft model"):
+        if top_k < 1 or depth < 1:
+            raise UserError(f"{label}: top_k and depth must be at least 1")
+        self.draft_model = draft_model.eval()
+        self.top_k = top_k
+        self.depth = depth
+        self.label = label
+
+    @property
+    def num_distances(self) -> int:
+        return self.depth
+
+    def check(self, plan: Tree | None, label: str = "plan") -> None:
+        nodes = plan_nodes(plan, self.depth, label)
+        ranks = max(r for p in nodes for r in p)
+        if ranks >= self.top_k:
+            raise UserError(f"{label}: the plan uses rank {ranks}, the draft guesser gives top-{self.top_k} per node")
+
+    def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
+        self._check_vocab(target)
+        nodes = plan_nodes(plan, self.depth, ctx.label)
+        sampled = ctx.sampling.rule == "lossless"
+        if sampled and not contiguous(nodes):
+            raise UserError(f"{ctx.label}: lossless sampling with a draft model needs contiguous sibling ranks "
+                            "(a sequoia tree): a child is the next draw without replacement")
+        return DraftSession(self.draft_model, nodes, prompt_ids, ctx, sampled)
+
+    def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
+                       ctx: DecodeContext, sampled: bool) -> "DraftSource":
+        self._check_vocab(target)
+        if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/guessers/draft_source.py)
+            gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
+            return SampledDraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
+        return DraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
+
+    def _check_vocab(self, target) -> None:
+        vocab = vocab_size(target)
+        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
+                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+
+
+class DraftSession(DraftCache):
+    """A static tree (the plan's, or a chain) drafted level by level: a node's children are its
+    rank-ordered guesses, top-k or drawn without replacement (`draft_children`)."""
+
+    def __init__(self, draft_model, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
+        super().__init__(draft_model, prompt_ids)
+        self.ctx, self.sampled = ctx, sampled
+        self.shape = TreeShape.of(nodes)
+        self.layout = layout_for(nodes, max(r for p in nodes for r in p) + 1, ctx.dtype, ctx.device)
+        self.max_input_length = self.layout.input_length
+
+    @torch.inference_mode()
+    def propose(self, root: torch.Tensor) -> Proposal:
+        sh = self.shape
+        V = self.model.get_input_embeddings().weight.shape[0]
+        tokens = torch.zeros(len(sh.parents), dtype=torch.long, device=root.device)  # [num_tree], root first
+        tokens[0] = root[0]
+        q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
+        fixed = [False] * len(sh.parents)  # siblings filled in after a warped q's support ran out
+        logits = {0: self.first_pass(root)}  # tree index -> drafter logits [V] at that node
+        for d in range(max(sh.depth)):
+            for u in sh.level(d):
+                kids = sh.children[u]
+                toks, q = draft_children(logits[u], len(kids), self.ctx.sampling, self.sampled, self.ctx.generator)
+                if len(toks) < len(kids):
+                    for c in kids[len(toks):]:
+                        fixed[c] = True
+                    toks = torch.cat([toks, fill_children(logits[u], toks, len(kids) - len(toks))])
+                tokens[kids] = toks
+                if q is not None:
+                    q_all[u] = q
+            fed = sh.level(d + 1)
+            if fed:
+                out = self.level_pass(fed, sh.parents, tokens[fed], [sh.depth[u] for u in fed])  # [len(fed), V]
+                logits.update(zip(fed, out))
+        return Proposal(self.layout, tokens[1:], draft_probs=q_all, deterministic=fixed if any(fixed) else None)
+
+    def commit(self, outcome: StepOutcome) -> None:
+        """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
+        self.keep_accepted(outcome.verdict.nodes[1:], outcome.verdict.emitted)
+
+
+# ---------------------------------------------------------------------------------------------- a draft LM on the target's embedding
+
+DRAFT_LM_WEIGHTS = "draft_lm.safetensors"
+DRAFT_LM_CONFIG = "draft_lm.json"
+DRAFT_LM_FORMAT = "tree-planner/draft-lm"
+
+
+def build_draft_lm(target, num_layers: int = 2, init_from: tuple[int, ...] | None = None):
+    """A Llama of `num_layers` layers of the target's shape that shares the target's embedding and
+    LM head (frozen, never copied): it has the target's tokenizer and stores only its own layers.
+    init_from: target layer indices to start from (default: the first ones)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = type(target.config).from_dict(target.config.to_dict())
+    cfg.num_hidden_layers = num_layers
+    if hasattr(cfg, "layer_types") and cfg.layer_types is not None:
+        cfg.layer_types = cfg.layer_types[:num_layers]
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=next(target.parameters()).dtype)
+    draft.model.embed_tokens = target.get_input_embeddings()
+    draft.lm_head = target.get_output_embeddings()
+    src = init_from or tuple(range(num_layers))
+    for i, j in enumerate(src):
+        draft.model.layers[i].load_state_dict(target.model.layers[j].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    return draft.to(target.device).eval()
+
+
+def own_state(draft) -> dict:
+    """The draft LM's own tensors (its layers and final norm), without the target's shared ones."""
+    return {k: v for k, v in draft.state_dict().items() if k.startswith("model.layers.") or k.startswith("model.norm.")}
+
+
+def save_draft_lm(draft, directory, meta: dict | None = None):
+    from pathlib import Path
+
+    from safetensors.torch import save
+
+    from planner.jsonio import atomic_write_bytes
+
+    directory = Path(directory)
+    tensors = {k: v.detach().half().cpu().contiguous() for k, v in own_state(draft).items()}
+    cfg = {"format": DRAFT_LM_FORMAT, "num_layers": draft.config.num_hidden_layers, **(meta or {})}
+    atomic_write_bytes(directory / DRAFT_LM_WEIGHTS, save(tensors))
+    atomic_write_bytes(directory / DRAFT_LM_CONFIG, (json.dumps(cfg, indent=1) + "\n").encode())
+    return directory
+
+
+def load_draft_model(path, target):
+    """A drafter for `target` from a directory: the project's draft LM (layers only, on the target's
+    embedding and head) or any Hugging Face causal LM directory with the target's vocabulary."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from planner.jsonio import read_json
+
+    path = Path(path)
+    if (path / DRAFT_LM_CONFIG).is_file():
+        cfg = read_json(path / DRAFT_LM_CONFIG)
+        n = cfg.get("num_layers") if isinstance(cfg, dict) else None
+        if cfg.get("format") != DRAFT_LM_FORMAT or not isinstance(n, int) or not 1 <= n <= target.config.num_hidden_layers:
+            raise UserError(f"{path / DRAFT_LM_CONFIG}: expected format {DRAFT_LM_FORMAT!r} and 'num_layers' in "
+                            f"1..{target.config.num_hidden_layers}")
+        try:
+            tensors = load((path / DRAFT_LM_WEIGHTS).read_bytes())
+        except FileNotFoundError:
+            raise UserError(f"{path / DRAFT_LM_WEIGHTS}: file not found") from None
+        except (SafetensorError, ValueError) as e:
+            raise UserError(f"{path / DRAFT_LM_WEIGHTS}: not a safetensors file ({e})") from None
+        draft = build_draft_lm(target, n)
+        want = own_state(draft)
+        if set(tensors) != set(want) or any(tensors[k].shape != want[k].shape for k in want):
+            raise UserError(f"{path / DRAFT_LM_WEIGHTS}: tensors do not fit a {n}-layer draft of this target")
+        draft.load_state_dict({k: v.to(want[k].dtype) for k, v in tensors.items()}, strict=False)
+        return draft.eval()
+    if (path / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=next(target.parameters()).dtype, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: cannot load a draft model ({str(e).splitlines()[0]})") from None
+        return model.to(target.device).eval()
+    raise UserError(f"{path}: neither a draft LM ({DRAFT_LM_CONFIG}) nor a Hugging Face model directory (config.json)")
+
+
+def load(request) -> DraftModelGuesser:
+    """The registry's loader (planner/guessers.py): the draft LM in request.path on the target."""
+    from decoder.engine import torch_model
+
+    depth = request.depth if request.depth is not None else 4
+    return DraftModelGuesser(load_draft_model(request.path, torch_model(request.target)), top_k=request.top_k or 8,
+                             depth=depth, label=str(request.path))

@@ -1,0 +1,452 @@
+"""MTAD: beam-sampled drafts from a small model, joint likelihood-ratio acceptance by the target
+(docs/seed-systems.md, section 'MTAD'; docs/algorithms.md, section 'Verification'). Deliberately not lossless.
+
+    guesser = MTADGuesser(draft_model, width=4, gamma=3)
+    out = generate_mtad(target, ids, guesser, tau_acc=0.1, temperature=1.0, top_k=20, top_p=0.9)
+
+One step:
+  1. draft   the session beam-samples W beams of gamma tokens over the drafter's own cache (W rows,
+             reordered by parent beam every step): candidates (b, v) score s_b + log q~(v | beam b)
+             and W distinct ones are drawn with probability proportional to exp(score) (Gumbel-top-W;
+             at temperature 0 the top W, deterministically). The W final beams are proposed as one
+             tree, the union of their prefixes (beams="best": the highest-likelihood beam as a chain).
+  2. score   the target runs [root, tree] in one forward pass (decoder.loop's own pieces).
+  3. verify  `verify_joint_tree`: per beam, with D_j = log p~(x_j) - log q~(x_j), the longest prefix
+             i* with sum_{j<=i*} D_j >= log tau_acc (i = 0 always passes; planner.mtad.accepted_length
+             is the one rule); the beam with the longest i* wins, ties to the higher draft
+             likelihood; emit x_1..x_{i*} and y ~ p~(. | context, x_1..x_{i*}) (no residual).
+  4. commit  target cache and the winning beam's drafter row are cropped to the accepted text.
+
+Warping: p~ and q~ are the same warp (temperature, then top-k, then top-p; the paper: top-k 20, top-p
+0.9) of the target's and the drafter's logits, in log space: tokens outside the warped support have
+log-probability -inf and simply fail, never NaN. At temperature 0 p~ is one-hot (greedy) and the
+drafter's scores use its distribution at temperature 1 under the same top-k/top-p, so the beams are
+a deterministic beam search rather than W copies of the greedy draft.
+
+What the output follows (and why it is not the target's distribution): a step appends the block
+(x_1..x_{i*}, y) where x is the final beam B_W,gamma(q~) picks (a mode-seeking draw from the
+drafter's joint distribution), i* = i*(x) is a deterministic function of x, and y ~ p~(. | x_{1..i*}):
+
+    P(block = (x_1..x_i, y)) = sum_{x' : x'_{1..i} = x_{1..i}, i*(x') = i} B(x') * p~(y | context, x_{1..i}).
+
+Speculative sampling accepts x_j with probability min(1, p~/q~) and resamples the rejected mass
+from the residual norm(max(p~ - q~, 0)), which makes the block follow p~ exactly. MTAD does neither:
+accepted tokens come from B (beam-selected, not from p~), and nothing puts back the mass the
+threshold removes, so the text leans to sequences both models find likely (lower perplexity).
+Only y is a plain target draw. Limits: tau_acc = inf (allowed here, not by the CLI) never accepts:
+exactly sampling from p~; tau_acc = 0 accepts every draft: drafter beam sampling plus one target
+token per step; temperature 0 with tau_acc > 0: greedy decoding of the target, token for token
+(P_i is 0 for an all-argmax prefix, -inf otherwise, and -Q_i >= 0 >= log tau_acc).
+
+One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rule
+(`Proposal.rule`), which decoder.loop calls instead of decoder.verify.verify; `generate_mtad` is
+`decode` with that guesser and the warp. By default (beams="tree") the target scores all W final
+beams in one forward pass as a tree (shared prefixes once) and the beam with the longest passing
+prefix wins (ties to the higher draft likelihood); beams="best" scores only the highest-likelihood
+beam (the paper's reading; docs/seed-systems.md, section 'MTAD'). What the output follows is the same argument with
+B the beam the verdict picked.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from decoder.engines.hf.cache import crop_cache
+from decoder.guessers.draft import chain_nodes
+from decoder.engine import vocab_size
+from decoder.engines.hf.forward import kv, prefill
+from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.layout import layout_for
+from decoder.loop import decode, select_attention
+from decoder.output import GenerateOutput
+from decoder.verify import Sampling, Verdict, sample, warp
+from planner.errors import UserError
+from planner.mtad import accepted_length, log_threshold
+
+# ---------------------------------------------------------------------------------------------- warping in log space
+
+
+def warped_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [..., V] -> log p~ [..., V] in float32: temperature, then top-k, then top-p, as
+    decoder.verify.warp keeps them (transformers' order and ties), -inf outside the support.
+    Temperature 0: one-hot."""
+    x = logits.float()
+    if s.temperature <= 0:
+        top = x.argmax(-1, keepdim=True)
+        return torch.full_like(x, -math.inf).scatter_(-1, top, 0.0)
+    return warp(x, s).log_softmax(-1)
+
+
+def draft_logprobs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """log q~ for the beam scores: the target's warp; at temperature 0 the drafter's warped
+    distribution at temperature 1 (a one-hot q~ would make every beam the greedy draft)."""
+    if s.temperature <= 0:
+        s = Sampling(1.0, s.top_k, s.top_p)
+    return warped_logprobs(logits, s)
+
+
+def log_ratios(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """D = log p~ - log q~ in float64, -inf wherever either side is -inf (never NaN)."""
+    lp, lq = log_p.double(), log_q.double()
+    ok = torch.isfinite(lp) & torch.isfinite(lq)
+    return torch.where(ok, lp - lq.masked_fill(~ok, 0.0), torch.full_like(lp, -math.inf))
+
+
+# ---------------------------------------------------------------------------------------------- beam sampling
+
+
+def gumbel(shape, generator, device) -> torch.Tensor:
+    """Standard Gumbel noise from the CPU generator (the same draws on any device)."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+def beam_step(scores: torch.Tensor, log_q: torch.Tensor, width: int, generator=None, support: int = 0):
+    """scores [B] (beam log-likelihoods s_b), log_q [B, V] -> (parent [W'], token [W'], new scores [W']).
+
+    Candidates (b, v) score s_b + log q~(v | b). With a generator: Gumbel-top-W, which draws W
+    distinct candidates without replacement with probability proportional to exp(score) (Eq. 2);
+    without: the top W. W' = min(W, candidates). A beam whose score is -inf (fewer than W
+    candidates in the support) is kept for a static shape and never wins.
+    support: when q~ keeps at most this many tokens per row (its top-k), only those are candidates
+    (the same draw, with noise for B x support entries instead of B x V)."""
+    V = log_q.shape[-1]
+    if support and support < V:
+        lq, vocab_idx = log_q.topk(support, dim=-1)  # [B, k]: every finite entry of each row
+    else:
+        lq, vocab_idx = log_q, None
+    cand = (scores[:, None].double() + lq.double()).reshape(-1)  # [B k]
+    keys = cand if generator is None else cand + gumbel(cand.shape, generator, cand.device)
+    idx = keys.topk(min(width, cand.numel())).indices  # [W']
+    k = lq.shape[-1]
+    parent, col = idx // k, idx % k
+    token = col if vocab_idx is None else vocab_idx[parent, col]
+    return parent, token, cand[idx]
+
+
+@dataclass
+class BeamProposal(Proposal):
+    """A chain proposal with the drafter's log q~ of each proposed token and the final beam scores."""
+
+    draft_logq: torch.Tensor | None = None  # [gamma] float, log q~(x_j | x_<j) of the chosen beam
+    beam_scores: torch.Tensor | None = None  # [W'] joint log q~ of every final beam
+
+
+BEAM_MODES = ("tree", "best")
+
+
+class MTADGuesser:
+    """A draft LM (the target's vocabulary) that proposes the best of W beam-sampled drafts of gamma tokens."""
+
+    needs_hidden = False
+    top_k = 1
+
+    def __init__(self, draft_model, width: int = 4, gamma: int = 4, label: str = "draft model",
+                 tau_acc: float | None = None, beams: str = "tree"):
+        for name, x in (("width", width), ("gamma", gamma)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise UserError(f"{label}: MTAD {name} must be an integer >= 1, got {x!r}")
+        if beams not in BEAM_MODES:
+            raise UserError(f"{label}: MTAD beams must be one of {', '.join(BEAM_MODES)}, got {beams!r}")
+        # tree: the target scores all W final beams in one pass (shared prefixes once) and the beam
+        # with the longest passing prefix wins; best: only the highest-likelihood beam (the paper)
+        self.beams = beams
+        if tau_acc is not None:
+            log_threshold(tau_acc)  # a one-line error for a bad threshold
+        self.draft_model = draft_model.eval()
+        self.width, self.gamma, self.label = width, gamma, label
+        # tau_acc: proposals carry the joint rule with this threshold (None: the run's own rule,
+        # e.g. greedy or lossless verification of beam drafts); walks: D_1..D_gamma per step
+        self.tau_acc = tau_acc
+        self.walks: list[list[float]] = []
+
+    @property
+    def num_distances(self) -> int:
+        return self.gamma
+
+    def check(self, plan, label: str = "plan") -> None:
+        if plan is not None:
+            raise UserError(f"{label}: MTAD drafts a chain of gamma tokens; it takes no plan")
+
+    def begin(self, target, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
+        vocab = vocab_size(target)
+        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
+                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        return MTADSession(self, prompt_ids, ctx)
+
+
+class MTADSession:
+    """The drafter's cache holds one row between steps: a prefill of the accepted text it has fed.
+    During drafting it has W rows, one per beam, reordered by parent beam after every selection."""
+
+    def __init__(self, guesser: MTADGuesser, prompt_ids: torch.Tensor, ctx: DecodeContext):
+        self.model, self.width, self.gamma, self.ctx = guesser.draft_model, guesser.width, guesser.gamma, ctx
+        self.tau_acc, self.walks, self.tree = guesser.tau_acc, guesser.walks, guesser.beams == "tree"
+        self.layout = layout_for(chain_nodes(self.gamma), 1, ctx.dtype, ctx.device)
+        self.max_input_length = 1 + self.gamma * (self.width if self.tree else 1)
+        self.beam_rows: torch.Tensor | None = None  # tree: cache row of each final beam (its parent beam)
+        self.beam_nodes: list[list[int]] = []  # tree: tree index of each final beam's tokens
+        ids = prompt_ids.reshape(-1)
+        self.cache = prefill(self.model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(self.model)
+        self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
+        self.base = 0  # cache length after the step's first pass (context + unseen + root)
+        self.sampled = ctx.sampling.temperature > 0
+
+    @torch.inference_mode()
+    def propose(self, root: torch.Tensor) -> BeamProposal:
+        s = self.ctx.sampling
+        gen = self.ctx.generator if self.sampled else None
+        log_q = draft_logprobs(self._first_pass(root)[None], s)  # [1, V]
+        scores = torch.zeros(1, dtype=torch.float64, device=root.device)
+        toks = torch.zeros(1, 0, dtype=torch.long, device=root.device)  # [B, t] each beam's tokens
+        lqs = torch.zeros(1, 0, dtype=torch.float64, device=root.device)  # [B, t] their log q~
+        for t in range(self.gamma):
+            parent, token, scores = beam_step(scores, log_q, self.width, gen, s.top_k)
+            toks = torch.cat([toks[parent], token[:, None]], 1)
+            lqs = torch.cat([lqs[parent], log_q[parent, token].double()[:, None]], 1)
+            if t + 1 < self.gamma:  # the last token is never fed: the target scores it
+                self.cache.reorder_cache(parent)  # row b now holds beam b's history
+                log_q = draft_logprobs(self._beam_pass(token, self.base + t), s)  # [B, V]
+        best = int(scores.argmax())
+        if self.tree:
+            return self._tree_proposal(toks, lqs, scores, parent, best)
+        # the cache rows are the beams before the last selection: keep the chosen beam's parent row
+        self.cache.reorder_cache(parent[best: best + 1])
+        chain = torch.arange(1, self.gamma + 1, device=toks.device)[None]  # the one beam's tree indices
+        rule = None if self.tau_acc is None else partial(
+            _joint_rule, beam_nodes=chain, draft_logq=lqs[best: best + 1], beam_scores=scores[best: best + 1],
+            tau_acc=self.tau_acc, walks=self.walks)
+        return BeamProposal(self.layout, toks[best], rule=rule, draft_logq=lqs[best], beam_scores=scores)
+
+    def _tree_proposal(self, toks, lqs, scores, parent, best: int) -> "BeamProposal":
+        """All final beams as one tree (their union of prefixes); the cache keeps every beam's row until
+        the commit knows which beam the verdict followed."""
+        nodes, node_tokens, self.beam_nodes = beam_trie(toks.tolist())
+        width = max(p[-1] for p in nodes) + 1
+        layout = layout_for(tuple(nodes), width, self.ctx.dtype, self.ctx.device)
+        self.beam_rows = parent
+        tokens = torch.tensor(node_tokens, dtype=torch.long, device=toks.device)
+        beam_nodes = torch.tensor(self.beam_nodes, dtype=torch.long, device=toks.device)  # [W', gamma]
+        rule = None if self.tau_acc is None else partial(
+            _joint_rule, beam_nodes=beam_nodes, draft_logq=lqs, beam_scores=scores, tau_acc=self.tau_acc,
+            walks=self.walks)
+        return BeamProposal(layout, tokens, rule=rule, draft_logq=lqs[best], beam_scores=scores)
+
+    def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
+        """The unseen accepted tokens and the root, as a causal chain (one row): the root's logits [V]."""
+        C = self.cache.get_seq_length()
+        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]  # [1, m]
+        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
+        self.unseen = []
+        self.base = self.cache.get_seq_length()
+        return out.logits[0, -1]
+
+    def _beam_pass(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """One token per beam row at `position`: logits [B, V]."""
+        pos = torch.full((tokens.numel(), 1), position, dtype=torch.long, device=tokens.device)
+        out = self.model(input_ids=tokens[:, None], position_ids=pos, **kv(self.cache), use_cache=True)
+        return out.logits[:, -1]
+
+    def commit(self, outcome: StepOutcome) -> None:
+        """Keep the accepted draft tokens the drafter has fed (at most gamma - 1); the rest waits as unseen."""
+        a = len(outcome.verdict.nodes) - 1
+        if self.tree:  # keep the row of a beam whose prefix is the accepted path (any such row holds it)
+            b = next((i for i, path in enumerate(self.beam_nodes) if path[:a] == outcome.verdict.nodes[1:]), 0)
+            self.cache.reorder_cache(self.beam_rows[b: b + 1])
+        fed = min(a, self.gamma - 1)
+        crop_cache(self.cache, self.base + fed)
+        self.unseen = outcome.verdict.emitted[fed:a]
+
+
+def _empty_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def beam_trie(beams: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[list[int]]]:
+    """Beams [W'][gamma] of token ids -> (rank paths of the union of their prefixes, parents first;
+    each node's token; per beam the tree index of each of its tokens, root = 0). Ranks are the
+    order in which a node's distinct children first appear."""
+    index: dict[tuple[int, ...], int] = {(): 0}
+    path_of: dict[tuple[int, ...], tuple[int, ...]] = {(): ()}
+    children: dict[tuple[int, ...], int] = {}
+    nodes, node_tokens = [], []
+    for j in range(len(beams[0])):  # by depth, so parents come first
+        for beam in beams:
+            prefix = tuple(beam[: j + 1])
+            if prefix in index:
+                continue
+            parent = prefix[:-1]
+            rank = children.get(parent, 0)
+            children[parent] = rank + 1
+            path_of[prefix] = path_of[parent] + (rank,)
+            nodes.append(path_of[prefix])
+            node_tokens.append(beam[j])
+            index[prefix] = len(nodes)
+    beam_nodes = [[index[tuple(beam[: j + 1])] for j in range(len(beam))] for beam in beams]
+    return nodes, node_tokens, beam_nodes
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+@dataclass
+class JointVerdict(Verdict):
+    log_ratios: list[float] = field(default_factory=list)  # D_1..D_gamma of the whole draft (the walk)
+
+
+def _joint_rule(logits, tokens, s: Sampling, generator, *, beam_nodes, draft_logq, beam_scores, tau_acc,
+                walks: list) -> "JointVerdict":
+    """The joint rule as a proposal's own verification (decoder.guesser.Proposal.rule); every
+    step's winning walk D_1..D_gamma is kept (the planner replays them), the last step's included."""
+    verdict = verify_joint_tree(logits, tokens, beam_nodes, draft_logq, beam_scores, s, tau_acc, generator)
+    walks.append(verdict.log_ratios)
+    return verdict
+
+
+def verify_joint(logits: torch.Tensor, tokens: torch.Tensor, draft_logq: torch.Tensor, s: Sampling, tau_acc: float,
+                 generator=None) -> "JointVerdict":
+    """One beam as a chain: logits [gamma + 1, V] over tokens [root, x_1..x_gamma], draft_logq [gamma]
+    = log q~(x_j). P_i - Q_i = sum_{j<=i} D_j with D_j = log p~(x_j | x_<j) - log q~(x_j | x_<j);
+    accept the longest prefix i* with P_i - Q_i >= log tau_acc (i = 0 always passes), emit
+    x_1..x_{i*} and y ~ p~(. | x_{1..i*}) (argmax at temperature 0)."""
+    chain = torch.arange(1, tokens.numel(), device=tokens.device)[None]  # [1, gamma]
+    return verify_joint_tree(logits, tokens, chain, draft_logq[None], torch.zeros(1, dtype=torch.float64), s,
+                             tau_acc, generator)
+
+
+def verify_joint_tree(logits: torch.Tensor, tokens: torch.Tensor, beam_nodes: torch.Tensor, draft_logq: torch.Tensor,
+                      beam_scores: torch.Tensor, s: Sampling, tau_acc: float, generator=None) -> JointVerdict:
+    """The joint rule over all beams scored as one tree. logits [num_tree, V] (root first), tokens
+    [num_tree] (root first), beam_nodes [W', gamma] tree indices, draft_logq [W', gamma] log q~.
+
+    Each beam b is a path; its walk D_bj = log p~(x_bj | its prefix) - log q~(x_bj) gives its
+    accepted length i*_b (the longest passing prefix). The winner has the longest i*_b, ties to the
+    higher draft likelihood; emit its x_1..x_{i*} and y ~ p~ after them. With one beam this is
+    verify_joint. One host copy for the walks, the tokens, the tree indices and the argmaxes."""
+    W, g = beam_nodes.shape
+    parents = torch.cat([beam_nodes.new_zeros(W, 1), beam_nodes[:, :-1]], 1)  # [W', g] tree index before x_bj
+    x = tokens[beam_nodes]  # [W', g]
+    log_p = warped_logprobs(logits, s)[parents, x]  # [W', g]
+    D = log_ratios(log_p, draft_logq.to(log_p.device))
+    host = torch.cat([D.reshape(-1), x.reshape(-1).double(), beam_nodes.reshape(-1).double(),
+                      logits.argmax(-1).double()]).tolist()
+    rows = lambda k: [host[k * W * g + b * g: k * W * g + (b + 1) * g] for b in range(W)]  # noqa: E731
+    walks, toks, nodes, tops = rows(0), rows(1), rows(2), host[3 * W * g:]
+    lengths = [accepted_length(w, tau_acc) for w in walks]
+    scores = beam_scores.tolist()
+    b = max(range(W), key=lambda k: (lengths[k], scores[k]))
+    i = lengths[b]
+    path = [0] + [int(u) for u in nodes[b][:i]]
+    last = path[-1]
+    y = int(tops[last]) if s.temperature <= 0 else int(sample(logits[last], s, generator))
+    dev = tokens.device
+    return JointVerdict(torch.tensor(path, dtype=torch.long, device=dev), path, [int(t) for t in toks[b][:i]] + [y],
+                        torch.tensor([y], dtype=torch.long, device=dev), walks[b])
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class MTADOutput(GenerateOutput):
+    walks: list[list[float]] = field(default_factory=list)  # per step: D_1..D_gamma of its draft (-inf allowed)
+    tau_acc: float = 0.0
+
+
+def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int = 128, tau_acc: float = 0.1,
+                  temperature: float = 1.0, top_k: int = 20, top_p: float = 0.9, eos_token_id=None, seed: int = 0,
+                  attention: str = "auto", phase_times: bool = True) -> MTADOutput:
+    """MTAD decoding of one prompt (1-D or [1, T]) through the one decoding loop, the proposals
+    carrying the joint rule; the warp (temperature, top_k, top_p) is used for the target and the
+    drafter alike. tau_acc >= 0 (inf: no draft is ever accepted)."""
+    log_threshold(tau_acc)  # a one-line error for a bad threshold
+    if max_new_tokens < 1:
+        raise UserError("max_new_tokens: expected a positive integer")
+    guesser.check(None)
+    select_attention(model, attention)
+    before, guesser.tau_acc, guesser.walks = guesser.tau_acc, tau_acc, []
+    try:
+        out = decode(model, input_ids, None, guesser, max_new_tokens, Sampling(temperature, top_k, top_p),
+                     eos_token_id=eos_token_id, seed=seed, phase_times=phase_times, label="mtad")
+    finally:
+        guesser.tau_acc = before
+    return MTADOutput(out.tokens, out.steps, out.stats, walks=guesser.walks, tau_acc=tau_acc)
+
+
+# ---------------------------------------------------------------------------------------------- quality
+
+
+@torch.inference_mode()
+def token_logprobs(model, prompt_ids: torch.Tensor, new_ids) -> torch.Tensor:
+    """log p(new_t | prompt, new_<t) [n] under the model's raw distribution (temperature 1, no warp)."""
+    new = torch.as_tensor(new_ids, dtype=torch.long).reshape(-1)
+    n = new.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    dev = model.get_input_embeddings().weight.device
+    ids = torch.cat([torch.as_tensor(prompt_ids).reshape(-1).cpu(), new])[None].to(dev)
+    logits = model(input_ids=ids, logits_to_keep=n + 1).logits[0, :-1]  # [n, V] predicting each new token
+    return logits.double().log_softmax(-1).gather(1, new.to(dev)[:, None])[:, 0].cpu()
+
+
+def perplexity(model, prompts, outputs) -> float | None:
+    """exp(-sum log p / tokens), pooled over all sequences (token-weighted), under the model's raw
+    distribution. Not under the warped p~: a token outside the warped support (tau_acc = 0 can
+    emit one) would make it infinite. None when there are no tokens."""
+    total, count = 0.0, 0
+    for prompt, out in zip(prompts, outputs):
+        lp = token_logprobs(model, prompt, out)
+        total += float(lp.sum())
+        count += lp.numel()
+    return math.exp(-total / count) if count else None
+
+
+def distinct_n(sequences, n: int) -> float | None:
+    """Distinct-n within each text: sum_i |unique n-grams of i| / sum_i |n-grams of i| (repetition
+    loops lower it; cross-prompt overlap does not count). None when no text has n tokens."""
+    unique = total = 0
+    for seq in sequences:
+        seq = [int(t) for t in seq]
+        grams = [tuple(seq[i: i + n]) for i in range(len(seq) - n + 1)]
+        unique += len(set(grams))
+        total += len(grams)
+    return unique / total if total else None
+
+
+@dataclass
+class TextQuality:
+    perplexity: float | None  # under the target, raw distribution
+    draft_perplexity: float | None  # under the drafter, when given
+    distinct: dict[str, float | None]  # distinct-1, -2, -3
+    tokens: int
+
+    def to_json(self) -> dict:
+        return {"perplexity": self.perplexity, "draft_perplexity": self.draft_perplexity, **self.distinct,
+                "tokens": self.tokens}
+
+
+def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
+    """Quality figures of produced texts `outputs` (token lists) after `prompts`; compute them over
+    the same prompts for every method so they compare."""
+    outputs = [list(map(int, o)) for o in outputs]
+    return TextQuality(perplexity(target, prompts, outputs),
+                       perplexity(draft, prompts, outputs) if draft is not None else None,
+                       {f"distinct_{n}": distinct_n(outputs, n) for n in (1, 2, 3)}, sum(map(len, outputs)))
+
+
+def load(request) -> MTADGuesser:
+    """The registry's loader (planner/guessers.py): the draft LM in request.path; options width, gamma, beams."""
+    from decoder.guessers.draft import load_draft_model
+    from decoder.engine import torch_model
+
+    o = request.options
+    return MTADGuesser(load_draft_model(request.path, torch_model(request.target)), width=o.get("width", 4),
+                       gamma=o.get("gamma", 4), label=str(request.path), tau_acc=o.get("tau_acc"),
+                       beams=o.get("beams", "tree"))

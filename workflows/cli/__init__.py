@@ -1,0 +1,1 @@
+"""The `planner` command: one cmd_*.py per subcommand, and the inputs they share."""

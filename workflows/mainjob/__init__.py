@@ -1,0 +1,1 @@
+"""The main job, `planner autotune`: profile, acceptance, plan, race, write (docs/main-job.md)."""

@@ -1,0 +1,91 @@
+"""What the main job's phases share: the run (model, engine, guessers, run folder), its clock, and
+one `Budget` that holds every time budget of the run."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PHASES = 6
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Every time budget of one autotune run, in one place (seconds unless a share)."""
+
+    total_s: float = 240.0  # the whole run, model loading to report (--budget)
+    profile_max_s: float = 45.0  # profiling at most this long (--profile-budget) ...
+    profile_share: float = 0.2  # ... and at most this share of the whole run
+    matmul_share: float = 0.35  # of the profiling time (CPU): choosing each Linear's matmul path; the rest times L(n)
+    acceptance_share: float = 0.35  # of the time left when acceptance starts (the race needs the rest) ...
+    # ... but never fewer prompts than this: acceptance and calibration do not depend on the machine's
+    # load, only their time does, so a busy machine takes longer rather than plan from 2 prompts (a
+    # run with one core busy did, and decided differently from the quiet run)
+    accept_prompts_min: int = 6
+    report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
+    llama_plain_s: float = 15.0  # llama.cpp's plain decoding of a few race prompts (a comparison), kept out too
+
+    @property
+    def after_race_s(self) -> float:
+        """What the run does after the race: it is kept out of the race's deadline."""
+        return self.report_reserve_s + self.llama_plain_s
+
+    @property
+    def profile_s(self) -> float:
+        return min(self.profile_max_s, self.profile_share * self.total_s)
+
+
+@dataclass
+class Clock:
+    """Elapsed time against the budget, and one progress line per phase with the time left."""
+
+    budget_s: float
+    say: object
+    t0: float = field(default_factory=time.time)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def phase(self, k: int, text: str, eta_s: float) -> None:
+        self.say(f"[{k}/{PHASES}] {text}  ({self.elapsed():.0f} s in; about {max(eta_s, 0):.0f} s left, "
+                 f"budget {self.budget_s / 60:.1f} min)")
+
+
+@dataclass
+class Run:
+    """One autotune run: what every phase reads."""
+
+    settings: object  # workflows.mainjob.pipeline.AutotuneSettings
+    loaded: object  # decoder.engines.hf.load.LoadedModel
+    engine: object  # the target engine every decode runs on (decoder/engine.py)
+    guessers: dict  # kind -> guesser (decoder/guessers/registry.py)
+    tokenizer: object
+    device: str
+    out_dir: Path
+    say: object  # print, or a no-op when quiet
+    clock: Clock
+    budget: Budget
+    replays: list | None = None  # the shared greedy decode's teachers (profiler.replay.Teacher), per prompt
+    free_cores: bool = False  # torch's threads were cut to the cores other processes left free
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+
+def shown(path) -> str:
+    """Paths under the working directory are recorded relative to it, so a run folder can be moved or committed."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def default_out(device: str, model_name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return REPO / "runs" / f"{stamp}-{device}-{model_name}"

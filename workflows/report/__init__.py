@@ -1,0 +1,1 @@
+"""`planner report`: the figures and the index page (docs/reports.md)."""

@@ -1,0 +1,1 @@
+"""`planner tune`: Optuna search over the planner's and decoder's knobs (docs/tune.md)."""
