@@ -1,0 +1,286 @@
+"""vLLM's OpenAI-compatible server (decoder/engines/vllm/server.py) under the load generator.
+
+Without vLLM: a fake `vllm.entrypoints.openai.api_server` module (a fake venv whose python runs it)
+starts two child processes like vLLM's engine core and worker, answers /health, or dies with
+vLLM's kind of log. It checks every fault path: a missing environment and a taken port are one
+line each, a rejected config is one line with the reason, and the whole process group is gone after
+a normal exit, an exception, Ctrl-C while starting, a startup timeout and interpreter exit.
+
+With vLLM (scripts/setup_vllm.sh; skipped with the reason where it is absent, unless
+TREE_PLANNER_REQUIRE_VLLM=1): three server starts in all, 30-60 s each on a 2-core CPU. SmolLM2
+plain and with ngram speculation serve the same concurrent greedy requests (token ids and a chat
+request), which must decode the same tokens, and the speculating server's metrics must show drafts;
+a config vLLM rejects must be one line with vLLM's own reason.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from decoder.engines.vllm import env as vllm_env
+from decoder.engines.vllm.server import VllmServer, failure_reason, group_members
+from planner.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = os.environ.get("TREE_PLANNER_REQUIRE_VLLM") == "1"
+PYTHON = vllm_env.venv_python()
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+# What vLLM 0.32 logged for a rejected --speculative-config (cut), and the wrapper error after it.
+REJECT_LOG = (
+    "(APIServer pid=7) INFO 11-27 07:36:04 [model.py:2152] Using max model len 2048\n"
+    "Traceback (most recent call last):\n"
+    '  File "arg_utils.py", line 2099, in create_speculative_config\n'
+    "pydantic_core._pydantic_core.ValidationError: 1 validation error for SpeculativeConfig\n"
+    "  Value error, prompt_lookup_min=3 must be <= prompt_lookup_max=1 [type=value_error, "
+    "input_value=ArgsKwargs(()), input_type=ArgsKwargs]\n"
+    "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n"
+    "(APIServer pid=7) ERROR 11-27 07:36:04 [core.py:1] RuntimeError: Engine core initialization failed. "
+    "See root cause above.\n")
+# The fake server, FAKE_VLLM=serve|reject|hang. Its children ignore SIGTERM in "hang" mode, so
+# stopping must escalate to SIGKILL.
+FAKE_SERVER = '''
+import http.server, os, subprocess, sys, time
+mode = os.environ["FAKE_VLLM"]
+port = int(sys.argv[sys.argv.index("--port") + 1])
+print("(APIServer pid=%d) INFO [api_utils.py:286] non-default args: %s" % (os.getpid(), sys.argv[1:]), flush=True)
+if mode == "reject":
+    sys.stdout.write(os.environ["FAKE_VLLM_LOG"])
+    sys.exit(1)
+ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)" if mode == "hang" else "pass"
+for _ in range(2):
+    subprocess.Popen([sys.executable, "-c", "import signal, time; %s; time.sleep(3600)" % ignore])
+if mode == "hang":
+    time.sleep(3600)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch) -> dict[str, str]:
+    """A complete-looking vLLM venv whose python runs FAKE_SERVER; returns the env for VllmServer."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / vllm_env.STAMP).write_text("")
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    monkeypatch.setenv("TREE_PLANNER_VLLM_VENV", str(venv))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return {"PYTHONPATH": str(tmp_path / "fake"), "model": str(model), "log": str(tmp_path / "server.log")}
+
+
+def _server(fake: dict[str, str], mode: str, **kw) -> VllmServer:
+    env = {"PYTHONPATH": fake["PYTHONPATH"], "FAKE_VLLM": mode, "FAKE_VLLM_LOG": REJECT_LOG}
+    server = VllmServer(fake["model"], env=env, startup_timeout_s=kw.pop("startup_timeout_s", 60), log_path=fake["log"],
+                        **kw)
+    server.stop_grace_s = 1.0
+    return server
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- fault paths, no vLLM
+
+def test_a_missing_environment_says_how_to_make_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREE_PLANNER_VLLM_VENV", str(tmp_path / "nothing"))
+    assert vllm_env.venv_python() is None
+    with pytest.raises(UserError) as e:
+        VllmServer(tmp_path).start()
+    assert _one_line(e) == f"the vLLM environment {tmp_path / 'nothing'} is not set up: run bash scripts/setup_vllm.sh"
+
+
+def test_the_environment_is_found_as_the_setup_makes_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("TREE_PLANNER_VLLM_VENV", raising=False)
+    monkeypatch.setenv("TREE_PLANNER_CACHE", str(tmp_path))
+    assert vllm_env.venv_dir() == tmp_path / "vllm-venv"
+    (tmp_path / "vllm-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm-venv" / "bin" / "python").write_text("")
+    assert vllm_env.venv_python() is None  # no stamp: the setup did not finish
+    (tmp_path / "vllm-venv" / vllm_env.STAMP).write_text("")
+    assert vllm_env.require_python() == tmp_path / "vllm-venv" / "bin" / "python"
+
+
+def test_a_taken_port_is_one_line(fake_vllm):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(UserError) as e:
+            _server(fake_vllm, "serve", port=port).start()
+    assert _one_line(e).startswith(f"port {port}: 127.0.0.1:{port} is already in use")
+
+
+def test_a_rejected_config_is_one_line_with_the_reason(fake_vllm):
+    server = _server(fake_vllm, "reject", speculative_config={"method": "ngram"})
+    with pytest.raises(UserError) as e:
+        server.start()
+    msg = _one_line(e)
+    assert "exited with code 1 while starting: ValidationError: 1 validation error for SpeculativeConfig: " \
+           "Value error, prompt_lookup_min=3 must be <= prompt_lookup_max=1 (log: " in msg
+    assert "--speculative-config" in server.log_path.read_text()  # the log stays for diagnosis
+
+
+def test_the_group_is_gone_after_a_normal_exit_and_an_exception(fake_vllm):
+    with _server(fake_vllm, "serve") as server:
+        pgid = server.pgid
+        assert len(group_members(pgid)) == 3 and server.alive()  # the server and its two children
+        assert server.url.startswith("http://127.0.0.1:")
+    assert group_members(pgid) == [] and not server.alive()
+    with pytest.raises(RuntimeError, match="boom"):
+        with _server(fake_vllm, "serve") as server:
+            pgid = server.pgid
+            raise RuntimeError("boom")
+    assert group_members(pgid) == []
+
+
+def test_ctrl_c_while_starting_stops_the_group_even_when_children_ignore_sigterm(fake_vllm):
+    server = _server(fake_vllm, "hang")
+    seen = []
+
+    def ctrl_c(signum, frame):
+        seen.append(server.pgid)
+        raise KeyboardInterrupt  # what Ctrl-C does in the middle of waiting for /health
+
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.start()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert seen and group_members(seen[0]) == []
+
+
+def test_a_startup_timeout_is_one_line_and_stops_the_group(fake_vllm):
+    server = _server(fake_vllm, "hang", startup_timeout_s=2)
+    with pytest.raises(UserError) as e:
+        server.start()
+    assert "did not answer /health within 2 s (log: " in _one_line(e)
+    assert group_members(server.pgid) == [] and not server.alive()
+
+
+def test_interpreter_exit_stops_the_group(fake_vllm, tmp_path):
+    """A program that never stops its server: atexit does."""
+    code = textwrap.dedent(f"""
+        import sys
+        from decoder.engines.vllm.server import VllmServer
+        env = {{"PYTHONPATH": {fake_vllm['PYTHONPATH']!r}, "FAKE_VLLM": "serve"}}
+        s = VllmServer({fake_vllm['model']!r}, env=env, log_path={fake_vllm['log']!r})
+        s.start()
+        print(s.pgid, flush=True)
+        sys.exit(0)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert group_members(int(r.stdout.strip())) == []
+
+
+def test_failure_reason_reads_vllms_log(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("\x1b[1;36m(EngineCore_DP0 pid=9)\x1b[0m ERROR 11-27 07:36:04 [core.py:1] EngineCore failed\n"
+                   "(EngineCore_DP0 pid=9) ERROR 11-27 07:36:04 [core.py:1] ValueError: no KV cache memory\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert failure_reason(log) == "ValueError: no KV cache memory"
+    log.write_text("just a line\n\n")
+    assert failure_reason(log) == "just a line"
+    assert failure_reason(tmp_path / "none") == "(the log is empty)"
+
+
+# ---------------------------------------------------------------------------------------------- real vLLM
+
+def _require_vllm() -> None:
+    if PYTHON is None:
+        reason = f"the vLLM environment {vllm_env.venv_dir()} is not set up (bash {vllm_env.SETUP})"
+        if REQUIRED:
+            pytest.fail(f"TREE_PLANNER_REQUIRE_VLLM=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    _require_vllm()
+    from decoder.engines.shipped import model_dir  # the project's converted SmolLM2 (Hugging Face form, cached)
+
+    return model_dir("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory) -> dict:
+    """The same greedy load (4 token-id requests and a chat request, 3 at a time) on a plain server
+    and an ngram-speculating one: their load results, metric deltas and process groups."""
+    from transformers import AutoTokenizer
+
+    from profiler.load_generator import TokenRequest, run_load
+    from profiler.serving_metrics import fetch_spec_decode
+    from profiler.workload import Request
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["Repeat exactly: one two three, one two three, one two three.", "What is the capital of France?",
+                 "List the numbers from 1 to 10.", "Say hello twice."]
+    ids = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+           for q in questions]
+    ids = [p["input_ids"] if hasattr(p, "keys") else p for p in ids]  # transformers 5 returns a BatchEncoding
+    greedy = {"temperature": 0}
+    requests = [TokenRequest(list(map(int, p)), 16, greedy) for p in ids]
+    requests.append(Request([{"role": "user", "content": "Count: 1, 2, 3, 1, 2, 3, 1, 2, 3"}], 16, greedy))
+    out = {}
+    for name, cfg in (("plain", None), ("ngram", NGRAM)):
+        log = tmp_path_factory.mktemp("vllm") / f"{name}.log"
+        with VllmServer(smollm2, speculative_config=cfg, log_path=log) as server:
+            before = fetch_spec_decode(server.url)
+            result = run_load(server.url, server.served_model_name, requests, concurrency=3, timeout_s=300)
+            out[name] = {"result": result, "spec": fetch_spec_decode(server.url) - before, "pgid": server.pgid}
+    return out
+
+
+def test_speculation_decodes_plains_tokens_under_concurrent_load(served):
+    plain, ngram = served["plain"]["result"], served["ngram"]["result"]
+    for result in (plain, ngram):
+        assert [r.error for r in result.records] == [None] * 5
+        assert all(r.output_tokens == len(r.token_ids) > 0 for r in result.records)  # vLLM returns the ids
+        assert result.output_tokens_per_s > 0 and result.tpot_p50_s > 0 and result.ttft_p50_s > 0
+    assert [r.token_ids for r in ngram.records] == [r.token_ids for r in plain.records]
+    assert [r.text for r in ngram.records] == [r.text for r in plain.records]
+    spec = served["ngram"]["spec"]
+    assert spec.speculating and spec.drafts > 0 and len(spec.accepted_per_position) == 3
+    assert not served["plain"]["spec"].speculating
+
+
+def test_no_server_process_is_left(served):
+    assert [group_members(served[name]["pgid"]) for name in ("plain", "ngram")] == [[], []]
+
+
+def test_a_config_vllm_rejects_is_one_line_with_vllms_reason(smollm2, tmp_path):
+    bad = dict(NGRAM, prompt_lookup_min=3, prompt_lookup_max=1)
+    server = VllmServer(smollm2, speculative_config=bad, log_path=tmp_path / "rejected.log")
+    with pytest.raises(UserError) as e:
+        server.start()
+    msg = _one_line(e)
+    assert "while starting: ValidationError: 1 validation error for SpeculativeConfig" in msg, msg
+    assert "prompt_lookup_min=3 must be <= prompt_lookup_max=1" in msg and "Traceback" not in msg
+    assert group_members(server.pgid) == []
