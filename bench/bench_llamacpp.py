@@ -71,13 +71,13 @@ def build_prompts(tokenizer, stock, n_chat: int, n_repeat: int) -> list[tuple[st
     return rows
 
 
-def contenders(args, target, plans: dict, stock: dict, hf) -> dict:
+def contenders(args, engine, plans: dict, stock: dict, hf) -> dict:
     """name -> fn(ids) -> (tokens, seconds)."""
     from decoder.guesser import PlainGuesser
     from decoder.loop import generate
     from decoder.guessers.registry import LoadRequest, load_guesser
 
-    eng = target.engine
+    eng = engine
     out = {BASE: lambda ids: stock["plain"].greedy(ids, args.tokens)}
     for k in (4, 10):
         out[f"llama.cpp lookup {k}"] = (lambda s: lambda ids: s.greedy(ids, args.tokens))(stock[k])
@@ -234,7 +234,7 @@ def run(args) -> int:
     from planner.jsonio import atomic_write_bytes, atomic_write_json
     from planner.profile import load_profile
     from planner.tree import load_tree
-    from workflows.cli.llama_target import open_llama
+    from decoder.engines.registry import EngineRequest, open_engine
 
     if args.smoke:
         args.chat, args.repeat, args.tokens, args.repeats, args.no_hf = 1, 0, 16, 1, True
@@ -249,24 +249,24 @@ def run(args) -> int:
                                       if isinstance(t.provenance.get("profile"), str)), None)
     profile = load_profile(prof_path) if prof_path else None
     load_before = round(os.getloadavg()[0], 2)
-    target = open_llama("smollm2-135m", args.threads)
-    tokenizer = target.tokenizer()
-    stock = {"plain": StockLlama(target.gguf, args.threads), 4: StockLlama(target.gguf, args.threads, lookup=4),
-             10: StockLlama(target.gguf, args.threads, lookup=10)}
+    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=args.threads, context=4096))
+    tokenizer = engine.tokenizer
+    stock = {"plain": StockLlama(engine.path, args.threads), 4: StockLlama(engine.path, args.threads, lookup=4),
+             10: StockLlama(engine.path, args.threads, lookup=10)}
     prompts = build_prompts(tokenizer, stock["plain"], args.chat, args.repeat)
     hf = None
     if not args.no_hf:
         from decoder.engines.hf.load import load_model
 
         hf_model = load_model("smollm2-135m", device="cpu", dtype="fp32").model
-        hf = (hf_model, sorted(target.engine.eos_ids()))
-    fns = contenders(args, target, plans, stock, hf)
+        hf = (hf_model, sorted(engine.eos_ids()))
+    fns = contenders(args, engine, plans, stock, hf)
     seconds, tokens, interrupted = measure(args, prompts, fns)
     ceil = ceilings(prompts, tokens[BASE], profile) if profile is not None else {}
     result = summarise(prompts, seconds, tokens, ceil)
-    doc = {"model": target.name, "model_file": str(target.gguf), "tokens": args.tokens, "repeats": args.repeats,
+    doc = {"model": engine.model_name, "model_file": str(engine.path), "tokens": args.tokens, "repeats": args.repeats,
            "machine": machine(args.threads), "load_before": load_before, "load_after": round(os.getloadavg()[0], 2),
-           "llama_cpp": target.engine.describe(), "plans": args.plan, "profile": prof_path,
+           "llama_cpp": engine.describe(), "plans": args.plan, "profile": prof_path,
            "prompts": [{"id": pid, "group": g, "length": int(ids.numel())} for pid, g, ids in prompts],
            "ceilings": ceil, "result": result, "seconds": seconds, "interrupted": interrupted,
            "command": "python3 bench/bench_llamacpp.py " + " ".join(sys.argv[1:])}

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from decoder.engines.hf.load import PRESET_DIR, _load_config, load_model  # noqa: E402
+from decoder.engines.hf.load import _load_config, load_model  # noqa: E402
+from decoder.engines.models import PRESET_DIR  # noqa: E402
 
 
 def build_cheap(preset: str) -> float:

@@ -404,19 +404,20 @@ def _llama_side(a) -> LlamaSide | None:
     """llama.cpp's engine, its own Llama and the plans, or None (with the reason printed) when
     llama-cpp-python or the model's GGUF is missing, or --no-llama."""
     from decoder.engines.llama_cpp.stock import StockLlama
-    from workflows.cli.llama_target import open_llama
+    from decoder.engines.registry import EngineRequest, open_engine
 
     if a.no_llama:
         return None
     before = torch.get_num_threads()
     try:
-        target = open_llama("smollm2-135m", a.threads, progress=False)
+        engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=a.threads, context=4096,
+                                                        progress=False, install=False))
     except UserError as e:
         print(f"bench_sampling: llama.cpp rows skipped: {e}", file=sys.stderr)
         return None
     finally:  # the engine keeps torch on one thread for itself (LlamaEngine); the hf rows run on the machine's
         torch.set_num_threads(before)
-    side = LlamaSide(target.engine, StockLlama(target.gguf, target.engine.threads, n_ctx=target.engine.n_ctx))
+    side = LlamaSide(engine, StockLlama(engine.path, engine.threads, n_ctx=engine.n_ctx))
     if a.smoke:
         from decoder.guessers.lookup import PromptLookupGuesser
 
@@ -425,7 +426,7 @@ def _llama_side(a) -> LlamaSide | None:
                         "not speeds)")
         return side
     for path in a.llama_plan:
-        key, plan = _llama_plan(path, target.engine)
+        key, plan = _llama_plan(path, engine)
         if key in a.settings:
             side.plans[key] = plan
     return side

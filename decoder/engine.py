@@ -24,23 +24,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from planner.engines import EngineCaps  # noqa: F401 (the registry's, re-exported)
 from planner.errors import UserError
 
 if TYPE_CHECKING:
     from decoder.layout import StepLayout
     from decoder.verify import Verdict
-
-
-@dataclass(frozen=True)
-class EngineCaps:
-    """What an engine can do; guessers and workflows ask these instead of comparing engine names."""
-
-    name: str  # the engine's name in plan files and on the command line: "hf", "llama.cpp"
-    hidden_states: bool  # returns the target's last hidden state per input (ParallelSpec, chain, PPD training)
-    input_embeddings: bool  # takes inputs that are not vocabulary tokens (PPD prompt tokens)
-    trees: bool  # scores a tree (tokens sharing ancestors) in one forward; False: one chain per step
-    batches: bool  # decodes several sequences in one forward (decoder/batch.py)
-    threads: int | None = None  # CPU threads the engine computes with (None: the library's choice)
 
 
 @dataclass
@@ -79,8 +68,22 @@ class Sequence(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TimerSpec:
+    """The forwards a profile times: n new tokens after a random context of `context_length` tokens."""
+
+    context_length: int
+    batch_size: int = 1  # sequences per forward (engines with caps.batches)
+    tree: bool = True  # a tree (node i under (i - 1) // 2, every row's logits) or a chain; chain-only engines time chains
+    packed: bool = False  # the batch's rows as one packed row (EMS-SD's layout, decoder/batch.py)
+    cuda_graphs: bool = False  # each length captured once and replayed (CUDA)
+    seed: int = 0  # the random context's and tokens' draws
+
+
 class ForwardTimer(Protocol):
     """The profiler's cheap timing call: forwards of n new tokens after a fixed context."""
+
+    description: str  # the timed input in words (the tree's shape, the position ids), for the profile file
 
     def warm(self, n: int, times: int = 1) -> None:
         """Build the input for n tokens and run it `times` times untimed (first-call costs)."""
@@ -94,17 +97,34 @@ class ForwardTimer(Protocol):
         """Forget length n (after an out-of-memory error there) and restore the context."""
         ...
 
+    def close(self) -> None:
+        """Undo what timing switched on (a packed attention path) and free the context."""
+        ...
+
 
 class Engine(Protocol):
+    """The one door to a model: profiling, acceptance, calibration and replay, decoding, the race and
+    the main job reach the model only through these (opened once at the command-line boundary by
+    decoder/engines/registry.py); what an engine lacks it says in `caps`."""
+
     caps: EngineCaps
     model_name: str  # what records (acceptance, profiles) call the target
     vocab_size: int
     device: torch.device
     dtype: torch.dtype  # of the logits it returns and of any input embeddings it takes
     max_positions: int | None  # longest sequence (prompt + answer + step inputs); None: unbounded
+    tokenizer: object  # the model's tokenizer with its chat template (None: a model without one, e.g. a preset)
 
     def eos_ids(self) -> set[int]:
         """The model's end-of-sequence tokens."""
+        ...
+
+    def record(self) -> dict:
+        """What files record about the target: engine, model, source, weights, arithmetic, device, threads."""
+        ...
+
+    def versions(self) -> dict:
+        """The libraries the engine computes with, and their versions (profiles record them)."""
         ...
 
     def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
@@ -125,15 +145,37 @@ class Engine(Protocol):
         no cache kept: the acceptance pass reads what the target predicts along a known text."""
         ...
 
-    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True) -> ForwardTimer:
-        """Forwards after a random context of `context_length` tokens: a tree (node i under (i-1)//2,
-        every logit) or a chain; batch_size sequences where the engine batches."""
+    def stock_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, sampling=None,
+                       seed: int = 0) -> tuple[list[int], float]:
+        """The engine's library's own generation (transformers' generate, llama.cpp's): the baseline a
+        user would otherwise run. (new tokens up to and including EOS, wall seconds with the prefill)."""
+        ...
+
+    def check_lengths(self, input_lengths: list[int], context_length: int, batch_size: int = 1) -> None:
+        """A one-line error when a profile's forwards cannot fit (positions, context, memory)."""
+        ...
+
+    def forward_timer(self, spec: TimerSpec) -> ForwardTimer:
+        """Forwards after a random context, as `spec` says; an engine refuses what it cannot time."""
+        ...
+
+    def reserve(self, tokens: int) -> None:
+        """Room for sequences of up to `tokens` tokens before decoding starts (an engine with a fixed
+        context sizes it to what the run needs; the others need nothing)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's model (a library context, a server)."""
         ...
 
     # engines with caps.batches also have:
     #   batch_runner(layout, seqs, started_sequences, want_hidden) -> a runner with forward(live,
     #   proposals, stats) -> per-sequence (logits, hidden), commit(live, proposals, verdicts, stats),
     #   drop(finished), close()  (decoder/batch.py drives it)
+    # caps.torch_modules: torch_model() -> the torch model its guessers, PEARL, MTAD and training share
+    # caps.matmul_paths: choose_matmul_paths(rows, context_length, budget_s, seed, progress) -> the
+    #   profile's "matmul_paths"; use_matmul_paths(profile file | table | None)
+    # caps.tree_kernels: select_attention("auto" | "kernels" | "dense")
 
 
 @dataclass(frozen=True)
@@ -146,28 +188,37 @@ class Needs:
     hf_model: bool = False  # it reads the target's own torch modules (embeddings, LM head)
 
 
-def refuse(caps: EngineCaps, kind: str, needs: Needs) -> None:
-    """A one-line error when an engine cannot run a guesser, before anything is loaded or decoded."""
-    lacking = [what for what, need, have in (
+def lacking(caps: EngineCaps, needs: Needs) -> list[str]:
+    """What a guesser with these needs would miss on an engine with these capabilities."""
+    return [what for what, need, have in (
         ("hidden states", needs.hidden_states, caps.hidden_states),
         ("non-token input embeddings", needs.input_embeddings, caps.input_embeddings),
         ("tree-shaped forwards", needs.trees, caps.trees),
-        ("the target's torch modules", needs.hf_model, caps.name == "hf"),
+        ("the target's torch modules", needs.hf_model, caps.torch_modules),
     ) if need and not have]
-    if lacking:
-        raise UserError(f"--engine {caps.name}: the {kind} guesser needs {' and '.join(lacking)}, which the "
-                        f"{caps.name} engine does not give; use --engine hf, or another guesser")
+
+
+def refuse(caps: EngineCaps, kind: str, needs: Needs) -> None:
+    """A one-line error when an engine cannot run a guesser, before anything is loaded or decoded;
+    it names the registered engines that can."""
+    missing = lacking(caps, needs)
+    if missing:
+        from planner.engines import kinds
+
+        able = [k.name for k in kinds() if not lacking(k.caps, needs)]
+        instead = f"use --engine {' or '.join(able)}, or another guesser" if able else "use another guesser"
+        raise UserError(f"--engine {caps.name}: the {kind} guesser needs {' and '.join(missing)}, which the "
+                        f"{caps.name} engine does not give; {instead}")
 
 
 def torch_model(target):
-    """The transformers model behind a target (an HFEngine's, or a bare model): for guessers that
-    share the target's embeddings or LM head (ParallelSpec, the project's draft LM)."""
-    model = getattr(target, "model", None) if hasattr(target, "caps") else target
-    if model is None or not hasattr(model, "get_input_embeddings"):
-        name = target.caps.name if hasattr(target, "caps") else type(target).__name__
-        raise UserError(f"--engine {name}: this guesser shares the target's torch modules, which the {name} engine "
-                        "does not have; use --engine hf")
-    return model
+    """The torch model behind a target that lends its modules (caps.torch_modules), or a bare model:
+    for guessers that share the target's embeddings or LM head (ParallelSpec, the project's draft LM)."""
+    if not hasattr(target, "caps"):
+        return target
+    if not target.caps.torch_modules:
+        refuse(target.caps, "this", Needs(hf_model=True))
+    return target.torch_model()
 
 
 def vocab_size(target) -> int:
@@ -175,3 +226,23 @@ def vocab_size(target) -> int:
     if hasattr(target, "caps"):
         return int(target.vocab_size)
     return int(target.get_input_embeddings().weight.shape[0])
+
+
+def as_engine(target):
+    """An engine for `target`: an engine stays as it is; a bare transformers model, or one loaded by
+    decoder/engines/hf/load.py (library callers, tests), is the hf engine's."""
+    if hasattr(target, "caps") and hasattr(target, "start"):
+        return target
+    from decoder.engines.hf.engine import HFEngine
+
+    if hasattr(target, "config_hash") and hasattr(target, "model"):  # a LoadedModel
+        return HFEngine(target.model, loaded=target)
+    return HFEngine(target)
+
+
+def is_oom(e: BaseException) -> bool:
+    """An out-of-memory error of torch on any device (the profiler drops the length and goes on)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)

@@ -16,6 +16,9 @@ import time
 
 import torch
 
+from dataclasses import replace
+
+from decoder.config import DecodeConfig, decode_config
 from decoder.engine import StepInput
 from decoder.guesser import (
     DecodeContext,
@@ -23,7 +26,7 @@ from decoder.guesser import (
     PlainGuesser,
     StepOutcome,
 )
-from decoder.engines.hf.engine import as_engine, model_eos_ids
+from decoder.engine import as_engine
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.noise import PositionNoise
 from decoder.verify import Sampling, verify
@@ -38,32 +41,29 @@ def as_tree(plan) -> tuple[Tree | None, str]:
     return load_tree(plan), str(plan)
 
 
-def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, verify_rule: str = "auto", eps: float = 0.09, delta: float = 0.3,
-             eos_token_id=None, seed: int = 0, record_guesses: bool = False, progress: bool = False,
-             attention: str = "auto", phase_times: bool = True, layout: str = "packed", matmul_paths=None):
+def generate(target, input_ids, plan=None, guesser=None, max_new_tokens: int | None = None, *,
+             config: DecodeConfig | None = None, **options):
     """Decode with a plan (a tree file path or a loaded Tree; None for guessers that need none) and
     a guesser (PromptTokens, OracleGuesser, a draft model, ...; decoder/guesser.py), on a target:
-    a transformers model (wrapped in decoder.engines.hf.engine.HFEngine) or any decoder/engine.py engine.
+    any decoder/engine.py engine, or a transformers model (the hf engine's).
 
-    verify_rule: auto (greedy at temperature 0, lossless sampling above), greedy, typical, lossless,
-    coupled (plain sampling's own text with the same seed: decoder/noise.py).
-    attention (transformers models): "auto" (the Triton tree kernels on CUDA when triton is
-    installed, else a dense 4D mask through the model's own attention), "kernels" or "dense".
-    Enabling the kernels switches the model to the "tree_triton" attention implementation, which
-    keeps using SDPA for every call that is not a tree step.
-    input_ids: one prompt (1-D, or [1, T]) -> a GenerateOutput; a list of prompts of any lengths ->
-    one GenerateOutput per prompt, in order, decoded together in `layout` "packed" (EMS-SD, no
-    padding) or "padded" (the vanilla baseline); see decoder/batch.py.
-    phase_times: split each step into PHASES. On a GPU that costs five device syncs per step, which
-    stall the launch queue; pass False for deployment-speed timing (total_s stays exact, the
-    phase lists stay empty on CUDA; on the CPU, where work is synchronous, they are always kept).
-    matmul_paths: a profile file (or decoder.engines.hf.cpu_paths table) whose "matmul_paths" to install on
-    the model's Linears first (decoder/engines/hf/cpu_paths.py; stays installed); None leaves the model as it is.
+    config: a DecodeConfig (decoder/config.py); options: its fields as keywords, and the sampling ones
+    (temperature, top_k, top_p, verify_rule, eps, delta). verify_rule: auto (greedy at temperature 0,
+    lossless sampling above), greedy, typical, lossless, coupled (plain sampling's own text with the
+    same seed: decoder/noise.py). attention (engines with tree kernels): "auto" (the Triton tree
+    kernels on CUDA when triton is installed, else a dense 4D mask through the model's own attention),
+    "kernels" or "dense". input_ids: one prompt (1-D, or [1, T]) -> a GenerateOutput; a list of
+    prompts of any lengths -> one GenerateOutput per prompt, in order, decoded together in layout
+    "packed" (EMS-SD, no padding) or "padded" (the vanilla baseline); see decoder/batch.py.
+    phase_times: split each step into PHASES (on a GPU five device syncs per step; pass False for
+    deployment-speed timing: total_s stays exact). matmul_paths: a profile whose CPU matmul paths to
+    install on the engine first (they stay installed); None leaves the engine as it is.
     """
+    cfg = decode_config(config, **_with_length(options, max_new_tokens))
     engine = as_engine(target)
-    _use_paths(engine, matmul_paths)
+    _use_paths(engine, cfg.matmul_paths)
     tree, label = as_tree(plan)
+    guesser = guesser if guesser is not None else PlainGuesser()
     if tree is not None and tree.dynamic is not None:  # a tree chosen every step (decoder/guessers/dynamic.py)
         from decoder.guessers.dynamic import DynamicGuesser
 
@@ -72,20 +72,16 @@ def generate(target, input_ids, plan, guesser, max_new_tokens: int = 128, temper
         if not isinstance(guesser, DynamicGuesser):
             guesser = DynamicGuesser(guesser, tree)
     guesser.check(tree, label)
-    sampling = Sampling(temperature, top_k, top_p, verify_rule, eps, delta)
     if isinstance(input_ids, (list, tuple)):
-        if sampling.rule == "coupled":
+        if cfg.sampling.rule == "coupled":
             raise UserError("verify_rule 'coupled': decodes one prompt at a time (its noise is keyed by each "
                             "sequence's token index); use lossless for batches")
-        return _generate_batch(engine, input_ids, tree, guesser, max_new_tokens, sampling, eos_token_id, seed, layout,
-                               label)
-    if engine.caps.name == "hf":
-        select_attention(engine.model, attention)
-    return decode(engine, input_ids, tree, guesser, max_new_tokens, sampling, eos_token_id=eos_token_id, seed=seed,
-                  record_guesses=record_guesses, progress=progress, phase_times=phase_times, label=label)
+        return _generate_batch(engine, input_ids, tree, guesser, cfg, label)
+    _use_attention(engine, cfg.attention)
+    return decode(engine, input_ids, tree, guesser, cfg, label=label)
 
 
-def _generate_batch(engine, prompts, tree, guesser, max_new_tokens, sampling, eos_token_id, seed, layout, label):
+def _generate_batch(engine, prompts, tree, guesser, cfg: DecodeConfig, label):
     from decoder.batch import decode_batch
 
     if not engine.caps.batches:
@@ -96,67 +92,51 @@ def _generate_batch(engine, prompts, tree, guesser, max_new_tokens, sampling, eo
                 guesser.check(entry.tree, label)
     ids = [_ids_1d(p, engine.device) for p in prompts]
     with torch.inference_mode():
-        outs, stats = decode_batch(engine, ids, tree, guesser, max_new_tokens, sampling,
-                                   _eos(engine, eos_token_id), seed, layout, label)
+        outs, stats = decode_batch(engine, ids, tree, guesser, cfg.max_new_tokens, cfg.sampling,
+                                   _eos(engine, cfg.eos_token_id), cfg.seed, cfg.layout, label)
     for o in outs:
         o.batch = stats
     return outs
 
 
-def generate_plain(target, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = 0, eos_token_id=None, seed: int = 0, progress: bool = False,
-                   phase_times: bool = True, matmul_paths=None, verify_rule: str = "auto") -> GenerateOutput:
+def generate_plain(target, input_ids, max_new_tokens: int | None = None, *, config: DecodeConfig | None = None,
+                   **options) -> GenerateOutput:
     """One token per step through the same prefill, forward, verify and cache path as `generate`.
     verify_rule "coupled" draws with decoder/noise.py's position-keyed noise: then a plan decoded
     with the same seed and rule emits the same text."""
+    cfg = decode_config(config, **_with_length(options, max_new_tokens))
     engine = as_engine(target)
-    _use_paths(engine, matmul_paths)
-    rule = "coupled" if verify_rule == "coupled" and temperature > 0 else "auto"  # one token a step: every other rule is a draw
-    return decode(engine, input_ids, None, PlainGuesser(), max_new_tokens, Sampling(temperature, top_k, top_p, rule),
-                  eos_token_id=eos_token_id, seed=seed, progress=progress, phase_times=phase_times)
+    _use_paths(engine, cfg.matmul_paths)
+    s = cfg.sampling
+    mode = "coupled" if s.mode == "coupled" and s.temperature > 0 else "auto"  # one token a step: every other rule is a draw
+    return decode(engine, input_ids, None, PlainGuesser(), replace(cfg, sampling=replace(s, mode=mode)))
+
+
+def _with_length(options: dict, max_new_tokens: int | None) -> dict:
+    return options if max_new_tokens is None else dict(options, max_new_tokens=max_new_tokens)
 
 
 def _use_paths(engine, matmul_paths) -> None:
     if matmul_paths is not None:
-        if engine.caps.name != "hf":
-            raise UserError(f"matmul_paths: the CPU matmul paths are the hf engine's; the {engine.caps.name} engine "
-                            "has its own kernels")
-        from decoder.engines.hf.cpu_paths import use_profile_paths
+        if not engine.caps.matmul_paths:
+            raise UserError(f"matmul_paths: the {engine.caps.name} engine has its own kernels (no CPU matmul paths)")
+        engine.use_matmul_paths(matmul_paths)
 
-        use_profile_paths(engine.model, matmul_paths)
+
+def _use_attention(engine, attention: str) -> None:
+    """The tree kernels are an option of engines that have them; the others score with their own attention."""
+    if engine.caps.tree_kernels:
+        engine.select_attention(attention)
+    elif attention == "kernels":
+        raise UserError(f"attention='kernels': the {engine.caps.name} engine has its own attention")
 
 
 def _eos(engine, eos_token_id) -> set[int]:
     if eos_token_id is None:
         return engine.eos_ids()
-    return model_eos_ids(None, eos_token_id)
-
-
-def select_attention(model, attention: str) -> None:
-    if attention not in ("auto", "kernels", "dense"):
-        raise UserError(f"attention: expected auto, kernels or dense, got {attention!r}")
-    if attention == "dense":
-        return
-    if attention == "auto":
-        if model.get_input_embeddings().weight.device.type != "cuda":
-            return
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return
-    from decoder.engines.hf.attention import (
-        enable_tree_attention,
-        unsupported_reason,
-        uses_tree_attention,
-    )
-
-    reason = unsupported_reason(model)
-    if reason:
-        if attention == "auto":
-            return  # the dense mask serves every model the decoder supports
-        raise UserError(f"attention='kernels': {reason}; use attention='dense'")
-    if not uses_tree_attention(model):
-        enable_tree_attention(model)
+    if eos_token_id is False:
+        return set()
+    return {int(e) for e in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
 
 
 def _ids_1d(input_ids, device) -> torch.Tensor:
@@ -171,34 +151,33 @@ def _ids_1d(input_ids, device) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, sampling: Sampling, *, eos_token_id=None,
-           seed: int = 0, record_guesses: bool = False, progress: bool = False, phase_times: bool = True,
-           label: str = "plan") -> GenerateOutput:
+def decode(target, input_ids, plan: Tree | None, guesser, cfg: DecodeConfig, label: str = "plan") -> GenerateOutput:
     """The loop behind `generate` and `generate_plain` (arguments already checked)."""
     engine = as_engine(target)
     ids = _ids_1d(input_ids, engine.device)
-    eos = _eos(engine, eos_token_id)
-    clock = _Clock(engine.device, phase_times)
-    stats = DecodeStats(guesses=[] if record_guesses else None)
-    gen = torch.Generator().manual_seed(seed)
+    eos = _eos(engine, cfg.eos_token_id)
+    clock = _Clock(engine.device, cfg.phase_times)
+    stats = DecodeStats(guesses=[] if cfg.record_guesses else None)
+    gen = torch.Generator().manual_seed(cfg.seed)
     t_start = time.perf_counter()
     pad_to = plan_settings(plan.settings, label).pad_to if plan is not None else None
+    engine.reserve(ids.numel() + cfg.max_new_tokens + _step_bound(plan))
     seq, prompt_hidden = engine.start(ids, hidden=guesser.needs_hidden, pad_to=pad_to)
-    noise = PositionNoise(seed) if sampling.rule == "coupled" else None
-    ctx = DecodeContext(sampling, gen, engine.dtype, engine.device, label, prompt_hidden, noise)
+    noise = PositionNoise(cfg.seed) if cfg.sampling.rule == "coupled" else None
+    ctx = DecodeContext(cfg.sampling, gen, engine.dtype, engine.device, label, prompt_hidden, noise)
     session = guesser.begin(engine, plan, ids, ctx)
-    engine.check_room(seq, max_new_tokens, session.max_input_length)
+    engine.check_room(seq, cfg.max_new_tokens, session.max_input_length)
     clock.sync()
     stats.prefill_s = time.perf_counter() - t_start
     new: list[int] = []
-    bar = _progress_bar(max_new_tokens) if progress else None
-    while len(new) < max_new_tokens:
+    bar = _progress_bar(cfg.max_new_tokens) if cfg.progress else None
+    while len(new) < cfg.max_new_tokens:
         if noise is not None:
             noise.cursor = ids.numel() + len(new)  # the index of the token this step emits first
-        out, kept, stop = _step(seq, session, sampling, gen, clock, eos, max_new_tokens - len(new), guesser.needs_hidden,
-                                noise)
+        out, kept, stop = _step(seq, session, cfg.sampling, gen, clock, eos, cfg.max_new_tokens - len(new),
+                                guesser.needs_hidden, noise)
         new.extend(kept)
-        _record(stats, out, clock, record_guesses, len(kept))
+        _record(stats, out, clock, cfg.record_guesses, len(kept))
         if bar is not None:
             bar.update(len(kept))
         if stop:
@@ -210,6 +189,16 @@ def decode(target, input_ids, plan: Tree | None, guesser, max_new_tokens: int, s
     clock.final_sync()
     stats.total_s = time.perf_counter() - t_start
     return GenerateOutput(tokens=torch.tensor(new, dtype=torch.long), steps=len(stats.states), stats=stats)
+
+
+def _step_bound(plan: Tree | None) -> int:
+    """An upper bound on a step's input before the session exists (engines with a fixed context size it
+    from this; check_room then checks the session's own)."""
+    if plan is None:
+        return 16  # a guesser's own chain without a plan
+    if plan.dynamic is not None:
+        return len(plan.dynamic.step_cost_s) + 1
+    return plan.max_input_length + 1
 
 
 def _step(seq, session: GuessSession, sampling: Sampling, gen, clock: "_Clock", eos: set[int],
@@ -288,3 +277,19 @@ def _progress_bar(total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="tok", leave=False)
+
+
+def decode_plain(target, input_ids, config: DecodeConfig | None = None, **options) -> GenerateOutput:
+    """Plain decoding the fastest way the engine has it, for a plain decision (choosing plain never costs
+    speed): its library's own generation where that is its fastest (caps.stock_plain), else this loop.
+    Coupled sampling's draws are the loop's own, so it always runs the loop."""
+    cfg = decode_config(config, **options)
+    engine = as_engine(target)
+    if not engine.caps.stock_plain or cfg.sampling.rule == "coupled":
+        return generate_plain(engine, input_ids, config=cfg)
+    ids = _ids_1d(input_ids, engine.device)
+    tokens, seconds = engine.stock_generate(ids, cfg.max_new_tokens, cfg.sampling, cfg.seed)
+    n = len(tokens)  # one token a step; the library does not split its time into phases
+    stats = DecodeStats(states=[0] * n, accepted=[0] * n, emitted=[1] * n, input_lengths=[1] * n,
+                        planned_input_lengths=[1] * n, total_s=seconds)
+    return GenerateOutput(tokens=torch.tensor(tokens, dtype=torch.long), steps=n, stats=stats)

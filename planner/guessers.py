@@ -53,6 +53,7 @@ class GuesserKind:
     loop: str | None = None  # "module:function" of its own decoding loop (PEARL); None: decoder.loop's
     record_names: tuple[str, ...] = ()  # older acceptance files' guesser.kind values that mean this kind
     autotune: bool = True  # raced by `planner autotune` when its files ship for the model
+    guesses: bool = True  # False: it guesses nothing (plain decoding: a plain decision runs the engine's fastest plain)
     export: str | None = None  # serving engines' method it maps to (planner/export.py); None with files: this
     # project's own drafter, which no engine loads
 
@@ -127,7 +128,7 @@ def hybrid_of(member: str, drafter: str) -> GuesserKind | None:
 
 register(GuesserKind(
     PLAIN, "no guesses: plain decoding through the same loop (autotune's plain decision)",
-    "decoder.guesser:load_plain", signal="none", passes="none", branches=False, autotune=False))
+    "decoder.guesser:load_plain", signal="none", passes="none", branches=False, autotune=False, guesses=False))
 register(GuesserKind(
     "ppd", "PPD prompt tokens: trained input embeddings guess several distances in the target's own pass",
     "decoder.guessers.prompt_tokens:load", files="prompt_tokens", needs_embeddings=True, needs_torch=True,

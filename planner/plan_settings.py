@@ -19,7 +19,12 @@ from pathlib import Path
 
 from planner.errors import UserError
 
-ENGINES = ("hf", "llama.cpp")  # target engines a plan can name (decoder/engine.py); absent: hf
+def engines() -> list[str]:
+    """The target engines a plan can name: the registry's (planner/engines.py); absent: the default."""
+    from planner.engines import names
+
+    return names()
+
 
 MAX_PAD = 4096
 
@@ -80,7 +85,7 @@ def file_ref(path, plan_dir) -> FileRef:
 class RacedWith:
     """The configuration a plan was measured with in the race."""
 
-    engine: str = "hf"  # decoder/engine.py: "hf", "llama.cpp"
+    engine: str = "hf"  # the registry's name of the engine it raced in (planner/engines.py)
     threads: int | None = None  # CPU threads the target computed with
     profile: FileRef | None = None  # the profile whose matmul paths the hf engine ran (CPU); None: F.linear
     guesser: FileRef | None = None  # the guesser's files (None: a guesser without files)
@@ -130,8 +135,8 @@ def _raced_with(obj, label: str) -> RacedWith | None:
     if not isinstance(obj, dict):
         raise UserError(f"{label}: field 'settings.raced_with' must be an object")
     engine = obj.get("engine", "hf")
-    if engine not in ENGINES:
-        raise UserError(f"{label}: field 'settings.raced_with.engine' is {engine!r}, expected one of {', '.join(ENGINES)}")
+    if engine not in engines():
+        raise UserError(f"{label}: field 'settings.raced_with.engine' is {engine!r}, expected one of {', '.join(engines())}")
     threads = obj.get("threads")
     if threads is not None and not _int(threads, 1, 4096):
         raise UserError(f"{label}: field 'settings.raced_with.threads' must be an integer in 1..4096, got {threads!r}")

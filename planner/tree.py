@@ -21,7 +21,7 @@ from typing import Any
 
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json, read_json
-from planner.plan_settings import ENGINES, plan_settings
+from planner.plan_settings import engines, plan_settings
 
 FORMAT = "tree-planner/tree"
 VERSION = 1
@@ -95,7 +95,7 @@ class Tree:
     provenance: dict = field(default_factory=dict)
     schedule: list[ScheduleEntry] | None = None  # per batch-size range; None: this tree at every batch size
     dynamic: object = None  # planner.dynamic.DynamicSpec for method "dynamic": trees chosen at every step
-    engine: str | None = None  # the target engine it was planned for ("hf", "llama.cpp"); None: hf (older files)
+    engine: str | None = None  # the target engine it was planned for (planner/engines.py); None: the default (older files)
 
     def state(self, s: int) -> TreeState:
         for st in self.states:
@@ -249,8 +249,8 @@ def tree_from_json(data, label: str = "tree") -> Tree:
     if sp is not None and not _is_num(sp):
         raise UserError(f"{label}: field 'predicted_speedup' must be a number")
     engine = data.get("engine")
-    if engine is not None and engine not in ENGINES:
-        raise UserError(f"{label}: field 'engine' is {engine!r}, expected one of {', '.join(ENGINES)}")
+    if engine is not None and engine not in engines():
+        raise UserError(f"{label}: field 'engine' is {engine!r}, expected one of {', '.join(engines())}")
     tree = Tree(
         method=data["method"],
         states=states,

@@ -14,6 +14,7 @@ import statistics
 import numpy as np
 import torch
 
+from decoder.engine import as_engine
 from planner.tree import Tree, TreeState
 
 OUTSIDE = ("prepare", "verify", "cache", "guess")
@@ -30,34 +31,55 @@ def _chain_tree(depth: int, width: int) -> Tree:
 
 
 @torch.inference_mode()
-def measure_overhead(model, max_input_length: int = 64, steps: int = 6, prompt_tokens: int = 2,
+def measure_overhead(target, max_input_length: int = 64, steps: int = 6, prompt_tokens: int = 2,
                      seed: int = 0) -> dict:
     """{"fixed_s", "per_token_s", "input_lengths", "seconds"}: per-step seconds outside the forward
-    (median over steps) at a few input lengths up to max_input_length, and the fitted line."""
-    from decoder import PromptTokens, generate, generate_plain
+    (median over steps) at a few input lengths up to max_input_length, and the fitted line. On an
+    engine that takes input embeddings and lends its modules, the steps carry PPD prompt tokens on
+    static trees (the guesser whose commit costs most: top-k over its tokens' logits); elsewhere
+    they are chains of an oracle's guesses (prompt lookup's shape)."""
+    from decoder import generate, generate_plain
 
-    vocab = model.get_input_embeddings().weight.shape[0]
-    dev = model.get_input_embeddings().weight.device
-    guesser = PromptTokens.random(model, prompt_tokens, seed=seed, top_k=10)
-    prompt = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(seed)).to(dev)
-    plain = generate_plain(model, prompt, max_new_tokens=steps)  # n = 1: plain decoding's own step
+    engine = as_engine(target)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, engine.vocab_size, (24,), generator=gen).to(engine.device)
+    plain = generate_plain(engine, prompt, max_new_tokens=steps)  # n = 1: plain decoding's own step
     points = {1: [sum(plain.stats.times[p][i] for p in OUTSIDE) for i in range(plain.steps)]}
-    for depth, width in ((1, 1), (2, 2), (2, 4), (2, 6), (2, 10)):
-        tree = _chain_tree(depth, width)
-        n = (1 + len(tree.states[0].nodes)) * (1 + depth)  # the decoder's real input (prompt tokens on every node)
-        if n > max_input_length:
-            break
-        out = generate(model, prompt, plan=tree, guesser=guesser, max_new_tokens=steps * (depth + 1))
-        real = out.stats.input_lengths[1:]  # the bootstrap step has another shape
+    ppd = engine.caps.input_embeddings and engine.caps.torch_modules
+    for plan, guesser, new in (_ppd_steps if ppd else _chain_steps)(engine, max_input_length, steps, prompt_tokens, seed):
+        out = generate(engine, prompt, plan=plan, guesser=guesser, max_new_tokens=new)
         outside = [sum(out.stats.times[p][i] for p in OUTSIDE) for i in range(1, len(out.stats.input_lengths))]
-        for m, t in zip(real, outside):
+        for m, t in zip(out.stats.input_lengths[1:], outside):  # the bootstrap step has another shape
             points.setdefault(m, []).append(t)
     lengths = sorted(points)
     seconds = [statistics.median(points[m]) for m in lengths]
     fixed, per_token = _fit_line(lengths, seconds)
+    how = "PPD prompt tokens on static trees" if ppd else "chains of random guesses (an oracle guesser)"
     return {"fixed_s": fixed, "per_token_s": per_token, "input_lengths": lengths, "seconds": seconds,
-            "method": "decoder.generate with PPD prompt tokens on static trees; prepare + verify + cache + guess "
-                      "per step, median per input length, least-squares line clamped at 0"}
+            "method": f"decoder.generate with {how}; prepare + verify + cache + guess per step, median per input "
+                      "length, least-squares line clamped at 0"}
+
+
+def _ppd_steps(engine, max_input_length: int, steps: int, prompt_tokens: int, seed: int):
+    from decoder import PromptTokens
+
+    guesser = PromptTokens.random(engine.torch_model(), prompt_tokens, seed=seed, top_k=10)
+    for depth, width in ((1, 1), (2, 2), (2, 4), (2, 6), (2, 10)):
+        tree = _chain_tree(depth, width)
+        if (1 + len(tree.states[0].nodes)) * (1 + depth) > max_input_length:  # prompt tokens ride on every node
+            return
+        yield tree, guesser, steps * (depth + 1)
+
+
+def _chain_steps(engine, max_input_length: int, steps: int, prompt_tokens: int, seed: int):
+    from decoder.guessers.oracle import OracleGuesser
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    seq = torch.randint(0, engine.vocab_size, (48 + 4 * steps * max_input_length,), generator=gen)
+    for depth in (1, 3, 7, 15):
+        if depth + 1 > max_input_length:
+            return
+        yield _chain_tree(depth, 1), OracleGuesser(seq, engine.vocab_size, depth), steps
 
 
 def _fit_line(x: list[int], y: list[float]) -> tuple[float, float]:

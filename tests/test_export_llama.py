@@ -102,7 +102,7 @@ def test_every_flag_is_the_real_servers():
 
 def test_random_gguf_loads_in_llama_cpp(tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
-    import decoder.engines.hf.load as models
+    import decoder.engines.models as models
     from decoder.engines.llama_cpp.engine import LlamaEngine
     from decoder.engines.llama_cpp.gguf_random import random_gguf, remove_random_gguf
 

@@ -542,7 +542,7 @@ def test_models_the_kernels_cannot_serve_get_a_clear_answer():
 
     import decoder.engines.hf.attention as hf
     from decoder import PromptTokens, generate
-    from decoder.loop import select_attention
+    from decoder.engines.hf.engine import select_attention
     from planner.errors import UserError
 
     utils = pytest.importorskip("test_decoder_utils")

@@ -14,7 +14,8 @@ from profiler import measure
 from profiler.fit import fit_latency, interpolate, isotonic
 from profiler.lengths import parse_lengths
 from profiler.measure import default_input_lengths, median_rel_ci, profile_model
-from decoder.engines.hf.load import load_model, preset_names
+from decoder.engines.hf.load import load_model
+from decoder.engines.models import preset_names
 from workflows.cli.main import build_parser, main
 from workflows.cli.cmd_profile import parse_batch_sizes
 
@@ -126,7 +127,7 @@ def llama_params(c: dict) -> int:
 
 
 def test_presets_build_on_meta_with_published_sizes():
-    from decoder.engines.hf.load import PRESET_DIR
+    from decoder.engines.models import PRESET_DIR
 
     names = preset_names()
     for required in ("tiny", "builtin", "llama-2-7b", "vicuna-7b", "vicuna-13b", "mobilellama-1.4b", "qwen2-0.5b", "qwen2-7b"):

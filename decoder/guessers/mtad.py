@@ -60,7 +60,9 @@ from decoder.engine import vocab_size
 from decoder.engines.hf.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
-from decoder.loop import decode, select_attention
+from decoder.engines.hf.engine import select_attention
+from decoder.config import DecodeConfig
+from decoder.loop import decode
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample, warp
 from planner.errors import UserError
@@ -373,8 +375,9 @@ def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int = 
     select_attention(model, attention)
     before, guesser.tau_acc, guesser.walks = guesser.tau_acc, tau_acc, []
     try:
-        out = decode(model, input_ids, None, guesser, max_new_tokens, Sampling(temperature, top_k, top_p),
-                     eos_token_id=eos_token_id, seed=seed, phase_times=phase_times, label="mtad")
+        cfg = DecodeConfig(max_new_tokens, Sampling(temperature, top_k, top_p), seed, eos_token_id,
+                           phase_times=phase_times)
+        out = decode(model, input_ids, None, guesser, cfg, label="mtad")
     finally:
         guesser.tau_acc = before
     return MTADOutput(out.tokens, out.steps, out.stats, walks=guesser.walks, tau_acc=tau_acc)

@@ -9,13 +9,8 @@ import sys
 import time
 
 from planner.errors import UserError
-from workflows.cli.inputs import (
-    DEFAULT_PROMPTS,
-    add_model_arguments,
-    encode,
-    load_everything,
-)
-from workflows.cli.llama_target import add_engine_argument
+from workflows.cli.engines import add_engine_argument
+from workflows.cli.inputs import DEFAULT_PROMPTS, add_model_arguments, encode, open_everything
 from workflows.cli.run_records import (
     check_sampled_accept,
     merge_accuracy,
@@ -50,46 +45,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
 
 
-def _sampled(args, s) -> int:
+def _sampled(args, s, engine, guesser, prompts: list) -> int:
     """Acceptance under the user's temperature, top-k and top-p (workflows.cli.run_records.sampled_acceptance)."""
-    from decoder.engines.hf.engine import HFEngine
-
-    check_sampled_accept(args)
-    texts = prompt_texts(args)
-    loaded, tokenizer, guesser = load_everything(args)
-    prompts = encode(tokenizer, texts, loaded.model.get_input_embeddings().weight.shape[0])
     t0 = time.time()
-    acc = sampled_acceptance(HFEngine(loaded.model), guesser, prompts, args, s)
-    acc.update({"model": loaded.name, "config_hash": loaded.config_hash, "wall_s": time.time() - t0,
-                "source": f"planner accept: {loaded.name}, {len(prompts)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
+    acc = sampled_acceptance(engine, guesser, prompts, args, s)
+    acc.update({**_target(engine), "wall_s": time.time() - t0,
+                "source": f"planner accept: {engine.model_name}, {len(prompts)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} sampled tokens each ({acc['source']})"})
     write_sampled_acceptance(args, acc, s)
     return 0
 
 
-def run(args) -> int:
-    if getattr(args, "engine", None) == "llama.cpp":
-        from workflows.cli.llama_runs import accept_llama
+def _target(engine) -> dict:
+    """What the record says of the target: the model and its hash, and the engine it was measured in."""
+    r = engine.record()
+    return {"model": r["model"], "engine": r["engine"], **({"config_hash": r["config_hash"]} if r.get("config_hash") else {})}
 
-        return accept_llama(args)
-    s = sampling_from_args(args)
+
+def _check(args, s) -> None:
     if s.temperature > 0:
-        return _sampled(args, s)
+        check_sampled_accept(args)
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
     if args.plan and not args.transitions_output:
         raise UserError("--plan needs --transitions-output FILE")
+
+
+def run(args) -> int:
+    from planner.jsonio import writable_target
+    from planner.tree import load_tree
+    from workflows.cli.engines import engine_kind, refuse_options
+
+    s = sampling_from_args(args)
+    _check(args, s)
+    tree = load_tree(args.plan) if args.plan else None
+    spec = engine_kind(args)
+    refuse_options(spec, {"--device": args.device is not None, "--dtype": args.dtype is not None,
+                          "--n-ctx": args.n_ctx is not None})
+    writable_target(args.output)
+    texts = prompt_texts(args)
+    engine, guesser = open_everything(args, spec, context=None)
+    prompts = encode(engine, texts)
+    engine.reserve(max(int(p.numel()) for p in prompts) + args.max_new_tokens + 64)
+    if s.temperature > 0:
+        return _sampled(args, s, engine, guesser, prompts)
+    return _greedy(args, engine, guesser, prompts, tree)
+
+
+def _greedy(args, engine, guesser, prompts: list, tree) -> int:
     from planner.accept import from_entry
     from planner.jsonio import atomic_write_json
-    from planner.tree import load_tree
-
-    tree = load_tree(args.plan) if args.plan else None
-    texts = prompt_texts(args)
     from profiler.acceptance import measure_accuracy, measure_transitions
 
-    loaded, tokenizer, guesser = load_everything(args)
-    model = loaded.model
-    prompts = encode(tokenizer, texts, model.get_input_embeddings().weight.shape[0])
     t0 = time.time()
     done = []
     try:
@@ -98,32 +105,33 @@ def run(args) -> int:
 
         parts = []
         for ids in tqdm(prompts, desc="accept", unit="prompt", disable=args.no_progress):
-            parts.append(measure_accuracy(model, guesser, [ids], max_new_tokens=args.max_new_tokens, allow_empty=True))
+            parts.append(measure_accuracy(engine, guesser, [ids], max_new_tokens=args.max_new_tokens, allow_empty=True))
             done.append(ids)
     except KeyboardInterrupt:
         print(f"planner accept: interrupted after {len(done)} prompts; writing what is measured", file=sys.stderr)
     if not done:
         raise UserError("no prompt finished; nothing written")
     acc = merge_accuracy(parts)
-    acc.update({"prompts": len(done), "model": loaded.name, "config_hash": loaded.config_hash,
-                "source": f"planner accept: {loaded.name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
+    acc.update({"prompts": len(done), **_target(engine),
+                "source": f"planner accept: {engine.model_name}, {len(done)} prompts from {args.prompts or DEFAULT_PROMPTS}, "
                           f"{args.max_new_tokens} greedy tokens each", "wall_s": time.time() - t0})
     acc["guesser"]["dir"] = guesser.source_dir  # ppd: None is random, untrained
+    acc["guesser"]["kind"] = guesser.kind
     if args.calibrate and len(done) == len(prompts):
         import numpy as np
 
         from profiler.calibration import measure_calibration
 
-        acc["calibration"] = measure_calibration(model, guesser, prompts, np.array(acc["accuracy"]),
+        acc["calibration"] = measure_calibration(engine, guesser, prompts, np.array(acc["accuracy"]),
                                                  max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
     from_entry({"accuracy": acc["accuracy"]}, label=args.output)  # what we write, the planner can read
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
-    print(f"rank-0 accuracy {top} over {acc['positions']} positions; wrote {args.output}")
+    print(f"rank-0 accuracy {top} over {acc['positions']} positions ({engine.caps.name}); wrote {args.output}")
     if tree is not None and len(done) == len(prompts):
-        t = measure_transitions(model, prompts, tree, guesser, max_new_tokens=args.max_new_tokens,
+        t = measure_transitions(engine, prompts, tree, guesser, max_new_tokens=args.max_new_tokens,
                                 progress=not args.no_progress)
-        doc = {"plan": args.plan, "model": loaded.name, **t.to_json()}
+        doc = {"plan": args.plan, "model": engine.model_name, **t.to_json()}
         atomic_write_json(args.transitions_output, doc)
         print(f"state visits {t.visits.tolist()}; wrote {args.transitions_output}")
     return 0 if len(done) == len(prompts) else 130

@@ -1,6 +1,9 @@
 """`planner decode`: decode prompts with a planned tree, optionally next to plain decoding.
 
-Light imports only at top level: torch, transformers and the decoder load inside run().
+One path for every engine: the engine the plan (or --engine) names is opened once, the plan's recorded
+settings and the flags resolve into one RunConfig (workflows/cli/run_config.py), and what the engine
+cannot do is refused in one line before any model loads. A plain decision runs the engine's fastest
+plain decoding (decoder.loop.decode_plain). Light imports only at top level.
 """
 from __future__ import annotations
 
@@ -11,16 +14,8 @@ import time
 from planner.errors import UserError
 from planner.guessers import kind as guesser_kind
 from planner.tree import CHAIN
-from workflows.cli.inputs import (
-    DEFAULT_GUESSER,
-    DEFAULT_PROMPTS,
-    add_model_arguments,
-    encode,
-    load_everything,
-    parse_guesser,
-    read_prompts,
-)
-from workflows.cli.llama_target import add_engine_argument
+from workflows.cli.engines import add_engine_argument
+from workflows.cli.inputs import DEFAULT_PROMPTS, add_model_arguments, encode, parse_guesser, read_prompts
 from workflows.cli.run_records import dynamic_summary, format_summary, guesser_record, summarize_runs
 from workflows.cli.sampling import add_sampling_arguments, mismatch, recorded, sampling_from_args
 
@@ -94,147 +89,57 @@ def _check(args) -> None:
     if args.verify == "coupled" and args.batch_size != 1:
         raise UserError("--verify coupled: decodes one prompt at a time (its noise is keyed by each sequence's token "
                         "index); drop --batch-size or use --verify lossless")
-    _check_mtad(args)
-    _check_pearl(args)
 
 
-def _draft_lm(args) -> bool:
-    """--pearl and --mtad draft with a draft LM: a guesser kind whose files are the draft LM's."""
-    k = guesser_kind(parse_guesser(args.guesser or DEFAULT_GUESSER)[0])
-    return k.files == "draft_lm" and not k.hybrid  # the draft LM's directory (decoder/guessers/draft.py)
+def _given(args) -> dict[str, bool]:
+    """The options set away from their defaults, by the names an engine kind refuses them under."""
+    return {"--device": args.device is not None, "--dtype": args.dtype is not None,
+            "--profile": args.profile is not None, "--n-ctx": args.n_ctx is not None}
 
 
-def _check_pearl(args) -> None:
-    """--pearl: a draft model, a chain of --gamma, batch size 1, lossless."""
-    if not getattr(args, "pearl", False):
-        return
-    if not _draft_lm(args) or getattr(args, "mtad", None):
-        raise UserError(f"--pearl: needs --guesser draft[:DIR] (a draft model) and no --mtad, "
-                        f"got {args.guesser or 'ppd'}")
-    if args.plan or args.batch_size != 1 or args.verify in ("typical", "coupled") or args.gamma < 1:
-        raise UserError("--pearl: drafts a chain of --gamma >= 1 tokens for one prompt at a time, losslessly (the "
-                        "recursive-rejection rule); drop --plan, --batch-size and --verify typical/coupled")
-
-
-def _check_mtad(args) -> None:
-    """--mtad W,GAMMA,TAU: a draft model, no plan, batch size 1, its own verification rule."""
-    from planner.mtad import MTADSettings
-
-    args.mtad_settings = MTADSettings.parse(args.mtad) if getattr(args, "mtad", None) else None
-    ratio = getattr(args, "max_perplexity_ratio", None)
-    if args.mtad_settings is None:
-        if ratio is not None:
-            raise UserError("--max-perplexity-ratio: needs --mtad")
-        return
-    if not _draft_lm(args):
-        raise UserError(f"--mtad: needs --guesser draft[:DIR] (a draft model), got {args.guesser or 'ppd'}")
-    if args.plan:
-        raise UserError("--mtad: drafts a chain of GAMMA tokens; drop --plan")
-    if args.batch_size != 1 or args.verify != "auto":
-        raise UserError("--mtad: decodes at --batch-size 1 with its own joint acceptance rule (no --verify)")
-    if ratio is not None and not (ratio > 0 and args.compare_plain):
-        raise UserError("--max-perplexity-ratio: expected a number > 0, with --compare-plain (the reference perplexity)")
+def _refuse_caps(spec, run, args) -> None:
+    """What the run asks of the engine that it does not have, in one line, before the model loads."""
+    caps = spec.caps
+    for option, asked, have, why in (
+            ("--pearl", run.pearl is not None, caps.torch_modules, "PEARL runs the target's torch model beside the drafter's"),
+            ("--mtad", run.mtad is not None, caps.torch_modules, "MTAD scores beams with the target's torch model"),
+            ("--profile", run.matmul_profile is not None, caps.matmul_paths, "it has no CPU matmul paths to install"),
+            ("--batch-size", args.batch_size > 1, caps.batches, "it decodes one sequence at a time")):
+        if asked and not have:
+            raise UserError(f"{option}: not with --engine {spec.name} ({why})")
 
 
 def run(args) -> int:
     _check(args)
     from planner.jsonio import atomic_write_json, writable_target
     from planner.tree import load_tree
+    from workflows.cli.engines import engine_kind, refuse_options
+    from workflows.cli.inputs import check_guesser, default_guesser_for
+    from workflows.cli.run_config import resolve_run, say
 
     tree = load_tree(args.plan) if args.plan else None  # bad plans fail before the model loads
-    from workflows.cli.llama_runs import decode_llama, engine_of
-
+    spec = engine_kind(args, tree)
+    refuse_options(spec, _given(args))
     warn_settings(tree, args)
-    _as_raced(args, tree)
-    if engine_of(args, tree) == "llama.cpp":  # the plan's engine, or --engine
-        return decode_llama(args, tree)
-    paths = _matmul_paths(args.profile)
-    tree = _follow_recorded_pearl(args, tree)
-    args.guesser = args.guesser or _recorded_guesser(tree, getattr(args, "guesser_files", None)) or DEFAULT_GUESSER
-    if tree is None and guesser_kind(parse_guesser(args.guesser)[0]).needs_embeddings:
-        raise UserError(f"--plan: needed with --guesser {args.guesser} (prompt tokens: plan one with `planner plan ppd` "
-                        "or take trees/autotune-*.json)")
+    run_cfg = resolve_run(args, tree, spec, default_guesser_for(spec.caps))
+    tree = tree if run_cfg.plan else None
+    _refuse_caps(spec, run_cfg, args)
+    check_guesser(spec, run_cfg.guesser)
+    if tree is None and guesser_kind(parse_guesser(run_cfg.guesser)[0]).needs_embeddings:
+        raise UserError(f"--plan: needed with --guesser {run_cfg.guesser} (prompt tokens: plan one with `planner plan "
+                        "ppd` or take trees/autotune-*.json)")
+    say(run_cfg, args.no_progress)
     if args.output:
         writable_target(args.output)
     texts = args.prompt or read_prompts(args.prompts or DEFAULT_PROMPTS, args.num_prompts)
     if args.prompt and args.num_prompts:
         texts = texts[: args.num_prompts]
-
-    from tqdm import tqdm
-
-    from decoder.loop import generate
-
-    loaded, tokenizer, guesser = load_everything(args)
-    model = loaded.model
-    if paths is not None:
-        from decoder.engines.hf.cpu_paths import use_profile_paths
-
-        use_profile_paths(model, paths)
-    w = model.get_input_embeddings().weight
-    if args.mtad_settings is not None:
-        from decoder.guessers.mtad import MTADGuesser, generate_mtad
-
-        guesser = MTADGuesser(guesser.draft_model, args.mtad_settings.width, args.mtad_settings.gamma, guesser.label)
-    guesser.check(tree, args.plan or "plan")
-    lengths = step_lengths(guesser, tree, w)
-    prompts = encode(tokenizer, texts, w.shape[0])
-    if args.compare_plain:  # speed is compared: no timed run may pay a first call at a new shape
-        from profiler.measure import warm_up_shapes
-
-        warm_up_shapes(model, prompts, {1, args.gamma} if args.pearl else set(lengths["real"].values()) | {1})
-    gen_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed)
-    results = []
-    interrupted = False
-    t_start = time.time()
-    try:
-        for batch in tqdm(_batches(list(zip(texts, prompts)), args.batch_size), desc="decode", unit="batch",
-                          disable=args.no_progress):
-            ids_b = [ids for _, ids in batch]
-            if args.pearl:
-                outs = _pearl(model, guesser, ids_b[0], args, gen_kw)
-            elif args.mtad_settings is not None:
-                outs = generate_mtad(model, ids_b[0], guesser, tau_acc=args.mtad_settings.tau_acc, **gen_kw)
-            else:
-                outs = generate(model, ids_b if args.batch_size > 1 else ids_b[0], plan=tree, guesser=guesser,
-                                verify_rule=args.verify, eps=args.eps, delta=args.delta, layout=args.layout, **gen_kw)
-            outs = outs if isinstance(outs, list) else [outs]
-            plains = _plain(model, ids_b, args, gen_kw) if args.compare_plain else [None] * len(batch)
-            for (text, ids), out, plain in zip(batch, outs, plains):
-                results.append(_row(args, model, tokenizer, text, ids, out, plain, len(batch)))
-    except KeyboardInterrupt:
-        interrupted = True  # keep what is done; report and write it
-    summary = summarize_runs(results, args.compare_plain)
-    if tree is not None and tree.dynamic is not None:
-        summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
-    if args.pearl:
-        summary.update(_pearl_summary(results))
-    if args.mtad_settings is not None:
-        summary.update(_mtad_quality(args, model, guesser, results))
-    doc = {
-        "model": loaded.name, "config_hash": loaded.config_hash, "device": str(w.device),
-        "plan": args.plan, "matmul_paths_profile": args.profile, "method": tree.method if tree is not None else CHAIN,
-        "guesser": guesser_record(args.guesser, guesser),
-        "settings": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "verify": args.verify,
-                     "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                     # typical acceptance (and MTAD above temperature 0) does not sample the target's distribution
-                     "distribution_exact": not (args.verify == "typical" and args.temperature > 0)},
-        "real_input_length_by_state": lengths["real"],
-        "planned_input_length_by_state": lengths["planned"],
-        "summary": summary, "results": results, "interrupted": interrupted, "wall_s": time.time() - t_start,
-    }
-    if guesser_kind(parse_guesser(args.guesser)[0]).needs_embeddings:
-        doc["prompt_tokens"] = doc["guesser"]  # the field earlier tools read
-    if args.mtad_settings is not None:
-        doc["method"] = "mtad"
-        doc["mtad"] = {"width": args.mtad_settings.width, "gamma": args.mtad_settings.gamma,
-                       "tau_acc": args.mtad_settings.tau_acc, "beams": "tree",  # all W beams scored as one tree
-                       "lossless": args.temperature == 0 and args.mtad_settings.tau_acc > 0}  # greedy there
-        doc["settings"]["distribution_exact"] = doc["mtad"]["lossless"]
-    if args.pearl:
-        doc["method"] = "pearl"
-        doc["pearl"] = {"gamma": args.gamma, "concurrent": not args.pearl_serial}
-    print(format_summary(summary, doc["method"]))
+    engine, guesser = _open(args, spec, run_cfg, tree)
+    prompts = encode(engine, texts)
+    engine.reserve(max(int(p.numel()) for p in prompts) + args.max_new_tokens + 64)
+    results, interrupted, t_start = _decode_all(args, run_cfg, engine, guesser, tree, texts, prompts)
+    doc = _document(args, run_cfg, engine, guesser, tree, results, interrupted, time.time() - t_start)
+    print(format_summary(doc["summary"], doc["method"]))
     if not doc["settings"]["distribution_exact"]:
         print(f"{doc['method']}: NOT distribution-exact: the output does not follow the target's sampling distribution")
     if args.output:
@@ -246,21 +151,118 @@ def run(args) -> int:
     return 0
 
 
-def _matmul_paths(profile):
-    """The profile's matmul paths, read (and checked) before any model loads; None without --profile."""
-    if profile is None:
-        return None
-    from planner.matmul_paths import load_matmul_paths
+def _open(args, spec, run_cfg, tree):
+    """The engine, opened once (its threads and matmul paths as the run says), and the guesser."""
+    from workflows.cli.engines import open_from_args
+    from workflows.cli.inputs import make_guesser
 
-    return load_matmul_paths(profile)
+    engine = open_from_args(args, spec, threads=run_cfg.threads)
+    if run_cfg.matmul_profile is not None:
+        from planner.matmul_paths import load_matmul_paths
+
+        engine.use_matmul_paths(load_matmul_paths(run_cfg.matmul_profile))
+    guesser = make_guesser(args, engine, run_cfg.guesser)
+    if run_cfg.mtad is not None:
+        from decoder.guessers.mtad import MTADGuesser
+
+        guesser = MTADGuesser(guesser.draft_model, run_cfg.mtad.width, run_cfg.mtad.gamma, guesser.label)
+    guesser.check(tree, run_cfg.plan or "plan")
+    return engine, guesser
 
 
-def _pearl(model, guesser, ids, args, gen_kw):
+def _decode_all(args, run_cfg, engine, guesser, tree, texts: list, prompts: list):
+    """Every prompt (B at a time with --batch-size), next to plain decoding with --compare-plain;
+    Ctrl-C keeps what is done."""
+    from tqdm import tqdm
+
+    lengths = step_lengths(guesser, tree, engine)
+    if args.compare_plain:  # speed is compared: no timed run may pay a first call at a new shape
+        from profiler.measure import warm_up_shapes
+
+        warm_up_shapes(engine, prompts, {1, run_cfg.pearl.gamma} if run_cfg.pearl else set(lengths["real"].values()) | {1})
+    results, interrupted, t_start = [], False, time.time()
+    try:
+        for batch in tqdm(_batches(list(zip(texts, prompts)), args.batch_size), desc="decode", unit="batch",
+                          disable=args.no_progress):
+            ids_b = [ids for _, ids in batch]
+            outs = _decode_one(run_cfg, engine, guesser, tree, ids_b, args.batch_size)
+            plains = _plain(engine, ids_b, run_cfg) if args.compare_plain else [None] * len(batch)
+            for (text, ids), out, plain in zip(batch, outs, plains):
+                results.append(_row(args, run_cfg, engine, text, ids, out, plain, len(batch)))
+    except KeyboardInterrupt:
+        interrupted = True  # keep what is done; report and write it
+    return results, interrupted, t_start
+
+
+def _decode_one(run_cfg, engine, guesser, tree, ids_b: list, batch_size: int) -> list:
+    from decoder.loop import decode_plain, generate
+
+    cfg = run_cfg.decode
+    if run_cfg.pearl is not None:
+        return [_pearl(engine, guesser, ids_b[0], run_cfg)]
+    if run_cfg.mtad is not None:
+        from decoder.guessers.mtad import generate_mtad
+
+        s = cfg.sampling
+        return [generate_mtad(engine.torch_model(), ids_b[0], guesser, tau_acc=run_cfg.mtad.tau_acc,
+                              max_new_tokens=cfg.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                              top_p=s.top_p, seed=cfg.seed)]
+    if run_cfg.plain and batch_size == 1:
+        return [decode_plain(engine, ids_b[0], config=cfg)]
+    outs = generate(engine, ids_b if batch_size > 1 else ids_b[0], plan=tree, guesser=guesser, config=cfg)
+    return outs if isinstance(outs, list) else [outs]
+
+
+def _document(args, run_cfg, engine, guesser, tree, results: list, interrupted: bool, wall_s: float) -> dict:
+    summary = summarize_runs(results, args.compare_plain)
+    if tree is not None and tree.dynamic is not None:
+        summary.update(dynamic_summary([r["stats"].get("dynamic") for r in results], results))
+    if run_cfg.pearl:
+        summary.update(_pearl_summary(results))
+    if run_cfg.mtad is not None:
+        summary.update(_mtad_quality(args, engine, guesser, results, run_cfg))
+    s = run_cfg.decode.sampling
+    r = engine.record()
+    doc = {
+        "engine": run_cfg.engine.name, "model": r["model"], **({"config_hash": r["config_hash"]} if r.get("config_hash") else {}),
+        "device": str(engine.device), "plan": run_cfg.plan, "matmul_paths_profile": run_cfg.matmul_profile,
+        "method": tree.method if tree is not None else CHAIN,
+        "guesser": guesser_record(run_cfg.guesser, guesser),
+        "settings": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "verify": s.mode,
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed, "threads": engine.caps.threads,
+                     # typical acceptance (and MTAD above temperature 0) does not sample the target's distribution
+                     "distribution_exact": not (s.mode == "typical" and s.temperature > 0)},
+        "summary": summary, "results": results, "interrupted": interrupted, "wall_s": wall_s,
+    }
+    if "model_file" in r:
+        doc.update(model_file=r["model_file"], llama_cpp=r.get("llama_cpp"))
+    lengths = step_lengths(guesser, tree, engine)
+    doc.update(real_input_length_by_state=lengths["real"], planned_input_length_by_state=lengths["planned"])
+    if guesser_kind(parse_guesser(run_cfg.guesser)[0]).needs_embeddings:
+        doc["prompt_tokens"] = doc["guesser"]  # the field earlier tools read
+    if run_cfg.plain:
+        doc["method"] = "plain"
+    if run_cfg.mtad is not None:
+        m = run_cfg.mtad
+        doc["method"] = "mtad"
+        doc["mtad"] = {"width": m.width, "gamma": m.gamma, "tau_acc": m.tau_acc, "beams": "tree",  # all W beams scored as one tree
+                       "lossless": s.temperature == 0 and m.tau_acc > 0}  # greedy there
+        doc["settings"]["distribution_exact"] = doc["mtad"]["lossless"]
+    if run_cfg.pearl:
+        doc["method"] = "pearl"
+        doc["pearl"] = {"gamma": run_cfg.pearl.gamma, "concurrent": not run_cfg.pearl.serial}
+    return doc
+
+
+def _pearl(engine, guesser, ids, run_cfg):
     """PEARL with the draft model the guesser loaded (CPU threads: --threads split between the sides)."""
     from decoder.guessers.pearl import generate_pearl
 
-    return generate_pearl(model, guesser.draft_model, ids, args.gamma, concurrent=not args.pearl_serial,
-                          threads=getattr(args, "pearl_threads", None), **gen_kw)
+    cfg, s = run_cfg.decode, run_cfg.decode.sampling
+    return generate_pearl(engine.torch_model(), guesser.draft_model, ids, run_cfg.pearl.gamma,
+                          concurrent=not run_cfg.pearl.serial, threads=run_cfg.pearl.threads,
+                          max_new_tokens=cfg.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          seed=cfg.seed)
 
 
 def _pearl_summary(results: list[dict]) -> dict:
@@ -272,86 +274,14 @@ def _pearl_summary(results: list[dict]) -> dict:
             "mean_tokens_per_round": tokens / rounds if rounds else 0.0}
 
 
-def _as_raced(args, tree) -> None:
-    """A plan autotune raced carries what it was raced with (planner/plan_settings.py): the profile
-    whose matmul paths ran, the threads and the guesser's files, each checked against its recorded
-    checksum (a missing or changed file is a one-line error); a flag given overrides each."""
-    from pathlib import Path
-
-    from planner.plan_settings import plan_settings
-
-    raced = plan_settings(tree.settings, args.plan).raced_with if tree is not None else None
-    if raced is None:
-        return
-    plan_dir, used = Path(args.plan).parent, []
-    if args.profile is None and raced.profile is not None:
-        args.profile = str(raced.profile.check(plan_dir, args.plan, "the profile (matmul paths)"))
-        used.append(f"matmul paths of {args.profile}")
-    if args.threads is None and raced.free_cores:
-        import torch
-
-        from profiler.load import free_threads
-
-        args.threads, _ = free_threads(torch.get_num_threads(), 0.3)
-        used.append(f"{args.threads} threads (the cores free now; raced on the {raced.threads} a busy machine left)")
-    elif args.threads is None and raced.threads is not None:
-        args.threads = raced.threads
-        used.append(f"{args.threads} threads")
-    if args.verify == "auto" and args.temperature > 0 and tree.settings.get("verify") == "coupled" and args.batch_size == 1:
-        args.verify = "coupled"
-        used.append("coupled sampling (plain sampling's text with the same --seed)")
-    if args.guesser is None and raced.guesser is not None and tree.settings.get("guesser"):
-        where = raced.guesser.check(plan_dir, args.plan, "the guesser's files")
-        args.guesser_files = str(where)
-        used.append(f"guesser files {where}")
-    if used and not args.no_progress:
-        print(f"decoding as raced: {', '.join(used)} (flags override)", file=sys.stderr)
-
-
-def _follow_recorded_pearl(args, tree):
-    """A plan autotune chose for PEARL (its tree is the draft chain): decode it with --pearl and
-    its gamma and thread split, the draft LM it was measured with; the chain itself is not a plan
-    PEARL takes."""
-    from planner.plan_settings import plan_settings
-
-    if tree is None or args.guesser is not None:
-        return tree
-    run = plan_settings(tree.settings, args.plan)
-    if run.pearl is None or guesser_kind(run.guesser).loop is None:
-        return tree
-    drafter = _drafter_of(run.guesser)
-    where = getattr(args, "guesser_files", None) or tree.provenance.get("guesser_dir")
-    args.guesser = f"{drafter}:{where}" if isinstance(where, str) else drafter
-    args.pearl_threads = run.pearl.threads
-    args.pearl, args.gamma, args.plan = True, run.pearl.gamma, None
-    _check_pearl(args)
-    return None
-
-
-def _drafter_of(kind: str) -> str:
-    """The guesser a kind with its own loop (PEARL) drafts with: the one with its files and the one loop."""
-    from planner.guessers import kinds
-
-    own = guesser_kind(kind)
-    return next(k.name for k in kinds(hybrids=False) if k.files == own.files and k.loop is None and k.autotune)
-
-
-def _recorded_guesser(tree, files: str | None = None) -> str | None:
-    """The guesser a plan was made for (autotune writes it into the tree file), as KIND[:DIR]: the
-    files raced with (checked), else the recorded directory."""
-    if tree is None or not isinstance(tree.settings.get("guesser"), str):
-        return None
-    kind, where = tree.settings["guesser"], files or tree.provenance.get("guesser_dir")
-    return f"{kind}:{where}" if isinstance(where, str) and guesser_kind(kind).files is not None else kind
-
-
-def _mtad_quality(args, model, guesser, results: list[dict]) -> dict:
+def _mtad_quality(args, engine, guesser, results: list[dict], run_cfg) -> dict:
     """Perplexity (under the target and the drafter, raw distributions) and distinct-n of the MTAD
     texts and, with --compare-plain, of plain sampling's over the same prompts."""
     import torch
 
     from decoder.guessers.mtad import text_quality
 
+    model = engine.torch_model()
     prompts = [torch.tensor(r["prompt_ids"]) for r in results]
     out = text_quality(model, prompts, [r["tokens"] for r in results], guesser.draft_model).to_json()
     if args.compare_plain and results:
@@ -368,17 +298,18 @@ def _batches(items: list, size: int) -> list[list]:
     return [items[i: i + size] for i in range(0, len(items), size)]
 
 
-def _plain(model, ids_b: list, args, gen_kw) -> list:
-    """Plain decoding of the same prompts through the same path (batched the same way)."""
-    from decoder.guesser import PlainGuesser
-    from decoder.loop import generate, generate_plain
+def _plain(engine, ids_b: list, run_cfg) -> list:
+    """Plain decoding of the same prompts: one prompt the engine's fastest plain way (coupled: plain
+    sampling with the same noise, whose text the plan must emit), a batch through the same batched path."""
+    from decoder.loop import decode_plain, generate
 
-    if len(ids_b) == 1:  # coupled: plain sampling with the same noise, whose text the plan must emit
-        return [generate_plain(model, ids_b[0], verify_rule=args.verify, **gen_kw)]
-    return generate(model, ids_b, plan=None, guesser=PlainGuesser(), layout=args.layout, **gen_kw)
+    cfg = run_cfg.decode
+    if len(ids_b) == 1:
+        return [decode_plain(engine, ids_b[0], config=cfg)]
+    return generate(engine, ids_b, plan=None, config=cfg)
 
 
-def _row(args, model, tokenizer, text: str, ids, out, plain, batch_len: int) -> dict:
+def _row(args, run_cfg, engine, text: str, ids, out, plain, batch_len: int) -> dict:
     """One prompt's record. wall_share_s: its share of its batch's time (the whole time unbatched),
     so that summed over prompts it is the run's wall time."""
     from profiler.compare import classify
@@ -387,32 +318,34 @@ def _row(args, model, tokenizer, text: str, ids, out, plain, batch_len: int) -> 
            "steps": out.steps, "stats": out.stats.to_json(), "wall_share_s": out.stats.total_s / batch_len}
     if out.batch is not None:
         row["batch"] = out.batch.summary()
-    if tokenizer is not None:
-        row["text"] = tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
+    if engine.tokenizer is not None:
+        row["text"] = engine.tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
     if plain is not None:
         row["plain"] = {"tokens": plain.tokens.tolist(), "steps": plain.steps, "summary": plain.stats.summary(),
                         "wall_share_s": plain.stats.total_s / batch_len}
-        if args.temperature > 0 and args.verify != "coupled":  # each samples with its own draws
+        s = run_cfg.decode.sampling
+        coupled_run = s.rule == "coupled"
+        if s.temperature > 0 and not coupled_run:  # each samples with its own draws
             row["comparison"] = {"status": "not compared",
                                  "reason": "sampled outputs differ from plain sampling's by design (--verify coupled "
                                            "emits plain sampling's text with the same --seed)"}
             row["identical_to_plain"] = None
         else:
-            coupled = dict(sampling=sampling_from_args(args), seed=args.seed) if args.verify == "coupled" else {}
-            row["comparison"] = classify(model, ids, plain.tokens.tolist(), row["tokens"], **coupled)
+            coupled = dict(sampling=s, seed=args.seed) if coupled_run else {}
+            row["comparison"] = classify(engine, ids, plain.tokens.tolist(), row["tokens"], **coupled)
             row["identical_to_plain"] = row["comparison"]["status"] == "identical"
     if args.print_text:
         print(f"--- {text[:60]!r}\n{row.get('text', row['tokens'])}")
     return row
 
 
-def step_lengths(guesser, tree, w) -> dict:
+def step_lengths(guesser, tree, engine) -> dict:
     """Forward lengths per state: the decoder's real ones and the plan's count."""
     if tree is not None and tree.dynamic is not None:  # chosen every step: the sizes it may choose
         n = min(tree.dynamic.max_size + 1, len(tree.dynamic.step_cost_s))
         return {"real": {"0": n}, "planned": {"0": n}}
     if hasattr(guesser, "layouts") and getattr(guesser, "input_embeddings", lambda: None)() is not None:
-        layouts = guesser.layouts(tree, w.dtype, w.device)
+        layouts = guesser.layouts(tree, engine.dtype, engine.device)
         return {"real": {str(s): b.input_length for s, b in layouts.states.items()},
                 "planned": {str(s): b.planned_input_length for s, b in layouts.states.items()}}
     n = 1 + (len(tree.states[0].nodes) if tree is not None else getattr(guesser, "num_distances", 4))

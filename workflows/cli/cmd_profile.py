@@ -12,7 +12,7 @@ from pathlib import Path
 
 from planner.errors import UserError
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, parse_lengths
-from workflows.cli.llama_target import add_engine_argument
+from workflows.cli.engines import add_engine_argument
 
 
 def parse_batch_sizes(values: list[str]) -> list[int]:
@@ -55,23 +55,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "published measurements; the file is marked \"simulated\"); see --list-gpus")
     p.add_argument("--list-gpus", action="store_true", help="print the GPUs --simulate knows, with datasheet figures")
     add_engine_argument(p, extra=("graphs", "eager"))
-    p.add_argument("--context-lengths", default="128,512", metavar="C,C,...",
-                   help="--engine llama.cpp: context lengths to time at; the first is the profile's (default 128,512)")
-    p.add_argument("--quant", default="Q4_K", choices=["Q4_K", "Q4_0", "Q4_1"],
+    p.add_argument("--context-lengths", default=None, metavar="C,C,...",
+                   help="several context lengths to time at; the first is the profile's (default: --context-length, "
+                        "or the engine's own: 256 for hf, 128,512 for llama.cpp)")
+    p.add_argument("--quant", default=None, choices=["Q4_K", "Q4_0", "Q4_1"],
                    help="--engine llama.cpp with a preset: the 4-bit type of its random-filled GGUF (default Q4_K)")
     p.add_argument("--remove-cached", action="store_true",
                    help="delete the random-filled GGUF files of --model (every preset without --model) and exit")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
                    help="default: bf16 (fp16 without bf16 support) on GPU, fp32 on CPU")
-    p.add_argument("--context-length", type=_positive(int), default=256, help="tokens already in the KV cache (default 256)")
+    p.add_argument("--context-length", type=_positive(int), default=256,
+                   help="tokens already in the KV cache (default 256; the llama.cpp engine's own default is 128,512)")
     p.add_argument("--input-lengths", default=DEFAULT_LENGTHS_SPEC,
                    help="N, START:STOP or START:STOP:STEP (STOP inclusive), comma-separated "
                         f"(default {DEFAULT_LENGTHS_SPEC})")
     p.add_argument("--batch-sizes", "--batch-size", dest="batch_size", nargs="+", default=["1"],
                    help="one or more batch sizes, e.g. 1,2,4,8 or 1 4 (default 1)")
     p.add_argument("--time-budget", type=_positive(float), default=None,
-                   help="seconds of measuring in total (default 15 on CPU, 120 on GPU)")
+                   help="seconds of measuring in total (default 15 on CPU, 120 on GPU, 30 with --engine llama.cpp)")
     p.add_argument("--min-repeats", type=_positive(int), default=5)
     p.add_argument("--max-repeats", type=_positive(int), default=50)
     p.add_argument("--target-ci", type=_positive(float), default=0.02,
@@ -83,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="padded", choices=["padded", "packed"],
                    help="with --batch-size > 1: padded (b rectangular rows, default) or packed (one row of b "
                         "sequences with per-sequence attention: EMS-SD's layout, decoder.batch)")
-    p.add_argument("--matmul-paths", default="auto", choices=["auto", "off"],
+    p.add_argument("--matmul-paths", default=None, choices=["auto", "off"],
                    help="auto (CPU): first measure each Linear weight shape's fastest matmul path (F.linear, a "
                         "transposed copy, oneDNN prepacked, chunked) at every input length up to --matmul-max-rows, "
                         "check them on the whole forward, store them in the profile ('matmul_paths') and time L(n) "
@@ -116,21 +118,19 @@ def _check_writable(opt: str, path: Path) -> None:
         raise UserError(f"{opt} {path}: cannot write there")
 
 
-def _select_path(model, attention: str) -> None:
-    """The attention path to time: auto is the decoder's own choice (the Triton tree kernels on
-    CUDA for models they serve, the dense mask elsewhere), so a profile times what decoding runs."""
-    from decoder.loop import select_attention
-
+def _select_path(engine, attention: str) -> None:
+    """The attention path to time: tree is the decoder's tree kernels (Triton on CUDA), as decoding
+    runs them when switched on; sdpa the dense mask."""
     if attention == "sdpa":
         return
     try:
-        select_attention(model, "kernels" if attention == "tree" else "auto")
+        engine.select_attention("kernels")
     except UserError as e:
         raise UserError(f"--attention {attention}: {str(e).split(': ', 1)[-1]}; profile with --attention sdpa") from None
 
 
 def run(args) -> int:
-    from decoder.engines.hf.load import default_model_spec, preset_names
+    from decoder.engines.models import default_model_spec, preset_names
 
     if args.list_models:
         print("\n".join(preset_names()))
@@ -143,60 +143,78 @@ def run(args) -> int:
               file=sys.stderr)
         return 0
     if args.list_gpus or args.simulate:
-        if args.engine in ("hf", "llama.cpp"):
+        if args.engine not in (None, "graphs", "eager"):
             raise UserError(f"--engine {args.engine}: not with --simulate (there: graphs or eager)")
         return _simulate(args)
     if args.engine in ("graphs", "eager"):
         raise UserError(f"--engine {args.engine}: only with --simulate GPU (a measured profile times what this machine runs)")
-    if args.engine == "llama.cpp":
-        return _llama(args)
+    from workflows.cli.engines import engine_kind, refuse_options
+
+    spec = engine_kind(args)
+    refuse_options(spec, _given(args))
+    profile_spec, out = _spec(args, spec), _output(args)
+    for opt, path in (("-o", out), ("--plot", args.plot)):
+        _check_writable(opt, Path(path) if path else Path("profiles") / "x")
+    if args.cuda_graphs and args.device == "cpu":
+        raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
+    return _measure(args, spec, profile_spec, out, args.model or default_model_spec())
+
+
+def _given(args) -> dict[str, bool]:
+    """The options set away from their defaults, by the names an engine kind refuses them under."""
+    return {"--device": args.device is not None, "--dtype": args.dtype is not None, "--cuda-graphs": args.cuda_graphs,
+            "--plot": args.plot is not None, "--attention tree": args.attention != "sdpa",
+            "--layout packed": args.layout != "padded", "--batch-sizes": args.batch_size != ["1"],
+            "--matmul-paths": args.matmul_paths is not None, "--quant": args.quant is not None,
+            "--n-ctx": args.n_ctx is not None}
+
+
+def _spec(args, spec):
+    """What to measure, from the flags and the engine's own defaults."""
+    from profiler.measure import ProfileSpec
+
     lengths = parse_lengths(args.input_lengths)
+    if args.context_lengths:
+        contexts = tuple(parse_batch_sizes([args.context_lengths]))  # positive integers, order kept
+    elif args.context_length != 256:
+        contexts = (args.context_length,)
+    else:
+        contexts = spec.defaults.profile_context_lengths
+    if max(contexts) > 65536 or (args.time_budget or 0) > 86400:
+        raise UserError("--context-lengths: at most 65536; --time-budget: at most 86400 s")
     if args.matmul_max_rows > 1024 or (args.matmul_budget or 0) > 86400:
         raise UserError("--matmul-max-rows: at most 1024; --matmul-budget: at most 86400 s")
-    batch_sizes = parse_batch_sizes(args.batch_size)
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot: expected a .png file name, got '{args.plot}'")
-    for opt, path in (("-o", args.output), ("--plot", args.plot)):
-        _check_writable(opt, Path(path) if path else Path("profiles") / "x")
+    return ProfileSpec(tuple(lengths), contexts, tuple(parse_batch_sizes(args.batch_size)),
+                       args.time_budget or spec.defaults.profile_time_budget_s, args.layout, args.cuda_graphs,
+                       args.min_repeats, args.max_repeats, args.target_ci, args.warmup, args.seed,
+                       matmul_paths=args.matmul_paths or "auto", matmul_budget_s=args.matmul_budget,
+                       matmul_max_rows=args.matmul_max_rows, progress=not args.no_progress)
 
-    import torch
 
+def _output(args) -> Path | None:
+    return Path(args.output) if args.output else None
+
+
+def _measure(args, spec, profile_spec, out: Path | None, model: str) -> int:
+    from planner.engines import DEFAULT
     from planner.jsonio import atomic_write_json
-    from profiler.measure import check_lengths, profile_model
-    from decoder.engines.hf.load import load_model
+    from profiler.measure import profile_engine
+    from workflows.cli.engines import open_from_args
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = args.model or default_model_spec()
-    device = args.device
-    if args.cuda_graphs and device == "cpu":
-        raise UserError("--cuda-graphs: needs a CUDA device, but --device is cpu")
-    loaded = load_model(spec, device=device, dtype=args.dtype, weights=False)
-    _select_path(loaded.model, args.attention)
-    check_lengths(lengths, args.context_length, getattr(loaded.model.config, "max_position_embeddings", None),
-                  loaded.model, max(batch_sizes))
-    print(f"profiling {loaded.name} ({loaded.source}, {'weights' if loaded.has_weights else 'random weights'}) on "
-          f"{next(loaded.model.parameters()).device}: {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
-          f"batch {batch_sizes}, context {args.context_length}", file=sys.stderr)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if loaded.model.device.type == "cpu" and load > (os.cpu_count() or 1):
-        # Oversubscribed: torch's threads wait on each other at every op (seen here: 1 s instead of
-        # 10 ms per pass with 2 threads at load 8), so unless asked otherwise measure with one.
-        if not args.threads and torch.get_num_threads() > 1:
-            torch.set_num_threads(1)
-            print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): measuring with 1 thread "
-                  "(pass --threads to choose); timings will be noisy", file=sys.stderr)
-        else:
-            print(f"note: the machine is busy (load {load:.1f} on {os.cpu_count()} cores): timings will be noisy",
-                  file=sys.stderr)
-    profile = profile_model(
-        loaded, lengths, context_length=args.context_length, batch_sizes=batch_sizes, time_budget_s=args.time_budget,
-        cuda_graphs=args.cuda_graphs, progress=not args.no_progress, min_repeats=args.min_repeats,
-        max_repeats=args.max_repeats, target_rel_ci=args.target_ci, warmup=args.warmup, seed=args.seed,
-        layout=args.layout, matmul_paths=args.matmul_paths, matmul_budget_s=args.matmul_budget,
-        matmul_max_rows=args.matmul_max_rows,
-    )
-    out = Path(args.output) if args.output else Path("profiles") / f"{device_slug(profile)}-{loaded.name}.json"
+    need = max(profile_spec.context_lengths) + max(profile_spec.input_lengths) + 1
+    engine = open_from_args(args, spec, context=need, weights=False, busy=True)
+    _select_path(engine, args.attention)
+    r = engine.record()
+    print(f"profiling {r['model']} ({r.get('model_source')}, {'weights' if r.get('has_weights') else 'random weights'}) "
+          f"with the {spec.name} engine on {engine.device} ({engine.caps.threads or 'default'} threads): "
+          f"{len(profile_spec.input_lengths)} lengths {min(profile_spec.input_lengths)}..{max(profile_spec.input_lengths)}, "
+          f"batch {list(profile_spec.batch_sizes)}, context {', '.join(map(str, profile_spec.context_lengths))}",
+          file=sys.stderr)
+    profile = profile_engine(engine, profile_spec)
+    tag = "" if spec.name == DEFAULT else f"-{spec.name}"
+    out = out or Path("profiles") / f"{device_slug(profile)}{tag}-{r['model']}.json"
     try:
         atomic_write_json(out, profile)
         if args.plot:
@@ -205,9 +223,15 @@ def run(args) -> int:
             plot_profile(profile, args.plot)
     except OSError as e:
         raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    _report(profile, out)
+    return 0
+
+
+def _report(profile: dict, out: Path) -> None:
     n, lat = profile["input_lengths"], profile["latency_s"]
-    print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms, "
-          f"{sum(profile['repeats'])} samples in {profile['wall_s']:.1f} s", file=sys.stderr)
+    print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms "
+          f"({profile['shape']}, context {profile['context_length']}), {sum(profile['repeats'])} samples in "
+          f"{profile['wall_s']:.1f} s", file=sys.stderr)
     mp = profile.get("matmul_paths")
     if mp:
         kept = [M for M, k in zip(mp["whole_model"]["rows"], mp["whole_model"]["kept"]) if k] if "whole_model" in mp else []
@@ -220,57 +244,21 @@ def run(args) -> int:
         kept = sum(len(s["input_lengths"]) for s in profile["series"])
         where = "filling the cache" if stop.get("at") == "prefill" else f"at input length {stop['input_length']}"
         raise UserError(
-            f"out of memory {where} (batch size {stop['batch_size']}, context {args.context_length}); "
+            f"out of memory {where} (batch size {stop['batch_size']}, context {profile['context_length']}); "
             f"stopped there and kept the {kept} points measured so far in {out}"
         )
-    return 0
-
-
-def _llama(args) -> int:
-    """--engine llama.cpp: L(n) of the model's GGUF file for chains (and trees, where the engine scores
-    them) at each --context-lengths, every row's logits; profiler/llama_profile.py."""
-    from planner.jsonio import atomic_write_json
-    from profiler.llama_profile import profile_llama
-    from workflows.cli.llama_target import open_llama, refuse_hf_only
-
-    refuse_hf_only(args, {"--device": args.device, "--dtype": args.dtype, "--cuda-graphs": args.cuda_graphs,
-                          "--plot": args.plot, "--attention tree": args.attention != "sdpa",
-                          "--layout packed": args.layout != "padded", "--batch-sizes": args.batch_size != ["1"]})
-    lengths = parse_lengths(args.input_lengths)
-    contexts = parse_batch_sizes([args.context_lengths])  # positive integers, order kept
-    if max(contexts) > 65536 or (args.time_budget or 0) > 86400:
-        raise UserError("--context-lengths: at most 65536; --time-budget: at most 86400 s")
-    out = Path(args.output) if args.output else None
-    _check_writable("-o", out or Path("profiles") / "x")
-    target = open_llama(args.model, args.threads, max(args.n_ctx, max(contexts) + max(lengths) + 1), args.quant,
-                        progress=not args.no_progress)
-    print(f"profiling {target.name} in llama.cpp ({target.engine.threads} threads): {len(lengths)} lengths "
-          f"{lengths[0]}..{lengths[-1]}, contexts {contexts}", file=sys.stderr)
-    profile = profile_llama(target.engine, lengths, contexts, args.time_budget or 30.0, args.min_repeats,
-                            args.max_repeats, args.target_ci, args.warmup, args.seed, not args.no_progress,
-                            target.record())
-    out = out or Path("profiles") / f"cpu-llama.cpp-{target.name}.json"
-    atomic_write_json(out, profile)
-    n, lat = profile["input_lengths"], profile["latency_s"]
-    print(f"wrote {out}: L({n[0]}) = {lat[0] * 1e3:.3f} ms, L({n[-1]}) = {lat[-1] * 1e3:.3f} ms "
-          f"({profile['shapes'][0]['shape']}, context {profile['context_length']}), {profile['wall_s']:.1f} s",
-          file=sys.stderr)
-    if profile.get("incomplete"):
-        print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)
-        raise KeyboardInterrupt
-    return 0
 
 
 # Options that steer a measurement; a simulated profile has none to steer.
 MEASURING_OPTIONS = (("device", None), ("time_budget", None), ("cuda_graphs", False), ("threads", None),
-                     ("plot", None), ("attention", "sdpa"), ("layout", "padded"))
+                     ("plot", None), ("attention", "sdpa"), ("layout", "padded"), ("matmul_paths", None))
 
 
 def _simulate(args) -> int:
     """`--simulate GPU`: the profile computed by planner.simulate, in the measured profile's schema."""
     from planner.jsonio import atomic_write_json, read_json, writable_target
     from planner.simulate import architecture_from_config, get_gpu, gpu_lines, simulate_profile
-    from decoder.engines.hf.load import default_model_spec
+    from decoder.engines.models import default_model_spec
 
     if args.list_gpus:
         print("\n".join(gpu_lines()))
@@ -303,7 +291,7 @@ def _simulate(args) -> int:
 def _config_file(spec: str) -> tuple[str, str, Path]:
     """(name, source, config.json) of a preset, the built-in model, a model directory or a config file,
     read as JSON only (no transformers: a simulated profile takes well under a second)."""
-    from decoder.engines.hf.load import BUILTIN_DIR, PRESET_DIR, preset_names
+    from decoder.engines.models import BUILTIN_DIR, PRESET_DIR, preset_names
 
     if "/" not in spec and (PRESET_DIR / f"{spec}.json").is_file():
         return spec, "preset", PRESET_DIR / f"{spec}.json"

@@ -103,27 +103,41 @@ def read_prompts(path, limit: int | None = None) -> list[str]:
     return out
 
 
-def load_everything(args):
-    """-> (loaded model, tokenizer or None, guesser)."""
-    import torch
+def open_everything(args, spec, plan=None, context: int | None = None, default_guesser: str | None = None):
+    """-> (engine, guesser): the engine --engine (or the plan) names, opened once here, and the guesser
+    --guesser names, built against it (the registry refuses in one line what the engine cannot run,
+    before any file is read)."""
+    from workflows.cli.engines import open_from_args
 
-    from decoder.engines.hf.load import default_model_spec, load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError("--num-prompts: expected a positive integer")
     if args.ensemble < 1 or args.top_k_guesses < 1:
         raise UserError("--ensemble and --top-k-guesses: expected positive integers")
-    spec = args.model or default_model_spec()
-    loaded = load_model(spec, device=args.device, dtype=args.dtype)
-    guesser = make_guesser(args, loaded, spec)
-    tokenizer = None
-    if loaded.tokenizer_dir is not None:
-        from transformers import AutoTokenizer
+    name = getattr(args, "guesser", None) or default_guesser or default_guesser_for(spec.caps)
+    check_guesser(spec, name)
+    engine = open_from_args(args, spec, context=context)
+    return engine, make_guesser(args, engine, name)
 
-        tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    return loaded, tokenizer, guesser
+
+DEFAULT_GUESSERS = ("ppd", "lookup")  # --guesser's default: the first of these the engine can run
+
+
+def default_guesser_for(caps) -> str:
+    from decoder.engine import lacking
+    from decoder.guessers.registry import needs
+    from planner.guessers import kind
+
+    return next((g for g in DEFAULT_GUESSERS if not lacking(caps, needs(kind(g)))), DEFAULT_GUESSERS[-1])
+
+
+def check_guesser(spec, name: str) -> None:
+    """The engine kind's refusal of --guesser, before the engine opens (decoder/engine.py refuse)."""
+    from decoder.engine import refuse
+    from decoder.guessers.registry import needs
+    from planner.guessers import kind
+
+    k, _ = parse_guesser(name)
+    refuse(spec.caps, k, needs(kind(k)))
 
 
 def parse_guesser(spec: str) -> tuple[str, str | None]:
@@ -140,14 +154,16 @@ def parse_guesser(spec: str) -> tuple[str, str | None]:
     return k.name, path or None
 
 
-def make_guesser(args, loaded, spec: str, target=None):
-    """The guesser --guesser names, with its files (a path, else the ones shipped for a named model),
-    built by the registry's loader (decoder/guessers/registry.py) against `target` (an engine; default the
-    loaded model)."""
+def make_guesser(args, engine, spec: str | None = None):
+    """The guesser `spec` (default --guesser) names, with its files (a path, else the ones shipped for a
+    named model), built by the registry's loader (decoder/guessers/registry.py) against the engine."""
+    from decoder.engines.models import default_model_spec
     from decoder.guessers.registry import LoadRequest, load_guesser
     from planner.guessers import kind
 
-    name, path = parse_guesser(getattr(args, "guesser", None) or DEFAULT_GUESSER)
+    name, path = parse_guesser(spec or getattr(args, "guesser", None) or DEFAULT_GUESSER)
+    model = getattr(args, "model", None) or default_model_spec()
+    named = model == engine.model_name  # a named model (not a folder): its guessers ship under models/<name>/
     k = kind(name)
     pt_flags = args.prompt_tokens or args.random_prompt_tokens
     if pt_flags and not k.needs_embeddings:
@@ -159,31 +175,30 @@ def make_guesser(args, loaded, spec: str, target=None):
         if path is None and args.random_prompt_tokens is not None:
             options = {"random": args.random_prompt_tokens, "ensemble": args.ensemble}
         elif path is None:
-            found = shipped(spec, k.files) if spec == loaded.name else None
+            found = shipped(model, k.files) if named else None
             if found is None:
-                raise UserError(f"--model {spec}: no prompt tokens ship for it; pass --prompt-tokens DIR (train them "
+                raise UserError(f"--model {model}: no prompt tokens ship for it; pass --prompt-tokens DIR (train them "
                                 "with `planner train-prompts`) or --random-prompt-tokens P (untrained, output still exact)")
             path = str(found)
-        args.prompt_tokens = path
     elif k.files is not None and path is None:
-        found = shipped(spec, k.files) if spec == loaded.name else None
+        found = shipped(model, k.files) if named else None
         if found is None:
-            raise UserError(f"--guesser {name}: no {k.files} ships for model {spec}; give {name}:DIR "
+            raise UserError(f"--guesser {name}: no {k.files} ships for model {model}; give {name}:DIR "
                             "(train one with `planner train-drafter`)")
         path = str(found)
-    request = LoadRequest(target if target is not None else loaded.model, path, top_k=args.top_k_guesses,
-                          options=options, label=str(path or name))
+    request = LoadRequest(engine, path, top_k=args.top_k_guesses, options=options, label=str(path or name))
     return load_guesser(name, request)
 
 
-def encode(tokenizer, texts: list[str], vocab_size: int) -> list:
-    """Chat-formatted token ids (the autotune's format); without a tokenizer, UTF-8 bytes mod vocab."""
+def encode(engine, texts: list) -> list:
+    """Chat-formatted token ids (the autotune's format) with the engine's tokenizer; without one (a
+    preset's random weights), UTF-8 bytes mod the vocabulary."""
     import torch
 
-    if tokenizer is not None:
-        return encode_prompts(tokenizer, texts)
+    if engine.tokenizer is not None:
+        return encode_prompts(engine.tokenizer, texts)
     flat = ["\n".join(t.turns) if hasattr(t, "turns") else t for t in texts]
-    return [torch.tensor([b % vocab_size for b in t.encode()] or [0], dtype=torch.long) for t in flat]
+    return [torch.tensor([b % engine.vocab_size for b in t.encode()] or [0], dtype=torch.long) for t in flat]
 
 
 def encode_prompts(tokenizer, texts: list) -> list:

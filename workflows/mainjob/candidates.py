@@ -258,6 +258,8 @@ def _dynamic_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidat
     from decoder.guessers.dynamic import HybridGuesser
 
     size = min(DYNAMIC_MAX_SIZE, run.settings.max_input_length - 1)
+    own = run.settings.kind.defaults.dynamic_sizes  # the engine's size limits (None: the largest only)
+    sizes = tuple(n for n in own if n <= size) or None if own else None
     kinds = [k for k in accepts if guesser_kind(k).dynamic]
     for h in guesser_kinds():
         if h.hybrid and all(m in accepts for m in h.members):
@@ -270,7 +272,8 @@ def _dynamic_phase(run, accepts: dict, profile: LatencyProfile) -> list[Candidat
     for kind in kinds:
         members = guesser_kind(kind).members or (kind,)
         try:
-            cands = dynamic_candidates(kind, {k: accepts[k].accept for k in members}, profile, max_size=size)
+            cands = dynamic_candidates(kind, {k: accepts[k].accept for k in members}, profile, max_size=size,
+                                       sizes=sizes)
         except UserError as e:  # a guesser the dynamic planner cannot model: the static plans still race
             run.say(f"      dynamic {kind}: skipped ({e})")
             continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.accept import Acceptance, load_acceptance
+from planner.engines import DEFAULT
 from planner.errors import UserError
 from planner.guessers import kind as guesser_kind
 from planner.guessers import kinds as guesser_kinds
@@ -47,30 +48,34 @@ def profile_lengths(max_n: int) -> list[int]:
 
 
 def profile_phase(run: Run) -> Profiled:
-    from profiler.measure import profile_model
+    from profiler.measure import ProfileSpec, profile_engine
 
-    s = run.settings
+    s, engine = run.settings, run.engine
     if s.profile:
         path = Path(s.profile)
     else:
         budget = run.budget.profile_s
-        paths_s = run.budget.matmul_share * budget if run.device == "cpu" else 0.0
-        run.clock.phase(1, f"profiling {run.loaded.name} on {run.device}: "
+        paths = engine.caps.matmul_paths and run.device == "cpu"
+        paths_s = run.budget.matmul_share * budget if paths else 0.0
+        contexts = s.context_lengths
+        run.clock.phase(1, f"profiling {run.model_name} with the {engine.caps.name} engine on {run.device}: "
                            + (f"each Linear's fastest matmul path per input length ({paths_s:.0f} s), " if paths_s else "")
-                           + f"input lengths 1..{s.max_input_length} after a {s.context_length}-token context and the "
-                           f"decoder's own per-step work ({budget - paths_s:.0f} s)", run.clock.left())
-        prof = profile_model(run.loaded, profile_lengths(s.max_input_length), context_length=s.context_length,
-                             time_budget_s=budget - paths_s, matmul_budget_s=paths_s or None,
-                             matmul_paths="auto" if paths_s else "off", deadline=time.time() + budget,
-                             progress=s.progress and sys.stderr.isatty())  # bars: terminals only
-        path = atomic_write_json(run.out_dir / "profile.json", prof)
+                           + f"input lengths 1..{s.max_input_length} after {', '.join(map(str, contexts))}-token "
+                           f"contexts and the decoder's own per-step work ({budget - paths_s:.0f} s)", run.clock.left())
+        spec = ProfileSpec(tuple(profile_lengths(s.max_input_length)), contexts, time_budget_s=budget - paths_s,
+                           matmul_budget_s=paths_s or None, matmul_paths="auto" if paths_s else "off",
+                           deadline=time.time() + budget, progress=s.progress and sys.stderr.isatty())  # bars: terminals only
+        path = atomic_write_json(run.out_dir / "profile.json", profile_engine(engine, spec))
     profile = load_profile(str(path))
     from planner.simulate import refuse_to_measure
-    refuse_to_measure(profile, "planner autotune")  # it decodes here against the profile's predictions
-    if run.device == "cpu":  # decode what was profiled: the profile's matmul paths (none: F.linear)
-        from decoder.engines.hf.cpu_paths import use_profile_paths
 
-        use_profile_paths(run.model, str(path))
+    refuse_to_measure(profile, "planner autotune")  # it decodes here against the profile's predictions
+    made_for = profile.source.get("engine") or DEFAULT
+    if made_for != engine.caps.name:
+        raise UserError(f"--profile {path}: measured with the {made_for} engine, this run decodes with "
+                        f"{engine.caps.name} (planner profile --engine {engine.caps.name})")
+    if engine.caps.matmul_paths and run.device == "cpu":  # decode what was profiled: its matmul paths (none: F.linear)
+        engine.use_matmul_paths(str(path))
     if profile.max_input_length < s.max_input_length:
         raise UserError(f"{path}: profiled up to {profile.max_input_length} tokens, --max-input-length is {s.max_input_length}")
     return Profiled(Path(path), profile)
@@ -147,10 +152,11 @@ def acceptance_phase(run: Run, accept_ids: list, profile: LatencyProfile) -> dic
             few = spec.needs_hidden and spec.passes == "depth"
             part = _first(cont, CHAIN_PROMPTS) if few else cont
             acc = _measure(run, g, spec, part, depth, width, sampled)
-        acc["source"] = (f"planner autotune: {run.loaded.name}, {kind} {shown(g.source_dir) if g.source_dir else '(no model)'}, "
+        acc["source"] = (f"planner autotune: {run.model_name}, {kind} {shown(g.source_dir) if g.source_dir else '(no model)'}, "
                          f"{len(accept_ids)} held-out prompts, {acc['positions']} positions ({acc['source']})")
         acc["guesser"]["dir"] = shown(g.source_dir) if g.source_dir else None
         acc["guesser"]["kind"] = kind
+        acc["engine"] = run.engine.caps.name
         path = atomic_write_json(run.out_dir / f"accept-{kind}.json", acc)
         out[kind] = Measured(Path(path), load_acceptance(str(path)))
     # sampled: deterministic guessers are calibrated on the sampled text with p-scored observations
@@ -202,16 +208,17 @@ def pearl_phase(run: Run, drafter: str, accepts: dict[str, Measured], profile: L
     from workflows.mainjob.candidates import pearl_candidates
 
     total = torch.get_num_threads()
+    model = run.engine.torch_model()
     draft = run.guessers[drafter].draft_model
     splits = pearl_splits(total)
     run.clock.phase(4, f"PEARL: target and draft LM at thread splits {', '.join(map(str, splits))} and {total}, "
                        "and their overlap", run.clock.left())
-    ctx = context.to(run.model.device)
+    ctx = context.to(run.engine.device)
     own_loop = next(k.name for k in guesser_kinds() if k.loop is not None)  # PEARL's kind
     tried = []
     for split in splits:
-        lat = side_latencies(run.model, draft, ctx, range(1, 9), split, total, repeats=3)
-        check = split_check(run.model, draft, ctx, 4, split, repeats=3)
+        lat = side_latencies(model, draft, ctx, range(1, 9), split, total, repeats=3)
+        check = split_check(model, draft, ctx, 4, split, repeats=3)
         torch.set_num_threads(total)
         eta = max(0.0, min(1.0, check["eta"]))
         cands = pearl_candidates(accepts[drafter].accept, lat, eta, plain_step(profile), own_loop)

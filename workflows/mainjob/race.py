@@ -18,21 +18,22 @@ from workflows.mainjob.choose import LOADED_CORES, PLAIN, REPLAYED, Arm, Decisio
 
 
 def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
-    """One prompt decoded with one plan (None: plain decoding) under the run's sampling settings;
-    every arm decodes a prompt with the same seed. Returns the GenerateOutput."""
-    from decoder import generate, generate_plain
+    """One prompt decoded with one plan (None: plain decoding, the engine's fastest way) under the run's
+    sampling settings; every arm decodes a prompt with the same seed. Returns the GenerateOutput."""
+    from decoder.config import DecodeConfig
     from decoder.guessers.pearl import generate_pearl
+    from decoder.loop import decode_plain, generate
 
-    n = run.settings.decode_tokens
-    s = run.settings.sampling
-    warp = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
+    cfg = DecodeConfig(run.settings.decode_tokens, run.settings.sampling, seed, phase_times=False)
     if cand is None:
-        return generate_plain(run.model, ids, max_new_tokens=n, phase_times=False, verify_rule=s.mode, **warp)
+        return decode_plain(run.engine, ids, config=cfg)
     if guesser_kind(cand.guesser).loop:  # PEARL: its own two-job loop, the draft LM as drafter, at the split measured for it
-        return generate_pearl(run.model, run.guessers["draft"].draft_model, ids, gamma=cand.size, max_new_tokens=n,
-                              threads=tuple(cand.tree.settings["pearl"]["threads"]), **warp)
-    return generate(run.model, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], max_new_tokens=n,
-                    phase_times=False, verify_rule=s.mode, **warp)
+        s = cfg.sampling
+        drafter = next(g for k, g in run.guessers.items() if guesser_kind(k).files == guesser_kind(cand.guesser).files)
+        return generate_pearl(run.engine.torch_model(), drafter.draft_model, ids, gamma=cand.size,
+                              max_new_tokens=cfg.max_new_tokens, threads=tuple(cand.tree.settings["pearl"]["threads"]),
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
+    return generate(run.engine, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], config=cfg)
 
 
 def _arms(run, racing: list[Candidate], profile: LatencyProfile, decode_ids: list) -> list[Arm]:
@@ -107,8 +108,9 @@ def race_phase(run, decode_ids: list, racing: list[Candidate], profile: LatencyP
                        f"prompts, the winner's confirmation against plain on {len(race.confirmation)} others, "
                        f"x {s.decode_tokens} tokens (predicted {eta:.0f} s; the budget halves the field when short)",
                     min(eta, deadline - run.clock.elapsed()) + run.budget.after_race_s)
-    warm_up_shapes(run.model, decode_ids, _step_lengths(run, racing))
-    device = run.model.get_input_embeddings().weight.device
+    warm_up_shapes(run.engine, decode_ids, _step_lengths(run, racing))
+    _warm_plain(run, decode_ids[0])
+    device = run.engine.device
     meter, t0 = OtherLoad(), time.perf_counter()
     others = other_cores(0.5)  # before the first run: a loaded machine ranks parallel plans last
     race.loaded_now = others is not None and others >= LOADED_CORES
@@ -176,22 +178,28 @@ def _disqualify_mismatches(run, race: Race, outputs: _Outputs, decode_ids: list,
             continue
         if a.parallel and coupled:  # PEARL (its own two-job loop) samples with the lossless rule
             continue
-        if classify(run.model, decode_ids[p], plain, outputs.tokens[key][p].tolist(), **coupled)["status"] == "mismatch":
+        if classify(run.engine, decode_ids[p], plain, outputs.tokens[key][p].tolist(), **coupled)["status"] == "mismatch":
             a.dropped = f"output differs from plain {'coupled sampling' if coupled else 'greedy decoding'} on prompt {p}"
             race.log.append(f"{a.key}: {a.dropped}")
 
 
 def _step_lengths(run, tried: list[Candidate]) -> set[int]:
     """Every forward length the decoding phase will run: plain decoding, each plan's states and bootstrap."""
-    w = run.model.get_input_embeddings().weight
     lengths = {1}
     for c in tried:
         if c.method == "dynamic":  # any size up to its limit, step by step
             lengths |= set(range(1, c.size + 2))
         elif guesser_kind(c.guesser).needs_embeddings:  # PPD: its prompt tokens' layouts per state
-            layouts = run.guessers[c.guesser].layouts(c.tree, w.dtype, w.device)
+            layouts = run.guessers[c.guesser].layouts(c.tree, run.engine.dtype, run.engine.device)
             lengths |= {b.input_length for b in layouts.states.values()} | {layouts.bootstrap.input_length}
         else:
             lengths.add(1 + len(c.tree.states[0].nodes))
             lengths.add(c.size)  # PEARL's post-verify forward
     return lengths
+
+
+def _warm_plain(run, ids) -> None:
+    """The engine's fastest plain decoding once, untimed: a library's own generation (caps.stock_plain)
+    has first-call costs of its own."""
+    if run.engine.caps.stock_plain:
+        _decode_one(run, None, ids, run.settings.seed)

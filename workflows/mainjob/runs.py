@@ -24,12 +24,12 @@ class Budget:
     # run with one core busy did, and decided differently from the quiet run)
     accept_prompts_min: int = 6
     report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
-    llama_plain_s: float = 15.0  # llama.cpp's plain decoding of a few race prompts (a comparison), kept out too
+    compare_s: float = 15.0  # other engines' stock plain decoding of a few race prompts (a comparison), kept out too
 
     @property
     def after_race_s(self) -> float:
         """What the run does after the race: it is kept out of the race's deadline."""
-        return self.report_reserve_s + self.llama_plain_s
+        return self.report_reserve_s + self.compare_s
 
     @property
     def profile_s(self) -> float:
@@ -59,22 +59,27 @@ class Clock:
 class Run:
     """One autotune run: what every phase reads."""
 
-    settings: object  # workflows.mainjob.pipeline.AutotuneSettings
-    loaded: object  # decoder.engines.hf.load.LoadedModel
-    engine: object  # the target engine every decode runs on (decoder/engine.py)
+    settings: object  # workflows.mainjob.pipeline.AutotuneSettings, the engine's defaults filled in
+    engine: object  # the target engine every phase reaches the model through (decoder/engine.py)
     guessers: dict  # kind -> guesser (decoder/guessers/registry.py)
-    tokenizer: object
-    device: str
     out_dir: Path
     say: object  # print, or a no-op when quiet
     clock: Clock
     budget: Budget
     replays: list | None = None  # the shared greedy decode's teachers (profiler.replay.Teacher), per prompt
-    free_cores: bool = False  # torch's threads were cut to the cores other processes left free
+    free_cores: bool = False  # the engine's threads were cut to the cores other processes left free
 
     @property
-    def model(self):
-        return self.loaded.model
+    def device(self) -> str:
+        return self.engine.device.type
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
 
 
 def shown(path) -> str:
@@ -86,6 +91,10 @@ def shown(path) -> str:
         return str(p)
 
 
-def default_out(device: str, model_name: str) -> Path:
+def default_out(device: str, model_name: str, engine: str | None = None) -> Path:
+    """runs/<date>-<device>-<model>, with the engine's name for any but the default engine."""
+    from planner.engines import DEFAULT
+
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return REPO / "runs" / f"{stamp}-{device}-{model_name}"
+    tag = "" if engine in (None, DEFAULT) else f"-{engine}"
+    return REPO / "runs" / f"{stamp}-{device}{tag}-{model_name}"

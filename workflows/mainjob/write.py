@@ -78,7 +78,7 @@ def _row(c: Candidate, arm: Arm, path: Path, measured: dict | None, states: list
 
 
 def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs, decision: Decision,
-                profiled, accepts: dict) -> dict:
+                profiled, accepts: dict, race_ids: list) -> dict:
     """Every finalist's tree and row, the decision as RUN/chosen.json, and the summary."""
     from planner.cost import plain_step
     from decoder.engines.hf.load import dtype_name
@@ -95,6 +95,7 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
                                   "profile": shown(profile_path), "autotune": shown(run.out_dir),
                                   "guesser_dir": shown(g.source_dir) if g.source_dir else None})
         c.tree.settings["raced_with"] = raced_with(run, profile_path, g.source_dir, run.out_dir / "trees")
+        c.tree.engine = run.engine.caps.name
         save_tree(c.tree, run.out_dir / "trees" / name)
         arm = arms[c.label]
         measured = _measured(c, arm, race.plain, outputs, plain_step(profile)) if arm.seconds else None
@@ -109,9 +110,52 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
     files = run.guessers[_measured_as(chosen.guesser, accepts)].source_dir if chosen else None
     tree.settings = dict(tree.settings, decision=decision.reason, measured_speedup=decision.speedup.to_json(),
                          raced_with=raced_with(run, profile_path, files, run.out_dir), **tuned_for(run.settings.sampling))
+    tree.engine = run.engine.caps.name
     save_tree(tree, run.out_dir / "chosen.json")
-    return _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts) | {
-        "dtype": dtype_name(next(run.model.parameters()).dtype)}
+    summary = _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts)
+    summary.update(dtype=run.engine.record()["dtype"], race_prompts=len(race.plain.seconds), rounds=run.settings.rounds)
+    ceiling = lookup_ceiling(run, race_ids, outputs, profile, accepts)
+    if ceiling is not None:
+        summary["oracle_ceiling"] = ceiling
+        for r in rows:
+            best = r["measured_interval"]["mean"] if r.get("measured_interval") else None
+            r["captured_share_of_ceiling"] = _share(best, ceiling["speedup"]) if best else None
+    return summary
+
+
+def lookup_ceiling(run: Run, race_ids: list, outputs: _Outputs, profile, accepts: dict) -> dict | None:
+    """Where prompt lookup was measured (a kind whose signal is a text match): the oracle ceiling of its
+    chains on each race prompt, an oracle that knows how many of lookup's guesses each step accepts along
+    plain decoding's output, priced with the profile's L(1 + g) and per-step overhead (planner/ceiling.py);
+    the decision's own time not counted. What any lookup planner could at most reach on this machine."""
+    from decoder.guessers.lookup import available_lengths
+    from planner.ceiling import oracle_ceiling
+    from planner.cost import step_cost
+    from planner.guessers import LOOKUP_SIGNAL
+
+    if not any(guesser_kind(k).signal == LOOKUP_SIGNAL and not guesser_kind(k).members for k in accepts):
+        return None
+    plain_tokens = outputs.tokens.get(PLAIN, {})
+    prompts = sorted(plain_tokens)
+    if not prompts:
+        return None
+    G = min(profile.max_input_length, 16) - 1
+    cost = [float(step_cost(profile, g + 1)) for g in range(G + 1)]
+    per, plain_s, oracle_s = [], 0.0, 0.0
+    for p in prompts:
+        _, avail = available_lengths(race_ids[p].tolist(), plain_tokens[p].tolist(), G)
+        c = oracle_ceiling(avail, cost)
+        per.append(round(c.speedup, 4))
+        plain_s, oracle_s = plain_s + c.plain_s, oracle_s + c.oracle_s
+    return {"speedup": plain_s / oracle_s if oracle_s else 1.0, "per_prompt": per,
+            "method": "an oracle that knows how many of lookup's guesses each step accepts along plain decoding's "
+                      "output (sampled: a deterministic guess is accepted exactly when the emitted token is it), "
+                      "priced with the profile's L(1+g) + overhead (planner/ceiling.py); the decision's own time not "
+                      "counted"}
+
+
+def _share(measured: float, ceiling: float) -> float | None:
+    return (measured - 1.0) / (ceiling - 1.0) if ceiling > 1.0 + 1e-9 else None
 
 
 def raced_with(run: Run, profile_path: Path, guesser_dir, plan_dir: Path) -> dict:
@@ -122,8 +166,8 @@ def raced_with(run: Run, profile_path: Path, guesser_dir, plan_dir: Path) -> dic
 
     from planner.plan_settings import RacedWith, file_ref
 
-    paths = run.device == "cpu" and run.engine.caps.name == "hf"
-    return RacedWith(run.engine.caps.name, torch.get_num_threads(),
+    paths = run.device == "cpu" and run.engine.caps.matmul_paths
+    return RacedWith(run.engine.caps.name, run.engine.caps.threads or torch.get_num_threads(),
                      file_ref(profile_path, plan_dir) if paths else None,
                      file_ref(guesser_dir, plan_dir) if guesser_dir else None, run.free_cores).to_json()
 
@@ -179,7 +223,7 @@ def _summary(run: Run, chosen: Candidate | None, decision: Decision, rows: list[
         "rows": rows, "profile": shown(profile_path),
         "accept": {k: shown(m.path) for k, m in accepts.items()},
         "guessers": {k: shown(g.source_dir) if g.source_dir else None for k, g in run.guessers.items()},
-        "model": run.loaded.name, "device": run.device,
+        "engine": run.engine.caps.name, "model": run.model_name, "device": run.device, "target": run.engine.record(),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(s).items()},
         "wall_s": None,
     }

@@ -36,18 +36,112 @@ def model_eos_ids(model, eos_token_id=None) -> set[int]:
 
 
 class HFEngine:
-    """A transformers model as the target engine."""
+    """A transformers model as the target engine. `tokenizer` (its chat template) and `loaded` (what the
+    model spec named: decoder/engines/hf/load.py) come from the opener; a bare model has neither."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, tokenizer=None, loaded=None):
+        from dataclasses import replace
+
+        from planner.engines import kind
+
+        self.model, self._tokenizer, self.loaded = model, tokenizer, loaded
         embed = model.get_input_embeddings()
         self.device, self.dtype = embed.weight.device, embed.weight.dtype
         self.vocab_size = int(embed.weight.shape[0])
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         cfg = model.config
-        self.model_name = getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", "")
-        self.caps = EngineCaps("hf", hidden_states=True, input_embeddings=True, trees=True, batches=True,
-                               threads=torch.get_num_threads() if self.device.type == "cpu" else None)
+        self.model_name = loaded.name if loaded else (getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", ""))
+        self.caps = replace(kind("hf").caps, threads=torch.get_num_threads() if self.device.type == "cpu" else None)
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (its chat template), loaded on first use from the model's folder; None
+        for a model without one (a preset's random weights)."""
+        if self._tokenizer is None and self.loaded is not None and self.loaded.tokenizer_dir is not None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.loaded.tokenizer_dir)
+        return self._tokenizer
+
+    def torch_model(self):
+        """The transformers model itself (caps.torch_modules): guessers that share its embedding and head,
+        PEARL's and MTAD's loops, training."""
+        return self.model
+
+    def record(self) -> dict:
+        """What files record about the target: the model, its weights and arithmetic, where it ran."""
+        from decoder.engines.hf.load import config_hash, dtype_name
+
+        lo = self.loaded
+        return {"engine": self.caps.name, "model": self.model_name, "model_source": lo.source if lo else None,
+                "has_weights": lo.has_weights if lo else None,
+                "config_hash": lo.config_hash if lo else config_hash(self.model.config),
+                "dtype": dtype_name(self.dtype), "device": self.device.type, "threads": self.caps.threads,
+                "attention": getattr(self.model.config, "_attn_implementation", None)}
+
+    def versions(self) -> dict:
+        import transformers
+
+        return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+    def close(self) -> None:
+        """Nothing to release: the model is garbage-collected with the engine."""
+
+    def reserve(self, tokens: int) -> None:
+        """Nothing to do: transformers caches grow as they go (check_room checks the model's positions)."""
+
+    @torch.inference_mode()
+    def stock_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, sampling=None, seed: int = 0):
+        """transformers' own `model.generate` (greedy, or sampled with the same temperature, top-k and top-p),
+        on stock F.linear (the matmul paths off for the call): the baseline a user would otherwise run.
+        Returns (new tokens up to and including EOS, wall seconds with the prefill)."""
+        import time
+
+        from decoder.engines.hf.cpu_paths import set_paths_enabled
+
+        ids = prompt_ids.reshape(1, -1).to(self.device)
+        eos = sorted(self.eos_ids()) or None
+        warp = {"do_sample": False}
+        if sampling is not None and sampling.temperature > 0:
+            warp = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                    "top_p": sampling.top_p}
+            torch.manual_seed(seed)
+        set_paths_enabled(self.model, False)
+        try:
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=eos,
+                                      pad_token_id=(eos or [0])[0], **warp)
+            seconds = time.perf_counter() - t0
+        finally:
+            set_paths_enabled(self.model, True)
+        return out[0, ids.shape[1]:].tolist(), seconds
+
+    def use_matmul_paths(self, table) -> None:
+        """Install a profile's CPU matmul paths (a profile file, a table, or None: F.linear everywhere)."""
+        from decoder.engines.hf.cpu_paths import remove_paths, use_profile_paths
+
+        if table is None:
+            remove_paths(self.model)
+        else:
+            use_profile_paths(self.model, table)
+
+    def choose_matmul_paths(self, rows: list[int], context_length: int, budget_s: float, seed: int = 0,
+                            progress: bool = True) -> dict:
+        """Measure each Linear's fastest CPU matmul path per row count and leave them installed (the profile's
+        "matmul_paths"; decoder/engines/hf/matmul_choice.py)."""
+        from decoder.engines.hf.matmul_choice import choose_matmul_paths
+
+        return choose_matmul_paths(self.model, rows, context_length, budget_s, seed=seed, progress=progress)
+
+    def select_attention(self, attention: str) -> None:
+        """auto (the Triton tree kernels on CUDA when triton is installed, else the dense mask), kernels, dense."""
+        select_attention(self.model, attention)
+
+    def check_lengths(self, input_lengths: list[int], context_length: int, batch_size: int = 1) -> None:
+        """Every profiled forward must fit the model's positions and this machine's memory."""
+        from decoder.engines.hf.memory import check_lengths
+
+        check_lengths(input_lengths, context_length, self.max_positions, self.model, batch_size, self.device)
 
     @property
     def kernel_path(self) -> bool:
@@ -72,13 +166,13 @@ class HFEngine:
         pad_to = {} if self.kernel_path or not pad_to else {int(k): int(v) for k, v in pad_to.items()}
         return HFSequence(self, cache, ids.numel() - 1, ids[-1:], pad_to), prompt_hidden
 
-    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True, packed: bool = False,
-                      cuda_graphs: bool = False, seed: int = 0):
-        """packed: b sequences in one row (decoder/batch.py's EMS-SD layout; the model must be switched
-        to packed attention first); cuda_graphs: each length captured once and replayed."""
+    def forward_timer(self, spec):
+        """decoder.engine.TimerSpec: b rows, or one packed row (EMS-SD); on CUDA each length can be captured
+        once as a CUDA graph and replayed (decoder/engines/hf/timer.py)."""
         from decoder.engines.hf.timer import HFForwardTimer
 
-        return HFForwardTimer(self.model, context_length, batch_size, tree, packed, cuda_graphs, seed)
+        return HFForwardTimer(self.model, spec.context_length, spec.batch_size, spec.tree, spec.packed,
+                              spec.cuda_graphs, spec.seed)
 
     def batch_runner(self, layout: str, seqs: list, started: list["HFSequence"], want_hidden: bool):
         """The batched forward of decoder/batch.py over the sequences' own prefilled caches."""
@@ -189,8 +283,24 @@ def _pad(args: dict, root: torch.Tensor, m: int, C: int) -> None:
     args["attention_mask"] = padded
 
 
-def as_engine(target):
-    """An engine for `target`: an engine stays as it is, a transformers model is wrapped in an HFEngine."""
-    if hasattr(target, "caps") and hasattr(target, "start"):
-        return target
-    return HFEngine(target)
+def select_attention(model, attention: str) -> None:
+    if attention not in ("auto", "kernels", "dense"):
+        raise UserError(f"attention: expected auto, kernels or dense, got {attention!r}")
+    if attention == "dense":
+        return
+    if attention == "auto":
+        if model.get_input_embeddings().weight.device.type != "cuda":
+            return
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return
+    from decoder.engines.hf.attention import enable_tree_attention, unsupported_reason, uses_tree_attention
+
+    reason = unsupported_reason(model)
+    if reason:
+        if attention == "auto":
+            return  # the dense mask serves every model the decoder supports
+        raise UserError(f"attention='kernels': {reason}; use attention='dense'")
+    if not uses_tree_attention(model):
+        enable_tree_attention(model)

@@ -1,9 +1,10 @@
-"""Models to profile: built-in presets (configs only), local Hugging Face directories, config.json files.
+"""Loading a Hugging Face model for the hf engine: a local directory with weights, or a config with
+random weights (latency does not depend on the values).
 
-Latency does not depend on weight values, so a model without weights is allocated on the target
-device with initialisation skipped and filled cheaply (uniform noise of the configured std,
-norms at one); a 7B model never goes through a full random init on the CPU. Nothing is ever
-downloaded: every load is local.
+A model without weights is allocated on the target device with initialisation skipped and filled
+cheaply (uniform noise of the configured std, norms at one); a 7B model never goes through a full
+random init on the CPU. Nothing is ever downloaded: every load is local. What a --model spec names
+(registry model, built-in, preset, directory, config file) is decoder/engines/models.py's.
 """
 from __future__ import annotations
 
@@ -14,16 +15,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from decoder.engines.models import resolve_spec
 from planner.errors import UserError
-from decoder.engines import shipped as registry
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-REPO_ROOT = Path(__file__).resolve().parents[3]
-BUILTIN_DIR = REPO_ROOT / "models" / "builtin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-# Keys that say nothing about the architecture; left out of the config hash.
 NOISE_BLOCK = 1_000_003  # elements of noise tiled over big CPU tensors (odd length: rows do not repeat in step)
+# Keys that say nothing about the architecture; left out of the config hash.
 UNHASHED_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
 
 
@@ -35,17 +33,6 @@ class LoadedModel:
     source: str  # "preset" | "dir" | "config"
     has_weights: bool
     tokenizer_dir: str | None
-
-
-DEFAULT_MODEL = "smollm2-135m"  # the default of profile, accept, train-prompts, decode and autotune
-
-
-def preset_names() -> list[str]:
-    return sorted(set([p.stem for p in PRESET_DIR.glob("*.json")] + ["builtin"] + list(registry.MODELS)))
-
-
-def default_model_spec() -> str:
-    return DEFAULT_MODEL
 
 
 def default_device() -> str:
@@ -81,38 +68,6 @@ def config_hash(config) -> str:
     """sha256 (16 hex) of the architecture fields of a transformers config."""
     d = {k: v for k, v in config.to_dict().items() if k not in UNHASHED_KEYS}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _resolve(spec: str, weights: bool = True) -> tuple[str, str, Path]:
-    """spec -> (name, source, path): path is a directory (with config.json) or a config file.
-
-    A registry model (smollm2-135m) resolves to its converted directory in the cache; when its
-    package is missing and the caller needs no weights (profiling), to its architecture preset.
-    """
-    if spec in registry.MODELS:
-        try:
-            return spec, "dir", registry.model_dir(spec)
-        except UserError:
-            if weights or not (PRESET_DIR / f"{spec}.json").is_file():
-                raise
-            return spec, "preset", PRESET_DIR / f"{spec}.json"
-    if spec == "builtin":
-        if not (BUILTIN_DIR / "config.json").is_file():
-            raise UserError(f"preset 'builtin': {BUILTIN_DIR}/config.json not found (train it with scripts/train_builtin.py)")
-        return "builtin", "dir", BUILTIN_DIR
-    if (PRESET_DIR / f"{spec}.json").is_file() and "/" not in spec:
-        return spec, "preset", PRESET_DIR / f"{spec}.json"
-    path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path}: directory has no config.json (expected a Hugging Face model directory)")
-        return path.resolve().name, "dir", path
-    if path.is_file():
-        name = path.resolve().parent.name if path.name == "config.json" else path.stem
-        return name, "config", path
-    if "/" in spec or spec.endswith(".json"):
-        raise UserError(f"{spec}: file not found (expected a preset name, a model directory or a config.json)")
-    raise UserError(f"unknown model preset '{spec}' (presets: {', '.join(preset_names())}; or pass a model directory or config.json)")
 
 
 def _load_config(path: Path):
@@ -170,7 +125,7 @@ def load_model(spec: str, device: str | None = None, dtype: str | None = None, w
     from transformers.initialization import no_init_weights
 
     check_device(device)
-    name, source, path = _resolve(spec, weights)
+    name, source, path = resolve_spec(spec, weights)
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine")

@@ -13,16 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from decoder.engines.hf.forward import ancestor_matrix, kv, prefill, tree_attention_mask, tree_depths, tree_forward
+from decoder.engine import is_oom
 from planner.errors import UserError
 
 TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4
-
-
-def is_oom(e: BaseException) -> bool:
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return True
-    msg = str(e)
-    return isinstance(e, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
 
 
 @dataclass
@@ -142,6 +136,13 @@ class HFForwardTimer:
     def __init__(self, model, context_length: int, batch_size: int = 1, tree: bool = True, packed: bool = False,
                  cuda_graphs: bool = False, seed: int = 0):
         self.model, self.C, self.b, self.tree, self.packed = model, context_length, batch_size, tree, packed
+        self.attn_before = getattr(model.config, "_attn_implementation", None)
+        if packed:
+            from decoder.engines.hf.batch import enable_packed_attention
+
+            enable_packed_attention(model)
+        self.description = (f"node i under node (i-1)//{TREE_BRANCHING}" if tree else "a chain of n tokens") + \
+            "; position ids = context_length + depth" + ("; b sequences packed in one row" if packed else "")
         embed = model.get_input_embeddings()
         self.dtype, self.device = embed.weight.dtype, embed.weight.device
         self.vocab = int(embed.weight.shape[0])
@@ -168,3 +169,10 @@ class HFForwardTimer:
         self.inputs.pop(n, None)
         self.runner.graphs.pop(n, None)
         self.runner.reset()
+
+    def close(self) -> None:
+        """The packed layout switched the model's attention for the measurement: switch it back."""
+        if getattr(self.model.config, "_attn_implementation", None) != self.attn_before:
+            self.model.set_attn_implementation(self.attn_before)
+        self.inputs.clear()
+        self.runner.graphs.clear()

@@ -181,11 +181,17 @@ def binary_tree_shape(n: int) -> BatchShape:
 
 class LlamaEngine:
     """A GGUF model in one llama.cpp context (CPU). threads: llama.cpp's compute threads (default: the
-    cores this process may use); n_ctx: KV cells (prompt + answer + the largest step); max_paths: most
-    root-to-leaf paths of a step tree (sequence ids); max_step: most tokens in one step."""
+    cores this process may use); n_ctx: KV cells (prompt + answer + the largest step; `reserve` grows
+    it); max_paths: most root-to-leaf paths of a step tree (sequence ids); max_step: most tokens in one
+    step. tokenizer: the model's chat tokenizer (None: a random-filled preset), from the opener."""
 
     def __init__(self, gguf_path, threads: int | None = None, n_ctx: int = 4096, max_paths: int = 64,
-                 max_step: int = 256, n_batch: int = 512, trees: bool = False):
+                 max_step: int = 256, n_batch: int = 512, trees: bool = False, tokenizer=None,
+                 record: dict | None = None):
+        from dataclasses import replace
+
+        from planner.engines import kind
+
         lib = llama_lib()
         _backend(lib)
         path = Path(gguf_path)
@@ -205,13 +211,31 @@ class LlamaEngine:
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise UserError(f"{path}: llama.cpp cannot load it as a GGUF model")
-        n_train = lib.llama_model_n_ctx_train(self._model)
-        self.n_ctx = min(n_ctx, n_train) if n_train > 0 else n_ctx
+        self.n_train = lib.llama_model_n_ctx_train(self._model)
         self.n_batch = max(n_batch, max_step)
+        self.max_paths, self.max_step = max_paths, max_step
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
+        self._ctx = None
+        self._new_context(n_ctx)
+        self._shapes: dict[int, tuple[object, BatchShape]] = {}
+        self._generation = 0  # start() count: a Sequence of an earlier start is stale
+        self.caps = replace(kind("llama.cpp").caps, trees=trees, threads=self.threads)
+        _warn_llamafile()
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.model_name = path.name
+        self.tokenizer = tokenizer
+        self._record = record or {"model": path.name, "model_source": "file", "has_weights": True}
+        self.max_positions = self.n_train if self.n_train > 0 else None
+        self._stock = None  # llama-cpp-python's own Llama on the same file (stock_generate), opened on first use
+
+    def _new_context(self, n_ctx: int) -> None:
+        lib = self.lib
+        self.n_ctx = min(n_ctx, self.n_train) if self.n_train > 0 else n_ctx
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = max_paths
+        cparams.n_seq_max = self.max_paths
         cparams.kv_unified = True  # one KV buffer: a token may belong to several paths (sequence ids)
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python's Llama (plain reference)
@@ -219,22 +243,31 @@ class LlamaEngine:
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lib.llama_model_free(self._model)
-            raise UserError(f"{path}: llama.cpp cannot create a context of {self.n_ctx} tokens")
+            raise UserError(f"{self.path}: llama.cpp cannot create a context of {self.n_ctx} tokens")
         self._mem = lib.llama_get_memory(self._ctx)
-        self._vocab = lib.llama_model_get_vocab(self._model)
-        self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
-        self.max_paths, self.max_step = max_paths, max_step
-        self._batch = lib.llama_batch_init(self.n_batch, 0, max_paths)
-        self._shapes: dict[int, tuple[object, BatchShape]] = {}
-        self._generation = 0  # start() count: a Sequence of an earlier start is stale
-        self.caps = EngineCaps("llama.cpp", hidden_states=False, input_embeddings=False, trees=trees, batches=False,
-                               threads=self.threads)
-        _warn_llamafile()
-        self.device, self.dtype = torch.device("cpu"), torch.float32
-        self.max_positions = self.n_ctx
-        self.model_name = path.name
+        self._batch = lib.llama_batch_init(self.n_batch, 0, self.max_paths)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for sequences of up to `tokens` tokens: a context that is too small is replaced by one of the
+        next multiple of 256 cells (a bigger context than a run needs makes every step slower: its
+        attention and KV bookkeeping scale with the cells)."""
+        if tokens <= self.n_ctx:
+            return
+        if not tokens <= CTX_RANGE[1]:
+            raise UserError(f"llama.cpp engine: {tokens} tokens exceed its largest context ({CTX_RANGE[1]})")
+        self.lib.llama_batch_free(self._batch)
+        self.lib.llama_free(self._ctx)
+        self._generation += 1  # any open sequence is gone with the old context
+        self._shapes.clear()
+        self._new_context(-(-tokens // 256) * 256)
+        if self._stock is not None:
+            self._stock.close()
+            self._stock = None
 
     def close(self) -> None:
+        if getattr(self, "_stock", None) is not None:
+            self._stock.close()
+            self._stock = None
         if getattr(self, "_ctx", None):
             self.lib.llama_batch_free(self._batch)
             self.lib.llama_free(self._ctx)
@@ -250,6 +283,34 @@ class LlamaEngine:
     def describe(self) -> dict:
         return {"engine": "llama.cpp", "model_file": str(self.path), "threads": self.threads, "n_ctx": self.n_ctx,
                 **build_info()}
+
+    def record(self) -> dict:
+        """What files record about the target: the model and its file, the build, the context and threads."""
+        return {"engine": self.caps.name, **self._record, "model_file": str(self.path), "dtype": "gguf",
+                "device": "cpu", "threads": self.threads, "llama_cpp": self.describe()}
+
+    def versions(self) -> dict:
+        return {"llama_cpp_python": build_info()["llama_cpp_python"]}
+
+    def check_lengths(self, input_lengths: list[int], context_length: int, batch_size: int = 1) -> None:
+        if batch_size != 1:
+            raise UserError("--batch-sizes: the llama.cpp engine profiles batch size 1 only (one sequence per context)")
+        if max(input_lengths) > self.max_step:
+            raise UserError(f"--input-lengths: at most {self.max_step} tokens per llama.cpp step, got {max(input_lengths)}")
+        self.reserve(context_length + max(input_lengths) + 1)
+
+    def stock_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, sampling=None, seed: int = 0):
+        """llama-cpp-python's own `Llama.generate` on the same file, threads and context size (greedy, or
+        sampled by llama.cpp's own chain with the same temperature, top-k and top-p and this seed)."""
+        from decoder.engines.llama_cpp.stock import StockLlama
+
+        ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        self.reserve(len(ids) + max_new_tokens + 1)
+        if self._stock is None:
+            self._stock = StockLlama(self.path, threads=self.threads, n_ctx=self.n_ctx)
+        if sampling is None or sampling.temperature <= 0:
+            return self._stock.greedy(ids, max_new_tokens)
+        return self._stock.sample(ids, max_new_tokens, sampling, seed)
 
     def eos_ids(self) -> set[int]:
         ids = {self.lib.llama_vocab_eos(self._vocab), self.lib.llama_vocab_eot(self._vocab)}
@@ -345,8 +406,7 @@ class LlamaEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise UserError(f"input_ids: token {bad[0]} outside the model's vocabulary of {self.vocab_size}")
-        if len(ids) + 1 > self.n_ctx:
-            raise UserError(f"prompt of {len(ids)} tokens does not fit n_ctx {self.n_ctx}")
+        self.reserve(len(ids) + 1)
         self._generation += 1
         self.clear()
         self.prefill(ids[:-1])
@@ -377,11 +437,14 @@ class LlamaEngine:
         self.clear()
         return Scored(torch.cat(rows), None)
 
-    def forward_timer(self, context_length: int, batch_size: int = 1, tree: bool = True, seed: int = 0,
-                      **_) -> LlamaTimer:
-        if batch_size != 1:
+    def forward_timer(self, spec) -> LlamaTimer:
+        """decoder.engine.TimerSpec: one sequence, a chain (a tree only on an engine built with trees=True)."""
+        if spec.batch_size != 1 or spec.packed:
             raise UserError("--engine llama.cpp: profiles batch size 1 only (one sequence per context)")
-        return LlamaTimer(self, context_length, tree and self.caps.trees, seed)
+        if spec.cuda_graphs:
+            raise UserError("--cuda-graphs: the llama.cpp engine runs on the CPU")
+        self.reserve(spec.context_length + self.max_step + 1)
+        return LlamaTimer(self, spec.context_length, spec.tree and self.caps.trees, spec.seed)
 
 
 class LlamaSequence:
@@ -445,6 +508,8 @@ class LlamaTimer:
             raise UserError(f"--context-length: expected 1..{engine.n_ctx - engine.max_step - 1} for n_ctx "
                             f"{engine.n_ctx}, got {context_length}")
         self.engine, self.context_length, self.tree = engine, context_length, tree
+        self.description = ("node i under node (i - 1) // 2, one sequence id per root-to-leaf path" if tree
+                            else "n tokens of one sequence") + "; every row's logits"
         rng = np.random.default_rng(seed)
         self.tokens = rng.integers(0, engine.vocab_size, size=context_length + engine.max_step).tolist()
         engine._generation += 1  # any open sequence is gone
@@ -471,3 +536,6 @@ class LlamaTimer:
 
     def drop(self, n: int) -> None:
         self.engine.keep(self.context_length)
+
+    def close(self) -> None:
+        self.engine.clear()

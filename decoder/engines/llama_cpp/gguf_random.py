@@ -105,7 +105,7 @@ def random_gguf(preset: str, qtype: str = "Q4_K", progress: bool = True, seed: i
     """The preset's random-filled GGUF file, written on first use into the cache."""
     import gguf
 
-    from decoder.engines.hf.load import PRESET_DIR, preset_names
+    from decoder.engines.models import PRESET_DIR, preset_names
 
     if qtype not in QTYPES:
         raise UserError(f"--quant: expected one of {', '.join(QTYPES)}, got {qtype!r}")
