@@ -86,7 +86,7 @@ def main() -> int:
 
 def run(args) -> int:
     from bench.bench_llamacpp import build_prompts, machine
-    from decoder.engines.llama_cpp.engine import check_threads
+    from decoder.engines.llama_cpp.lib import check_threads
     from decoder.engines.llama_cpp.stock import StockLlama
     from planner.export_llama import llama_server_export
     from planner.jsonio import atomic_write_bytes, atomic_write_json

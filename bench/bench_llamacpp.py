@@ -229,7 +229,7 @@ def main() -> int:
 
 
 def run(args) -> int:
-    from decoder.engines.llama_cpp.engine import check_threads
+    from decoder.engines.llama_cpp.lib import check_threads
     from decoder.engines.llama_cpp.stock import StockLlama
     from planner.jsonio import atomic_write_bytes, atomic_write_json
     from planner.profile import load_profile

@@ -228,18 +228,6 @@ def vocab_size(target) -> int:
     return int(target.get_input_embeddings().weight.shape[0])
 
 
-def as_engine(target):
-    """An engine for `target`: an engine stays as it is; a bare transformers model, or one loaded by
-    decoder/engines/hf/load.py (library callers, tests), is the hf engine's."""
-    if hasattr(target, "caps") and hasattr(target, "start"):
-        return target
-    from decoder.engines.hf.engine import HFEngine
-
-    if hasattr(target, "config_hash") and hasattr(target, "model"):  # a LoadedModel
-        return HFEngine(target.model, loaded=target)
-    return HFEngine(target)
-
-
 def is_oom(e: BaseException) -> bool:
     """An out-of-memory error of torch on any device (the profiler drops the length and goes on)."""
     if isinstance(e, torch.cuda.OutOfMemoryError):

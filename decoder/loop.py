@@ -26,7 +26,7 @@ from decoder.guesser import (
     PlainGuesser,
     StepOutcome,
 )
-from decoder.engine import as_engine
+from decoder.engines.registry import as_engine
 from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.noise import PositionNoise
 from decoder.verify import Sampling, verify

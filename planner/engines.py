@@ -70,6 +70,7 @@ class EngineKind:
     requires: str | None = None  # the module its library is imported as; missing: installed on first use
     install: str | None = None  # the command that installs that library (scripts/install_engine.sh NAME)
     compares: bool = False  # the main job of another engine times this one's stock plain decoding beside it
+    serves: tuple[str, ...] = ()  # serving programs whose plans are priced on this engine's profile (planner export)
 
     def why_not(self, option: str) -> str | None:
         return dict(self.refuses).get(option)
@@ -138,5 +139,5 @@ register(EngineKind(
              ("--batch-sizes", "it decodes one sequence at a time"),
              ("--matmul-paths", "the CPU matmul paths are the hf engine's; llama.cpp has its own kernels"),
              ("--profile", "the CPU matmul paths are the hf engine's; llama.cpp has its own kernels")),
-    requires="llama_cpp", install="scripts/install_engine.sh llama.cpp", compares=True,
+    requires="llama_cpp", install="scripts/install_engine.sh llama.cpp", compares=True, serves=("llama-server",),
 ))

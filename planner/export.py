@@ -53,6 +53,19 @@ ENGINE_METHODS = {
     "hf": {"draft_model": "assistant model", "ngram": "prompt lookup"},
 }
 NEEDS_MODEL = frozenset({"medusa", "eagle", "eagle3", "draft_model"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a serving engine's export can express, so the export asks these instead of the engine's name."""
+
+    model_object: bool = False  # takes the drafter as a loaded model (transformers' assistant): no --draft-model path
+    per_step_lookup: str | None = None  # its method whose draft length follows each step's match (vLLM: suffix)
+    batch_schedule: bool = True  # takes a draft length per batch size (transformers decodes batch size 1)
+
+
+TARGETS = {"vllm": Target(per_step_lookup="suffix"), "sglang": Target(), "trtllm": Target(),
+           "hf": Target(model_object=True, batch_schedule=False)}
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
 SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
@@ -130,13 +143,14 @@ def implied_method(engine: str, plan: Tree) -> str | None:
     whose draft length follows the guesser's confidence each step, maps to suffix decoding, the one
     vLLM method whose draft length varies per step with the match (a static chain: ngram)."""
     k = _kind(plan)
+    target = TARGETS[check_engine(engine)]
     if k is not None and k.export == "ngram":
-        return "suffix" if engine == "vllm" and plan.method == DYNAMIC else "ngram"
+        return target.per_step_lookup if target.per_step_lookup and plan.method == DYNAMIC else "ngram"
     if k is not None and k.export:
         return k.export
     if own_drafter(plan):
         return None
-    return "draft_model" if engine == "hf" else DEFAULT_METHOD.get(plan.method)
+    return "draft_model" if target.model_object else DEFAULT_METHOD.get(plan.method)
 
 
 def resolve_method(engine: str, plan: Tree | str, requested: str | None, draft_model: str | None) -> str:
@@ -155,7 +169,7 @@ def resolve_method(engine: str, plan: Tree | str, requested: str | None, draft_m
         raise UserError(f"--method: {what} has no {engine} equivalent; give one of {', '.join(known)}")
     if method not in known:
         raise UserError(f"--method: {engine} takes one of {', '.join(known)}, got {method!r}")
-    if method in NEEDS_MODEL and not draft_model and engine != "hf":
+    if method in NEEDS_MODEL and not draft_model and not TARGETS[engine].model_object:
         raise UserError(f"--method {method} on {engine} needs --draft-model PATH (the drafter's weights)")
     return method
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from planner.engines import DEFAULT, kinds
+from planner.engines import kind as engine_kind
 from planner.errors import UserError
 from planner.guessers import PLAIN, names
 from planner.guessers import kind as guesser_kind
@@ -92,6 +94,9 @@ def lookup_settings(plan: Tree) -> tuple[int, int, list[str]]:
                     "speculative flags (export without them, or decode plainly)")
 
 
+SERVER = "llama-server"  # the serving program this export writes for (an engine kind lists it in `serves`)
+
+
 def llama_server_export(plan: Tree, model_file: str, threads: int, n_ctx: int = 4096, host: str = "127.0.0.1",
                         port: int = 8080, draft_model: str | None = None, draft_p_min: float | None = None) -> ServerExport:
     if not 1 <= threads <= 256 or not 256 <= n_ctx <= 131072 or not 1 <= port <= 65535:
@@ -100,9 +105,11 @@ def llama_server_export(plan: Tree, model_file: str, threads: int, n_ctx: int = 
     base = ["llama-server", "-m", model_file, "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-np", "1",
             "-fa", "off", "--host", host, "--port", str(port)]
     notes = []
-    if plan.engine not in (None, "llama.cpp"):
-        notes.append(f"the plan was made for the {plan.engine} engine: its profile timed another engine, so the draft "
-                     "lengths are that engine's; plan from `planner profile --engine llama.cpp` for llama-server")
+    made_for = engine_kind(plan.engine or DEFAULT)
+    if SERVER not in made_for.serves:
+        served_by = next((k.name for k in kinds() if SERVER in k.serves), "?")
+        notes.append(f"the plan was made for the {made_for.name} engine: its profile timed another engine, so the draft "
+                     f"lengths are that engine's; plan from `planner profile --engine {served_by}` for {SERVER}")
     if "+" in kind:
         notes.append(f"hybrid dropped: llama-server runs one speculative method per request; {kind} is written as its "
                      f"{kind.split('+')[0]} part")

@@ -70,7 +70,7 @@ def observations(records, text: list[int], probs: torch.Tensor | None = None) ->
 
 def _drew(model, ids: torch.Tensor, tokens: torch.Tensor, sampling) -> torch.Tensor:
     """[N, V]: the warped p that drew each new token (one teacher-forced pass)."""
-    from decoder.engine import as_engine
+    from decoder.engines.registry import as_engine
     from decoder.verify import probabilities
 
     T = ids.numel()

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.engine import TimerSpec, as_engine, is_oom
+from decoder.engine import TimerSpec, is_oom
+from decoder.engines.registry import as_engine
 from planner.errors import UserError
 from planner.order import coarse_to_fine
 from profiler.fit import fit_latency
@@ -273,31 +274,6 @@ class Timer:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-
-
-@dataclass
-class Series:
-    batch_size: int
-    samples: dict[int, list[float]] = field(default_factory=dict)  # n -> seconds
-    stopped: dict | None = None  # {"reason", "input_length", ...} when cut short
-    unmeasured: list[int] = field(default_factory=list)  # lengths the time budget did not reach
-
-    def to_json(self) -> dict | None:
-        ns = sorted(n for n, s in self.samples.items() if s)
-        if not ns:
-            return None
-        med = [float(np.median(self.samples[n])) for n in ns]
-        reps = [len(self.samples[n]) for n in ns]
-        return {
-            "batch_size": self.batch_size,
-            "input_lengths": ns,
-            "latency_s": med,
-            "p10_s": [float(np.percentile(self.samples[n], 10)) for n in ns],
-            "p90_s": [float(np.percentile(self.samples[n], 90)) for n in ns],
-            "repeats": reps,
-            "median_rel_ci95": [min(median_rel_ci(self.samples[n]), 1e9) for n in ns],
-            "fit": fit_latency(ns, med, reps),
-        }
 
 
 @dataclass

@@ -14,7 +14,7 @@ import statistics
 import numpy as np
 import torch
 
-from decoder.engine import as_engine
+from decoder.engines.registry import as_engine
 from planner.tree import Tree, TreeState
 
 OUTSIDE = ("prepare", "verify", "cache", "guess")

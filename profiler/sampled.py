@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decoder.engine import as_engine
+from decoder.engines.registry import as_engine
 from decoder.loop import generate
 from decoder.verify import Sampling, probabilities, residual, without
 from planner.errors import UserError

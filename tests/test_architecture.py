@@ -386,3 +386,122 @@ def test_the_spelling_check_counts_decisions_not_fields():
     sources["decoder/guessers/lookup.py"] = 'kind = "lookup"\n'
     sources["workflows/cmd_x.py"] = 'if a == "lookup":\n    pass\n'
     assert kind_spellings(sources, own) == {"lookup": {"workflows/m0.py", "workflows/m1.py", "workflows/m2.py"}}
+
+
+# ---------------------------------------------------------------------------------------------- engines: one door to the model
+
+ENGINE_REGISTRY = "planner/engines.py"
+# Where a model's internals may be touched: each engine's own package, and the proposers, which own their
+# drafters' models and borrow the target's torch modules through caps.torch_modules (decoder/engine.py)
+INTERNALS_OWNERS = ("decoder/engines/", "decoder/guessers/")
+FENCED = ("decoder", "profiler", "workflows", "training", "kernels", "planner", "bench")
+HF_ATTRS = {"get_input_embeddings", "get_output_embeddings", "lm_head", "generation_config", "_attn_implementation",
+            "set_attn_implementation", "tie_weights", "get_text_config", "last_hidden_state", "embed_tokens",
+            "save_pretrained", "from_pretrained", "named_parameters"}
+HF_KEYWORDS = {"output_hidden_states", "past_key_values", "inputs_embeds", "use_cache", "logits_to_keep"}
+
+
+def _code_files(packages=FENCED) -> dict[str, str]:
+    out = {}
+    for pkg in packages:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                out[str(f.relative_to(ROOT).as_posix())] = f.read_text()
+    return out
+
+
+def engine_name_comparisons(source: str, engine_names) -> list[int]:
+    """Lines that decide on an engine's name: a comparison of an engine, caps or target value with a
+    registered engine name. Capabilities (planner/engines.py) say what an engine can do, so code asks them."""
+    tree = ast.parse(source)
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        named = [c for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant) and c.value in engine_names]
+        other = " ".join(ast.get_source_segment(source, o) or "" for o in operands
+                         if not isinstance(o, (ast.Constant, ast.Tuple, ast.List, ast.Set))).lower()
+        if named and any(w in other for w in ("engine", "caps", "target", "backend")):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_compares_engine_names():
+    from planner.engines import names
+
+    found = {rel: lines for rel, src in _code_files().items()
+             if rel != ENGINE_REGISTRY and (lines := engine_name_comparisons(src, set(names())))}
+    assert found == {}, f"ask the engine's capabilities (planner/engines.py) instead of its name: {found}"
+
+
+def test_the_engine_check_catches_a_comparison():
+    names = {"hf", "llama.cpp"}
+    assert engine_name_comparisons('if engine.caps.name == "hf":\n    pass\n', names) == [1]
+    assert engine_name_comparisons('x = args.engine in ("hf", "llama.cpp")\n', names) == [1]
+    assert engine_name_comparisons('y = target != "llama.cpp"\n', names) == [1]
+    assert engine_name_comparisons('if plan.method == "hf":\n    pass\n', names) == []  # another vocabulary
+    assert engine_name_comparisons('e = kind("llama.cpp")\n', names) == []  # naming one is not deciding on it
+
+
+def hf_internals(source: str) -> list[tuple[int, str]]:
+    """(line, what) where code reaches into a transformers model: the library itself, the modules and
+    configs under a model, its cache and forward keywords. An engine's package owns those."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "transformers" for a in n.names):
+            out.append((n.lineno, "import transformers"))
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "transformers":
+            out.append((n.lineno, "from transformers"))
+        elif isinstance(n, ast.Attribute) and n.attr in HF_ATTRS:
+            out.append((n.lineno, n.attr))
+        elif isinstance(n, ast.Attribute) and n.attr == "config" and not isinstance(n.value, ast.Call):
+            out.append((n.lineno, ".config"))
+        elif isinstance(n, ast.keyword) and n.arg in HF_KEYWORDS:
+            out.append((n.lineno, n.arg))
+        elif isinstance(n, ast.Name) and n.id == "DynamicCache":
+            out.append((n.lineno, "DynamicCache"))
+    return sorted(set(out))
+
+
+def test_no_model_internals_outside_the_engine_packages():
+    found = {rel: hits for rel, src in _code_files().items()
+             if not rel.startswith(INTERNALS_OWNERS) and (hits := hf_internals(src))}
+    assert found == {}, f"reach the model through the engine (decoder/engine.py) instead: {found}"
+
+
+def test_the_internals_check_catches_a_reach():
+    src = ("from transformers import AutoTokenizer\n"
+           "w = model.get_input_embeddings().weight\n"
+           "n = model.config.vocab_size\n"
+           "out = model(input_ids=x, use_cache=False)\n"
+           "v = engine.vocab_size\n")
+    assert [line for line, _ in hf_internals(src)] == [1, 2, 3, 4]
+    assert hf_internals("s = replace(cfg, seed=1)\nd = engine.record()\n") == []
+
+
+def namespace_writes(source: str) -> list[int]:
+    """Lines that write into an argparse namespace: `args.x = ...`, `args.x += ...`, setattr(args, ...)."""
+    lines = []
+    for n in ast.walk(ast.parse(source)):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for e in ast.walk(t):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "args":
+                    lines.append(n.lineno)
+        if (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr" and n.args
+                and isinstance(n.args[0], ast.Name) and n.args[0].id == "args"):
+            lines.append(n.lineno)
+    return sorted(set(lines))
+
+
+def test_no_writes_into_the_argparse_namespace():
+    found = {rel: lines for rel, src in _code_files(("workflows", "bench")).items() if (lines := namespace_writes(src))}
+    assert found == {}, f"resolve settings into a typed object (workflows/cli/run_config.py) instead: {found}"
+
+
+def test_the_namespace_check_catches_a_write():
+    assert namespace_writes("args.threads = 2\n") == [1]
+    assert namespace_writes("args.verify, args.plan = 'x', None\n") == [1]
+    assert namespace_writes("setattr(args, 'rounds', 3)\n") == [1]
+    assert namespace_writes("x = args.threads\nrun = replace(run, threads=2)\n") == []

@@ -83,3 +83,15 @@ def ensure_installed(spec: EngineKind, install: bool = True, progress: bool = Tr
 def kind_of(engine) -> EngineKind:
     """The registered kind an opened engine is (by its caps)."""
     return kind(engine.caps.name)
+
+
+def as_engine(target):
+    """An engine for `target`: an engine stays as it is; a bare transformers model, or one loaded by
+    decoder/engines/hf/load.py (library callers, tests), is the hf engine's."""
+    if hasattr(target, "caps") and hasattr(target, "start"):
+        return target
+    from decoder.engines.hf.engine import HFEngine
+
+    if hasattr(target, "config_hash") and hasattr(target, "model"):  # a LoadedModel
+        return HFEngine(target.model, loaded=target)
+    return HFEngine(target)

@@ -41,7 +41,7 @@ from decoder.engines.hf.cache import crop_cache
 from decoder.guessers.draft import draft_children
 from decoder.engine import StepInput, vocab_size
 from decoder.engines.hf.forward import kv
-from decoder.engine import as_engine
+from decoder.engines.registry import as_engine
 from decoder.layout import layout_for
 from decoder.loop import _eos, _ids_1d
 from decoder.output import truncate

@@ -91,11 +91,11 @@ def run(args) -> int:
 
     if args.plan_opt and args.plan and args.plan_opt != args.plan:
         raise UserError("PLAN: give it once (positional or --plan)")
-    args.plan = args.plan or args.plan_opt
-    if args.plan is None:
+    plan_path = args.plan or args.plan_opt
+    if plan_path is None:
         raise UserError("PLAN is required: a tree file from `planner plan` or autotune (positional or --plan)")
     if args.engine == "llama-server":
-        return _llama_server(args)
+        return _llama_server(args, plan_path)
     if args.engine is None:
         raise UserError("--engine is required: one of vllm, sglang, trtllm, hf, llama-server")
     if args.output is None:
@@ -107,15 +107,15 @@ def run(args) -> int:
     adaptive_path = out.with_name(out.stem + ".adaptive.json")
     if engine == "sglang":
         writable_target(adaptive_path)
-    plan = load_tree(args.plan)
+    plan = load_tree(plan_path)
     method = resolve_method(engine, plan, args.method, args.draft_model)
     max_b = args.max_batch_size or DEFAULT_MAX_BATCH_SIZE
     notes: list[str] = _hybrid_notes(plan, engine, method) if args.method is None else []
-    ranges, chains, accept, profiles, sources = _draft_ranges(args, plan, engine, method, max_b, notes)
+    ranges, chains, accept, profiles, sources = _draft_ranges(args, plan, plan_path, engine, method, max_b, notes)
     lookup = _lookup(plan, engine, method, ranges, accept, profiles, notes)
     opts = ExportOptions(engine, method, args.draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
                          str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup)
-    result = build(plan, ranges, opts, basis(plan, str(args.plan), ranges, chains, sources), notes)
+    result = build(plan, ranges, opts, basis(plan, str(plan_path), ranges, chains, sources), notes)
     if args.race:
         _race(args, plan, ranges, accept, profiles, opts, result)
     written = _write(result, out, yaml_out, adaptive_path)
@@ -204,15 +204,15 @@ def _lookup(plan, engine: str, method: str, ranges, accept, profiles, notes: lis
     return cfg
 
 
-def _llama_server(args) -> int:
+def _llama_server(args, plan_path: str) -> int:
     """The llama-server command line the plan maps to (planner/export_llama.py), printed; -o also writes it."""
-    from decoder.engines.llama_cpp.engine import check_threads
+    from decoder.engines.llama_cpp.lib import check_threads
     from planner.export_llama import llama_server_export
     from planner.jsonio import atomic_write_json, writable_target
     from planner.tree import load_tree
 
     out = writable_target(args.output) if args.output else None
-    plan = load_tree(args.plan)
+    plan = load_tree(plan_path)
     model = args.model_file or _plan_model_file(plan)
     threads = check_threads(args.threads or _plan_threads(plan))
     result = llama_server_export(plan, model, threads, draft_model=args.draft_model, draft_p_min=args.draft_p_min)
@@ -265,15 +265,17 @@ def _check_numbers(args) -> None:
         raise UserError(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}")
 
 
-def _draft_ranges(args, plan, engine: str, method: str, max_b: int, notes: list[str]):
+def _draft_ranges(args, plan, plan_path: str, engine: str, method: str, max_b: int, notes: list[str]):
     """Chains planned per batch size when acceptance and profile are at hand, else tree depths."""
     from planner.batch import ContextCost, plan_chain_schedule
     from planner.export import ranges_from_depths, ranges_from_schedule
 
-    accept, profiles, sources = _inputs(args, plan, method, notes)
+    accept, profiles, sources = _inputs(args, plan, plan_path, method, notes)
     if accept is None or profiles is None:
         return ranges_from_depths(plan, max_b), None, None, None, sources
-    sizes = [1] if engine == "hf" else _planned_sizes(plan, profiles)
+    from planner.export import TARGETS
+
+    sizes = _planned_sizes(plan, profiles) if TARGETS[engine].batch_schedule else [1]
     layout = (plan.schedule[0].layout if plan.schedule else None) or "packed"
     context = ContextCost(plan.settings.get("kv_latency_s", 0.0), plan.settings.get("new_tokens", 128))
     chains = plan_chain_schedule(accept, profiles, sizes, _guessing(plan, accept, method), layout, context)
@@ -314,7 +316,7 @@ def _dynamic_model(plan, method: str):
 LOOKUP_METHODS = ("ngram", "suffix")
 
 
-def _inputs(args, plan, method: str, notes: list[str]):
+def _inputs(args, plan, plan_path: str, method: str, notes: list[str]):
     """(acceptance, profiles by batch size, their sources): the options', else the plan's own
     (a per-step plan's acceptance rows for the guesser the engine runs; files when they are
     unchanged); (None, None, ...) with a note when either is missing."""
@@ -325,7 +327,7 @@ def _inputs(args, plan, method: str, notes: list[str]):
     acc_spec = args.accept or (None if model is not None else _recorded(plan, "acceptance", notes))
     prof_path = args.profile or _recorded(plan, "profile", notes)
     if prof_path is None and plan.dynamic is not None and plan.dynamic.profiled:
-        profiles, prof_record = _step_cost_profile(plan), {"file": str(args.plan), "field": "dynamic.step_cost_s"}
+        profiles, prof_record = _step_cost_profile(plan), {"file": str(plan_path), "field": "dynamic.step_cost_s"}
     elif prof_path is not None:
         profiles = load_batch_profiles(prof_path)
         src = next(iter(profiles.values())).source
@@ -340,7 +342,7 @@ def _inputs(args, plan, method: str, notes: list[str]):
         return None, None, {"acceptance": _shown(plan.provenance.get("acceptance") or plan.provenance.get("accept")),
                             "profile": _shown(plan.provenance.get("profile"))}
     if model is not None:
-        source = {"file": str(args.plan), "field": f"dynamic.guessers.{model.kind}.prior", "label": model.kind}
+        source = {"file": str(plan_path), "field": f"dynamic.guessers.{model.kind}.prior", "label": model.kind}
         accept = Acceptance(model.prior.copy(), False, source)
     else:
         accept = load_acceptance(acc_spec)

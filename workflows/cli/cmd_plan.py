@@ -124,14 +124,13 @@ def run(args) -> int:
         writable_target(args.output)  # before minutes of planning, not after
     from workflows.cli.sampling import sampling_from_args
 
-    args.sampling = sampling_from_args(args)
+    sampling_from_args(args)  # the sampling options checked before planning
     if args.method == "dynamic":
         return _run_dynamic(args)
     if len(args.accept) > 1:
         raise UserError(f"--accept: {args.method} plans take one acceptance file (two only for a dynamic hybrid)")
-    args.accept = args.accept[0]
     batch_sizes = _batch_options(args)
-    accept = load_acceptance(args.accept)
+    accept = load_acceptance(args.accept[0])
     _check_measured_for(args, [accept])
     profile = load_profile(args.profile) if args.profile and batch_sizes is None else None
     profiles = load_batch_profiles(args.profile) if batch_sizes is not None else None
@@ -227,10 +226,10 @@ def _run_dynamic(args) -> int:
 def _check_measured_for(args, accepts) -> None:
     """A note on stderr for each acceptance file measured under other sampling settings than the
     plan is made for (--temperature, --top-k, --top-p): its acceptance is not this plan's."""
-    from workflows.cli.sampling import mismatch
+    from workflows.cli.sampling import mismatch, sampling_from_args
 
     for acc in accepts:
-        line = mismatch(acc.source.get("sampling"), args.sampling, f"--accept {acc.label}", "was measured under",
+        line = mismatch(acc.source.get("sampling"), sampling_from_args(args), f"--accept {acc.label}", "was measured under",
                         "the plan is made for {} (--temperature, --top-k, --top-p): measure acceptance under those")
         if line:
             print(f"planner plan: note: {line}", file=sys.stderr)
@@ -238,9 +237,9 @@ def _check_measured_for(args, accepts) -> None:
 
 def _record_sampling(args, tree) -> None:
     """The settings the plan is made for, which `planner decode` compares with its own."""
-    from workflows.cli.sampling import record
+    from workflows.cli.sampling import record, sampling_from_args
 
-    tree.settings = dict(tree.settings, sampling=record(args.sampling))
+    tree.settings = dict(tree.settings, sampling=record(sampling_from_args(args)))
 
 
 LAYOUT_CHOICES = ("packed", "padded")

@@ -21,7 +21,7 @@ a plan `planner decode --plan` takes, plain decoding included); no file outside 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 

@@ -81,7 +81,6 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
                 profiled, accepts: dict, race_ids: list) -> dict:
     """Every finalist's tree and row, the decision as RUN/chosen.json, and the summary."""
     from planner.cost import plain_step
-    from decoder.engines.hf.load import dtype_name
 
     profile, profile_path = profiled.profile, profiled.path
     run.clock.phase(6, "writing the run folder", run.budget.report_reserve_s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from decoder.engines.hf.cache import compact_cache, crop_cache
-from decoder.engine import EngineCaps, Scored, StepInput
+from decoder.engine import Scored, StepInput
 from decoder.engines.hf.forward import prefill, step_mask, tree_forward
 from planner.errors import UserError
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from decoder.engines.llama_cpp.engine import _backend, check_threads, llama_lib
+from decoder.engines.llama_cpp.lib import _backend, check_threads, llama_lib
 from planner.errors import UserError
 
 MAX_LOOKUP = 64
