@@ -14,7 +14,6 @@ import statistics
 import numpy as np
 import torch
 
-from decoder.engines.registry import as_engine
 from planner.tree import Tree, TreeState
 
 OUTSIDE = ("prepare", "verify", "cache", "guess")
@@ -31,7 +30,7 @@ def _chain_tree(depth: int, width: int) -> Tree:
 
 
 @torch.inference_mode()
-def measure_overhead(target, max_input_length: int = 64, steps: int = 6, prompt_tokens: int = 2,
+def measure_overhead(engine, max_input_length: int = 64, steps: int = 6, prompt_tokens: int = 2,
                      seed: int = 0) -> dict:
     """{"fixed_s", "per_token_s", "input_lengths", "seconds"}: per-step seconds outside the forward
     (median over steps) at a few input lengths up to max_input_length, and the fitted line. On an
@@ -40,7 +39,6 @@ def measure_overhead(target, max_input_length: int = 64, steps: int = 6, prompt_
     they are chains of an oracle's guesses (prompt lookup's shape)."""
     from decoder import generate, generate_plain
 
-    engine = as_engine(target)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.vocab_size, (24,), generator=gen).to(engine.device)
     plain = generate_plain(engine, prompt, max_new_tokens=steps)  # n = 1: plain decoding's own step

@@ -315,14 +315,14 @@ def test_layout_names_every_module():
 def test_the_layout_check_catches_a_missing_module():
     """The test above can fail: a module the page leaves out is found, a longer name or another
     package's file of the same name does not stand in for it."""
-    modules = ["decoder/engine.py", "decoder/engines/hf/engine.py", "decoder/engines/llama_cpp/engine.py",
-               "decoder/guessers/registry.py", "decoder/engines/shipped.py", "training/splits.py"]
-    page = "| `decoder/engines/hf/engine.py` | ... |\n| `llama_engine.py` | ... |\n`decoder/engines/shipped.py`, `splits.py`\n"
-    assert unnamed_modules(page, modules) == ["decoder/engine.py", "decoder/guessers/registry.py"]
-    page += "`engine.py` and `decoder/guessers/registry.py`\n"
+    modules = ["decoder/engine.py", "decoder/hf_engine.py", "decoder/llama_engine.py",
+               "decoder/registry.py", "profiler/registry.py", "training/splits.py"]
+    page = "| `decoder/hf_engine.py` | ... |\n| `llama_engine.py` | ... |\n`profiler/registry.py`, `splits.py`\n"
+    assert unnamed_modules(page, modules) == ["decoder/engine.py", "decoder/registry.py"]
+    page += "`engine.py` and `decoder/registry.py`\n"
     assert unnamed_modules(page, modules) == []
-    assert unnamed_modules("registry.py\n", ["decoder/guessers/registry.py", "decoder/engines/shipped.py"]) == [
-        "decoder/guessers/registry.py", "decoder/engines/shipped.py"]
+    assert unnamed_modules("registry.py\n", ["decoder/registry.py", "profiler/registry.py"]) == [
+        "decoder/registry.py", "profiler/registry.py"]
     assert "decoder/engine.py" in _layout_modules() and "planner/__main__.py" not in _layout_modules()
 
 

@@ -167,22 +167,30 @@ def test_a_busy_machine_is_measured_on_its_free_cores(monkeypatch):
     when it runs (tests/test_plan_settings.py)."""
     from types import SimpleNamespace
 
-    import torch
-
     import profiler.load as load
-    from workflows.mainjob.pipeline import _free_cores, _pearl_fits
+    import profiler.machine as machine
+    from workflows.mainjob.pipeline import AutotuneSettings, _pearl_fits, _threads
 
     said = []
+    lends = SimpleNamespace(caps=SimpleNamespace(torch_modules=True))
+    monkeypatch.setattr(machine, "cores", lambda: 2)
+    monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 0.05)
+    assert _threads(AutotuneSettings(), said.append) == (None, False) and not said
+    monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 1.0)
+    assert _threads(AutotuneSettings(), said.append) == (1, True)
+    assert said == ["other processes keep 1.0 cores busy: measuring on 1 of 2 threads (--threads overrides; "
+                    "the plan decodes on the cores free when it runs)"]
+    assert _threads(AutotuneSettings(threads=2), said.append) == (2, False)  # --threads: as asked
+    import torch
+
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 0.05)
-        assert _free_cores(said.append) is False and torch.get_num_threads() == 2 and not said
-        monkeypatch.setattr(load, "other_cores", lambda seconds=0.5: 1.0)
-        assert _free_cores(said.append) is True and torch.get_num_threads() == 1
-        assert said == ["other processes keep 1.0 cores busy: measuring on 1 of 2 threads (--threads overrides; "
-                        "the plan decodes on the cores free when it runs)"]
-        assert _pearl_fits(SimpleNamespace(free_cores=True, say=said.append)) is False and "PEARL not measured" in said[-1]
-        assert _pearl_fits(SimpleNamespace(free_cores=False, say=said.append)) is True  # --threads 1 asked for: measured
+        torch.set_num_threads(1)  # measuring on the one free core
+        assert _pearl_fits(SimpleNamespace(free_cores=True, say=said.append, engine=lends)) is False
+        assert "PEARL not measured" in said[-1]
+        # --threads 1 asked for (not cut by the load): measured
+        assert _pearl_fits(SimpleNamespace(free_cores=False, say=said.append, engine=lends)) is True
+        nothing_lent = SimpleNamespace(caps=SimpleNamespace(torch_modules=False))
+        assert _pearl_fits(SimpleNamespace(free_cores=False, say=said.append, engine=nothing_lent)) is False
     finally:
         torch.set_num_threads(before)

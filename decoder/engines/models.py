@@ -7,17 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decoder.engines import shipped
+from decoder.engines import shipped as packaged
 from planner.errors import UserError
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILTIN_DIR = REPO_ROOT / "models" / "builtin"
 DEFAULT_MODEL = "smollm2-135m"  # the default of profile, accept, train-prompts, decode and autotune
+SHIPPED_DIR = REPO_ROOT / "models"  # models/<model name>/<guesser files>: what ships with the repository
 
 
 def preset_names() -> list[str]:
-    return sorted(set([p.stem for p in PRESET_DIR.glob("*.json")] + ["builtin"] + list(shipped.MODELS)))
+    return sorted(set([p.stem for p in PRESET_DIR.glob("*.json")] + ["builtin"] + list(packaged.MODELS)))
 
 
 def default_model_spec() -> str:
@@ -34,9 +35,9 @@ def resolve_spec(spec: str, weights: bool = True) -> tuple[str, str, Path]:
     A registry model (smollm2-135m) resolves to its converted directory in the cache; when its
     package is missing and the caller needs no weights (profiling), to its architecture preset.
     """
-    if spec in shipped.MODELS:
+    if spec in packaged.MODELS:
         try:
-            return spec, "dir", shipped.model_dir(spec)
+            return spec, "dir", packaged.model_dir(spec)
         except UserError:
             if weights or not is_preset(spec):
                 raise
@@ -58,3 +59,10 @@ def resolve_spec(spec: str, weights: bool = True) -> tuple[str, str, Path]:
     if "/" in spec or spec.endswith(".json"):
         raise UserError(f"{spec}: file not found (expected a preset name, a model directory or a config.json)")
     raise UserError(f"unknown model preset '{spec}' (presets: {', '.join(preset_names())}; or pass a model directory or config.json)")
+
+
+def shipped(model_name: str, files: str) -> Path | None:
+    """The guesser files shipped for a named model (builtin, smollm2-135m): models/<name>/<files>, files
+    prompt_tokens, parallelspec or draft_lm; None when nothing ships for it."""
+    d = SHIPPED_DIR / model_name / files
+    return d if d.is_dir() else None

@@ -9,21 +9,14 @@ import argparse
 import json
 from pathlib import Path
 
+from decoder.engines.models import SHIPPED_DIR, shipped  # noqa: F401 (re-exported: the commands' home for it)
 from planner.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DIR = REPO / ".." / "shared"
 DEFAULT_QUESTIONS = SHARED_DIR / "data" / "mt_bench_questions.jsonl"
 DEFAULT_PROMPTS = DEFAULT_QUESTIONS  # the prompts decode and accept read by default
-SHIPPED_DIR = REPO / "models"  # models/<model name>/<guesser kind>: what ships with the repository
 DEFAULT_GUESSER = "ppd"  # --guesser's default (planner/guessers.py names the kinds)
-
-
-def shipped(model_name: str, kind: str) -> Path | None:
-    """The guesser shipped for a named model (builtin, smollm2-135m): models/<name>/<kind>, kind
-    prompt_tokens, parallelspec or draft_lm; None when nothing ships for it."""
-    d = SHIPPED_DIR / model_name / kind
-    return d if d.is_dir() else None
 
 
 def held_out_questions(questions_path: str) -> list[str]:
