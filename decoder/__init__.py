@@ -1,13 +1,14 @@
-"""Decoder: executes plans on a Hugging Face causal LM, with any guesser, in one decoding loop.
+"""Decoder: executes plans on any registered engine, with any guesser, in one decoding loop.
 
-    from decoder import PromptTokens, generate
+    from decoder import api                       # open_engine, load_plan, generate (decoder/api.py)
+    from decoder import PromptTokens, generate    # the loop and the guessers, for library callers
 
-Layout (docs/layout.md): `loop` (the step loop: propose, score, verify, commit), `guesser` (the
-guesser protocol), `registry` (loading a guesser by kind, planner/guessers.py), the target engines
-behind `engine` (`hf_engine`, `llama_engine`), `verify` (warping and the verification rules), `layout`,
-`forward`, `cache`, `attention`; the guessers `prompt_tokens` (PPD), `draft`, `parallel`, `lookup`,
-`oracle`; per-step trees `dynamic` over `pool`; `pearl`, `mtad` and `batch` around the loop.
-Names are imported lazily so that importing `decoder` costs nothing until a name is used.
+Layout (docs/layout.md): the core `loop` (propose, score, verify, commit), `guesser` (the proposer's
+protocol), `engine` (the scorer's protocol) and `verify` (the rejection sampler); `config`
+(DecodeConfig), `layout`, `noise`, `output`, `batch`; the proposers in `guessers/` (with their loader
+`guessers/registry.py`); the engines in `engines/` (one subpackage each, opened by
+`engines/registry.py`). Names are imported lazily so that importing `decoder` costs nothing until a
+name is used.
 """
 import importlib
 

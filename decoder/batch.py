@@ -30,6 +30,7 @@ import torch
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.output import DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, verify
+from decoder.config import DecodeConfig
 from planner.errors import UserError
 
 LAYOUTS = ("packed", "padded")
@@ -85,9 +86,10 @@ def _start(engine, prompts, plan, guesser, sampling, seed, label):
     return seqs, started
 
 
-def decode_batch(engine, prompts: list[torch.Tensor], plan, guesser, max_new_tokens: int, sampling: Sampling,
-                 eos: set[int], seed: int = 0, layout: str = "packed", label: str = "plan"):
-    """Returns (one GenerateOutput per prompt, in order; BatchStats)."""
+def decode_batch(engine, prompts: list[torch.Tensor], plan, guesser, cfg: DecodeConfig, eos: set[int],
+                 label: str = "plan"):
+    """Returns (one GenerateOutput per prompt, in order; BatchStats). cfg: decoder/config.py's DecodeConfig."""
+    max_new_tokens, sampling, seed, layout = cfg.max_new_tokens, cfg.sampling, cfg.seed, cfg.layout
     if layout not in LAYOUTS:
         raise UserError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not prompts:

@@ -92,8 +92,7 @@ def _generate_batch(engine, prompts, tree, guesser, cfg: DecodeConfig, label):
                 guesser.check(entry.tree, label)
     ids = [_ids_1d(p, engine.device) for p in prompts]
     with torch.inference_mode():
-        outs, stats = decode_batch(engine, ids, tree, guesser, cfg.max_new_tokens, cfg.sampling,
-                                   _eos(engine, cfg.eos_token_id), cfg.seed, cfg.layout, label)
+        outs, stats = decode_batch(engine, ids, tree, guesser, cfg, _eos(engine, cfg.eos_token_id), label)
     for o in outs:
         o.batch = stats
     return outs
@@ -282,10 +281,14 @@ def _progress_bar(total: int):
 def decode_plain(target, input_ids, config: DecodeConfig | None = None, **options) -> GenerateOutput:
     """Plain decoding the fastest way the engine has it, for a plain decision (choosing plain never costs
     speed): its library's own generation where that is its fastest (caps.stock_plain), else this loop.
-    Coupled sampling's draws are the loop's own, so it always runs the loop."""
+    The library must sample the distribution this loop samples: coupled sampling's draws are the loop's
+    own, and a library that cuts top-p before applying the temperature (llama.cpp) warps differently
+    from transformers' order unless one of the two is off; there it runs the loop."""
     cfg = decode_config(config, **options)
     engine = as_engine(target)
-    if not engine.caps.stock_plain or cfg.sampling.rule == "coupled":
+    s = cfg.sampling
+    same_law = s.rule != "coupled" and (s.temperature <= 0 or s.top_p >= 1.0 or s.temperature == 1.0)
+    if not engine.caps.stock_plain or not same_law:
         return generate_plain(engine, input_ids, config=cfg)
     ids = _ids_1d(input_ids, engine.device)
     tokens, seconds = engine.stock_generate(ids, cfg.max_new_tokens, cfg.sampling, cfg.seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from planner.cost import (
     step_cost,
     step_latency,
 )
+from planner.order import coarse_to_fine
 from planner.errors import PlainIsFastest, UserError
 from planner.profile import LatencyProfile
 from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, MEDUSA, PPD, SEQUOIA, Tree, TreeState
@@ -72,18 +73,31 @@ def _curve_row(size, input_length, tau, latency_s, speedup, **extra) -> dict:
     return row
 
 
-def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth: int | None = None,
-         input_length: int | None = None, prompt_tokens: int = 3, profile: LatencyProfile | None = None,
-         max_size: int = 64, max_input_length: int | None = None, improved: bool = True,
-         per_state_budgets: bool = True, guessing: Guessing | None = None, draft_latency_s: float | None = None,
-         time_budget_s: float | None = None, progress: Callable | None = None) -> Tree:
-    """Plan a tree. size/input_length given: that tree. None with a profile: the best by predicted speedup.
+@dataclass(frozen=True)
+class PlanOptions:
+    """How `plan` sizes a tree: a given size, or the best by predicted speedup within the bounds."""
 
-    guessing: how the guesser feeds the tree (planner.cost.Guessing); default from the acceptance
-    file (`default_guessing`), with `draft_latency_s` as its drafter pass when given.
-    time_budget_s: ppd's size sweep stops there (coarse to fine, so a cut sweep still spans the range).
-    progress: optional wrapper for iterables (e.g. tqdm) used by the size searches.
-    """
+    size: int | None = None  # medusa / sequoia: candidates (None with a profile: chosen)
+    max_depth: int | None = None
+    input_length: int | None = None  # ppd: tokens per forward (None with a profile: chosen)
+    prompt_tokens: int = 3  # ppd: P
+    max_size: int = 64
+    max_input_length: int | None = None
+    improved: bool = True  # ppd: the improved construction, not the paper's
+    per_state_budgets: bool = True  # ppd: every state spends what the latency curve says pays
+    guessing: Guessing | None = None  # how the guesser feeds the tree (default from the acceptance file)
+    draft_latency_s: float | None = None  # the drafter's pass, when guessing is the default
+    time_budget_s: float | None = None  # ppd's size sweep stops there (coarse to fine: a cut sweep spans the range)
+    progress: Callable | None = None  # optional wrapper for iterables (e.g. tqdm) used by the size searches
+
+
+def plan(method: str, accept: Acceptance, profile: LatencyProfile | None = None, options: PlanOptions | None = None,
+         **fields) -> Tree:
+    """Plan a tree. A size (or ppd's input length) given: that tree; none with a profile: the best by
+    predicted speedup. options: a PlanOptions, or its fields as keywords."""
+    o = replace(options or PlanOptions(), **fields)
+    size, max_depth, input_length, prompt_tokens = o.size, o.max_depth, o.input_length, o.prompt_tokens
+    max_size, max_input_length, guessing, draft_latency_s = o.max_size, o.max_input_length, o.guessing, o.draft_latency_s
     if method not in METHODS:
         raise UserError(f"unknown method {method!r}, expected one of {', '.join(METHODS)}")
     for name, value in (("size", size), ("max depth", max_depth), ("input length", input_length),
@@ -98,10 +112,9 @@ def plan(method: str, accept: Acceptance, *, size: int | None = None, max_depth:
         guessing = default_guessing(method, accept, draft_s=draft_latency_s)
     elif draft_latency_s is not None:
         raise UserError("give the draft latency inside `guessing` or as draft_latency_s, not both")
-    progress = progress or (lambda it, **_: it)
+    o = replace(o, guessing=guessing, progress=o.progress or (lambda it, **_: it))
     if method == PPD:
-        tree = _plan_ppd(accept, input_length, prompt_tokens, profile, max_input_length, improved, per_state_budgets,
-                         guessing, time_budget_s, progress, size, max_depth)
+        tree = _plan_ppd(accept, profile, o)
     else:
         tree = _plan_static(method, accept, size, max_depth, input_length, profile, max_size, guessing)
     if not any(st.nodes for st in tree.states) and method != PPD:
@@ -203,25 +216,25 @@ def _plan_sequoia(rows, size, depth, profile, max_size, guessing) -> Tree:
     return tree
 
 
-def _plan_ppd(accept, input_length, P, profile, max_input_length, improved, per_state_budgets, guessing,
-              time_budget_s, progress, size, max_depth) -> Tree:
+def _plan_ppd(accept, profile, o: PlanOptions) -> Tree:
     from planner.ppd import _check, ppd_tree
 
-    if size is not None:
+    input_length, P, improved, guessing = o.input_length, o.prompt_tokens, o.improved, o.guessing
+    if o.size is not None:
         raise UserError("ppd takes --input-length (tokens per forward pass), not --size")
-    if max_depth is not None:
+    if o.max_depth is not None:
         raise UserError("ppd trees of state s reach depth s <= P: set --prompt-tokens, not --max-depth")
     if input_length is not None:
         if profile is not None and input_length > _profile_cap(profile):
             raise UserError(f"input length {input_length} exceeds the profiled range 1..{profile.max_input_length}")
         return ppd_tree(accept, input_length, P, improved=improved, profile=profile,
-                        per_state_budgets=per_state_budgets and profile is not None)
+                        per_state_budgets=o.per_state_budgets and profile is not None)
     if profile is None:
         raise UserError("ppd needs --input-length N, or --profile FILE to choose it")
-    cap = min(_profile_cap(profile), max_input_length or MAX_INPUT_LENGTH)
+    cap = min(_profile_cap(profile), o.max_input_length or MAX_INPUT_LENGTH)
     _check(accept, cap, P)
-    best, curve, swept = _ppd_sweep(accept, P, profile, cap, improved, guessing, time_budget_s, progress)
-    if improved and per_state_budgets:
+    best, curve, swept = _ppd_sweep(accept, P, profile, cap, improved, guessing, o.time_budget_s, o.progress)
+    if improved and o.per_state_budgets:
         best = _ppd_per_state(accept, P, profile, cap, guessing, best)
     best.settings.update(max_input_length=cap, chosen_input_length=best.max_input_length,
                          swept_input_lengths=swept, guessing=asdict(guessing))
@@ -239,7 +252,7 @@ def _ppd_sweep(accept, P, profile, cap, improved, guessing, time_budget_s, progr
     options_all = [_state_options(accept, s, cap - 1, P) for s in range(P + 1)]
     curve, best, best_speed, swept = [], None, -np.inf, 0
     deadline = time.monotonic() + (time_budget_s if time_budget_s is not None else math.inf)
-    for N in progress(_coarse_to_fine(range(1, cap + 1)), desc="input lengths", unit="N"):
+    for N in progress(coarse_to_fine(range(1, cap + 1)), desc="input lengths", unit="N"):
         if swept >= 2 and best is not None and time.monotonic() > deadline:
             break
         swept += 1
@@ -272,23 +285,6 @@ def _ppd_per_state(accept, P, profile, cap, guessing, best: Tree) -> Tree:
         tree.settings.update(construction="policy-iteration+per-state-budgets", policy_iterations=res.iterations)
         return tree
     return best
-
-
-def _coarse_to_fine(values) -> list[int]:
-    """Ends first, then midpoints level by level."""
-    values = list(values)
-    m = len(values)
-    order = [m - 1, 0][: min(m, 2)]
-    level = [(0, m - 1)]
-    while level:
-        nxt = []
-        for lo, hi in level:
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                order.append(mid)
-                nxt += [(lo, mid), (mid, hi)]
-        level = nxt
-    return [values[i] for i in order]
 
 
 def _slice_options(opts, c_max: int):

@@ -49,7 +49,7 @@ B the beam the verdict picked.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -61,7 +61,7 @@ from decoder.engines.hf.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.layout import layout_for
 from decoder.engines.hf.engine import select_attention
-from decoder.config import DecodeConfig
+from decoder.config import DecodeConfig, decode_config
 from decoder.loop import decode
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample, warp
@@ -362,22 +362,28 @@ class MTADOutput(GenerateOutput):
     tau_acc: float = 0.0
 
 
-def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int = 128, tau_acc: float = 0.1,
-                  temperature: float = 1.0, top_k: int = 20, top_p: float = 0.9, eos_token_id=None, seed: int = 0,
-                  attention: str = "auto", phase_times: bool = True) -> MTADOutput:
+MTAD_SAMPLING = Sampling(1.0, 20, 0.9)  # the paper's warp, where the caller gives none
+
+
+def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int | None = None, tau_acc: float = 0.1, *,
+                  config: DecodeConfig | None = None, **options) -> MTADOutput:
     """MTAD decoding of one prompt (1-D or [1, T]) through the one decoding loop, the proposals
     carrying the joint rule; the warp (temperature, top_k, top_p) is used for the target and the
-    drafter alike. tau_acc >= 0 (inf: no draft is ever accepted)."""
+    drafter alike. tau_acc >= 0 (inf: no draft is ever accepted). config / options: DecodeConfig
+    (decoder/config.py) or its fields; the warp defaults to the paper's (temperature 1, top-k 20, top-p 0.9)."""
+    if max_new_tokens is not None:
+        options["max_new_tokens"] = max_new_tokens
+    cfg = decode_config(config or DecodeConfig(sampling=MTAD_SAMPLING), **options)
     log_threshold(tau_acc)  # a one-line error for a bad threshold
-    if max_new_tokens < 1:
+    if cfg.max_new_tokens < 1:
         raise UserError("max_new_tokens: expected a positive integer")
     guesser.check(None)
-    select_attention(model, attention)
+    select_attention(model, cfg.attention)
     before, guesser.tau_acc, guesser.walks = guesser.tau_acc, tau_acc, []
     try:
-        cfg = DecodeConfig(max_new_tokens, Sampling(temperature, top_k, top_p), seed, eos_token_id,
-                           phase_times=phase_times)
-        out = decode(model, input_ids, None, guesser, cfg, label="mtad")
+        s = cfg.sampling
+        out = decode(model, input_ids, None, guesser, replace(cfg, sampling=Sampling(s.temperature, s.top_k, s.top_p)),
+                     label="mtad")
     finally:
         guesser.tau_acc = before
     return MTADOutput(out.tokens, out.steps, out.stats, walks=guesser.walks, tau_acc=tau_acc)

@@ -41,6 +41,7 @@ from decoder.engines.hf.cache import crop_cache
 from decoder.guessers.draft import draft_children
 from decoder.engine import StepInput, vocab_size
 from decoder.engines.hf.forward import kv
+from decoder.config import DecodeConfig, decode_config
 from decoder.engines.registry import as_engine
 from decoder.layout import layout_for
 from decoder.loop import _eos, _ids_1d
@@ -183,9 +184,9 @@ class _Scored:
     span: tuple[float, float]
 
 
-def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: int = 128, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, eos_token_id=None, seed: int = 0, concurrent: bool = True,
-                   threads=None, on_round=None) -> PearlOutput:
+def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: int | None = None, *,
+                   config: DecodeConfig | None = None, concurrent: bool = True, threads=None, on_round=None,
+                   **options) -> PearlOutput:
     """Decode with PEARL. Greedy at temperature 0 (token-identical to plain greedy decoding), else
     lossless sampling (accept x with min(1, p(x)/q(x)), reject to norm(max(p - q, 0)); p with
     temperature, top-k, top-p; q the drafter's own warped distribution with the same settings, see
@@ -194,12 +195,16 @@ def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: i
     threads: CPU threads per side: None (split torch.get_num_threads(): target ceil(n/2), drafter
     floor(n/2), at least 1 each), an int total to split the same way, or (target, drafter).
     on_round(PearlState): called after every round (tests); its time counts in total_s only.
+    config / options: decoder/config.py's DecodeConfig or its fields (max_new_tokens, temperature, top_k,
+    top_p, eos_token_id, seed); PEARL verifies by its own lossless rule, whatever the config's.
     """
+    cfg = decode_config(config, **(options if max_new_tokens is None else dict(options, max_new_tokens=max_new_tokens)))
+    max_new_tokens, eos_token_id, seed = cfg.max_new_tokens, cfg.eos_token_id, cfg.seed
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise UserError(f"gamma: expected an integer >= 1, got {gamma!r}")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    sampling = Sampling(temperature, top_k, top_p)
+    sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
     engine = as_engine(target)
     device = engine.device
     ids = _ids_1d(input_ids, device).tolist()

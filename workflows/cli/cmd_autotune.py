@@ -119,7 +119,7 @@ def _settings(args) -> AutotuneSettings:
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         neighbours=args.neighbours, sweep=args.sweep, finalists=args.finalists, budget_minutes=args.budget,
-        profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads,
+        profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx,
         profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify or "auto",
     ).resolved()

@@ -11,7 +11,8 @@ from planner.engines import EngineKind
 
 
 def stock_plain_report(other: EngineKind, s, prompts: list, plain_tokens_per_s: float | None) -> dict:
-    """`other`'s stock plain decoding (greedy) of `prompts`, against this run's plain decoding."""
+    """`other`'s stock plain decoding of `prompts` (greedy, or sampled with the run's settings), against this
+    run's plain decoding."""
     from decoder.engines.registry import EngineRequest, installed, open_engine
     from planner.errors import UserError
     from profiler.machine import load_avg
@@ -29,10 +30,10 @@ def stock_plain_report(other: EngineKind, s, prompts: list, plain_tokens_per_s: 
         return {"skipped": str(e)}
     t0 = time.time()
     try:
-        engine.stock_generate(prompts[0], 8)  # warm-up
+        engine.stock_generate(prompts[0], 8, s.sampling, s.seed)  # warm-up
         tokens = seconds = 0.0
-        for ids in prompts:
-            toks, sec = engine.stock_generate(ids, s.decode_tokens)
+        for i, ids in enumerate(prompts):
+            toks, sec = engine.stock_generate(ids, s.decode_tokens, s.sampling, s.seed + i)
             tokens, seconds = tokens + len(toks), seconds + sec
     finally:
         engine.close()
@@ -40,7 +41,6 @@ def stock_plain_report(other: EngineKind, s, prompts: list, plain_tokens_per_s: 
     tps = tokens / seconds if seconds > 0 else None
     return {"engine": other.name, "tokens": int(tokens), "seconds": seconds, "tokens_per_s": tps,
             "threads": engine.caps.threads, "vs_plain": tps / plain_tokens_per_s if tps and plain_tokens_per_s else None,
-            "vs_hf_plain": tps / plain_tokens_per_s if tps and plain_tokens_per_s else None,  # the field's earlier name
             "load_avg_1m": load_avg(), "wall_s": time.time() - t0,
-            "how": f"{other.name}'s own generation (greedy) on the same model, race prompt ids and new tokens; "
+            "how": f"{other.name}'s own generation on the same model, race prompt ids, new tokens and sampling; "
                    f"`planner autotune --engine {other.name}` plans for that engine"}

@@ -51,6 +51,8 @@ def profile_phase(run: Run) -> Profiled:
     from profiler.measure import ProfileSpec, profile_engine
 
     s, engine = run.settings, run.engine
+    if engine.caps.tree_kernels:  # time the attention path decoding will take (the tree kernels on CUDA)
+        engine.select_attention("auto")
     if s.profile:
         path = Path(s.profile)
     else:

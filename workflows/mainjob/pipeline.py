@@ -70,6 +70,7 @@ class AutotuneSettings:
     rounds: int | None = None  # repeats of each (plan, prompt) run; the median counts
     budget_minutes: float | None = None  # the whole run, model loading to report
     threads: int | None = None  # CPU threads (default: the library's choice, the cores free on a busy machine)
+    n_ctx: int | None = None  # engines with a fixed context: at least this many cells (default: sized to the run)
     profile: str | None = None  # reuse a profile file instead of measuring
     accept: str | None = None  # reuse a ppd acceptance file instead of measuring
     profile_budget_s: float | None = None  # at most; and at most a fifth of the budget
@@ -220,7 +221,7 @@ def _open_run(s: AutotuneSettings) -> Run:
     threads, free = _threads(s, say)
     say(f"loading {s.model} with the {s.engine} engine")
     engine = open_engine(s.engine, EngineRequest(model=s.model, device=s.device, dtype=s.dtype, threads=threads,
-                                                 progress=s.progress))
+                                                 context=s.n_ctx, progress=s.progress))
     if engine.tokenizer is None:
         raise UserError(f"--model {s.model}: no tokenizer files found; autotune decodes text prompts")
     guessers = _load_guessers(s, engine)

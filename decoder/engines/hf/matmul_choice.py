@@ -34,25 +34,12 @@ from decoder.engines.hf.cpu_paths import (
     set_paths_enabled,
 )
 from planner.matmul_paths import MATMUL_PATHS, MatmulPathTable, matmul_paths_from_json
+from planner.order import coarse_to_fine
 
 STAND_IN_BRANCHING = 4  # the profiler's stand-in tree (profiler.measure.TREE_BRANCHING): node i under (i-1)//4
 LAYOUT_SETS = ((), ("t",), ("onednn",), ("t", "onednn"))  # extra copies, fewest first
 FLUSH_BYTES = 64 << 20  # more than this CPU's 32 MB L3
 TOLERANCE = 0.03
-
-
-def coarse_first(rows: list[int]) -> list[int]:
-    """Ends first, then midpoints level by level: a budget cut short still spans the rows."""
-    out, level = list(dict.fromkeys([rows[-1], rows[0]])), [(0, len(rows) - 1)]
-    while level:
-        nxt = []
-        for lo, hi in level:
-            if hi - lo > 1:
-                mid = (lo + hi) // 2
-                out.append(rows[mid])
-                nxt += [(lo, mid), (mid, hi)]
-        level = nxt
-    return out
 
 
 def tree_input(n: int, context_length: int, vocab: int, dtype, gen) -> dict:
@@ -145,7 +132,7 @@ def measure_isolated(model, rows: list[int], deadline: float, repeats: int, seed
     rng = random.Random(seed)
     for r in range(repeats):
         # round one visits rows coarse to fine, so a budget cut short still spans the rows
-        order = {M: i for i, M in enumerate(coarse_first(rows))}
+        order = {M: i for i, M in enumerate(coarse_to_fine(rows))}
         rng.shuffle(jobs)
         if r == 0:
             jobs.sort(key=lambda j: order[j[2]])
