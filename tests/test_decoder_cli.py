@@ -115,27 +115,51 @@ def test_bad_input_is_one_line_error(files, capsys, argv, message):
 
 
 def test_decode_runs_a_pearl_plan_at_the_thread_split_autotune_measured():
-    """autotune records PEARL's (target, drafter) threads in the plan; decode --plan runs that split."""
+    """autotune records PEARL's (target, drafter) threads in the plan; decode --plan resolves a RunConfig that
+    runs that split (workflows/cli/run_config.py), and writes nothing into the parsed options."""
     from argparse import Namespace
 
+    from planner.engines import kind
     from planner.tree import Tree, TreeState
-    from workflows.cli.cmd_decode import _follow_recorded_pearl
+    from workflows.cli.run_config import resolve_run
 
     def args():
         return Namespace(guesser=None, plan="RUN/trees/pearl-pearl-3.json", pearl=False, gamma=4, batch_size=1,
-                         verify="greedy", mtad=None)
+                         verify="greedy", mtad=None, pearl_serial=False, profile=None, threads=None, temperature=0.0,
+                         top_k=0, top_p=1.0, eps=0.09, delta=0.3, max_new_tokens=8, seed=0, layout="packed",
+                         max_perplexity_ratio=None, compare_plain=False)
 
     tree = Tree("medusa", [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "pearl", "pearl": {"gamma": 3, "threads": [1, 1]}})
     a = args()
-    assert _follow_recorded_pearl(a, tree) is None
-    assert a.pearl and a.gamma == 3 and a.pearl_threads == (1, 1) and a.guesser == "draft"
+    run = resolve_run(a, tree, kind("hf"), "ppd")
+    assert run.pearl.gamma == 3 and run.pearl.threads == (1, 1) and run.guesser == "draft" and run.plan is None
+    assert vars(a) == vars(args())  # resolved into an object, not written back
+    assert "PEARL with gamma 3" in run.line()
     tree.settings["pearl"]["threads"] = [0, 1]
     with pytest.raises(UserError, match=r"pearl-pearl-3.json: settings.pearl.threads: expected \[target, drafter\]"):
-        _follow_recorded_pearl(args(), tree)
+        resolve_run(args(), tree, kind("hf"), "ppd")
     del tree.settings["pearl"]["threads"]  # plans written before the split was recorded: decode's default split
-    a = args()
-    _follow_recorded_pearl(a, tree)
-    assert a.pearl_threads is None
+    assert resolve_run(args(), tree, kind("hf"), "ppd").pearl.threads is None
+
+
+def test_a_flag_overrides_the_raced_setting_and_says_so(tmp_path):
+    """A plan raced with 2 threads, decoded with --threads 1: the run takes the flag, the line says so."""
+    from argparse import Namespace
+
+    from planner.engines import kind
+    from planner.tree import Tree, TreeState
+    from workflows.cli.run_config import resolve_run
+
+    tree = Tree("medusa", [TreeState(0, [], 1.0, 1)], 1.0, settings={"guesser": "lookup",
+                                                                     "raced_with": {"engine": "hf", "threads": 2}})
+    base = dict(guesser=None, plan=str(tmp_path / "chosen.json"), pearl=False, gamma=4, batch_size=1, verify="auto",
+                mtad=None, pearl_serial=False, profile=None, temperature=0.0, top_k=0, top_p=1.0, eps=0.09, delta=0.3,
+                max_new_tokens=8, seed=0, layout="packed", max_perplexity_ratio=None, compare_plain=False)
+    raced = resolve_run(Namespace(**base, threads=None), tree, kind("hf"), "ppd")
+    assert raced.threads == 2 and raced.line() == "decoding as raced: 2 threads (flags override)"
+    flagged = resolve_run(Namespace(**base, threads=1), tree, kind("hf"), "ppd")
+    assert flagged.threads == 1 and "--threads 1 instead of the raced 2" in flagged.line()
+    assert raced.guesser == "lookup" and not raced.plain
 
 
 @pytest.mark.parametrize("rule, same", [("coupled", True), ("lossless", None)])
