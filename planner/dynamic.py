@@ -7,9 +7,11 @@ c = P(candidate accepted | parent accepted), a path's probability is the product
 the step keeps the n most probable paths (best-first, so always a tree) for the n, 0 included,
 that maximises
 
-    (1 + sum of the n path probabilities) / (sunk drafting + step_cost[n])
+    (1 + sum of the n path probabilities) / (decide_s + sunk drafting + step_cost[n])
 
-where step_cost[n] is the one cost model's L(n + 1) + overhead(n + 1) (planner/cost.py).
+where step_cost[n] is the one cost model's L(n + 1) + overhead(n + 1) (planner/cost.py), drafting
+is priced at each pass's recorded draft_s and decide_s is the plan's recorded decision cost: all
+constants of the plan, so a step's choice never depends on a clock read while decoding.
 
 Calibration (written by `planner accept --calibrate`, stored in the acceptance file under
 "calibration"): per signal kind, a table c[depth bin, signal bin], made monotone (pool adjacent
@@ -244,7 +246,9 @@ class DynamicSpec:
     prior_strength: float = 4.0  # online correction: pseudo-observations of the calibrated c
     forget: float = 0.95  # online correction: evidence decays by this per step
     profiled: bool = True  # False: every size costs the same (no profile)
-    decide_s: float = 0.0  # measured cost of the decision per step, priced into predictions
+    # the decision's own cost per step, one constant priced into every step's choice and the
+    # predictions: the main job records its replay's median (workflows/mainjob/predict.py); 0 unmeasured
+    decide_s: float = 0.0
 
     def to_json(self) -> dict:
         return {"max_size": self.max_size, "max_depth": self.max_depth, "step_cost_s": list(self.step_cost_s),
@@ -361,13 +365,15 @@ class OnlineMap:
 
 
 def dynamic_spec(models: dict[str, GuesserModel], max_size: int, step_cost_s: list[float] | None,
-                 max_depth: int = 8) -> DynamicSpec:
-    """step_cost_s: the cost at input lengths 1..N (N >= max_size + 1); None: every size costs the same."""
+                 max_depth: int = 8, decide_s: float = 0.0) -> DynamicSpec:
+    """step_cost_s: the cost at input lengths 1..N (N >= max_size + 1); None: every size costs the same.
+    decide_s: the decision's cost per step (DynamicSpec.decide_s)."""
     if isinstance(max_size, bool) or not isinstance(max_size, int) or not 1 <= max_size <= MAX_DYNAMIC_SIZE:
         raise UserError(f"--max-size: expected an integer in 1..{MAX_DYNAMIC_SIZE}, got {max_size}")
     profiled = step_cost_s is not None
     cost = list(step_cost_s) if profiled else [1.0] * (max_size + 1)
-    return DynamicSpec(max_size, cost, models, max_depth, profiled=profiled)
+    return DynamicSpec(max_size, cost, models, max_depth, profiled=profiled,
+                       decide_s=_num(decide_s, "dynamic plan", "decide_s"))
 
 
 def prior_pool(model: GuesserModel, depth: int, width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -38,11 +38,13 @@ def guesser_model(kind: str, accept) -> GuesserModel:
 
 
 def plan_dynamic(accepts: list[tuple[str | None, object]], profile=None, max_size: int = 16, max_depth: int = 8,
-                 ensemble: int = 1):
+                 ensemble: int = 1, decide_s: float = 0.0):
     """A dynamic plan (planner.tree.Tree, method 'dynamic') from (kind or None, Acceptance) pairs:
     one map per guesser (hybrids: lookup and a drafter), the cost of a step at every input length
     by the one cost model (planner.cost.step_cost: L(n) + decoder overhead; drafter passes are added
-    per step by the session as it drafts), and the prior-only prediction."""
+    per step by the session as it drafts), and the prior-only prediction. decide_s: the decision's
+    cost per step the plan records; 0 by default, since planning decodes nothing to time it (the
+    main job records what its replay measures, workflows/mainjob/predict.py)."""
     from planner.cost import step_cost
     from planner.tree import DYNAMIC, Tree, TreeState
 
@@ -74,7 +76,7 @@ def plan_dynamic(accepts: list[tuple[str | None, object]], profile=None, max_siz
             raise UserError(f"profile covers input lengths up to {profile.max_input_length}; the plan needs {per_node * 2}")
         cost = [float(step_cost(profile, n)) for n in range(1, top + 1)]
         max_size = min(max_size, top // per_node - 1)
-    spec = dynamic_spec(models, max_size, cost, max_depth)
+    spec = dynamic_spec(models, max_size, cost, max_depth, decide_s)
     if cost is None and per_node > 1:
         spec.step_cost_s = [1.0] * need
     plain = spec.step_cost_s[0] if per_node == 1 else float(step_cost(profile, 1)) if profile is not None else 1.0

@@ -19,14 +19,17 @@ what the guesser reads of the target there:
 
 Drafter passes that are not teacher-forced run for real (the ParallelSpec and chain drafters, the
 draft LM of a dynamic plan, whose off-text children's confidences steer its choices). A dynamic
-session measures its own decision time as it replays. tests/test_replay.py checks tokens per step
-against decoding on the same prompts.
+session measures its own decision time as it replays and reports it; it decides with its plan's
+fixed `dynamic.decide_s`, so its steps are decoding's on any machine, under any load
+(`measure_decide_s` times the decision once, for the plan to record). tests/test_replay.py checks
+tokens per step against decoding on the same prompts.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from decoder.guesser import DecodeContext, StepOutcome
@@ -320,7 +323,7 @@ def replay(session, teacher: Teacher, ctx: DecodeContext, max_new_tokens: int | 
         cursor.pos = pos
         if ctx.noise is not None:
             ctx.noise.cursor = T + pos  # the index of the token this step emits first, as decoder.loop sets it
-        est, decided = (session.decide_est, len(session.decide_s)) if dynamic else (0.0, 0)
+        decided = len(session.decide_s) if dynamic else 0
         t0 = time.perf_counter()
         proposal = session.propose(seq[T - 1 + pos: T + pos])
         propose_s = time.perf_counter() - t0
@@ -335,7 +338,7 @@ def replay(session, teacher: Teacher, ctx: DecodeContext, max_new_tokens: int | 
             commit_s = time.perf_counter() - t0
         step = Step(lay.input_length, lay.depth, a, propose_s, commit_s, lay.num_tree - 1)
         if dynamic and len(session.decide_s) > decided:  # a plan's session (the calibration's decides nothing)
-            step.draft_model_s = session.pool.sunk_s - est  # the session's own price of its passes
+            step.draft_model_s = session.drafting[-1]  # the session's own price of its passes
             step.decide_s = session.decide_s[-1]
         steps.append(step)
         pos += a + 1
@@ -383,3 +386,21 @@ def replay_plan(engine, guesser, plan, teacher: Teacher, max_new_tokens: int | N
     """The steps decoding `teacher.prompt` with `plan` and `guesser` would take (greedy)."""
     session, ctx, cursor = open_session(engine, guesser, plan, teacher, teacher_drafts)
     return replay(session, teacher, ctx, max_new_tokens, cursor)
+
+
+DECIDE_STEPS = 32  # decisions timed for a plan's decide_s: a median over at least these (or every prompt's)
+
+
+def measure_decide_s(engine, guesser, plan, teachers: list[Teacher], max_new_tokens: int | None = None,
+                     steps: int = DECIDE_STEPS) -> float:
+    """A dynamic plan's decision cost per step, to record in it (`dynamic.decide_s`): the median of
+    the decision times its session measures replaying the first prompts, until `steps` are timed.
+    Those replays decide with the plan's decide_s as it stands (0 from the planner): the cost is
+    measured once, under one fixed value, and the plan then decodes with the constant it records."""
+    times: list[float] = []
+    for t in teachers:
+        times += [s.decide_s for s in replay_plan(engine, guesser, plan, t, max_new_tokens)]
+        if len(times) >= steps:
+            break
+    # a decision's time is its propose less nested pass times: a float hair below 0 is 0
+    return max(float(np.median(times)), 0.0) if times else 0.0

@@ -155,14 +155,25 @@ def test_calibration_fits_monotone_maps_and_round_trips():
 
 
 def test_dynamic_plan_file_round_trips_and_bad_files_fail(tmp_path):
-    plan = plan_dynamic([("lookup", ACC["lookup"]), ("parallelspec", ACC["parallelspec"])], _profile(), 8, 5)
+    plan = plan_dynamic([("lookup", ACC["lookup"]), ("parallelspec", ACC["parallelspec"])], _profile(), 8, 5,
+                        decide_s=1.2345e-4)
     save_tree(plan, tmp_path / "d.json")
     back = load_tree(tmp_path / "d.json")
     assert back.method == "dynamic" and back.dynamic.max_size == 8 and set(back.dynamic.guessers) == {"lookup", "parallelspec"}
     assert back.dynamic.step_cost_s == pytest.approx(plan.dynamic.step_cost_s)
+    assert back.dynamic.decide_s == 1.2345e-4  # exactly: every step's choice prices it
     import json
 
     d = json.loads((tmp_path / "d.json").read_text())
+    d["dynamic"]["decide_s"] = -1e-6
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match="dynamic.decide_s"):
+        load_tree(tmp_path / "bad.json")
+    del d["dynamic"]["decide_s"]  # a plan written before decide_s was recorded: unmeasured, 0
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_tree(tmp_path / "old.json").dynamic.decide_s == 0.0
+    with pytest.raises(UserError, match="decide_s"):
+        plan_dynamic([("lookup", ACC["lookup"])], None, 8, decide_s=float("nan"))
     d["dynamic"]["max_size"] = 0
     (tmp_path / "bad.json").write_text(json.dumps(d))
     with pytest.raises(UserError, match="dynamic.max_size"):

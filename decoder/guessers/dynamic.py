@@ -28,6 +28,11 @@ their token, each sibling verified with its own proposal.
 
 Commit: every pool node whose parent lies on the accepted path is an observation of its cell
 (accepted iff its token is the target's token there); the maps move toward what is realised.
+
+The decision's own cost is the plan's `dynamic.decide_s`, one constant for the run (the main job
+records the median its replay measured, workflows/mainjob/predict.py). The session times every
+decision and reports it, but nothing a clock reads steers a choice: drafter passes are priced at
+the plan's draft_s, their wall time (`Pool.passes_s`) is only taken out of the decision's time.
 """
 from __future__ import annotations
 
@@ -127,8 +132,11 @@ class DynamicSession:
         self.sizes: list[int] = []
         self.decide_s: list[float] = []
         self.expected: list[float] = []
-        self.decide_est = spec.decide_s  # running estimate of the decision's cost per step
-        self.costs: list[float] = []  # the model's cost of each step (drafting + step_cost), before the decision's own
+        # the decision's cost per step, fixed for the run: the plan's recorded decide_s. Measured time
+        # never feeds back, so a step's choice is a function of the plan and the text alone (a replay
+        # over the text takes decoding's steps on any machine, under any load)
+        self.decide_cost = spec.decide_s
+        self.costs: list[float] = []  # the model's cost of each step: the plan's decide_s + drafting + step_cost
         self.drafting: list[float] = []  # the plan's price of each step's drafter passes (draft_s a pass)
         self.pool: Pool | None = None
         self.chosen: list[int] = []
@@ -156,7 +164,7 @@ class DynamicSession:
     def propose(self, root: torch.Tensor) -> Proposal:
         t0 = time.perf_counter()
         pool = Pool()
-        pool.sunk_s = self.decide_est  # the decision's own time, priced into every size alike
+        pool.sunk_s = self.decide_cost  # the decision's own cost, priced into every size alike
         for s in self.sources:
             s.extend(pool, root, self)
         if pool.fixed is not None:
@@ -169,7 +177,7 @@ class DynamicSession:
         else:
             chosen, expected, cost = [], 1.0, pool.sunk_s + float(self.cost_n[0])
         self.costs.append(cost)
-        self.drafting.append(pool.sunk_s - self.decide_est)
+        self.drafting.append(pool.sunk_s - self.decide_cost)
         self.pool, self.chosen = pool, chosen
         paths = rank_paths(pool.parent, chosen)
         top_k = 1 + max((p[-1] for p in paths), default=0)
@@ -189,8 +197,7 @@ class DynamicSession:
             extra = s.extra_embeds(lay) if extra is None else extra
         self.sizes.append(len(chosen))
         self.expected.append(expected)
-        self.decide_s.append(time.perf_counter() - t0 - pool.passes_s)
-        self.decide_est += 0.1 * (self.decide_s[-1] - self.decide_est)
+        self.decide_s.append(time.perf_counter() - t0 - pool.passes_s)  # reported only (decide_cost prices)
         return Proposal(lay, tokens, draft_probs=q, extra_embeds=extra,
                         deterministic=fixed if fixed is not None and any(fixed) else None)
 
@@ -232,7 +239,7 @@ class DynamicSession:
 
     def report(self) -> dict:
         d = np.array(self.decide_s) if self.decide_s else np.zeros(1)
-        tau, cost = float(np.sum(self.expected)), float(np.sum(self.costs))  # costs include the decision estimate
+        tau, cost = float(np.sum(self.expected)), float(np.sum(self.costs))  # costs include the plan's decide_s
         plain = float(self.spec.step_cost_s[0])
         out = {"sizes": self.sizes, "expected_tokens": [round(x, 4) for x in self.expected],
                "predicted_cost_s": [round(x, 6) for x in self.costs],
@@ -241,6 +248,7 @@ class DynamicSession:
                "predicted_speedup": tau * plain / cost if cost > 0 and self.spec.profiled else None,
                "predicted_tokens_per_step": tau / max(len(self.expected), 1),
                "decide_s_median": float(np.median(d)), "decide_s_mean": float(d.mean()),
+               "decide_s_priced": self.decide_cost,  # the plan's constant the choices were made with
                "corrections": {k: m.summary() for k, m in self.maps.items()},
                "corrected_c": {k: m.c.round(4).tolist() for k, m in self.maps.items()}}
         self.owner.last_report = out

@@ -39,8 +39,8 @@ class Pool:
         self.cells: list[tuple] = []  # per node: ((kind, flat cell, signal bin), ...) it is an observation of
         self.rank: list[int] = []  # the guesser's own rank of the token among its siblings
         self.q: dict[int, torch.Tensor] = {}  # sampled drafts: node (-1: root) -> q [V] its children were drawn from
-        self.sunk_s = 0.0  # drafting already paid this step (the plan's pass cost)
-        self.passes_s = 0.0  # wall time of drafter passes (excluded from the decision's own cost)
+        self.sunk_s = 0.0  # paid this step at the plan's prices: its decide_s, then draft_s per drafter pass
+        self.passes_s = 0.0  # wall time of drafter passes: reported (taken out of the decision's time), never priced
         self.index: dict[tuple[int, int], int] = {}  # (parent, token) -> node: hybrid pools merge equal paths
         self.fixed: list[int] | None = None  # the kept nodes when a source chose them itself (sampled drafts)
         self.sampled: set[int] = set()  # nodes drawn from their parent's q[parent]; the others are fixed guesses

@@ -16,7 +16,11 @@ chooses, its drafting passes and its decision time are those its session produce
 step is priced by the one cost model (planner.cost.step_cost: L(n) + the decoder's overhead at the
 step's real input length n) plus the drafting it paid (static: planner.cost.Guessing.draft_cost of
 its depth; dynamic: the passes its session priced, each the measured draft_s) plus, for dynamic
-plans, the decision and commit times the replay measured. A prompt's predicted speedup compares
+plans, the decision and commit times the replay measured. A dynamic plan's decision cost is
+measured here once and recorded in it before its prediction (`dynamic.decide_s`, the median over a
+first replay that decided with the planner's 0, profiler.replay.measure_decide_s): the prediction's
+replay and the race then decide with that one constant, so the predicted steps are the race's own
+(a session never prices a clock it reads while decoding). A prompt's predicted speedup compares
 plain decoding with the plan including the prefill (the race times whole decodes); the plan's is
 their geometric mean over prompts, as the race's. Made on the acceptance prompts, never the race's.
 PEARL (its own two-job loop) keeps its own model (planner/pearl.py).
@@ -138,6 +142,8 @@ def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None
         return None
     dynamic = c.tree.dynamic is not None
     n, plain = run.settings.decode_tokens, plain_step(profile)
+    if dynamic:
+        _record_decide_s(run, g, c, teachers, n)
     prompts = []
     for t in teachers:
         steps = replay_plan(run.engine, g, c.tree, t, n, teacher_drafts=not dynamic)
@@ -147,13 +153,24 @@ def predict_by_replay(run, c: Candidate, profile: LatencyProfile) -> dict | None
     tokens, steps_ = sum(p.tokens for p in prompts), sum(p.steps for p in prompts)
     seconds = sum(p.seconds for p in prompts)
     logs = [math.log((p.prefill_s + p.tokens * plain) / (p.prefill_s + p.seconds)) for p in prompts]
-    return {"method": "replay", "prompts": len(prompts), "tokens": tokens, "steps": steps_,
+    pred = {"method": "replay", "prompts": len(prompts), "tokens": tokens, "steps": steps_,
             "tokens_per_step": tokens / steps_, "step_s": seconds / steps_,
             "speedup": math.exp(sum(logs) / len(logs)), "decode_speedup": tokens * plain / seconds,
             "forward_s_per_step": sum(p.forward_s for p in prompts) / steps_,
             "draft_s_per_step": sum(p.draft_s for p in prompts) / steps_,
             "decide_s_per_step": sum(p.decide_s for p in prompts) / steps_,
             "candidates_per_step": sum(p.sizes for p in prompts) / steps_}
+    if dynamic:
+        pred["decide_s_recorded"] = c.tree.dynamic.decide_s  # what the plan decides with, its prediction included
+    return pred
+
+
+def _record_decide_s(run, g, c: Candidate, teachers: list, n: int) -> None:
+    """Time the dynamic plan's decision once and record it in the plan, which then decides with that
+    constant wherever it runs (its prediction below, the race, chosen.json)."""
+    from profiler.replay import measure_decide_s
+
+    c.tree.dynamic.decide_s = measure_decide_s(run.engine, g, c.tree, teachers, n)
 
 
 def prediction_phase(run, racing: list[Candidate], profile: LatencyProfile) -> list[Candidate]:
