@@ -172,7 +172,12 @@ class Engine(Protocol):
     #   batch_runner(layout, seqs, started_sequences, want_hidden) -> a runner with forward(live,
     #   proposals, stats) -> per-sequence (logits, hidden), commit(live, proposals, verdicts, stats),
     #   drop(finished), close()  (decoder/batch.py drives it)
-    # caps.torch_modules: torch_model() -> the torch model its guessers, PEARL, MTAD and training share
+    # caps.torch_modules: torch_model() -> the torch model its guessers, PEARL, MTAD and training share;
+    #   context_forwards(context [C]) -> forwards of new tokens after that context, prefilled once and cut back
+    #   after each use (forward(ids, positions), reset(), context_length, vocab_size): PEARL's side timings
+    #   (profiler/overlap.py). Training backpropagates through the torch model itself, so its passes over it
+    #   (the teacher's outputs, PPD's prompt pass, drafters built on the target) are the engine package's own
+    #   functions of that model: decoder/engines/hf/training.py.
     # caps.matmul_paths: choose_matmul_paths(rows, context_length, budget_s, seed, progress) -> the
     #   profile's "matmul_paths"; use_matmul_paths(profile file | table | None)
     # caps.tree_kernels: select_attention("auto" | "kernels" | "dense")
@@ -222,10 +227,12 @@ def torch_model(target):
 
 
 def vocab_size(target) -> int:
-    """The target's vocabulary size (an engine's, or a bare model's embedding rows)."""
-    if hasattr(target, "caps"):
-        return int(target.vocab_size)
-    return int(target.get_input_embeddings().weight.shape[0])
+    """The target engine's vocabulary size (Engine.vocab_size). A bare model is wrapped by
+    decoder.engines.registry.as_engine, which this protocol module cannot import (the engines import it), so
+    callers that may hold one ask `as_engine(target).vocab_size` themselves; until the guessers that call this
+    do (an MTAD session may begin on a bare drafter), a bare transformers causal LM answers through the
+    `vocab_size` attribute its class sets."""
+    return int(target.vocab_size)
 
 
 def is_oom(e: BaseException) -> bool:

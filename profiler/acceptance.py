@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoder.engines.registry import as_engine
 from decoder.loop import as_tree, generate
 from planner.errors import UserError
 from planner.guessers import kinds
@@ -174,10 +175,8 @@ def accuracy_json(hits: np.ndarray, totals: np.ndarray, positions: int, prompts:
 
 
 def model_name(target) -> str:
-    """What an acceptance record calls the target: an engine's model name, or a model's config name."""
-    if hasattr(target, "caps"):
-        return str(target.model_name)
-    return getattr(target.config, "name_or_path", "") or getattr(target.config, "model_type", "")
+    """What an acceptance record calls the target: its engine's model name (a bare model's config name)."""
+    return str(as_engine(target).model_name)
 
 
 def guessing_record(guesser, runner, depth: int) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from decoder.engines.registry import as_engine
+
 RELATIVE_ROUNDING_STEPS = 4  # a gap within a few units of the dtype's rounding at the logits' size is a tie
 
 
@@ -23,23 +25,23 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def classify(model, prompt_ids: torch.Tensor, reference: list[int], other: list[int], sampling=None,
+def classify(target, prompt_ids: torch.Tensor, reference: list[int], other: list[int], sampling=None,
              seed: int = 0) -> dict:
     """{'status': 'identical' | 'near_tie' | 'mismatch', ...} of `other` against `reference`
     (plain greedy decoding of the same prompt). At the first difference: the target's top-2 logit
     gap there and the dtype's resolution at that logit's size. With `sampling` (the coupled rule,
     decoder/noise.py) the reference is plain coupled sampling with `seed`, and the gap is that of
-    the draw's scores, log p + g, whose resolution is the logits' over the temperature."""
+    the draw's scores, log p + g, whose resolution is the logits' over the temperature. `target`: an
+    engine (any: the logits come from its teacher-forced pass), or a bare model (the hf engine's)."""
     i = first_difference(reference, other)
     if i is None:
         return {"status": "identical"}
     if i >= len(reference) or i >= len(other):
         return {"status": "mismatch", "position": i, "reason": "one output ends early"}
-    dev = model.get_input_embeddings().weight.device
-    ids = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(reference[:i], dtype=torch.long)]).to(dev)
-    logits = model(input_ids=ids[None], logits_to_keep=1).logits[0, -1].float()  # [V]
-    dtype = next(model.parameters()).dtype
-    resolution = RELATIVE_ROUNDING_STEPS * torch.finfo(dtype).eps * max(abs(float(logits.max())), 1.0)
+    engine = as_engine(target)
+    ids = torch.cat([prompt_ids.reshape(-1).cpu(), torch.tensor(reference[:i], dtype=torch.long)])
+    logits = engine.teacher_forced(ids).logits[-1].float()  # [V] the target's next-token logits at the difference
+    resolution = RELATIVE_ROUNDING_STEPS * torch.finfo(engine.dtype).eps * max(abs(float(logits.max())), 1.0)
     if sampling is not None:
         from decoder.noise import PositionNoise
         from decoder.verify import probabilities

@@ -5,6 +5,8 @@ each side (the drafter's measured in a worker thread, as PEARL runs it) and at a
 plain and vanilla speculative decoding get). `split_check`: the target's gamma-token forward and
 the drafter's gamma passes alone, one after the other, and at the same time in two threads;
 eta = 1 - (together - max) / min, 1 when the overlap is perfect, 0 when the two only take turns.
+Both sides run through their engines' `context_forwards` (caps.torch_modules, as PEARL itself); a bare
+model (the draft LM, or a target passed as one) is the hf engine's.
 """
 from __future__ import annotations
 
@@ -14,28 +16,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from decoder.engines.hf.forward import kv
+from decoder.engines.registry import as_engine
 from decoder.guessers.pearl import set_thread_count
 
 
 @torch.inference_mode()
 def forward_seconds(model, context: torch.Tensor, n: int, threads: int, repeats: int) -> float:
     """Median seconds of one forward over n new tokens after `context`, at `threads` (in this thread)."""
-    from decoder.engines.hf.cache import crop_cache
-    from decoder.engines.hf.forward import prefill
-
     set_thread_count(threads)
-    cache = prefill(model, context[None]).cache
-    C = context.numel()
-    x = torch.randint(3, model.config.vocab_size - 1, (1, n))
+    fw = as_engine(model).context_forwards(context)
+    C = fw.context_length
+    x = torch.randint(3, fw.vocab_size - 1, (1, n))
     pos = torch.arange(C, C + n)[None]
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        model(input_ids=x, position_ids=pos, **kv(cache), use_cache=True)
+        fw.forward(x, pos)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
-        crop_cache(cache, C)
+        fw.reset()
     return statistics.median(times)
 
 
@@ -62,22 +61,20 @@ def side_latencies(target, draft, context, lengths, split, total: int, repeats: 
 
 
 @torch.inference_mode()
-def _job(model, cache, n_tokens: int, passes: int, threads: int, start=None) -> tuple[float, float]:
-    """`passes` forwards of n_tokens each after the prefilled `cache`, cropped back after; (start, end).
-    start: a threading.Barrier both sides pass first, so that neither times the other's setup."""
-    from decoder.engines.hf.cache import crop_cache
-
+def _job(fw, n_tokens: int, passes: int, threads: int, start=None) -> tuple[float, float]:
+    """`passes` forwards of n_tokens each after the prefilled context of `fw` (the engine's context_forwards),
+    cut back after; (start, end). start: a threading.Barrier both sides pass first, so that neither times
+    the other's setup."""
     set_thread_count(threads)
-    C = cache.get_seq_length()
-    xs = torch.randint(3, model.config.vocab_size - 1, (passes, 1, n_tokens))
+    C = fw.context_length
+    xs = torch.randint(3, fw.vocab_size - 1, (passes, 1, n_tokens))
     if start is not None:
         start.wait()
     t0 = time.perf_counter()
     for i in range(passes):
-        model(input_ids=xs[i], position_ids=torch.arange(C, C + n_tokens)[None] + i * n_tokens, **kv(cache),
-              use_cache=True)
+        fw.forward(xs[i], torch.arange(C, C + n_tokens)[None] + i * n_tokens)
     t1 = time.perf_counter()
-    crop_cache(cache, C)
+    fw.reset()
     return t0, t1
 
 
@@ -86,13 +83,11 @@ def split_check(target, draft, context, gamma: int, split, repeats: int) -> dict
     alone, one after the other, and at the same time. A real split: together ~ max(alone)."""
     import threading
 
-    from decoder.engines.hf.forward import prefill
-
-    tcache, dcache = prefill(target, context[None]).cache, prefill(draft, context[None]).cache
+    tside, dside = as_engine(target).context_forwards(context), as_engine(draft).context_forwards(context)
     rows = {"target": [], "draft": [], "serial": [], "together": []}
     with ThreadPoolExecutor(1) as pool:
-        draft_job = lambda b=None: _job(draft, dcache, 1, gamma, split[1], b)  # noqa: E731
-        target_job = lambda b=None: _job(target, tcache, gamma, 1, split[0], b)  # noqa: E731
+        draft_job = lambda b=None: _job(dside, 1, gamma, split[1], b)  # noqa: E731
+        target_job = lambda b=None: _job(tside, gamma, 1, split[0], b)  # noqa: E731
         pool.submit(draft_job).result(), target_job()  # warm-up
         for _ in range(repeats):
             t, d = target_job(), pool.submit(draft_job).result()

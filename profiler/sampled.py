@@ -212,8 +212,7 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
     Under the coupled rule the children are aimed at the noise instead (`coupled_shares`, Monte Carlo
     for every rank), what a coupled decode proposes."""
     s = cont.sampling
-    draft = guesser.draft_model
-    dev = draft.get_input_embeddings().weight.device
+    draft = as_engine(guesser.draft_model)  # its teacher-forced pass: a draft LM is a transformers model
     gen = torch.Generator().manual_seed(seed)
     runner = Measuring(guesser, depth, width)
     if cont.prompts and cont.tokens[0].numel():  # the drafter's pass time, from its own proposals
@@ -224,7 +223,7 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
         N, T = toks.numel(), ids.numel()
         if N == 0:
             continue
-        logits = draft(input_ids=torch.cat([ids, toks]).to(dev)[None], use_cache=False).logits[0, T - 1: T - 1 + N]
+        logits = draft.teacher_forced(torch.cat([ids, toks])).logits[T - 1: T - 1 + N]
         q = probabilities(logits, s).cpu()  # [N, V] the drafter's warped q where the text's tokens stand
         if s.rule == "coupled":  # the children decoding will propose: aimed at the noise, not drawn
             shares = np.stack([coupled_shares(p[j], q[j], width, samples, gen) for j in range(N)])

@@ -129,10 +129,9 @@ def draft_lm_guesses(draft_model, prompt: torch.Tensor, tokens: torch.Tensor, de
     """A draft LM's comb [N, depth, width] from one teacher-forced drafter forward: the guess for
     distance d beyond root i (position T-1+i) is the drafter's top-k after the true prefix up to
     position T-2+i+d, which is what it drafts there while its rank-0 chain is right."""
-    dev = draft_model.get_input_embeddings().weight.device
     T, N = prompt.numel(), tokens.numel()
-    seq = torch.cat([prompt, tokens]).to(dev)[None]
-    top = draft_model(input_ids=seq, use_cache=False).logits[0].float().topk(width, dim=-1).indices.cpu()  # [L, width]
+    logits = as_engine(draft_model).teacher_forced(torch.cat([prompt, tokens])).logits  # a draft LM is a transformers model
+    top = logits.float().topk(width, dim=-1).indices.cpu()  # [L, width]
     i = torch.arange(N)[:, None]
     d = torch.arange(1, depth + 1)[None, :]
     where = (T - 2 + i + d).clamp(max=T + N - 1)  # [N, depth]; rows past the end are never counted

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from decoder.engines.hf.training import draft_lm_features, trainable_state
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes
 from training.teacher import TeacherData
@@ -168,10 +169,10 @@ def evaluate_parallel(drafter, data: TeacherData, K: int | None = None, starts_e
 
 def draft_lm_loss(draft_model, head_ids, data: TeacherData, rows: torch.Tensor, cfg: DrafterConfig, gen) -> tuple:
     x = data.tokens[rows]
-    hidden = draft_model.model(input_ids=x).last_hidden_state  # [B, T, H] after the final norm
-    w = draft_model.get_output_embeddings().weight
+    hidden, w = draft_lm_features(draft_model, x)  # [B, T, H] after the final norm, the head [V, H]
+    V = w.shape[0]
     w = w[head_ids] if head_ids is not None and head_ids.numel() else w
-    cols, p = restricted_targets(data.top_ids[rows], data.top_probs[rows], head_ids, draft_model.config.vocab_size)
+    cols, p = restricted_targets(data.top_ids[rows], data.top_probs[rows], head_ids, V)
     kl = kl_top_k(hidden @ w.T, cols, p)
     return kl, {"kl": float(kl.detach())}
 
@@ -197,8 +198,7 @@ def evaluate_draft_lm(draft_model, data: TeacherData, ranks: int = 8, depth: int
 
 def _save_checkpoint(path: Path, module, opt, gen_state, step: int, losses, wall: float, cfg: DrafterConfig) -> None:
     buf = io.BytesIO()
-    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-    torch.save({"state": {k: v for k, v in module.state_dict().items() if k in trainable},
+    torch.save({"state": trainable_state(module),
                 "opt": opt.state_dict(), "gen": gen_state, "step": step, "losses": losses, "wall_s": wall,
                 "config": asdict(cfg)}, buf)
     atomic_write_bytes(path, buf.getvalue())

@@ -14,6 +14,9 @@ One step, for a batch of token windows x [B, T]:
 
 Evaluation uses the same pass without gradients and scores the ranked guesses of each distance
 against the teacher's argmax at i + d: accuracy[d][r] is the planner's acceptance matrix.
+
+The model is an engine that lends its torch modules (caps.torch_modules: the loss backpropagates through
+it), or a bare transformers model; its two passes are the engine package's (decoder/engines/hf/training.py).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decoder.engines.hf.forward import kv
+from decoder.engine import torch_model
+from decoder.engines.hf.training import prompt_pass
 from decoder.layout import prompt_block_mask
 from decoder.guessers.prompt_tokens import PromptTokens
 from planner.errors import UserError
@@ -81,22 +85,17 @@ def prompt_forward(model, embeddings: torch.Tensor, ensemble: int, x: torch.Tens
     Gradients flow only into `embeddings`: the prefix pass runs without them, and its cache is a
     constant for the prompt pass.
     """
-    from transformers import DynamicCache
-
     B, T = x.shape
     m = inserts.shape[1]
     E = ensemble
     P = embeddings.shape[0] // E
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        teacher = model(input_ids=x, **kv(cache), use_cache=True).logits  # [B, T, V]
     H = embeddings.shape[1]
     inputs = embeddings[None, None].expand(B, m, P * E, H).reshape(B, m * P * E, H)
     offsets = torch.arange(P * E, device=x.device) // E + 1  # slot (j, e) sits at i + j + 1
     positions = (inserts[:, :, None] + offsets).reshape(B, m * P * E)
     mask = insertion_mask(inserts, T, P, E, inputs.dtype)
-    out = model(inputs_embeds=inputs, position_ids=positions, attention_mask=mask, **kv(cache), use_cache=True)
-    student = out.logits.view(B, m, P, E, -1).mean(dim=3)  # [B, m, P, V]
+    logits, teacher = prompt_pass(torch_model(model), x, inputs, positions, mask)  # [B, m*P*E, V], [B, T, V]
+    student = logits.view(B, m, P, E, -1).mean(dim=3)  # [B, m, P, V]
     return student, teacher
 
 
@@ -129,6 +128,7 @@ def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: i
     """Per-distance, per-rank accuracy against the base model's greedy token at i + d, insertion
     points every `stride` positions of each held-out window. Returns {'accuracy': [P][ranks],
     'top1': [P], 'top5': [P], 'kl': [P], 'count': n}."""
+    model = torch_model(model)
     P = prompt_tokens.num_prompt_tokens
     device = device or windows.device
     T = windows.shape[1]
@@ -136,7 +136,6 @@ def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: i
     hits = torch.zeros(P, ranks, dtype=torch.float64)
     kl_sum = torch.zeros(P, dtype=torch.float64)
     count = 0
-    ranks = min(ranks, model.config.vocab_size)
     for b in range(0, windows.shape[0], batch_size):
         x = windows[b : b + batch_size].to(device)
         inserts = pts[None].expand(x.shape[0], -1).to(device)
@@ -144,8 +143,9 @@ def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: i
         student, teacher = prompt_forward(model, emb, prompt_tokens.ensemble, x, inserts)
         target = teacher_targets(teacher, inserts, P)  # [B, m, P, V]
         greedy = target.argmax(-1)  # [B, m, P]
-        guesses = student.topk(ranks, dim=-1).indices  # [B, m, P, R]
-        hits[:, :ranks] += (guesses == greedy[..., None]).double().sum(dim=(0, 1)).cpu()
+        r = min(ranks, student.shape[-1])  # a vocabulary smaller than the ranks asked
+        guesses = student.topk(r, dim=-1).indices  # [B, m, P, r]
+        hits[:, :r] += (guesses == greedy[..., None]).double().sum(dim=(0, 1)).cpu()
         _, kl = distill_loss(student, target, torch.ones(P))
         kl_sum += kl.double().cpu() * greedy.shape[0] * greedy.shape[1]
         count += greedy.shape[0] * greedy.shape[1]
@@ -190,7 +190,7 @@ class TrainResult:
 
 def init_prompt_tokens(model, P: int, E: int, seed: int) -> PromptTokens:
     """Initialised from ordinary token embeddings (PPD): copies of random vocabulary rows, in fp32."""
-    pt = PromptTokens.random(model, P, E, seed=seed)
+    pt = PromptTokens.random(torch_model(model), P, E, seed=seed)
     return pt.float()
 
 
@@ -214,6 +214,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
     final PromptTokens (decoder/guessers/prompt_tokens.py format) into out_dir."""
     from tqdm import tqdm
 
+    model = torch_model(model)  # an engine's (caps.torch_modules) or a bare model: the loss backpropagates through it
     cfg = config or TrainConfig()
     out_dir = Path(out_dir)
     device = torch.device(device or next(model.parameters()).device)

@@ -7,6 +7,8 @@ many epochs, so the target runs over the data once. Chunks of windows are writte
 (safetensors, fp16 features), so an interrupted run keeps them and the next run continues.
 
 Cache: <cache dir>/teacher/<key>/, key = hash of the target's config, the windows and the options.
+The target is an engine that lends its torch modules (caps.torch_modules), or a bare transformers model;
+its passes are the engine package's (decoder/engines/hf/training.py).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from planner.jsonio import atomic_write_bytes
+from decoder.engine import torch_model
+from decoder.engines.hf.training import architecture_hash, teacher_pass
 from decoder.engines.shipped import cache_dir
+from planner.jsonio import atomic_write_bytes
 
 CHUNK = 32  # windows per file
 
@@ -39,10 +43,8 @@ class TeacherData:
 
 
 def _key(model, windows: torch.Tensor, k: int, hidden: bool) -> str:
-    from decoder.engines.hf.load import config_hash
-
     h = hashlib.sha256()
-    h.update(config_hash(model.config).encode())
+    h.update(architecture_hash(model).encode())
     h.update(windows.numpy().tobytes())
     h.update(f"k={k} hidden={hidden} dtype={next(model.parameters()).dtype}".encode())
     return h.hexdigest()[:20]
@@ -51,26 +53,26 @@ def _key(model, windows: torch.Tensor, k: int, hidden: bool) -> str:
 @torch.inference_mode()
 def _chunk(model, x: torch.Tensor, k: int, hidden: bool, batch_size: int) -> dict:
     ids, probs, feats = [], [], []
-    dev = model.get_input_embeddings().weight.device
     for b in range(0, x.shape[0], batch_size):
-        out = model(input_ids=x[b: b + batch_size].to(dev), output_hidden_states=hidden)
-        top = torch.softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, T, k]
+        logits, last = teacher_pass(model, x[b: b + batch_size], hidden)
+        top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, T, k]
         ids.append(top.indices.int().cpu())
         probs.append(top.values.half().cpu())
         if hidden:
-            feats.append(out.hidden_states[-1].half().cpu())
+            feats.append(last.half().cpu())
     chunk = {"tokens": x.cpu(), "top_ids": torch.cat(ids), "top_probs": torch.cat(probs)}
     if hidden:
         chunk["hidden"] = torch.cat(feats)
     return chunk
 
 
-def teacher_data(model, windows: torch.Tensor, k: int = 32, hidden: bool = True, batch_size: int = 4,
+def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden: bool = True, batch_size: int = 4,
                  progress: bool = True, root: Path | None = None) -> TeacherData:
     """The target's top-k and (optionally) features on windows [N, T], from the cache when there."""
     from safetensors.torch import load, save
     from tqdm import tqdm
 
+    model = torch_model(target)
     folder = (root or cache_dir() / "teacher") / _key(model, windows, k, hidden)
     folder.mkdir(parents=True, exist_ok=True)
     parts = []

@@ -97,24 +97,27 @@ def run(args) -> int:
     import time
 
     import torch
-    from transformers import AutoTokenizer
 
+    from decoder.engines.registry import EngineRequest, open_engine
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
     from training import drafters, teacher
+    from workflows.cli.engines import engine_kind
 
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device="cpu", dtype="fp32")
-    target = loaded.model
+    spec = engine_kind(args)
+    if not spec.caps.torch_modules:  # distillation backpropagates into drafters on the target's own torch modules
+        raise UserError(f"planner train-drafter: the {spec.name} engine lends no torch modules to train through")
+    engine = open_engine(spec.name, EngineRequest(model=args.model, device="cpu", dtype="fp32", threads=args.threads,
+                                                  progress=not args.no_progress))
+    target = engine.torch_model()
     for p in target.parameters():
         p.requires_grad_(False)
-    if loaded.tokenizer_dir is None:
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
         raise UserError(f"--model {args.model}: no tokenizer next to the model")
-    tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    train_w, val_w, desc = windows_for(args, tokenizer, loaded.name)
-    print(f"target {loaded.name}; {train_w.shape[0]} training windows, {val_w.shape[0]} held-out, {args.seq_len} tokens",
-          file=sys.stderr)
+    train_w, val_w, desc = windows_for(args, tokenizer, engine.model_name)
+    print(f"target {engine.model_name}; {train_w.shape[0]} training windows, {val_w.shape[0]} held-out, "
+          f"{args.seq_len} tokens", file=sys.stderr)
     t0 = time.time()
     # features too, for either kind: both drafters then share one cached pass of the target
     tr = teacher.teacher_data(target, train_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
@@ -130,10 +133,10 @@ def run(args) -> int:
         print(f"planner train-drafter: interrupted at step {result.step}; checkpoint in {args.out} (use --resume)",
               file=sys.stderr)
         return 130
-    meta = {"target": loaded.name, "target_config_hash": loaded.config_hash,
+    meta = {"target": engine.model_name, "target_config_hash": engine.record()["config_hash"],
             "training": {"steps": result.step, "wall_s": round(result.wall_s, 1), "teacher_s": round(teacher_s, 1)}}
     save(meta)
-    summary = {"kind": args.kind, "target": loaded.name, "command": "planner " + " ".join(sys.argv[1:]),
+    summary = {"kind": args.kind, "target": engine.model_name, "command": "planner " + " ".join(sys.argv[1:]),
                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
                "data": desc, "trained_parameters": result.trained_parameters, "train_wall_s": round(result.wall_s, 1),
                "teacher_wall_s": round(teacher_s, 1), "device": "cpu", "threads": args.threads, "torch": torch.__version__,
@@ -148,17 +151,12 @@ def run(args) -> int:
 
 
 def _train_parallel(args, target, tr, va, head, cfg):
-    import torch
-
-    from decoder.guessers.parallel import ParallelDrafter, arch_of
+    from decoder.engines.hf.training import parallel_drafter_for
     from planner.jsonio import atomic_write_json
     from training import drafters
 
-    d = ParallelDrafter(arch_of(target.config), args.num_masks, head, top_k=args.top_k).attach(target)
-    with torch.no_grad():  # start from the target's last layer and final norm: its features are what slots carry
-        d.body.layers[0].load_state_dict(target.model.layers[-1].state_dict())
-        d.body.norm.load_state_dict(target.model.norm.state_dict())
-        d.masks.normal_(std=0.02)
+    # started from the target's last layer and final norm: its features are what the slots carry
+    d = parallel_drafter_for(target, args.num_masks, head, args.top_k)
     params = [p for p in d.parameters() if p.requires_grad]
     result = drafters.train(d, params, lambda rows, gen: drafters.parallel_loss(d, tr, rows, cfg, gen), tr, args.out,
                             cfg, resume=args.resume, progress=not args.no_progress, desc="train parallelspec drafter")
@@ -178,12 +176,13 @@ def _train_parallel(args, target, tr, va, head, cfg):
 
 
 def _train_draft_lm(args, target, tr, va, head, cfg):
+    from decoder.engines.hf.training import draft_lm_parameters
     from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from planner.jsonio import atomic_write_json
     from training import drafters
 
     draft = build_draft_lm(target, args.layers)
-    params = [p for n, p in draft.named_parameters() if n.startswith("model.layers.") or n.startswith("model.norm.")]
+    params = draft_lm_parameters(draft)  # its own layers and final norm, not the target's shared embedding and head
     for p in params:
         p.requires_grad_(True)
     draft.train()

@@ -86,25 +86,25 @@ def run(args) -> int:
     import time
 
     import torch
-    from transformers import AutoTokenizer
 
     from planner.errors import UserError
     from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
     from training import data
     from training import prompts as tp
+    from workflows.cli.engines import engine_kind, open_from_args
 
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    model, model_name, model_hash = loaded.model, loaded.name, loaded.config_hash
-    has_weights, tokenizer_dir = loaded.has_weights, loaded.tokenizer_dir
-    device = next(model.parameters()).device
-    if not has_weights:
+    spec = engine_kind(args)
+    if not spec.caps.torch_modules:  # the loss backpropagates through the target's own torch modules
+        raise UserError(f"planner train-prompts: the {spec.name} engine lends no torch modules to train through")
+    engine = open_from_args(args, spec)  # --model, --device, --dtype, --threads
+    record = engine.record()
+    model_name, model_hash, device = engine.model_name, record["config_hash"], engine.device
+    if not record["has_weights"]:
         print(f"planner train-prompts: note: model '{model_name}' has random weights; the prompt tokens learn its noise")
-    if tokenizer_dir is None:
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
         raise UserError(f"--model {args.model}: no tokenizer files next to the model (tokenizer.json expected)")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
+    max_pos = engine.max_positions
     if max_pos is not None and args.seq_len + args.prompt_tokens > max_pos:
         raise UserError(f"--seq-len {args.seq_len}: the model has {max_pos} positions")
 
@@ -118,7 +118,7 @@ def run(args) -> int:
                          seed=args.seed, ckpt_every=args.ckpt_every)
     meta = {"model": model_name}  # model_config_hash stays the decoder's fingerprint (PromptTokens.random)
     print(f"model {model_name} on {device}; {windows.shape[0]} training windows of {args.seq_len} tokens")
-    result = tp.train_prompt_tokens(model, windows, args.out, cfg, resume=args.resume, device=device, meta=meta)
+    result = tp.train_prompt_tokens(engine, windows, args.out, cfg, resume=args.resume, device=device, meta=meta)
     if result.interrupted:
         print(f"planner train-prompts: interrupted at step {result.step}; checkpoint in {args.out} (use --resume)")
         return 130
@@ -128,7 +128,7 @@ def run(args) -> int:
     for name, texts in val_sets.items():
         w = data.token_windows(tokenizer, texts, args.seq_len)[: args.eval_windows]
         if w.shape[0]:
-            report[name] = tp.evaluate(model, result.prompt_tokens, w, device=device)
+            report[name] = tp.evaluate(engine, result.prompt_tokens, w, device=device)
     if not report:
         raise UserError(f"held-out data: fewer than {args.seq_len} tokens, nothing to evaluate")
     # One acceptance matrix for the planner: the held-out splits pooled by count.

@@ -81,15 +81,14 @@ RACE_DEFAULTS = {  # vLLM's own settings, raced beside the planned ones
 def race_prompts(model: str, n: int) -> tuple[str, list[list[int]], list[int]]:
     """(model folder, the race split's first n prompts as token ids, a warm-up prompt): the held-out
     questions autotune races on (training.splits.accept_and_race), through the chat template."""
-    from transformers import AutoTokenizer
-
+    from decoder.engines.hf.tokenizer import load_tokenizer
     from decoder.engines.shipped import model_dir
     from training.splits import accept_and_race
     from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts
 
     folder = str(model_dir(model, progress=False)) if not Path(model).is_dir() else model
     accept, race = accept_and_race(DEFAULT_QUESTIONS, 1, n)
-    ids = [t.tolist() for t in encode_prompts(AutoTokenizer.from_pretrained(folder), accept + race)]
+    ids = [t.tolist() for t in encode_prompts(load_tokenizer(folder), accept + race)]
     return folder, ids[1:], ids[0]
 
 

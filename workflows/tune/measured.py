@@ -22,17 +22,17 @@ class MeasuredEvaluator:
                  dtype: str | None = None, temperature: float = 0.0, prompt_tokens_dir: str | None = None,
                  seed: int = 0, max_prompt_tokens_len: int = 256, top_k: int = 0, top_p: float = 1.0):
         from decoder import generate_plain
-        from decoder.engines.hf.load import load_model
+        from decoder.engines.registry import EngineRequest, open_engine
 
-        loaded = load_model(model_spec, device=device, dtype=dtype)
-        self.model = loaded.model
+        # the default engine (hf): trials' trees and PPD's prompt-token inputs need its trees and embeddings
+        self.engine = open_engine(None, EngineRequest(model=model_spec, device=device, dtype=dtype))
         self.temperature, self.max_new_tokens, self.seed = temperature, max_new_tokens, seed
         self.warp = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.prompt_tokens_dir = prompt_tokens_dir
         self._trained = None  # PromptTokens loaded from prompt_tokens_dir on first use
-        self.vocab = self.model.get_input_embeddings().weight.shape[0]
-        self.input_ids = _encode(loaded, prompts, self.vocab, max_prompt_tokens_len)
-        self._plain = [generate_plain(self.model, x, max_new_tokens=max_new_tokens, seed=seed, phase_times=False,
+        self.vocab = self.engine.vocab_size
+        self.input_ids = _encode(self.engine, prompts, self.vocab, max_prompt_tokens_len)
+        self._plain = [generate_plain(self.engine, x, max_new_tokens=max_new_tokens, seed=seed, phase_times=False,
                                       **self.warp) for x in self.input_ids]
         self.plain_tokens_per_s = _rate(self._plain)
 
@@ -40,10 +40,11 @@ class MeasuredEvaluator:
         import torch
 
         from decoder import OracleGuesser, PromptTokens
+        from decoder.engine import torch_model
 
         if tree.method == PPD and self.prompt_tokens_dir:
             if self._trained is None:
-                self._trained = PromptTokens.load(self.prompt_tokens_dir, self.model)
+                self._trained = PromptTokens.load(self.prompt_tokens_dir, torch_model(self.engine))
             if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
                 return self._trained
         K = src.accept.num_ranks
@@ -51,7 +52,7 @@ class MeasuredEvaluator:
         pt = None
         if default_guessing(tree.method, src.accept, ensemble=src.ept).prompt_tokens:
             # the forward pass carries the prompt-token inputs the planner costed
-            pt = PromptTokens.random(self.model, depth, ensemble=src.ept, seed=self.seed, top_k=K)
+            pt = PromptTokens.random(torch_model(self.engine), depth, ensemble=src.ept, seed=self.seed, top_k=K)
         seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
         return OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.rows(depth), seed=self.seed,
                              prompt_tokens=pt)
@@ -60,7 +61,7 @@ class MeasuredEvaluator:
         from decoder import generate
 
         kw = {} if cfg.typical_eps is None else {"eps": cfg.typical_eps, "delta": cfg.typical_delta}
-        outs = [generate(self.model, x, plan=tree, guesser=self.guesser(tree, src, x, plain.tokens),
+        outs = [generate(self.engine, x, plan=tree, guesser=self.guesser(tree, src, x, plain.tokens),
                          max_new_tokens=self.max_new_tokens, verify_rule=cfg.verify, seed=self.seed,
                          phase_times=False, **self.warp, **kw)
                 for x, plain in zip(self.input_ids, self._plain)]
@@ -72,18 +73,15 @@ class MeasuredEvaluator:
                 "plain_tokens_per_s": self.plain_tokens_per_s}
 
 
-def _encode(loaded, prompts: list[str], vocab: int, max_len: int) -> list:
+def _encode(engine, prompts: list[str], vocab: int, max_len: int) -> list:
     import torch
 
-    dev = loaded.model.get_input_embeddings().weight.device
-    if loaded.tokenizer_dir:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir, local_files_only=True)
+    tok = engine.tokenizer
+    if tok is not None:
         ids = [tok(p, return_tensors="pt").input_ids[0][:max_len] for p in prompts]
     else:  # random-weight preset without a tokenizer: bytes folded into the vocabulary
         ids = [torch.tensor([b % vocab for b in p.encode()][:max_len]) for p in prompts]
-    return [x.to(dev) for x in ids]
+    return [x.to(engine.device) for x in ids]
 
 
 def _rate(outs) -> float:

@@ -58,15 +58,23 @@ class HFEngine:
         """The model's tokenizer (its chat template), loaded on first use from the model's folder; None
         for a model without one (a preset's random weights)."""
         if self._tokenizer is None and self.loaded is not None and self.loaded.tokenizer_dir is not None:
-            from transformers import AutoTokenizer
+            from decoder.engines.hf.tokenizer import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.loaded.tokenizer_dir)
+            self._tokenizer = load_tokenizer(self.loaded.tokenizer_dir)
         return self._tokenizer
 
     def torch_model(self):
         """The transformers model itself (caps.torch_modules): guessers that share its embedding and head,
         PEARL's and MTAD's loops, training."""
         return self.model
+
+    def context_forwards(self, context: torch.Tensor):
+        """Forwards of new tokens after `context` [C], prefilled once and cut back to it after each use
+        (caps.torch_modules, as PEARL): profiler/overlap.py times PEARL's two sides with them
+        (decoder/engines/hf/context_forwards.py)."""
+        from decoder.engines.hf.context_forwards import ContextForwards
+
+        return ContextForwards(self.model, context)
 
     def record(self) -> dict:
         """What files record about the target: the model, its weights and arithmetic, where it ran."""
