@@ -43,7 +43,7 @@ class Plan:
     path: str
     tree: Tree | None
     guesser: object  # decoder/guesser.py's protocol (PlainGuesser for a plain decision)
-    config: DecodeConfig
+    decoding: DecodeConfig  # the settings it was raced with (the rule under sampling)
     plain: bool = False  # the main job decided plain decoding: the engine's fastest plain way
     pearl: tuple[int, tuple[int, int] | None] | None = None  # (gamma, (target, drafter) threads): PEARL's loop
 
@@ -77,16 +77,16 @@ def load_plan(path, engine) -> Plan:
     sampling = decode_config().sampling
     if tree.settings.get("verify") in ("coupled", "lossless"):
         sampling = replace(sampling, mode=tree.settings["verify"])
-    config = DecodeConfig(sampling=sampling)
+    decoding = DecodeConfig(sampling=sampling)
     kind = run.guesser
     if kind is None or not guesser_kind(kind).guesses:
-        return Plan(label, None, PlainGuesser(), config, plain=True)
+        return Plan(label, None, PlainGuesser(), decoding, plain=True)
     spec = guesser_kind(kind)
     files = _files(tree, raced, folder, label, spec, engine)
     if spec.loop is not None and run.pearl is not None:  # PEARL: its own loop, drafting with its files' drafter
         drafter = _pearl_drafter(spec)
-        return Plan(label, None, _load(drafter, files, engine), config, pearl=(run.pearl.gamma, run.pearl.threads))
-    return Plan(label, tree, _load(kind, files, engine), config)
+        return Plan(label, None, _load(drafter, files, engine), decoding, pearl=(run.pearl.gamma, run.pearl.threads))
+    return Plan(label, tree, _load(kind, files, engine), decoding)
 
 
 def generate(engine, prompt, plan: Plan | None = None, config: DecodeConfig | None = None, **options) -> Completion:
@@ -96,7 +96,7 @@ def generate(engine, prompt, plan: Plan | None = None, config: DecodeConfig | No
     from decoder.loop import generate as loop_generate
 
     ids = _ids(engine, prompt)
-    cfg = decode_config(config or (plan.config if plan is not None else None), **options)
+    cfg = decode_config(config or (plan.decoding if plan is not None else None), **options)
     if plan is None or plan.plain:
         out = decode_plain(engine, ids, config=cfg)
     elif plan.pearl is not None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoder.engines.registry import as_engine
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.verify import Sampling, Verdict
 from planner.errors import UserError
@@ -167,9 +168,7 @@ class Teacher:
     def draft_rows(self, draft_model) -> Rows:
         key = id(draft_model)
         if key not in self.drafts:
-            dev = draft_model.get_input_embeddings().weight.device
-            with torch.inference_mode():
-                logits = draft_model(input_ids=self.seq[None].to(dev), use_cache=False).logits[0]
+            logits = as_engine(draft_model).teacher_forced(self.seq).logits  # the draft LM's pass over the text
             # coupled: a Gumbel top-k ranks the warped q's whole support (top-k 50 holds more than KEEP)
             self.drafts[key] = Rows.of(logits, COUPLED_KEEP if self.coupled is not None else KEEP)
         return self.drafts[key]
@@ -236,8 +235,7 @@ def use_teacher_drafts(session, teacher: Teacher, cursor: Cursor) -> None:
     from decoder.guessers.draft_source import DraftSource
 
     def fake(model):
-        dev = model.get_input_embeddings().weight.device
-        return TeacherDraft(teacher.draft_rows(model), teacher.prompt.numel(), cursor, dev)
+        return TeacherDraft(teacher.draft_rows(model), teacher.prompt.numel(), cursor, as_engine(model).device)
 
     if isinstance(session, DraftSession):
         f = fake(session.model)

@@ -96,6 +96,7 @@ def test_autotune_on_llama_cpp_writes_only_its_run_folder(tmp_path):
     assert summary["identical_to_greedy"] and 1 <= summary["race_prompts"] <= 3
     assert len(summary["oracle_ceiling"]["per_prompt"]) == summary["race_prompts"]
     assert summary["oracle_ceiling"]["speedup"] >= 1.0
-    assert {p.name for p in run.iterdir()} == {"profile.json", "accept-lookup.json", "trees", "chosen.json", "summary.json"}
+    assert {p.name for p in run.iterdir()} == {"profile.json", "accept-lookup.json", "trees", "chosen.json", "summary.json",
+                                               "report"}
     assert json.loads((run / "accept-lookup.json").read_text())["calibration"]["guesser"] == "lookup"
     assert subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout == before

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.engine import StepInput
+from decoder.engine import TimerSpec, StepInput
 from decoder.layout import layout_for
 from decoder.engines.llama_cpp.engine import batch_shape, binary_tree_shape, chain_shape
 from planner.errors import UserError
@@ -225,7 +225,7 @@ def test_refuses_hidden_states_and_prompt_token_inputs(engine, prompts):
 
 def test_forward_timer_runs_trees_and_chains(engine, tree_engine):
     for eng, tree in ((engine, True), (tree_engine, True), (tree_engine, False)):
-        timer = eng.forward_timer(64, tree=tree)
+        timer = eng.forward_timer(TimerSpec(64, tree=tree))
         assert timer.tree == (tree and eng.caps.trees)  # a chain-only engine times chains
         for n in (1, 5, 16):
             timer.sample(n)()

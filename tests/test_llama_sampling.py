@@ -137,7 +137,7 @@ def test_autotune_under_sampling_records_its_settings(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["identical_to_greedy"] is None and summary["sampling"] == RECORD
     assert summary["distribution_exact"] is True and summary["verify"] == "lossless"
-    assert all(r["identical_to_plain"] is None for r in summary["rows"])
+    assert all(r["identical_to_greedy"] is None and r["identical_to_plain_sampling"] is None for r in summary["rows"])
     accept = json.loads((run / "accept-lookup.json").read_text())
     assert accept["sampling"] == accept["calibration"]["sampling"] == RECORD
     chosen = json.loads((run / "chosen.json").read_text())
@@ -154,8 +154,8 @@ def test_autotune_under_sampling_records_its_settings(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["autotune", "--engine", "llama.cpp", "--temperature", "0.7", "--verify", "typical"],
-     "--verify typical: not with --engine llama.cpp"),
+    (["autotune", "--engine", "llama.cpp", "--temperature", "0.7", "--guessers", "ppd"],
+     "needs non-token input embeddings"),
     (["autotune", "--engine", "llama.cpp", "--temperature", "0.7", "--top-p", "1.5"],
      "--top-p: expected a finite number in [0.0, 1.0]"),
     (["accept", "--engine", "llama.cpp", "--temperature", "0.7", "--top-p", "1.5", "-o", "x.json"],

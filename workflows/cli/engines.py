@@ -47,7 +47,7 @@ def open_from_args(args, spec: EngineKind, context: int | None = None, weights: 
                    progress: bool | None = None, busy: bool | None = None, threads: int | None = None):
     """The engine on --model, --device, --dtype, --threads (or `threads`, resolved from a plan), --n-ctx.
     busy (default: the kind's spinning_threads): on a machine busier than its cores and without
-    threads, one thread."""
+    threads, one thread, said in a note once the engine is open (a refusal comes first, alone)."""
     from decoder.engines.registry import EngineRequest, open_engine
 
     n_ctx = getattr(args, "n_ctx", None)
@@ -56,23 +56,27 @@ def open_from_args(args, spec: EngineKind, context: int | None = None, weights: 
     if progress is None:
         progress = not getattr(args, "no_progress", False)
     threads = threads if threads is not None else getattr(args, "threads", None)
-    if spec.defaults.spinning_threads if busy is None else busy:
-        threads = busy_threads(spec, threads)
+    note = None
+    if threads is None and (spec.defaults.spinning_threads if busy is None else busy):
+        threads, note = busy_threads(spec)
     request = EngineRequest(model=getattr(args, "model", None), device=getattr(args, "device", None),
                             dtype=getattr(args, "dtype", None), threads=threads,
                             context=max(context or 0, n_ctx or 0) or None, weights=weights,
                             quant=getattr(args, "quant", None) or "Q4_K", progress=progress)
-    return open_engine(spec.name, request)
+    engine = open_engine(spec.name, request)
+    if note:
+        print(note, file=sys.stderr)
+    return engine
 
 
-def busy_threads(spec: EngineKind, threads: int | None) -> int | None:
-    """--threads as given; unset on a machine busier than its cores, 1 with a note: threads that spin at
-    every barrier (llama.cpp's, torch's) turn a 2-thread forward into 10-20x its quiet time (1 thread: 2-3x)."""
+def busy_threads(spec: EngineKind) -> tuple[int | None, str | None]:
+    """(threads, a note): on a machine busier than its cores, 1, because threads that spin at every
+    barrier (llama.cpp's, torch's) turn a 2-thread forward into 10-20x its quiet time (1 thread: 2-3x);
+    otherwise the library's own choice."""
     from profiler.machine import cores, load_avg
 
     load, n = load_avg(), cores()
-    if threads is not None or load is None or not (load > n > 1):
-        return threads
-    print(f"note: the machine is busy (load {load:.1f} on {n} cores): --engine {spec.name} runs 1 thread (pass "
-          "--threads to choose); timings will be noisy", file=sys.stderr)
-    return 1
+    if load is None or not (load > n > 1):
+        return None, None
+    return 1, (f"note: the machine is busy (load {load:.1f} on {n} cores): --engine {spec.name} runs 1 thread "
+               "(pass --threads to choose); timings will be noisy")
