@@ -65,7 +65,7 @@ def profile_engine(engine, spec: ProfileSpec) -> dict:
     object. Out of memory at a length drops it and all longer ones for that series; Ctrl-C stops
     measuring. In both cases the points measured so far are returned and "incomplete" says where it
     stopped (Ctrl-C before any point re-raises KeyboardInterrupt)."""
-    _check(engine, spec)
+    check_spec(engine, spec)
     budget = spec.time_budget_s or (120.0 if engine.device.type == "cuda" else 15.0)
     paths = _matmul_paths(engine, spec, spec.matmul_budget_s or budget)  # before L(n): its budget starts after
     per_step = None
@@ -99,7 +99,8 @@ def profile_model(target, input_lengths, **settings) -> dict:
     return profile_engine(as_engine(target), ProfileSpec(tuple(int(n) for n in input_lengths), **settings))
 
 
-def _check(engine, spec: ProfileSpec) -> None:
+def check_spec(engine, spec: ProfileSpec) -> None:
+    """A one-line error, before anything is timed, for what the spec asks that the engine cannot do."""
     if spec.layout not in ("padded", "packed"):
         raise UserError(f"--layout: expected padded or packed, got {spec.layout!r}")
     if spec.matmul_paths not in ("auto", "off"):
@@ -395,7 +396,7 @@ def _profile_json(st: _Settings, out: list[dict], settings: dict) -> dict:
             shape: st.description,
             "context_lengths": list(st.spec.context_lengths),
             "cpu_count": cores(),
-        },
+        } | ({"attn_implementation": record["attention"]} if "attention" in record else {}),
         "wall_s": round(time.time() - st.t_start, 3),
     })
     if len(st.spec.context_lengths) > 1:

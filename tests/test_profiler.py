@@ -424,8 +424,8 @@ def test_runner_resets_to_the_prefix(small_model):
     from decoder.engines.hf.forward import prefill
 
     cache = prefill(small_model.model, torch.arange(8)[None]).cache
-    runner = measure.Runner(small_model.model, cache, cuda_graphs=False)
-    x = measure.make_tree_input(5, 1, 8, 128, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    runner = hf_timer.Runner(small_model.model, cache, cuda_graphs=False)
+    x = hf_timer.make_tree_input(5, 1, 8, 128, torch.float32, "cpu", torch.Generator().manual_seed(0))
     assert x.mask.shape == (1, 1, 5, 13) and x.position_ids.tolist() == [[8, 9, 9, 9, 9]]
     runner.warm(5, x, 2)
     assert cache.get_seq_length() == 13

@@ -200,12 +200,16 @@ def _output(args) -> Path | None:
 def _measure(args, spec, profile_spec, out: Path | None, model: str) -> int:
     from planner.engines import DEFAULT
     from planner.jsonio import atomic_write_json
-    from profiler.measure import profile_engine
+    from profiler.measure import check_spec, profile_engine
     from workflows.cli.engines import open_from_args
 
     need = max(profile_spec.context_lengths) + max(profile_spec.input_lengths) + 1
-    engine = open_from_args(args, spec, context=need, weights=False, busy=True)
+    notes: list[str] = []
+    engine = open_from_args(args, spec, context=need, weights=False, busy=True, say=notes.append)
     _select_path(engine, args.attention)
+    check_spec(engine, profile_spec)  # a refusal before any note: one line
+    for line in notes:
+        print(line, file=sys.stderr)
     r = engine.record()
     print(f"profiling {r['model']} ({r.get('model_source')}, {'weights' if r.get('has_weights') else 'random weights'}) "
           f"with the {spec.name} engine on {engine.device} ({engine.caps.threads or 'default'} threads): "

@@ -44,10 +44,11 @@ def refuse_options(spec: EngineKind, given: dict[str, bool]) -> None:
 
 
 def open_from_args(args, spec: EngineKind, context: int | None = None, weights: bool = True,
-                   progress: bool | None = None, busy: bool | None = None, threads: int | None = None):
+                   progress: bool | None = None, busy: bool | None = None, threads: int | None = None, say=None):
     """The engine on --model, --device, --dtype, --threads (or `threads`, resolved from a plan), --n-ctx.
     busy (default: the kind's spinning_threads): on a machine busier than its cores and without
-    threads, one thread, said in a note once the engine is open (a refusal comes first, alone)."""
+    threads, one thread, said in a note once the engine is open (a refusal comes first, alone);
+    say: where the note goes (default stderr; a caller with checks of its own collects it)."""
     from decoder.engines.registry import EngineRequest, open_engine
 
     n_ctx = getattr(args, "n_ctx", None)
@@ -65,7 +66,7 @@ def open_from_args(args, spec: EngineKind, context: int | None = None, weights: 
                             quant=getattr(args, "quant", None) or "Q4_K", progress=progress)
     engine = open_engine(spec.name, request)
     if note:
-        print(note, file=sys.stderr)
+        (say or (lambda line: print(line, file=sys.stderr)))(note)
     return engine
 
 
