@@ -13,7 +13,7 @@ see docs/simulated-gpus.md, section 'The model'):
 
 Datasheet figures and fitted constants live in simulated_gpus.json (sources inside); the fit is
 scripts/fit_simulated_gpus.py against planner/published_latency.json. The model's architecture
-comes from a Hugging Face config dict (the profiler's presets), counted here as plain numbers.
+comes from a Hugging Face config dict (the engines' presets, decoder/engines/presets/), counted here as plain numbers.
 Numpy only: the planner imports no torch.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from planner.simulate import GPUS_PATH, Eager, architecture_from_config, latency, load_gpu_table  # noqa: E402
 
 POINTS_PATH = ROOT / "planner" / "published_latency.json"
-PRESETS = ROOT / "profiler" / "presets"
+PRESETS = ROOT / "decoder" / "engines" / "presets"
 T0_S = 1e-4
 ETA_C_FROM = "a100-80gb"  # the GPU whose eta_c a GPU without a FLOP-weighing point borrows
 BOUNDS = {"eta_m": (0.3, 1.0), "eta_c": (0.2, 1.0), "t_layer_s": (0.0, 2e-4)}

@@ -35,7 +35,7 @@ from planner.simulate import architecture_from_config, get_gpu, latency, load_gp
 DOC = ROOT / "docs" / "simulated-gpus.md"
 RESULTS = ROOT / "bench" / "results" / "simulated_gpus.json"
 EXPORT_DIR = ROOT / "exports" / "sim-h100-vicuna-7b"
-PRESETS = ROOT / "profiler" / "presets"
+PRESETS = ROOT / "decoder" / "engines" / "presets"
 PUBLISHED_ACCEPT = ROOT.parent / "shared" / "data" / "published_acceptance.json"
 HELDOUT = ROOT / "reports" / "accept-smollm2-135m-heldout"
 CPU_PROFILES = {1: ROOT / "reports" / "autotune-cpu-smollm2-135m" / "profile.json",

@@ -20,7 +20,7 @@ from planner.simulate import (
 from workflows.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = ROOT / "profiler" / "presets"
+PRESETS = ROOT / "decoder" / "engines" / "presets"
 POINTS = json.loads((ROOT / "planner" / "published_latency.json").read_text())["points"]
 PUBLISHED_ACCEPT = ROOT.parent / "shared" / "data" / "published_acceptance.json"
 AIM = {"graphs": 0.15, "eager": 0.25}  # issue 23: within 15 % of every graphs point, 25 % of every eager point
@@ -259,7 +259,9 @@ def test_autotune_refuses_to_measure_on_a_simulated_profile(sim_profile, tmp_pat
     refuse_to_measure(load_profile(str(ROOT / "reports" / "autotune-cpu-smollm2-135m" / "profile.json")))  # measured: fine
     from workflows.mainjob.measure import profile_phase as _profile_phase
 
-    run = SimpleNamespace(settings=SimpleNamespace(profile=str(sim_profile), max_input_length=8), say=print)
+    caps = SimpleNamespace(tree_kernels=False, matmul_paths=False, name="hf")
+    run = SimpleNamespace(settings=SimpleNamespace(profile=str(sim_profile), max_input_length=8), say=print,
+                          engine=SimpleNamespace(caps=caps), device="cpu")
     with pytest.raises(UserError, match="simulated"):
         _profile_phase(run)
 
