@@ -111,8 +111,10 @@ def _settings(args) -> AutotuneSettings:
     # each directory flag names one kind of files; every guesser kind reading such files takes it
     by_files = {"prompt_tokens": args.prompt_tokens, "draft_lm": args.draft, "parallelspec": args.parallelspec}
     dirs = {k.name: by_files[k.files] for k in kinds(hybrids=False) if by_files.get(k.files)}
+    engine = args.engine or AutotuneSettings.engine
+    sampled_rule = engine_kind(engine).defaults.sampled_rule if args.temperature > 0 else "auto"
     return AutotuneSettings(
-        engine=args.engine or AutotuneSettings.engine, model=args.model,
+        engine=engine, model=args.model,
         guessers=tuple(g.strip() for g in args.guessers.split(",") if g.strip()), guesser_dirs=dirs,
         device=args.device, dtype=args.dtype, out=args.out, questions=args.questions,
         accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts, turns=args.turns,
@@ -121,7 +123,7 @@ def _settings(args) -> AutotuneSettings:
         neighbours=args.neighbours, sweep=args.sweep, finalists=args.finalists, budget_minutes=args.budget,
         profile=args.profile, accept=args.accept, rounds=args.rounds, threads=args.threads, n_ctx=args.n_ctx,
         profile_budget_s=args.profile_budget, report=not args.no_report, progress=not args.quiet,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify or "auto",
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, verify=args.verify or sampled_rule,
     ).resolved()
 
 

@@ -81,15 +81,14 @@ class AutotuneSettings:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    verify: str = "auto"  # auto: the engine's rule under sampling; coupled (decoder/noise.py), lossless; typical: Medusa's, not distribution-exact
+    verify: str = "auto"  # auto: greedy at temperature 0, lossless above; coupled (decoder/noise.py); typical: Medusa's,
+    #                       not distribution-exact. `planner autotune` passes the engine's own default under sampling
 
     def resolved(self) -> "AutotuneSettings":
         """These settings with the engine kind's defaults where they say None."""
         spec = self.kind
         d = spec.defaults
         fill = {name: getattr(d, name) for name in ENGINE_DEFAULTED if getattr(self, name) is None}
-        if self.verify == "auto" and self.temperature > 0:
-            fill["verify"] = d.sampled_rule
         fill["finalists"] = min(self.finalists, d.max_finalists)
         return replace(self, **fill)
 
