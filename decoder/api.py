@@ -30,7 +30,8 @@ from planner.tree import Tree, load_tree
 def open_engine(name: str | None = None, model: str | None = None, **request):
     """The engine `name` registers (planner/engines.py; None: the default) on `model`, with any other
     decoder.engines.registry.EngineRequest field (device, dtype, threads, ...)."""
-    from decoder.engines.registry import EngineRequest, open_engine as open_
+    from decoder.engines.registry import EngineRequest
+    from decoder.engines.registry import open_engine as open_
 
     return open_(name, EngineRequest(model=model, **request))
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoder.config import DecodeConfig
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.output import DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, verify
-from decoder.config import DecodeConfig
 from planner.errors import UserError
 
 LAYOUTS = ("packed", "padded")

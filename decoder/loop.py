@@ -13,22 +13,21 @@ timings compare like with like. Batch size 1 (decoder/batch.py batches).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from dataclasses import replace
-
 from decoder.config import DecodeConfig, decode_config
 from decoder.engine import StepInput
+from decoder.engines.registry import as_engine
 from decoder.guesser import (
     DecodeContext,
     GuessSession,
     PlainGuesser,
     StepOutcome,
 )
-from decoder.engines.registry import as_engine
-from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.noise import PositionNoise
+from decoder.output import PHASES, DecodeStats, GenerateOutput, truncate
 from decoder.verify import Sampling, verify
 from planner.errors import UserError
 from planner.plan_settings import plan_settings

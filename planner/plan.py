@@ -32,8 +32,8 @@ from planner.cost import (
     step_cost,
     step_latency,
 )
-from planner.order import coarse_to_fine
 from planner.errors import PlainIsFastest, UserError
+from planner.order import coarse_to_fine
 from planner.profile import LatencyProfile
 from planner.tree import MAX_DEPTH, MAX_INPUT_LENGTH, MAX_PROMPT_TOKENS, MAX_SIZE, MEDUSA, PPD, SEQUOIA, Tree, TreeState
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from planner.errors import UserError
 
+
 def engines() -> list[str]:
     """The target engines a plan can name: the registry's (planner/engines.py); absent: the default."""
     from planner.engines import names

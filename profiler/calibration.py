@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decoder.guessers.dynamic import DynamicGuesser, DynamicSession, guesser_kind
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.guessers.dynamic import DynamicGuesser, DynamicSession, guesser_kind
+from decoder.guessers.pool import Pool
 from decoder.layout import layout_for
 from decoder.loop import generate
-from decoder.guessers.pool import Pool
 from decoder.verify import Sampling, Verdict
 from planner.dynamic import GuesserModel, dynamic_spec, fit_calibration, reliability
 from planner.errors import UserError

@@ -34,7 +34,7 @@ from planner.errors import UserError
 from planner.order import coarse_to_fine
 from profiler.fit import fit_latency
 from profiler.lengths import DEFAULT_LENGTHS_SPEC, default_input_lengths, parse_lengths  # noqa: F401 (re-exported)
-from profiler.machine import cpu_name, cores, load_avg
+from profiler.machine import cores, cpu_name, load_avg
 
 
 @dataclass(frozen=True)

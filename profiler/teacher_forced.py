@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoder.guesser import DecodeContext, StepOutcome
 from decoder.engines.registry import as_engine
+from decoder.guesser import DecodeContext, StepOutcome
 from decoder.loop import generate
 from decoder.verify import Sampling, Verdict
 from profiler.acceptance import Measuring, accuracy_json, chain_plan, count_hits, guessing_record

@@ -31,8 +31,8 @@ from planner.errors import UserError  # noqa: E402
 
 
 def _models(args):
-    from decoder.guessers.draft import build_draft_lm
     from decoder.engines.hf.load import load_model
+    from decoder.guessers.draft import build_draft_lm
 
     spec = "tiny" if args.smoke else args.model
     loaded = load_model(spec, device=args.device, dtype=args.dtype, weights=False)

@@ -9,10 +9,10 @@ from planner.accept import from_entry
 from planner.errors import UserError
 from planner.profile import LatencyProfile
 from planner.tree import load_tree
-from workflows.mainjob.measure import profile_lengths
-from workflows.mainjob.candidates import pick, plan_candidates, real_input_length
-from workflows.mainjob.pipeline import AutotuneSettings, autotune
 from workflows.cli.inputs import REPO, held_out_prompts
+from workflows.mainjob.candidates import pick, plan_candidates, real_input_length
+from workflows.mainjob.measure import profile_lengths
+from workflows.mainjob.pipeline import AutotuneSettings, autotune
 
 ACC = from_entry({"accuracy": [[0.5, 0.2, 0.1, 0.05], [0.3, 0.15, 0.1, 0.05], [0.2, 0.1, 0.1, 0.05]]})
 
@@ -128,9 +128,9 @@ def test_autotune_runs_every_drafter_and_pearl(tmp_path):
     toy model: the point is that each path runs and stays identical to greedy decoding)."""
     import torch
 
+    from decoder.engines.hf.load import load_model
     from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from decoder.guessers.parallel import ParallelDrafter, arch_of
-    from decoder.engines.hf.load import load_model
 
     target = load_model("builtin", device="cpu", dtype="fp32").model
     torch.manual_seed(0)

@@ -154,9 +154,9 @@ def test_profile_lengths_are_bounded_before_anything_is_built(capsys):
 
 
 def test_profile_lengths_are_bounded_by_memory(capsys):
-    from planner.errors import UserError
     from decoder.engines.hf.load import load_model
     from decoder.engines.hf.memory import check_lengths
+    from planner.errors import UserError
 
     tiny = load_model("tiny", device="cpu").model
     with pytest.raises(UserError, match="GiB are free"):

@@ -16,10 +16,22 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from test_hybrids import ACC, _drafter, _prompts
-from test_sampling_rules import N, P_MIN, PROMPT, SETTING, TREES, V, _exact, _top_p_first, nodes_with_children, world
-from test_sampling_rules import DRAFT, TARGET
 from test_decoder_sampling import _chi2
+from test_hybrids import ACC, _drafter, _prompts
+from test_sampling_rules import (
+    DRAFT,
+    P_MIN,
+    PROMPT,
+    SETTING,
+    TARGET,
+    TREES,
+    N,
+    V,
+    _exact,
+    _top_p_first,
+    nodes_with_children,
+    world,
+)
 
 import decoder.verify as verify
 from decoder import DraftModelGuesser, PromptLookupGuesser, generate, generate_plain

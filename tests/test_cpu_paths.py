@@ -170,8 +170,8 @@ def test_profiler_chooses_validates_and_stores_the_paths(tmp_path):
 def test_decode_cli_runs_the_profile_paths(tmp_path, capsys):
     from test_decoder_utils import ppd_tree as tree_of
 
-    from planner.tree import save_tree
     from decoder.engines.hf.load import load_model
+    from planner.tree import save_tree
     from workflows.cli.main import main
 
     tiny = load_model("tiny", device="cpu").model

@@ -5,8 +5,8 @@ import torch
 from test_decoder_utils import V, reference, static_tree, tiny_model
 
 from decoder import generate
-from decoder.guessers.draft import DraftModelGuesser, DraftSession
 from decoder.engines.hf.forward import prefill
+from decoder.guessers.draft import DraftModelGuesser, DraftSession
 from decoder.guessers.lookup import PromptLookupGuesser, find_continuation
 from planner.errors import UserError
 from planner.tree import Tree, TreeState

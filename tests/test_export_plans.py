@@ -10,8 +10,8 @@ import pytest
 
 from planner.export import ENGINES
 from planner.tree import load_tree, save_tree
-from workflows.mainjob.write import plain_plan
 from workflows.cli.main import main
+from workflows.mainjob.write import plain_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"

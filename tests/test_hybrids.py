@@ -11,8 +11,8 @@ from decoder.guessers.draft import build_draft_lm
 from decoder.guessers.dynamic import HybridGuesser
 from decoder.guessers.parallel import ParallelDrafter, arch_of
 from planner.accept import from_entry
-from workflows.mainjob.candidates import dynamic_candidates
 from workflows.cli.inputs import shipped
+from workflows.mainjob.candidates import dynamic_candidates
 
 torch.set_num_threads(1)
 

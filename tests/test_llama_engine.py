@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.engine import TimerSpec, StepInput
-from decoder.layout import layout_for
+from decoder.engine import StepInput, TimerSpec
 from decoder.engines.llama_cpp.engine import batch_shape, binary_tree_shape, chain_shape
+from decoder.layout import layout_for
 from planner.errors import UserError
 
 N_NEW = 32

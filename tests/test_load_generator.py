@@ -16,7 +16,7 @@ import time
 import pytest
 
 from planner.errors import UserError
-from profiler.load_generator import (LoadInterrupted, LoadLevel, TokenRequest, percentile, request_body, run_load)
+from profiler.load_generator import LoadInterrupted, LoadLevel, TokenRequest, percentile, request_body, run_load
 from profiler.serving_metrics import SpecDecodeCounters, parse_samples, spec_decode_counters
 from profiler.workload import Request
 

@@ -467,8 +467,8 @@ def test_quality_figures(pair):
 
 
 def test_decode_cli_writes_mtad_quality(tmp_path):
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from decoder.engines.hf.load import load_model
+    from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from workflows.cli.main import main
 
     target = load_model("tiny", device="cpu").model

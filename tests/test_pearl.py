@@ -362,8 +362,8 @@ def test_alpha_from_an_acceptance_file_and_from_mat():
 
 
 def test_decode_pearl_command(tmp_path, capsys):
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from decoder.engines.hf.load import load_model
+    from decoder.guessers.draft import build_draft_lm, save_draft_lm
     from workflows.cli.main import main
 
     save_draft_lm(build_draft_lm(load_model("tiny", device="cpu").model, 1), tmp_path / "draft")

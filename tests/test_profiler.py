@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
+from decoder.engines.hf import timer as hf_timer
+from decoder.engines.hf.load import load_model
+from decoder.engines.models import preset_names
 from planner.errors import UserError
 from planner.profile import load_profile
-from decoder.engines.hf import timer as hf_timer
 from profiler import measure
 from profiler.fit import fit_latency, interpolate, isotonic
 from profiler.lengths import parse_lengths
 from profiler.measure import default_input_lengths, median_rel_ci, profile_model
-from decoder.engines.hf.load import load_model
-from decoder.engines.models import preset_names
-from workflows.cli.main import build_parser, main
 from workflows.cli.cmd_profile import parse_batch_sizes
+from workflows.cli.main import build_parser, main
 
 torch.set_num_threads(1)
 

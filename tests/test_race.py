@@ -144,8 +144,8 @@ def test_a_short_budget_still_confirms_on_enough_prompts():
     every confirmation prompt), and the confirmation runs on every confirmation prompt whatever the time
     left (below MIN_PROMPTS pairs the sign-flip test cannot reach its level, and each prompt dropped
     costs it power): with the floor, or a third of it, a 30 % faster plan is found on every prompt."""
-    from workflows.mainjob.signflip import MIN_PROMPTS
     from workflows.mainjob.race import race_floor_s
+    from workflows.mainjob.signflip import MIN_PROMPTS
 
     speeds = {"fast": 1.3, "b": 1.0, "c": 0.9}
     for share in (1.2, 1 / 3):

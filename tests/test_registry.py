@@ -6,13 +6,13 @@ import torch
 
 from decoder import generate
 from decoder.engine import EngineCaps, Needs, refuse
-from decoder.guesser import Proposal
 from decoder.engines.hf.engine import HFEngine
-from decoder.layout import layout_for
+from decoder.engines.hf.load import load_model
+from decoder.guesser import Proposal
 from decoder.guessers.registry import LoadRequest, kind_of, load_guesser
+from decoder.layout import layout_for
 from planner.errors import UserError
 from planner.guessers import GuesserKind, kind, kind_of_record, names, register, unregister
-from decoder.engines.hf.load import load_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ import pytest
 from planner.errors import UserError
 from planner.profile import load_batch_profiles, load_profile
 from planner.simulate import (
-    Architecture, architecture_from_config, gpu_time, latency, load_gpu_table, refuse_to_measure, simulate_profile,
+    Architecture,
+    architecture_from_config,
+    gpu_time,
+    latency,
+    load_gpu_table,
+    refuse_to_measure,
+    simulate_profile,
 )
 from workflows.cli.main import main
 

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from decoder.engine import torch_model
 from decoder.engines.hf.training import prompt_pass
-from decoder.layout import prompt_block_mask
 from decoder.guessers.prompt_tokens import PromptTokens
+from decoder.layout import prompt_block_mask
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json
 from training.data import (  # noqa: F401 (re-exported)

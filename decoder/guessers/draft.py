@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.guessers.draft_cache import DraftCache
-from decoder.guessers.draft_source import DraftSource, SampledDraftSource
 from decoder.engine import vocab_size
 from decoder.engines.hf.forward import tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.guessers.draft_cache import DraftCache
+from decoder.guessers.draft_source import DraftSource, SampledDraftSource
 from decoder.layout import layout_for
 from decoder.verify import Sampling, draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel

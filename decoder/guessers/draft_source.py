@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decoder.guessers.draft_cache import DraftCache
 from decoder.guesser import DecodeContext, StepOutcome
+from decoder.guessers.draft_cache import DraftCache
 from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source
 from decoder.noise import aimed_top_k
 from decoder.verify import draw_children, probabilities

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
-from decoder.layout import layout_for
 from decoder.guessers.pool import Pool, Source, rank_paths
 from decoder.guessers.registry import kind_of
+from decoder.layout import layout_for
 from planner.dynamic import DynamicSpec, OnlineMap, choose
 from planner.errors import UserError
 from planner.tree import DYNAMIC, Tree

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
-from decoder.layout import layout_for
 from decoder.guessers.pool import Decider, Pool, Source
+from decoder.layout import layout_for
 from planner.dynamic import DEPTH_BINS, DynamicSpec, GuesserModel, lookup_bin_list
 from planner.errors import UserError
 from planner.tree import PPD, Tree

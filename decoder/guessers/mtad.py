@@ -54,14 +54,14 @@ from functools import partial
 
 import torch
 
-from decoder.engines.hf.cache import crop_cache
-from decoder.guessers.draft import chain_nodes
+from decoder.config import DecodeConfig, decode_config
 from decoder.engine import vocab_size
+from decoder.engines.hf.cache import crop_cache
+from decoder.engines.hf.engine import select_attention
 from decoder.engines.hf.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
+from decoder.guessers.draft import chain_nodes
 from decoder.layout import layout_for
-from decoder.engines.hf.engine import select_attention
-from decoder.config import DecodeConfig, decode_config
 from decoder.loop import decode
 from decoder.output import GenerateOutput
 from decoder.verify import Sampling, Verdict, sample, warp
@@ -452,8 +452,8 @@ def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
 
 def load(request) -> MTADGuesser:
     """The registry's loader (planner/guessers.py): the draft LM in request.path; options width, gamma, beams."""
-    from decoder.guessers.draft import load_draft_model
     from decoder.engine import torch_model
+    from decoder.guessers.draft import load_draft_model
 
     o = request.options
     return MTADGuesser(load_draft_model(request.path, torch_model(request.target)), width=o.get("width", 4),

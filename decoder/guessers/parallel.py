@@ -32,13 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoder.engines.hf.cache import crop_cache
 from decoder.engine import torch_model
+from decoder.engines.hf.cache import crop_cache
 from decoder.engines.hf.forward import kv
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
+from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from decoder.layout import layout_for
 from decoder.noise import aimed_top_k
-from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json

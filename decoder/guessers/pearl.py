@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoder.engines.hf.cache import crop_cache
-from decoder.guessers.draft import draft_children
-from decoder.engine import StepInput, vocab_size
-from decoder.engines.hf.forward import kv
 from decoder.config import DecodeConfig, decode_config
+from decoder.engine import StepInput, vocab_size
+from decoder.engines.hf.cache import crop_cache
+from decoder.engines.hf.forward import kv
 from decoder.engines.registry import as_engine
+from decoder.guessers.draft import draft_children
 from decoder.layout import layout_for
 from decoder.loop import _eos, _ids_1d
 from decoder.output import truncate

@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from decoder.guesser import DecodeContext, DistanceGuesser, StepOutcome
+from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from decoder.layout import (
     StepLayout,
     layout_for,
     prompt_block_mask,  # noqa: F401  (re-exported: the mask lives with the layouts)
 )
-from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json

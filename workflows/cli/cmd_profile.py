@@ -260,9 +260,9 @@ MEASURING_OPTIONS = (("device", None), ("time_budget", None), ("cuda_graphs", Fa
 
 def _simulate(args) -> int:
     """`--simulate GPU`: the profile computed by planner.simulate, in the measured profile's schema."""
+    from decoder.engines.models import default_model_spec
     from planner.jsonio import atomic_write_json, read_json, writable_target
     from planner.simulate import architecture_from_config, get_gpu, gpu_lines, simulate_profile
-    from decoder.engines.models import default_model_spec
 
     if args.list_gpus:
         print("\n".join(gpu_lines()))

@@ -13,9 +13,10 @@ from planner.guessers import kind as guesser_kind
 from planner.tree import PPD, Tree, TreeState, save_tree
 from workflows.mainjob.candidates import Candidate
 from workflows.mainjob.choose import PLAIN, Arm, Decision, Race, speedup
-from workflows.mainjob.signflip import LEVEL, MIN_PROMPTS
 from workflows.mainjob.race import _Outputs
 from workflows.mainjob.runs import Run, shown
+from workflows.mainjob.signflip import LEVEL, MIN_PROMPTS
+
 
 def state_frequencies(tree: Tree, states: list[int]) -> dict | None:
     """ppd: how often each state was visited while decoding, next to the Markov model's pi."""

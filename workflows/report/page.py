@@ -10,25 +10,22 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
 from planner.profile import LatencyProfile, load_profile
 from planner.simulate import describe, simulated_of
 from planner.tree import Tree, load_tree
-
 from workflows.report.figures import (  # noqa: F401 (Section: the figures' type, re-exported)
     MAX_TABLE_ROWS,
-    _plt,
     ProfileInput,
     Section,
+    _plt,
     fig_latency,
     fig_reliability,
     fig_speedup,
     fig_tokens_per_step,
 )
 from workflows.report.runs import _layout, fig_run, fig_study, fig_tree, load_study, study_rows  # noqa: F401 (_layout: tests)
-
 
 # ---------------------------------------------------------------------------------------------
 # inputs

@@ -8,7 +8,6 @@ import numpy as np
 
 from planner.errors import UserError
 from planner.tree import Tree
-
 from workflows.report.figures import Section, _plt
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from decoder.engines.hf.cache import compact_cache, crop_cache
 from decoder.engine import Scored, StepInput
+from decoder.engines.hf.cache import compact_cache, crop_cache
 from decoder.engines.hf.forward import prefill, step_mask, tree_forward
 from planner.errors import UserError
 

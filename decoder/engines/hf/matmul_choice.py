@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from decoder.engines.hf.forward import kv
 from decoder.engines.hf.cpu_paths import (
     install_paths,
     installed_bytes,
@@ -33,6 +32,7 @@ from decoder.engines.hf.cpu_paths import (
     remove_paths,
     set_paths_enabled,
 )
+from decoder.engines.hf.forward import kv
 from planner.matmul_paths import MATMUL_PATHS, MatmulPathTable, matmul_paths_from_json
 from planner.order import coarse_to_fine
 

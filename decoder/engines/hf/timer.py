@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.engines.hf.forward import ancestor_matrix, kv, prefill, tree_attention_mask, tree_depths, tree_forward
 from decoder.engine import is_oom
+from decoder.engines.hf.forward import ancestor_matrix, kv, prefill, tree_attention_mask, tree_depths, tree_forward
 from planner.errors import UserError
 
 TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from decoder.engines.shipped import cache_dir
 from planner.errors import UserError
 from planner.jsonio import read_json
-from decoder.engines.shipped import cache_dir
 
 QTYPES = ("Q4_K", "Q4_0", "Q4_1")
 SCALE = 1e-3  # fp16 block scale: weights of order 0.01, a normal fp16 number (no subnormal slow paths)
