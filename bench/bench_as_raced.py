@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, load, machine
+from common import ROOT, Results, bench_main, load, machine, sample_load
 
 from planner.errors import UserError  # noqa: E402
 
@@ -59,7 +59,7 @@ def _decode(plan: Path, prompts: Path, tokens: int, extra: list[str], out: Path)
     return float(json.loads(out.read_text())["summary"]["tokens_per_s"])
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="an autotune run folder (chosen.json, profile.json)")
     p.add_argument("--chat", type=int, default=6)
@@ -68,22 +68,20 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "as_raced"))
-    a = p.parse_args(argv)
-    try:
-        return _run(a)
-    except UserError as e:
-        print(f"bench_as_raced: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _run(a) -> int:
-    from planner.jsonio import atomic_write_json
+def main(argv=None) -> int:
+    return bench_main("bench_as_raced", parser(), run, argv)
+
+
+def run(a) -> Results:
     from planner.tree import load_tree
 
     if not (1 <= a.tokens <= 2048 and 1 <= a.repeats <= 20 and a.chat + a.repeat >= 1):
         raise UserError("--tokens 1..2048, --repeats 1..20, one prompt at least")
-    run = Path(a.run)
-    plan = run / "chosen.json"
+    run_dir = Path(a.run)
+    plan = run_dir / "chosen.json"
     raced = load_tree(str(plan)).settings.get("raced_with") or {}
     threads = raced.get("threads")
     if threads is None:
@@ -94,8 +92,8 @@ def _run(a) -> int:
         tmp = Path(tmp)
         prompts = _prompt_file(tmp, a.chat, a.repeat)
         arms = {"as raced": [],
-                "configured": ["--profile", str(run / "profile.json"), "--threads", str(threads)],
-                "no paths": ["--profile", str(_plain_profile(run, tmp)), "--threads", str(threads)]}
+                "configured": ["--profile", str(run_dir / "profile.json"), "--threads", str(threads)],
+                "no paths": ["--profile", str(_plain_profile(run_dir, tmp)), "--threads", str(threads)]}
         speeds = {k: [] for k in arms}
         _decode(plan, prompts, 8, [], tmp / "warm.json")  # warm-up: caches, the conversion
         for r in range(a.repeats):
@@ -104,22 +102,26 @@ def _run(a) -> int:
             for k in order:
                 speeds[k].append(_decode(plan, prompts, a.tokens, arms[k], tmp / "out.json"))
                 print(f"repeat {r + 1}/{a.repeats} {k}: {speeds[k][-1]:.1f} tokens/s", file=sys.stderr, flush=True)
+            sample_load()
     med = {k: statistics.median(v) for k, v in speeds.items()}
-    doc = {"run": str(run), "machine": mach, "load_avg_after": load(), "tokens": a.tokens, "repeats": a.repeats,
+    doc = {"run": str(run_dir), "machine": mach, "load_avg_after": load(), "tokens": a.tokens, "repeats": a.repeats,
            "prompts": a.chat + a.repeat, "threads": threads, "tokens_per_s": speeds, "median": med,
            "vs_configured": {k: med[k] / med["configured"] for k in med}}
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
-    m = doc["machine"]
-    lines = [f"# planner decode --plan {run}/chosen.json: as raced vs configured ({m['cpu']}, {m['cores']} cores, "
+    md = _markdown(doc, list(arms))
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md}, md)
+
+
+def _markdown(doc: dict, arms: list[str]) -> str:
+    m, med = doc["machine"], doc["median"]
+    lines = [f"# planner decode --plan {doc['run']}/chosen.json: as raced vs configured ({m['cpu']}, {m['cores']} cores, "
              f"load {m['load_avg']} -> {doc['load_avg_after']})", "",
-             f"{doc['prompts']} benchmark prompts no tuning step read, {a.tokens} new tokens, one decode process per run, "
-             f"median of {a.repeats} interleaved repeats.", "", "| decode | tokens/s | vs configured |", "|---|---|---|"]
+             f"{doc['prompts']} benchmark prompts no tuning step read, {doc['tokens']} new tokens, one decode process "
+             f"per run, median of {doc['repeats']} interleaved repeats.", "", "| decode | tokens/s | vs configured |",
+             "|---|---|---|"]
     for k in arms:
         lines.append(f"| {k} | {med[k]:.1f} | {doc['vs_configured'][k]:.2f}x |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -20,58 +20,91 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_ids, builtin_tokenizer, interleaved, machine
+from common import ROOT, Results, bench_ids, bench_main, interleaved, machine, open_hf, tokenizer_or_builtin
+
+from planner.errors import UserError
 
 LAYOUTS = ("packed", "padded")
 
 
-def _setup(args):
-    """(loaded, guesser, decode prompts [ids], acceptance prompts [ids])."""
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's seconds on a tiny random model."""
+
+    batch_sizes: list[int]
+    tokens: int
+    rounds: int
+    profile_budget: float
+    max_input_length: int
+    fixed_input_length: int
+    num_prompts: int
+    accept_prompts: int
+
+
+def sizes(a) -> Sizes:
+    try:
+        batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
+    except ValueError:
+        raise UserError(f"--batch-sizes {a.batch_sizes}: expected integers separated by commas") from None
+    s = Sizes(batch_sizes, a.tokens, a.rounds, a.profile_budget, a.max_input_length, a.fixed_input_length,
+              a.num_prompts, a.accept_prompts)
+    if a.smoke:
+        s = Sizes(batch_sizes, 6, 1, 1.5, 8, min(a.fixed_input_length, 6), 4, 2)
+    if not (max(s.batch_sizes) <= s.num_prompts <= 64 and 1 <= s.accept_prompts <= 8):
+        raise UserError("--num-prompts: at least the largest batch size, at most 64; --accept-prompts 1..8")
+    return s
+
+
+def _setup(args, s: Sizes):
+    """(engine, guesser, decode prompts [ids], acceptance prompts [ids]). The smoke's tiny random model has
+    untrained prompt tokens and reads the prompts through the built-in model's tokenizer."""
     import torch
 
-    from decoder import PromptTokens
-    from decoder.engines.hf.load import load_model
+    from decoder.guessers.registry import LoadRequest, load_guesser
     from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
-    torch.set_num_threads(args.threads)
-    loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")
+    engine = open_hf("tiny", threads=args.threads) if args.smoke else open_hf(args.model, "fp32", args.threads)
     if args.smoke:
-        guesser, tok = PromptTokens.random(loaded.model, 2, top_k=4), builtin_tokenizer()
+        guesser = load_guesser("ppd", LoadRequest(engine, top_k=4, options={"random": 2}))
     else:
-        from transformers import AutoTokenizer
-
-        guesser = PromptTokens.load(str(shipped(loaded.name, "prompt_tokens")), model=loaded.model)
-        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    half = args.num_prompts // 2
+        guesser = load_guesser("ppd", LoadRequest(engine, str(shipped(engine.model_name, "prompt_tokens"))))
+    tok = tokenizer_or_builtin(engine)
+    half = s.num_prompts // 2
     with torch.inference_mode():
-        chat, rep = (bench_ids(tok, {g: n}, loaded.model, first_answer_tokens=8 if args.smoke else 64,
-                            keep_last=24 if args.smoke else None)
-                     for g, n in (("chat", args.num_prompts - half), ("repeat", half)))
+        chat, rep = (bench_ids(tok, {g: n}, engine, first_answer_tokens=8 if args.smoke else 64,
+                               keep_last=24 if args.smoke else None)
+                     for g, n in (("chat", s.num_prompts - half), ("repeat", half)))
     prompts = [p.ids for pair in zip(chat, rep + [None]) for p in pair if p is not None]  # the groups alternate
-    accept_texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), args.accept_prompts, 0)
-    return loaded, guesser, prompts, encode_prompts(tok, accept_texts)
+    accept_texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), s.accept_prompts, 0)
+    return engine, guesser, prompts, encode_prompts(tok, accept_texts)
 
 
-def _profiles(loaded, args, out: Path) -> dict:
+def _profiles(engine, args, s: Sizes) -> tuple[dict, dict]:
+    """({layout: the profile JSON}, {layout: {batch size: LatencyProfile}}), measured now. The files are
+    results too, written at the end with the rest (a run refused for the load writes none)."""
     from planner.jsonio import atomic_write_json
     from planner.profile import load_batch_profiles
     from profiler.measure import profile_model
 
-    files = {}
-    for layout in LAYOUTS:
-        prof = profile_model(loaded, list(range(1, args.max_input_length + 1)), context_length=args.context,
-                             batch_sizes=args.batch_sizes, time_budget_s=args.profile_budget, layout=layout,
-                             progress=False, overhead=layout == "packed")
-        if layout == "padded":  # one overhead line for both: the decoder's work per sequence is the same
-            prof["decoder_overhead"] = json.loads(files["packed"].read_text())["decoder_overhead"]
-        files[layout] = atomic_write_json(out / f"batch-profile-{layout}.json", prof)
-    return {layout: load_batch_profiles(str(p)) for layout, p in files.items()}
+    raw, loaded = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in LAYOUTS:
+            prof = profile_model(engine, list(range(1, s.max_input_length + 1)), context_length=args.context,
+                                 batch_sizes=s.batch_sizes, time_budget_s=s.profile_budget, layout=layout,
+                                 progress=False, overhead=layout == "packed")
+            if layout == "padded":  # one overhead line for both: the decoder's work per sequence is the same
+                prof["decoder_overhead"] = raw["packed"]["decoder_overhead"]
+            raw[layout] = prof
+            loaded[layout] = load_batch_profiles(str(atomic_write_json(Path(tmp) / f"batch-profile-{layout}.json", prof)))
+    return raw, loaded
 
 
-def _decode(model, prompts, tree, guesser, b, layout, n):
+def _decode(engine, prompts, tree, guesser, b, layout, n):
     """Decode the prompts b at a time; (tokens, steps, seconds, outputs, padded inputs, cache holes)."""
     from decoder import generate
     from decoder.guesser import PlainGuesser
@@ -83,7 +116,7 @@ def _decode(model, prompts, tree, guesser, b, layout, n):
     t0 = time.perf_counter()
     for i in range(0, len(prompts), b):
         batch = prompts[i: i + b]
-        res = generate(model, batch, plan=tree, guesser=g, max_new_tokens=n, layout=layout)
+        res = generate(engine, batch, plan=tree, guesser=g, max_new_tokens=n, layout=layout)
         outs += [r.tokens.tolist() for r in res]
         tokens += sum(r.tokens.numel() for r in res)
         steps += sum(r.steps for r in res)
@@ -94,7 +127,7 @@ def _decode(model, prompts, tree, guesser, b, layout, n):
             "padded_inputs": pad_in, "cache_holes": holes}
 
 
-def run(args) -> dict:
+def run(args) -> Results:
     from decoder import generate_plain
     from planner.accept import from_entry
     from planner.batch import plan_schedule
@@ -103,42 +136,42 @@ def run(args) -> dict:
     from profiler.acceptance import measure_accuracy
     from profiler.measure import warm_up_shapes
 
+    s = sizes(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded, guesser, prompts, accept_prompts = _setup(args)
-    model = loaded.model
+    engine, guesser, prompts, accept_prompts = _setup(args, s)
     t_start = time.time()
-    profiles = _profiles(loaded, args, out)
-    accept = from_entry(measure_accuracy(model, guesser, accept_prompts, max_new_tokens=args.tokens))
+    raw, profiles = _profiles(engine, args, s)
+    accept = from_entry(measure_accuracy(engine, guesser, accept_prompts, max_new_tokens=s.tokens))
     guessing = Guessing(prompt_tokens=True, ensemble=guesser.ensemble)
-    greedy = [generate_plain(model, p, max_new_tokens=args.tokens).tokens.tolist() for p in prompts]
+    greedy = [generate_plain(engine, p, max_new_tokens=s.tokens).tokens.tolist() for p in prompts]
     # where the planner picks plain decoding everywhere (a CPU), the fixed tree still measures what
     # packing saves over padding: one PPD tree of --fixed-input-length at every batch size
-    fixed = plan("ppd", accept, input_length=args.fixed_input_length, prompt_tokens=guesser.num_prompt_tokens,
-                 guessing=guessing) if args.fixed_input_length else None
+    fixed = plan("ppd", accept, input_length=s.fixed_input_length, prompt_tokens=guesser.num_prompt_tokens,
+                 guessing=guessing) if s.fixed_input_length else None
     rows = []
     for layout in LAYOUTS:
-        sched = plan_schedule("ppd", accept, profiles[layout], args.batch_sizes, guessing, layout=layout,
-                              prompt_tokens=guesser.num_prompt_tokens, max_input_length=args.max_input_length)
-        for b, plan_kind in [(b, k) for b in args.batch_sizes for k in ("planned", "fixed")]:
+        sched = plan_schedule("ppd", accept, profiles[layout], s.batch_sizes, guessing, layout=layout,
+                              prompt_tokens=guesser.num_prompt_tokens, max_input_length=s.max_input_length)
+        for b, plan_kind in [(b, k) for b in s.batch_sizes for k in ("planned", "fixed")]:
             if plan_kind == "fixed" and fixed is None:
                 continue
             tree = fixed if plan_kind == "fixed" else next(e.tree for e in sched
                                                            if e.batch_sizes[0] <= b <= e.batch_sizes[1])
-            warm_up_shapes(model, prompts, range(1, args.max_input_length + 1))
+            warm_up_shapes(engine, prompts, range(1, s.max_input_length + 1))
             for warm in (None, tree):  # batched shapes too: one untimed pass of the first batch each
-                _decode(model, prompts[:b], warm, guesser, b, layout, 4)
+                _decode(engine, prompts[:b], warm, guesser, b, layout, 4)
             runs = {"plain": [], "tree": []}
-            fns = {k: (lambda _, k=k, tr=tr: runs[k].append(_decode(model, prompts, tr, guesser, b, layout, args.tokens)))
+            fns = {k: (lambda _, k=k, tr=tr: runs[k].append(_decode(engine, prompts, tr, guesser, b, layout, s.tokens)))
                    for k, tr in (("plain", None), ("tree", tree))}
-            interleaved(fns, [0], args.rounds, progress=False, warm=False)  # shuffled per round: a slow spell hits both alike
+            interleaved(fns, [0], s.rounds, progress=False, warm=False)  # shuffled per round: a slow spell hits both alike
             rows.append({"plan": plan_kind, **_row(layout, b, tree, runs, greedy, accept, profiles[layout][b], guessing)})
             print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, dict)}), file=sys.stderr)
-    result = {"machine": machine(), "model": loaded.name, "batch_sizes": args.batch_sizes, "tokens": args.tokens,
-              "prompts": len(prompts), "rounds": args.rounds, "context_profiled": args.context,
+    result = {"machine": machine(), "model": engine.model_name, "batch_sizes": s.batch_sizes, "tokens": s.tokens,
+              "prompts": len(prompts), "rounds": s.rounds, "context_profiled": args.context,
               "acceptance": accept.accuracy.tolist(), "rows": rows, "wall_s": round(time.time() - t_start, 1)}
-    _write(out, result)
-    return result
+    md = _markdown(result)
+    files = {out / f"batch-profile-{layout}.json": raw[layout] for layout in LAYOUTS}
+    return Results(files | {out / "batch.json": result, out / "batch.md": md}, md)
 
 
 def _row(layout, b, tree, runs, greedy, accept, profile, guessing) -> dict:
@@ -162,10 +195,7 @@ def _row(layout, b, tree, runs, greedy, accept, profile, guessing) -> dict:
     }
 
 
-def _write(out: Path, result: dict) -> None:
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
-
-    atomic_write_json(out / "batch.json", result)
+def _markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# Batched decoding: EMS-SD (packed) vs the padded baseline", "",
              f"{result['model']}, CPU {m['cpu']} ({m['torch_threads']} threads, torch {m['torch']}, load {m['load_avg']}), "
@@ -185,10 +215,10 @@ def _write(out: Path, result: dict) -> None:
                      f"{r['measured_padding_per_step']:.2f} | {'yes' if r['identical_to_single_greedy'] else 'NO'} |")
     lines.append("")
     lines.append(f"Wall time {result['wall_s']} s.")
-    atomic_write_bytes(out / "batch.md", ("\n".join(lines) + "\n").encode())
+    return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1,2,4,8")
@@ -204,16 +234,11 @@ def main() -> int:
     p.add_argument("--accept-prompts", type=int, default=4, help="acceptance prompts (autotune's acceptance split)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = p.parse_args()
-    args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if args.smoke:
-        args.tokens, args.rounds, args.profile_budget, args.max_input_length = 6, 1, 1.5, 8
-        args.fixed_input_length = min(args.fixed_input_length, 6)
-        args.num_prompts, args.accept_prompts = 4, 2
-    if not (max(args.batch_sizes) <= args.num_prompts <= 64 and 1 <= args.accept_prompts <= 8):
-        p.error("--num-prompts: at least the largest batch size, at most 64; --accept-prompts 1..8")
-    run(args)
-    return 0
+    return p
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_batch", parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,59 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_ids, builtin_tokenizer, by_group, interleaved, load, machine
+from common import (
+    ROOT,
+    Results,
+    bench_ids,
+    bench_main,
+    by_group,
+    interleaved,
+    library_generate,
+    load,
+    machine,
+    open_hf,
+    tokenizer_or_builtin,
+)
 
 import torch  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, --quick's or --smoke's."""
+
+    max_n: int
+    chat_prompts: int
+    repeat_prompts: int
+    tokens: int
+    rounds: int
+    budget: float
+    repeats: int
+    context: int
+
+
+def sizes(a) -> Sizes:
+    s = Sizes(a.max_n, a.chat_prompts, a.repeat_prompts, a.tokens, a.rounds, a.budget, a.repeats, a.context)
+    if a.smoke:
+        s = Sizes(4, 1, 1, 6, 1, 2.0, 2, 16)
+    elif a.quick:
+        s = Sizes(8, 2, 1, 32, 2, 25.0, 5, a.context)
+    for name, lo, hi in (("max_n", 1, 256), ("context", 1, 4096), ("repeats", 1, 100), ("chat_prompts", 0, 24),
+                         ("repeat_prompts", 0, 64), ("tokens", 1, 1024), ("rounds", 1, 20)):
+        if not lo <= getattr(s, name) <= hi:
+            raise UserError(f"--{name.replace('_', '-')}: expected an integer in {lo}..{hi}")
+    if not 1 <= a.threads <= 256:
+        raise UserError("--threads: expected an integer in 1..256")
+    if s.chat_prompts + s.repeat_prompts < 1:
+        raise UserError("--chat-prompts, --repeat-prompts: one prompt at least")
+    if not 0 < s.budget <= 3600:
+        raise UserError("--budget: expected seconds in (0, 3600]")
+    return s
 
 
 def _machine() -> dict:
@@ -36,57 +82,51 @@ def _machine() -> dict:
                         "capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def _setup(args):
-    """The model and its benchmark prompts (a tiny random model: the built-in tokenizer's ids)."""
-    from decoder.engines.hf.load import load_model
-
-    loaded = load_model("tiny" if args.smoke else args.model, device="cpu", **({} if args.smoke else {"dtype": "fp32"}))
-    if loaded.tokenizer_dir:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    else:
-        tok = builtin_tokenizer()
+def _setup(args, s: Sizes):
+    """The engine and its benchmark prompts (a tiny random model: the built-in tokenizer's ids)."""
+    engine = open_hf("tiny" if args.smoke else args.model, None if args.smoke else "fp32", args.threads)
     with torch.inference_mode():
-        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model,
-                            first_answer_tokens=8 if args.smoke else 64,
-                            keep_last=24 if args.smoke else None)
-    return loaded, prompts
+        prompts = bench_ids(tokenizer_or_builtin(engine), {"chat": s.chat_prompts, "repeat": s.repeat_prompts}, engine,
+                            first_answer_tokens=8 if args.smoke else 64, keep_last=24 if args.smoke else None)
+    return engine, prompts
 
 
-def _paths(model, args, rows: list[int]) -> dict:
+# This benchmark measures the hf engine's CPU matmul paths themselves, so it calls the engine's own
+# functions on its torch model (decoder/engines/hf/cpu_paths.py, matmul_choice.py): the per-shape
+# repeats, the whole-forward check and generate with the paths switched on are no engine method.
+
+
+def _paths(engine, args, s: Sizes, rows: list[int]) -> dict:
     """The profile's matmul_paths (--profile), else chosen now (isolated per shape, then whole-forward check)."""
     from decoder.engines.hf.cpu_paths import use_profile_paths
-    from planner.jsonio import read_json
     from decoder.engines.hf.matmul_choice import choose_matmul_paths
+    from planner.jsonio import read_json
 
+    model = engine.torch_model()
     if args.profile:
         obj = read_json(args.profile).get("matmul_paths")
         if obj is None or use_profile_paths(model, args.profile) is None:
             raise UserError(f"--profile {args.profile}: no usable 'matmul_paths' for this model (profile it again)")
         return obj
-    return choose_matmul_paths(model, rows, args.context, args.budget, repeats=args.repeats, progress=not args.no_progress)
+    return choose_matmul_paths(model, rows, s.context, s.budget, repeats=s.repeats, progress=not args.no_progress)
 
 
-def _whole_model(model, args, rows: list[int]) -> dict:
+def _whole_model(engine, s: Sizes, rows: list[int]) -> dict:
     from decoder.engines.hf.matmul_choice import validate_whole_model
 
-    w = validate_whole_model(model, rows, args.context, time.time() + args.budget, args.repeats, seed=1)
+    w = validate_whole_model(engine.torch_model(), rows, s.context, time.time() + s.budget, s.repeats, seed=1)
     for key in ("default_s", "chosen_s"):
         base = w[key][0]
         w[key.replace("_s", "_over_L1")] = [x / base if x and base else None for x in w[key]]
     return w
 
 
-def _variants(model, plan_run) -> dict:
+def _variants(engine, plan_run) -> dict:
     """name -> fn(ids) -> token list; 'paths' switches the installed paths on for that run only."""
     from decoder.engines.hf.cpu_paths import set_paths_enabled
     from decoder.loop import generate_plain
 
-    def hf(ids, n):
-        with torch.inference_mode():
-            out = model.generate(ids[None], do_sample=False, max_new_tokens=n, pad_token_id=model.config.eos_token_id or 0)
-        return out[0, ids.numel():].tolist()
+    model = engine.torch_model()
 
     def with_paths(on, fn):
         def run(ids, n):
@@ -97,16 +137,19 @@ def _variants(model, plan_run) -> dict:
                 set_paths_enabled(model, True)
         return run
 
-    v = {"generate": with_paths(False, hf),
-         "plain": with_paths(False, lambda ids, n: generate_plain(model, ids, max_new_tokens=n).tokens.tolist()),
-         "plain + paths": with_paths(True, lambda ids, n: generate_plain(model, ids, max_new_tokens=n).tokens.tolist()),
-         "generate + paths": with_paths(True, hf)}
+    def plain(ids, n):
+        return generate_plain(engine, ids, max_new_tokens=n).tokens.tolist()
+
+    v = {"generate": lambda ids, n: engine.stock_generate(ids, n)[0],
+         "plain": with_paths(False, plain),
+         "plain + paths": with_paths(True, plain),
+         "generate + paths": lambda ids, n: library_generate(engine, ids, n, paths=True)}
     if plan_run is not None:
         v["plan + paths"] = with_paths(True, plan_run)
     return v
 
 
-def _plan_runner(model, loaded, args):
+def _plan_runner(engine, args):
     if not args.plan:
         return None, None
     from argparse import Namespace
@@ -119,17 +162,18 @@ def _plan_runner(model, loaded, args):
     kind = args.guesser or (tree.settings.get("guesser") if isinstance(tree.settings.get("guesser"), str) else "ppd")
     if kind == "pearl":
         raise UserError(f"--plan {args.plan}: a PEARL plan; decode it with `planner decode --pearl --profile`")
-    ns = Namespace(guesser=kind, prompt_tokens=None, random_prompt_tokens=None, top_k_guesses=10, ensemble=1)
-    guesser = make_guesser(ns, loaded, args.model)
+    ns = Namespace(guesser=kind, model=args.model, prompt_tokens=None, random_prompt_tokens=None, top_k_guesses=10,
+                   ensemble=1)
+    guesser = make_guesser(ns, engine)
     guesser.check(tree, args.plan)
 
     def run(ids, n):
-        return generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n).tokens.tolist()
+        return generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=n).tokens.tolist()
 
     return run, {"plan": args.plan, "guesser": kind, "method": tree.method}
 
 
-def _decode(model, prompts, variants: dict, tokens: int, rounds: int, seed: int, progress: bool) -> dict:
+def _decode(engine, prompts, variants: dict, tokens: int, rounds: int, seed: int, progress: bool) -> dict:
     from profiler.compare import classify
 
     ids = [p.ids for p in prompts]
@@ -148,7 +192,7 @@ def _decode(model, prompts, variants: dict, tokens: int, rounds: int, seed: int,
                    "speed_vs_generate_max": max(ratios), "by_group": by_group(per_prompt, [p.group for p in prompts]),
                    "tokens_per_s": n_tok * rounds / sum(sum(t) for t in tm.wall[k]),
                    "seconds": [[round(x, 4) for x in t] for t in tm.wall[k]]}
-        rows[k]["vs_generate"] = [classify(model, ids[i], outs["generate"][i], outs[k][i])["status"] for i in range(len(ids))]
+        rows[k]["vs_generate"] = [classify(engine, ids[i], outs["generate"][i], outs[k][i])["status"] for i in range(len(ids))]
     rows["plain + paths"]["identical_to_plain"] = outs["plain + paths"] == outs["plain"]
     if "plan + paths" in rows:
         rows["plan + paths"]["identical_to_plain_with_paths"] = outs["plan + paths"] == outs["plain + paths"]
@@ -202,7 +246,7 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", default=None, help="use this profile's matmul_paths instead of choosing them now")
@@ -222,59 +266,36 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny random model; checks the whole path in seconds")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    if args.quick or args.smoke:
-        args.max_n, args.chat_prompts, args.repeat_prompts, args.tokens, args.rounds = 8, 2, 1, 32, 2
-        args.budget, args.repeats = 25.0, 5
-    if args.smoke:
-        args.max_n, args.chat_prompts, args.repeat_prompts, args.tokens, args.rounds = 4, 1, 1, 6, 1
-        args.budget, args.repeats, args.context = 2.0, 2, 16
-    for name, lo, hi in (("max-n", 1, 256), ("context", 1, 4096), ("repeats", 1, 100), ("chat-prompts", 0, 24),
-                         ("repeat-prompts", 0, 64),
-                         ("tokens", 1, 1024), ("rounds", 1, 20), ("threads", 1, 256)):
-        if not lo <= getattr(args, name.replace("-", "_")) <= hi:
-            raise SystemExit(f"--{name}: expected an integer in {lo}..{hi}")
-    if args.chat_prompts + args.repeat_prompts < 1:
-        raise SystemExit("--chat-prompts, --repeat-prompts: one prompt at least")
-    if not 0 < args.budget <= 3600:
-        raise SystemExit("--budget: expected seconds in (0, 3600]")
-    try:
-        return _run(args)
-    except UserError as e:
-        print(f"bench_cpu_paths: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _run(args) -> int:
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
+def main(argv=None) -> int:
+    return bench_main("bench_cpu_paths", parser(), run, argv)
 
-    torch.set_num_threads(args.threads)
+
+def run(args) -> Results:
+    s = sizes(args)
     load_start, t0 = load(), time.time()
-    loaded, prompts = _setup(args)
-    model = loaded.model
-    rows = list(range(1, args.max_n + 1))
-    print(f"choosing matmul paths for n = 1..{args.max_n} (load {load_start})", file=sys.stderr)
-    mp = _paths(model, args, rows)
+    engine, prompts = _setup(args, s)
+    rows = list(range(1, s.max_n + 1))
+    print(f"choosing matmul paths for n = 1..{s.max_n} (load {load_start})", file=sys.stderr)
+    mp = _paths(engine, args, s, rows)
     print("whole-model L(n), F.linear vs chosen paths", file=sys.stderr)
-    whole = _whole_model(model, args, rows)
-    plan_run, plan_info = _plan_runner(model, loaded, args)
+    whole = _whole_model(engine, s, rows)
+    plan_run, plan_info = _plan_runner(engine, args)
     print("decoding: generate vs plain, with and without paths", file=sys.stderr)
-    decoding = _decode(model, prompts, _variants(model, plan_run), args.tokens, args.rounds, args.seed,
-                       not args.no_progress)
-    doc = {"model": loaded.name + (" (random weights)" if not loaded.has_weights else ""), "machine": _machine(),
+    decoding = _decode(engine, prompts, _variants(engine, plan_run), s.tokens, s.rounds, args.seed, not args.no_progress)
+    has_weights = engine.record()["has_weights"]
+    doc = {"model": engine.model_name + ("" if has_weights else " (random weights)"), "machine": _machine(),
            "load_avg_start": load_start, "load_avg_end": load(),
-           "settings": {"context": args.context, "max_n": args.max_n, "prompts": len(prompts), "tokens": args.tokens,
-                        "rounds": args.rounds, "repeats": args.repeats, "budget_s": args.budget, "quick": args.quick,
+           "settings": {"context": s.context, "max_n": s.max_n, "prompts": len(prompts), "tokens": s.tokens,
+                        "rounds": s.rounds, "repeats": s.repeats, "budget_s": s.budget, "quick": args.quick,
                         "profile": args.profile},
            "matmul_paths": mp, "whole_model": whole, "decoding": decoding, "plan": plan_info,
            "wall_s": round(time.time() - t0, 1)}
     md = _markdown(doc)
-    print(md)
     out = Path(args.out)
-    atomic_write_json(out / "cpu_paths.json", doc)
-    atomic_write_bytes(out / "cpu_paths.md", md.encode())
-    print(f"wrote {out / 'cpu_paths.json'} and cpu_paths.md", file=sys.stderr)
-    return 0
+    return Results({out / "cpu_paths.json": doc, out / "cpu_paths.md": md}, md)
 
 
 if __name__ == "__main__":

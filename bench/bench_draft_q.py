@@ -17,8 +17,8 @@ writes bench/results/draft_q.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,15 +27,38 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np
 import torch
-from bench_main_job import machine
+from common import Results, bench_main, drafter, load_avg, machine, open_hf, sample_load
 
+from planner.errors import UserError
 from planner.sampling import Sampling, describe, record
 
 SETTINGS = {"t0.7-p0.9": Sampling(0.7, 0, 0.9), "t1.0-k50": Sampling(1.0, 50, 1.0)}
 WIDTH = 4
 
 
-def main(argv=None) -> int:
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's toy-model seconds."""
+
+    prompts: int
+    tokens: int
+    samples: int
+    aims: list[float]
+
+
+def sizes(a) -> Sizes:
+    try:
+        aims = [float(x) for x in a.aim.split(",") if x.strip()]
+    except ValueError:
+        aims = [-1.0]
+    s = Sizes(1, 8, 2, aims) if a.smoke else Sizes(a.prompts, a.tokens, a.samples, aims)
+    if not (1 <= s.prompts <= 16 and 1 <= s.tokens <= 512 and 0 <= s.samples <= 1000 and len(aims) <= 8
+            and all(0 < x <= 2 for x in aims)):
+        raise UserError("--prompts 1..16, --tokens 1..512, --samples 0..1000, --aim up to 8 numbers in (0, 2]")
+    return s
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--tokens", type=int, default=48)
@@ -44,48 +67,37 @@ def main(argv=None) -> int:
                                                    "target's temperature (comma-separated, in (0, 2])")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_q"))
-    a = p.parse_args(argv)
-    try:
-        aims = [float(x) for x in a.aim.split(",") if x.strip()]
-    except ValueError:
-        aims = [-1.0]
-    if not (1 <= a.prompts <= 16 and 1 <= a.tokens <= 512 and 0 <= a.samples <= 1000 and len(aims) <= 8
-            and all(0 < x <= 2 for x in aims)):
-        print("bench_draft_q: error: --prompts 1..16, --tokens 1..512, --samples 0..1000, --aim up to 8 numbers in (0, 2]",
-              file=sys.stderr)
-        return 2
-    from transformers import AutoTokenizer
+    return p
 
-    from decoder.guessers.draft import build_draft_lm, load_draft_model
+
+def main(argv=None) -> int:
+    return bench_main("bench_draft_q", parser(), run, argv)
+
+
+def run(a) -> Results:
     from decoder.verify import probabilities
-    from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
     from profiler.sampled import coupled_shares, sampled_continuations, sibling_shares
     from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts, shipped
 
-    torch.set_num_threads(1)
-    name = "builtin" if a.smoke else "smollm2-135m"
-    if a.smoke:
-        a.prompts, a.tokens, a.samples = 1, 8, 2
-    loaded = load_model(name, device="cpu")
-    model = loaded.model
+    z = sizes(a)
+    engine = open_hf("builtin" if a.smoke else "smollm2-135m", threads=1)
     if a.smoke:
         torch.manual_seed(0)
-        draft = build_draft_lm(model, 1)
+        draft = drafter("first-layers:1", engine)
     else:
-        draft = load_draft_model(shipped(loaded.name, "draft_lm"), model)
-    texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), a.prompts, 1)
-    prompts = encode_prompts(AutoTokenizer.from_pretrained(loaded.tokenizer_dir), texts)
-    doc = {"model": loaded.name, "machine": machine(), "prompts": a.prompts, "tokens": a.tokens,
-           "samples": a.samples, "aim": aims, "settings": {}}
+        draft = drafter(str(shipped(engine.model_name, "draft_lm")), engine)
+    texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), z.prompts, 1)
+    prompts = encode_prompts(engine.tokenizer, texts)
+    doc = {"model": engine.model_name, "machine": machine(), "prompts": z.prompts, "tokens": z.tokens,
+           "samples": z.samples, "aim": z.aims, "settings": {}}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for key, s in SETTINGS.items():
-            load0 = round(os.getloadavg()[0], 2)
-            cont = sampled_continuations(model, prompts, a.tokens, s, seed=0)
+            load0 = load_avg()
+            cont = sampled_continuations(engine, prompts, z.tokens, s, seed=0)
             rows = {"warped q": [], "tempered softmax q": []}
             det1, det4 = [], []
-            coupled: dict[float, list] = {f: [] for f in [1.0] + aims}
+            coupled: dict[float, list] = {f: [] for f in [1.0] + z.aims}
             for i, (ids, toks, p) in enumerate(zip(cont.prompts, cont.tokens, cont.probs)):
                 T, N = ids.numel(), toks.numel()
                 logits = draft(torch.cat([ids, toks])[None]).logits[0, T - 1: T - 1 + N].float()
@@ -95,10 +107,10 @@ def main(argv=None) -> int:
                 det1 += pt[:, 0].tolist()
                 det4 += pt.sum(1).tolist()
                 for k, q in qs.items():
-                    rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, a.samples, gen) for j in range(N)]
+                    rows[k] += [sibling_shares(p[j].double(), q[j].double(), WIDTH, z.samples, gen) for j in range(N)]
                 for f in coupled:  # one seed per position for every aim: the rows differ by q only
                     q = qs["warped q"] if f == 1.0 else probabilities(logits, Sampling(s.temperature * f, s.top_k, s.top_p))
-                    coupled[f] += [coupled_shares(p[j], q[j], WIDTH, a.samples, torch.Generator().manual_seed(
+                    coupled[f] += [coupled_shares(p[j], q[j], WIDTH, z.samples, torch.Generator().manual_seed(
                         1_000_003 * i + j)) for j in range(N)]
             res = {k: {"first_child": float(np.mean([r[0] for r in v])), "ranks": np.mean(v, axis=0).round(4).tolist(),
                        "any_of_4": float(np.mean([r.sum() for r in v]))} for k, v in rows.items()}
@@ -110,10 +122,10 @@ def main(argv=None) -> int:
                              "ranks": np.mean(rows_f, axis=0).round(4).tolist(),
                              "any_of_4": float(np.mean([c.sum() for c in rows_f]))}
             doc["settings"][key] = {"label": describe(record(s)), "positions": sum(int(t.numel()) for t in cont.tokens),
-                                    "load_avg_1m": load0, "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                                    "load_avg_1m": load0, "load_avg_1m_after": load_avg(),
                                     "results": res}
+            sample_load()
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
     lines = [(f"# The draft LM's q under sampling ({doc['model']}, {doc['machine']['cpu']}, {doc['prompts']} held-out "
               f"prompts x {doc['tokens']} sampled tokens, {doc['samples']} sibling runs per position)"), "",
              "| setting | q | first child accepted | ranks 0..3 | some child of 4 accepted |", "|---|---|---|---|---|"]
@@ -122,9 +134,8 @@ def main(argv=None) -> int:
             ranks = ", ".join(f"{x:.3f}" for x in r.get("ranks", [])) or "-"
             lines.append(f"| {block['label']} ({block['positions']} positions, load {block['load_avg_1m']}) | {k} | "
                          f"{r['first_child']:.3f} | {ranks} | {r['any_of_4']:.3f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    md = "\n".join(lines) + "\n"
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md}, md)
 
 
 if __name__ == "__main__":

@@ -18,30 +18,69 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_ids, builtin_tokenizer, interleaved, load, machine
+from common import (
+    ROOT,
+    Results,
+    bench_ids,
+    bench_main,
+    drafter,
+    interleaved,
+    load,
+    machine,
+    open_hf,
+    tokenizer_or_builtin,
+)
 
 import torch  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
 
-def _guessers(target, smoke: bool) -> dict:
-    """name -> a guesser factory (each decode gets a fresh guesser object where it keeps state)."""
-    from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
-    from decoder.guessers.draft import build_draft_lm, load_draft_model
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's seconds on a tiny random model."""
+
+    tokens: int
+    rounds: int
+    threads: int
+    chat_prompts: int
+    repeat_prompts: int
+    out: str | None
+
+
+def sizes(a) -> Sizes:
+    if a.smoke:
+        return Sizes(12, 1, 1, 1, 1, a.out)  # writes only with --out
+    if a.chat_prompts + a.repeat_prompts < 1:
+        raise UserError("--chat-prompts, --repeat-prompts: one prompt at least")
+    out = a.out or str(ROOT / "bench" / "results")
+    return Sizes(a.tokens, a.rounds, a.threads, a.chat_prompts, a.repeat_prompts, out)
+
+
+def _smoke_arch() -> dict:
+    """The tiny preset's architecture (the smoke's target): an untrained ParallelSpec drafter is built for it."""
+    from decoder.engines.hf.load import _load_config
+    from decoder.engines.models import resolve_spec
     from decoder.guessers.parallel import arch_of
 
+    return arch_of(_load_config(resolve_spec("tiny", weights=False)[2]))
+
+
+def _guessers(engine, smoke: bool) -> dict:
+    """name -> a guesser factory (each decode gets a fresh guesser object where it keeps state)."""
+    from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
+
     if smoke:
-        ps = ParallelDrafter(arch_of(target.config), num_masks=2, top_k=4,
-                             head_ids=torch.arange(0, target.config.vocab_size, 2))
-        draft = build_draft_lm(target, 1)
+        ps = ParallelDrafter(_smoke_arch(), num_masks=2, top_k=4, head_ids=torch.arange(0, engine.vocab_size, 2))
+        draft = drafter("first-layers:1", engine)
     else:
         from workflows.cli.inputs import shipped
 
         ps = ParallelDrafter.load(str(shipped("smollm2-135m", "parallelspec")))
-        draft = load_draft_model(str(shipped("smollm2-135m", "draft_lm")), target)
+        draft = drafter(str(shipped("smollm2-135m", "draft_lm")), engine)
     full = ParallelDrafter(ps.arch, ps.num_masks, None, ps.top_k, "parallel", ps.meta)
     full.load_state_dict(ps.state_dict())
     chain = ParallelDrafter(ps.arch, ps.num_masks, ps.head_ids, ps.top_k, "chain", ps.meta)
@@ -50,31 +89,21 @@ def _guessers(target, smoke: bool) -> dict:
             "draft LM": lambda: DraftModelGuesser(draft, top_k=1, depth=4), "lookup": lambda: PromptLookupGuesser()}
 
 
-def _setup(args):
-    """(target, prompts [BenchIds], label); a tiny random model reads them with the built-in tokenizer."""
-    from decoder.engines.hf.load import load_model
-
-    torch.set_num_threads(args.threads)
-    loaded = load_model("tiny", device="cpu") if args.smoke else load_model(args.model, device="cpu", dtype="fp32")
-    if loaded.tokenizer_dir:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    else:
-        tok = builtin_tokenizer()
+def _setup(args, s: Sizes):
+    """(engine, prompts [BenchIds], label); a tiny random model reads them with the built-in tokenizer."""
+    engine = open_hf("tiny", threads=s.threads) if args.smoke else open_hf(args.model, "fp32", s.threads)
     with torch.inference_mode():
-        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model,
-                            first_answer_tokens=8 if args.smoke else 64,
-                            keep_last=24 if args.smoke else None)
-    return loaded.model, prompts, "tiny (random)" if args.smoke else loaded.name
+        prompts = bench_ids(tokenizer_or_builtin(engine), {"chat": s.chat_prompts, "repeat": s.repeat_prompts}, engine,
+                            first_answer_tokens=8 if args.smoke else 64, keep_last=24 if args.smoke else None)
+    return engine, prompts, "tiny (random)" if args.smoke else engine.model_name
 
 
-def _decode(target, ids, name: str, make, tokens: int):
+def _decode(engine, ids, name: str, make, tokens: int):
     from decoder import generate, generate_plain
 
     if name == "plain":
-        return generate_plain(target, ids, max_new_tokens=tokens)
-    return generate(target, ids, None, make(), max_new_tokens=tokens)
+        return generate_plain(engine, ids, max_new_tokens=tokens)
+    return generate(engine, ids, None, make(), max_new_tokens=tokens)
 
 
 def _row(out, plain_tokens) -> dict:
@@ -86,26 +115,25 @@ def _row(out, plain_tokens) -> dict:
             "identical": torch.equal(out.tokens, plain_tokens)}
 
 
-def run(args) -> dict:
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
-
+def run(args) -> Results:
+    s = sizes(args)
     t0 = time.time()
-    target, prompts, label = _setup(args)
+    engine, prompts, label = _setup(args, s)
     mach = machine()
-    makers = _guessers(target, args.smoke)
+    makers = _guessers(engine, args.smoke)
     names = ["plain", *makers]
-    plain = [_decode(target, p.ids, "plain", None, args.tokens).tokens for p in prompts]
+    plain = [_decode(engine, p.ids, "plain", None, s.tokens).tokens for p in prompts]
     runs = {n: [] for n in names}
 
     def job(n):
         def fn(item):
             k, ids = item
-            out = _decode(target, ids, n, makers.get(n), min(args.tokens, 16) if k < 0 else args.tokens)
+            out = _decode(engine, ids, n, makers.get(n), min(s.tokens, 16) if k < 0 else s.tokens)
             if k >= 0:  # not the warm-up
                 runs[n].append(_row(out, plain[k]) | {"group": prompts[k].group})
         return fn
 
-    interleaved({n: job(n) for n in names}, list(enumerate(p.ids for p in prompts)), args.rounds,
+    interleaved({n: job(n) for n in names}, list(enumerate(p.ids for p in prompts)), s.rounds,
                 warm_up=(-1, prompts[0].ids))
     rows = []
     groups = sorted({p.group for p in prompts})
@@ -124,13 +152,14 @@ def run(args) -> dict:
                      "identical": all(x["identical"] for x in xs)})
     doc = {"machine": mach, "model": label, "prompts": len(prompts), "groups": groups,
            "prompt_groups": ", ".join(f"{sum(p.group == g for p in prompts)} {g}" for g in groups),
-           "tokens": args.tokens, "rounds": args.rounds, "rows": rows, "load_avg_end": load(), "wall_s": time.time() - t0}
-    if args.out:
-        out = Path(args.out)
-        atomic_write_json(out / "drafters.json", doc)
-        atomic_write_bytes(out / "drafters.md", markdown(doc).encode())
-    print(markdown(doc))
-    return doc
+           "tokens": s.tokens, "rounds": s.rounds, "rows": rows, "load_avg_end": load(), "wall_s": time.time() - t0}
+    md = markdown(doc)
+    files = {Path(s.out) / "drafters.json": doc, Path(s.out) / "drafters.md": md} if s.out else {}
+    if not args.smoke:
+        return Results(files, md)
+    ok = all(r["identical"] for r in doc["rows"])
+    return Results(files, md + ("smoke: ok" if ok else "smoke: FAILED (an output differed from plain greedy decoding)"),
+                   0 if ok else 1)
 
 
 def markdown(doc: dict) -> str:
@@ -151,7 +180,7 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--chat-prompts", type=int, default=2, help="two-turn chats (training.splits.bench_prompts)")
@@ -161,23 +190,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
     p.add_argument("--out", default=None, help="default bench/results (not with --smoke)")
-    args = p.parse_args()
-    if args.smoke:
-        args.tokens, args.rounds, args.threads, args.chat_prompts, args.repeat_prompts = 12, 1, 1, 1, 1
-    if args.chat_prompts + args.repeat_prompts < 1:
-        p.error("--chat-prompts, --repeat-prompts: one prompt at least")
-    if not args.smoke and args.out is None:
-        args.out = str(ROOT / "bench" / "results")
-    try:
-        doc = run(args)
-    except UserError as e:
-        print(f"bench_drafters: error: {e}", file=sys.stderr)
-        return 2
-    if args.smoke:
-        ok = all(r["identical"] for r in doc["rows"])
-        print("smoke: ok" if ok else "smoke: FAILED (an output differed from plain greedy decoding)")
-        return 0 if ok else 1
-    return 0
+    return p
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_drafters", parser(), run, argv, writes=lambda a: not a.smoke or a.out is not None)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,26 @@ Writes bench/results/dynamic.{json,md} (--out) with the machine and its load ave
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_ids, by_group, interleaved, load, machine
+from common import (
+    ROOT,
+    Results,
+    bench_ids,
+    bench_main,
+    by_group,
+    drafter,
+    interleaved,
+    library_generate,
+    load,
+    machine,
+    open_hf,
+    write_results,
+)
 
 import torch  # noqa: E402
 
@@ -44,22 +57,25 @@ DYNAMIC_QUICK = ("lookup", "parallelspec", "lookup+parallelspec")
 CLOCK = {"cpu": False}
 
 
-def _guesser(kind: str, model, smoke_draft=None):
+def _guesser(kind: str, engine, smoke_draft=None):
     from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
-    from decoder.guessers.draft import load_draft_model
     from decoder.guessers.dynamic import HybridGuesser
 
     if "+" in kind:
         _, drafter = kind.split("+")
-        return HybridGuesser(PromptLookupGuesser(), _guesser(drafter, model, smoke_draft), drafter)
+        return HybridGuesser(PromptLookupGuesser(), _guesser(drafter, engine, smoke_draft), drafter)
     if kind == "lookup":
         return PromptLookupGuesser()
     if kind == "draft":
-        return DraftModelGuesser(smoke_draft if smoke_draft is not None else load_draft_model(SHIPPED / "draft_lm", model),
-                                 top_k=4)
+        return DraftModelGuesser(smoke_draft if smoke_draft is not None else draft_lm(engine), top_k=4)
     if kind == "parallelspec":
         return ParallelDrafter.load(SHIPPED / "parallelspec")
     raise UserError(f"bench_dynamic: unknown guesser {kind}")
+
+
+def draft_lm(engine):
+    """The shipped draft LM on the engine's model."""
+    return drafter(str(SHIPPED / "draft_lm"), engine)
 
 
 def _dynamic_plan(kind: str, profile, accepts: dict):
@@ -74,25 +90,25 @@ def _time(fn) -> tuple[list[int], float]:
     return toks, time.perf_counter() - t0
 
 
-def runners(model, methods, plans, guessers, draft_hf, n_new: int) -> dict:
+def runners(engine, methods, plans, guessers, draft_hf, n_new: int) -> dict:
+    """method -> fn(ids) -> (tokens, GenerateOutput or None). transformers' own speculation options
+    (prompt lookup, an assistant model) are no engine option: common.library_generate runs them."""
     from decoder import generate, generate_plain
 
     def hf(**kw):
         def run(ids):
-            with torch.inference_mode():
-                out = model.generate(ids[None], do_sample=False, max_new_tokens=n_new, min_new_tokens=0,
-                                     pad_token_id=model.config.eos_token_id or 0, **kw)
-            return out[0, ids.numel():].tolist(), None
+            toks = library_generate(engine, ids, n_new, **kw) if kw else engine.stock_generate(ids, n_new)[0]
+            return toks, None
         return run
 
     def ours(plan, g):
         def run(ids):
-            out = generate(model, ids, plan=plan, guesser=g, max_new_tokens=n_new)
+            out = generate(engine, ids, plan=plan, guesser=g, max_new_tokens=n_new)
             return out.tokens.tolist(), out
         return run
 
     table = {"hf_generate": hf(), "hf_lookup": hf(prompt_lookup_num_tokens=10),
-             "plain": lambda ids: _tokens_and(generate_plain(model, ids, max_new_tokens=n_new))}
+             "plain": lambda ids: _tokens_and(generate_plain(engine, ids, max_new_tokens=n_new))}
     if draft_hf is not None:
         table["hf_assisted"] = hf(assistant_model=draft_hf)
     for m in methods:
@@ -105,7 +121,7 @@ def _tokens_and(out):
     return out.tokens.tolist(), out
 
 
-def run_bench(model, prompts: list[tuple[str, str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
+def run_bench(engine, prompts: list[tuple[str, str, torch.Tensor]], run: dict, repeats: int, progress: bool = True,
               on_prompt=None) -> dict:
     """{method: [per prompt {tokens, seconds (median), report}]} over (id, group, ids) prompts,
     timed by bench/common.py's interleaved loop. on_prompt(rows) after every prompt (results are
@@ -205,45 +221,58 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def smoke(out_dir: Path | None) -> int:
+def smoke(out_dir: Path | None) -> Results:
     """Tiny random target and draft: every method decodes, ours equal generate."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_decoder_utils import tiny_model
 
+    from decoder.engines.registry import as_engine
     from planner.accept import from_entry
     from planner.dynamic_plan import plan_dynamic
 
     torch.manual_seed(0)
-    model, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    engine, draft = as_engine(tiny_model("llama", seed=1)), tiny_model("llama", seed=2)
     acc = {"lookup": from_entry({"accuracy": [[0.4], [0.8], [0.85]], "guesser": {"kind": "PromptLookupGuesser"}}, "l"),
            "draft": from_entry({"accuracy": [[0.5, 0.2]] * 3, "guesser": {"kind": "DraftModelGuesser", "draft_s": 0.001}}, "d")}
     methods = ("dynamic/lookup", "dynamic/draft", "dynamic/lookup+draft")
     plans = {m: plan_dynamic([(k, acc[k]) for k in m.split("/")[1].split("+")], None, 8, 4) for m in methods}
-    guessers = {m: _guesser(m.split("/")[1], model, draft) for m in methods}
+    guessers = {m: _guesser(m.split("/")[1], engine, draft) for m in methods}
     g = torch.Generator().manual_seed(0)
     rep = torch.randint(1, 100, (8,), generator=g)
     # a random model without a tokenizer: random ids (the full run reads training.splits.bench_prompts)
     prompts = [("s0", "random", torch.randint(1, 100, (12,), generator=g)), ("s1", "repeats", torch.cat([rep, rep, rep[:4]]))]
-    rows = run_bench(model, prompts, runners(model, methods, plans, guessers, draft, 16), 1, progress=False)
+    rows = run_bench(engine, prompts, runners(engine, methods, plans, guessers, draft, 16), 1, progress=False)
     summary = summarise(rows)
     bad = [r["method"] for r in summary if not r["identical_to_generate"] and r["method"] not in ("hf_lookup", "hf_assisted")]
     doc = {"mode": "smoke", "machine": machine(), "load_after": load(), "model": "tiny random llama",
            "max_new_tokens": 16, "repeats": 1, "prompt_sets": "2 random", "summary": summary}
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "dynamic.json").write_text(json.dumps(doc, indent=1))
-    print(markdown(doc))
-    if bad:
-        print(f"smoke: NOT identical: {bad}")
-        return 1
-    print("smoke: ok")
-    return 0
+    files = {out_dir / "dynamic.json": doc} if out_dir is not None else {}
+    said = f"smoke: NOT identical: {bad}" if bad else "smoke: ok"
+    return Results(files, markdown(doc) + said, 1 if bad else 0)
 
 
-def main(argv=None) -> int:
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --quick's."""
+
+    chat_prompts: int
+    repeat_prompts: int
+    max_new_tokens: int
+    repeats: int
+
+
+def sizes(a) -> Sizes:
+    s = Sizes(2, 2, 32, a.repeats) if a.quick else Sizes(a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats)
+    for name in ("chat_prompts", "repeat_prompts", "max_new_tokens", "repeats"):
+        if not 0 <= getattr(s, name) <= 1024:
+            raise UserError(f"--{name.replace('_', '-')}: expected 0..1024")
+    return s
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny random models, seconds; writes only with --out")
     ap.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats (training.splits.bench_prompts)")
     ap.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -251,34 +280,31 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (default) or cpu: process CPU time, for a shared machine (use with --threads 1)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=None, help="default bench/results (not with --smoke)")
     ap.add_argument("--profile", default=str(AUTOTUNE / "profile.json"),
                     help="latency profile the dynamic plans are costed with (measure it at the bench's --threads)")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        return smoke(Path(args.out) if args.out else None)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    CLOCK["cpu"] = args.clock == "cpu"
-    if CLOCK["cpu"] and torch.get_num_threads() != 1:
-        raise UserError("--clock cpu: give --threads 1 (CPU time of several threads counts their spinning too)")
-    if args.quick:
-        args.chat_prompts, args.repeat_prompts, args.max_new_tokens = 2, 2, 32
-    for name in ("chat_prompts", "repeat_prompts", "max_new_tokens", "repeats"):
-        if not 0 <= getattr(args, name) <= 1024:
-            raise UserError(f"--{name.replace('_', '-')}: expected 0..1024")
-    from transformers import AutoTokenizer
+    return ap
 
-    from decoder.guessers.draft import load_draft_model
+
+def main(argv=None) -> int:
+    return bench_main("bench_dynamic", parser(), run, argv, writes=lambda a: not a.smoke or a.out is not None)
+
+
+def run(args) -> Results:
     from planner.accept import load_acceptance
     from planner.profile import load_profile
     from planner.tree import load_tree
-    from decoder.engines.hf.load import load_model
+
+    if args.smoke:
+        return smoke(Path(args.out) if args.out else None)
+    s = sizes(args)
+    engine = open_hf("smollm2-135m", "fp32", args.threads)
+    CLOCK["cpu"] = args.clock == "cpu"
+    if CLOCK["cpu"] and torch.get_num_threads() != 1:
+        raise UserError("--clock cpu: give --threads 1 (CPU time of several threads counts their spinning too)")
     mach = machine()
-    loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
-    model = loaded.model
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    prompts = [(p.id, p.group, p.ids) for p in bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, model)]
+    prompts = [(p.id, p.group, p.ids)
+               for p in bench_ids(engine.tokenizer, {"chat": s.chat_prompts, "repeat": s.repeat_prompts}, engine)]
     profile = load_profile(args.profile)
     dyn = DYNAMIC_QUICK if args.quick else DYNAMIC_FULL
     accepts = {k: load_acceptance(str(CAL_DIR / f"accept-{k}.json")) for k in {p for d in dyn for p in d.split("+")}}
@@ -287,46 +313,37 @@ def main(argv=None) -> int:
     for m in methods:
         kind = m.split("/")[1]
         plans[m] = load_tree(AUTOTUNE / "trees" / STATIC[kind]) if m.startswith("static/") else _dynamic_plan(kind, profile, accepts)
-        guessers[m] = _guesser(kind, model)
-    draft_hf = load_draft_model(SHIPPED / "draft_lm", model)
+        guessers[m] = _guesser(kind, engine)
+    draft_hf = draft_lm(engine)
     t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or ROOT / "bench" / "results")
     name = "dynamic-quick" if args.quick else "dynamic"
     state = {}
 
     def write(rows):
-        from planner.jsonio import atomic_write_bytes
-
+        """The prompts done so far (the load was sampled after the last one: a loaded run stops before this)."""
         done = len(rows["hf_generate"])
         doc = {"mode": "quick" if args.quick else "full", "machine": mach,
                "load_after": load(), "model": "smollm2-135m (fp32)",
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts_done": done,
+               "max_new_tokens": s.max_new_tokens, "repeats": s.repeats, "prompts_done": done,
                "clock": args.clock,
-               "prompt_sets": f"{args.chat_prompts} two-turn chats + {args.repeat_prompts} requests that repeat "
+               "prompt_sets": f"{s.chat_prompts} two-turn chats + {s.repeat_prompts} requests that repeat "
                               f"their input (training.splits.bench_prompts, read by no tuning step); "
                               f"{done} of {len(prompts)} done",
                "profile": args.profile, "calibration": str(CAL_DIR), "wall_s": time.time() - t0,
                "summary": summarise(rows), "rows": rows,
                "plans": {m: {"method": p.method, "settings": p.settings, "predicted_speedup": p.predicted_speedup}
                          for m, p in plans.items()}}
-        atomic_write_bytes(out / f"{name}.json", json.dumps(doc, indent=1, default=str).encode())
-        atomic_write_bytes(out / f"{name}.md", markdown(doc).encode())
+        write_results(Results({out / f"{name}.json": doc, out / f"{name}.md": markdown(doc)}))
         state["doc"] = doc
 
     try:
-        run_bench(model, prompts, runners(model, methods, plans, guessers, draft_hf, args.max_new_tokens), args.repeats,
+        run_bench(engine, prompts, runners(engine, methods, plans, guessers, draft_hf, s.max_new_tokens), s.repeats,
                   on_prompt=write)
     except KeyboardInterrupt:
         print("bench_dynamic: interrupted; the prompts finished so far are written", file=sys.stderr)
-    if "doc" in state:
-        print(markdown(state["doc"]))
-    return 0
+    return Results({}, markdown(state["doc"]) if "doc" in state else "")
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        print(f"bench_dynamic: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

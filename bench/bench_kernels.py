@@ -37,9 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=30, help="timings per case (median reported)")
     p.add_argument("--inner", type=int, default=10, help="calls per timing")
@@ -50,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-check", action="store_true",
                    help="no GPU needed: compile every kernel variant for sm_80 and sm_90 with ptxas, "
                         "write bench/results/kernels_compile.json (shared memory per variant)")
-    return p.parse_args(argv)
+    return p
 
 
 def random_tree(n: int, seed: int = 0) -> list[int]:
@@ -123,10 +124,11 @@ def bench_tree_attention(cfg, measure, use_flex: bool, progress):
     dev, dtype, H, H_kv, D = cfg["device"], cfg["dtype"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     flex = None
     if use_flex:
+        import torch._dynamo.config as dynamo_config
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         flex = torch.compile(flex_attention, dynamic=False)
-        torch._dynamo.config.cache_size_limit = 64
+        dynamo_config.cache_size_limit = 64  # one compiled graph per (C, n) shape
     rows = []
     for C in cfg["prefix"]:
         for n in cfg["tree"]:
@@ -215,10 +217,19 @@ def bench_verify_floor(cfg, measure, progress):
     return rows
 
 
+def _attention(model, name: str) -> None:
+    """Switch the model's attention between "sdpa" (the decoder's dense path) and "tree_triton". The one
+    reach into the model here (docs/benchmarks.md): the step alternates the two paths every repeat, and
+    the engine's select_attention switches the kernels on but has no way back to dense."""
+    model.set_attn_implementation(name)
+
+
 def bench_step(cfg, measure_many, progress):
-    """One decoder step (tree inputs, forward, KV compaction) on a real model, dense mask vs kernels."""
+    """One decoder step (tree inputs, forward, KV compaction) on a real model, dense mask vs kernels: the
+    hf engine's own functions on its torch model, since a step's parts are what this section times."""
     import torch
 
+    from common import open_hf
     from decoder.engines.hf.attention import enable_tree_attention, prepare_tree
     from decoder.engines.hf.cache import compact_cache
     from decoder.engines.hf.forward import (
@@ -229,17 +240,16 @@ def bench_step(cfg, measure_many, progress):
         tree_depths,
         tree_forward,
     )
-    from decoder.engines.hf.load import load_model
 
     dev = cfg["device"]
-    model = load_model(cfg["step_model"], device=dev, dtype=cfg["step_dtype"]).model
+    engine = open_hf(cfg["step_model"], cfg["step_dtype"], device=dev)
+    model = engine.torch_model()
     enable_tree_attention(model, backend="triton")  # registers "tree_triton"; each mode sets its own below
-    vocab = model.config.vocab_size
-    dtype = next(model.parameters()).dtype
+    vocab, dtype = engine.vocab_size, engine.dtype
     g = torch.Generator().manual_seed(0)
     rows = []
     for C in cfg["step_prefix"]:
-        model.set_attn_implementation("sdpa")
+        _attention(model, "sdpa")
         cache = prefill(model, torch.randint(0, vocab, (1, C), generator=g).to(dev)).cache
         prefix = [(layer.keys, layer.values) for layer in cache.layers]  # [1, H_kv, C, d] each, never written
 
@@ -259,13 +269,13 @@ def bench_step(cfg, measure_many, progress):
             path = anc[deepest].nonzero()[:, 0].to(dev)  # [m] accepted root-to-leaf path, in order
 
             def dense_step():
-                model.set_attn_implementation("sdpa")
+                _attention(model, "sdpa")
                 reset()
                 mask = step_mask(block, C)  # built every step, as decoder/loop.py does
                 return lambda: (tree_forward(model, ids, pos, mask, cache).logits, compact_cache(cache, C, path))[0]
 
             def kernel_step():
-                model.set_attn_implementation("tree_triton")
+                _attention(model, "tree_triton")
                 reset()
                 return lambda: (tree_forward(model, ids, pos, None, cache, tree=tm).logits,
                                 compact_cache(cache, C, path, kernel=True, validate=False))[0]
@@ -283,11 +293,11 @@ def bench_step(cfg, measure_many, progress):
             rows.append(row)
             progress.update(1)
         reset()
-    model.set_attn_implementation("sdpa")
+    _attention(model, "sdpa")
     return rows
 
 
-def compile_check(out_dir: Path) -> int:
+def compile_check(out_dir: Path):
     """Ahead-of-time compile of each kernel variant the wrappers can launch, for A100 and H100.
 
     Catches what the CPU interpreter cannot: lowering errors, tl.dot shape limits, and tiles that
@@ -340,14 +350,12 @@ def compile_check(out_dir: Path) -> int:
         k = build(ta._split_combine, {"Mid": "*fp32", "Lse": "*fp32", "Out": "*fp16"},
                   {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_R": 16}, {"num_warps": 4}, arch)
         rows_out.append({"arch": arch, "kernel": "split_combine", "dtype": "fp16", "shared_bytes": k.metadata.shared, "fits": True})
-    from planner.jsonio import atomic_write_json
+    from common import Results
 
-    atomic_write_json(out_dir / "kernels_compile.json", {"triton": triton.__version__, "variants": rows_out})
-    for r in rows_out:
-        if not r["fits"]:
-            print("does not fit or failed:", r)
-    print(f"{len(rows_out) - failed}/{len(rows_out)} variants compile and fit; wrote {out_dir / 'kernels_compile.json'}")
-    return 1 if failed else 0
+    said = [f"does not fit or failed: {r}" for r in rows_out if not r["fits"]]
+    said.append(f"{len(rows_out) - failed}/{len(rows_out)} variants compile and fit")
+    return Results({out_dir / "kernels_compile.json": {"triton": triton.__version__, "variants": rows_out}},
+                   "\n".join(said), 1 if failed else 0)
 
 
 def write_markdown(res) -> str:
@@ -386,17 +394,24 @@ def write_markdown(res) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    from common import bench_main
+
+    return bench_main("bench_kernels", parser(), run, argv, writes=lambda a: not a.smoke and not a.compile_check)
+
+
+def run(args):
+    from common import Results, machine, sample_load
+
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    if args.compile_check:
+    if args.compile_check:  # static: no timing, no load to judge
         os.environ.pop("TRITON_INTERPRET", None)
         return compile_check(args.out)
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device; GPU timings skipped (use --smoke to check the code paths on the CPU)")
-        return 0
+        return Results({}, "bench_kernels: no CUDA device; GPU timings skipped (use --smoke to check the code paths on "
+                           "the CPU)")
     import triton
     from tqdm import tqdm
 
@@ -404,44 +419,42 @@ def main(argv=None) -> int:
         cfg = dict(device="cpu", dtype=torch.float32, heads=4, kv_heads=2, head_dim=64, prefix=[0, 70], tree=[16, 33],
                    layers=3, compact_prefix=40, compact_tree=16, accepted=[1, 4], vocab=1000,
                    step_model="tiny", step_dtype="fp32", step_prefix=[40])
-        args.repeats, args.inner = 1, 1
+        repeats, inner = 1, 1
     else:
         cfg = dict(device="cuda", dtype=torch.float16, heads=32, kv_heads=32, head_dim=128,
                    prefix=[256, 2048, 8192], tree=[16, 32, 64, 128, 256],
                    layers=32, compact_prefix=2048, compact_tree=64, accepted=[1, 2, 4, 8, 16], vocab=32000,
                    step_model="llama-2-7b", step_dtype="fp16", step_prefix=[256, 2048])
-    measure = timer(cfg["device"], args.repeats, args.inner)
+        repeats, inner = args.repeats, args.inner
+    measure = timer(cfg["device"], repeats, inner)
     use_flex = not args.no_flex and not args.smoke
     total = (len(cfg["prefix"]) + (0 if args.no_step else len(cfg["step_prefix"]))) * len(cfg["tree"]) \
         + len(cfg["accepted"]) + len(cfg["tree"])
     res = {
         "machine": torch.cuda.get_device_name() if cfg["device"] == "cuda" else f"{platform.machine()} CPU (interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__, "repeats": args.repeats, "inner": args.inner,
+        "host": machine(), "torch": torch.__version__, "triton": triton.__version__, "repeats": repeats, "inner": inner,
         "config": {k: (str(v) if k == "dtype" else v) for k, v in cfg.items()},
     }
     with tqdm(total=total, desc="bench_kernels") as progress:
         try:
             res["tree_attention"] = bench_tree_attention(cfg, measure, use_flex, progress)
+            sample_load()
             res["kv_compact"] = bench_kv_compact(cfg, measure, progress)
             res["verify_floor"] = bench_verify_floor(cfg, measure, progress)
+            sample_load()
             if not args.no_step:
-                res["step"] = bench_step(cfg, alternating_timer(cfg["device"], args.repeats), progress)
+                res["step"] = bench_step(cfg, alternating_timer(cfg["device"], repeats), progress)
         except KeyboardInterrupt:
             print("bench_kernels: interrupted, nothing written", file=sys.stderr)
-            return 130
+            return Results({}, "", 130)
     md = write_markdown(res)
-    print(md)
     if args.smoke:
         bad = [r for r in res["tree_attention"] if r["triton_max_err"] > 1e-4]
         bad += [r for r in res.get("step", []) if r["logits_max_err"] > 1e-3 or r["cache_max_err"] > 1e-4]
-        print("smoke:", "FAILED" if bad else "ok (kernels match references and the dense step; CPU timings are meaningless)")
-        return 1 if bad else 0
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
-
-    atomic_write_json(args.out / "kernels.json", res)
-    atomic_write_bytes(args.out / "kernels.md", md.encode())
-    print(f"wrote {args.out / 'kernels.json'} and kernels.md")
-    return 0
+        said = "smoke: " + ("FAILED" if bad else "ok (kernels match references and the dense step; CPU timings are "
+                                                 "meaningless)")
+        return Results({}, md + said, 1 if bad else 0)  # smoke writes nothing
+    return Results({args.out / "kernels.json": res, args.out / "kernels.md": md}, md)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import Results, bench_main, load_avg  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
@@ -65,7 +68,7 @@ def complete(port: int, ids: list[int], n: int) -> tuple[list[int], float, dict]
     return list(out.get("tokens") or []), time.perf_counter() - t0, out.get("timings") or {}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", required=True, help="a llama.cpp plan (RUN/chosen.json)")
     p.add_argument("--server", default=str(DEFAULT_SERVER), help="the llama-server binary")
@@ -76,22 +79,33 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "llama_server"))
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_llama_server", parser(), run, argv)
+
+
+def _prompts(threads: int, n_chat: int, n_repeat: int) -> tuple[list, str]:
+    """bench_llamacpp's prompts (chat turns answered by llama.cpp's own greedy generation) and the GGUF
+    file, from a llama.cpp engine closed before the servers start (they get the cores)."""
+    from bench_llamacpp import build_prompts
+
+    from decoder.engines.registry import EngineRequest, open_engine
+
+    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=threads, context=4096))
     try:
-        return run(args)
-    except UserError as e:
-        print(f"bench_llama_server: error: {e}", file=sys.stderr)
-        return 2
+        return build_prompts(engine, n_chat, n_repeat), engine.record()["model_file"]
+    finally:
+        engine.close()
 
 
-def run(args) -> int:
-    from bench.bench_llamacpp import build_prompts, machine
+def run(args) -> Results:
+    from bench_llamacpp import machine
+
     from decoder.engines.llama_cpp.lib import check_threads
-    from decoder.engines.llama_cpp.stock import StockLlama
     from planner.export_llama import llama_server_export
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
     from planner.tree import load_tree
-    from decoder.engines.shipped import gguf_file, model_dir
 
     if not Path(args.server).is_file():
         raise UserError(f"{args.server}: no llama-server binary (build it: bash scripts/build_llama_server.sh)")
@@ -99,19 +113,13 @@ def run(args) -> int:
         raise UserError("--tokens in 1..2048, --repeats in 1..100, --port in 1024..65534")
     threads = check_threads(args.threads)
     plan = load_tree(args.plan)
-    gguf = str(gguf_file("smollm2-135m"))
+    prompts, gguf = _prompts(threads, args.chat, args.repeat)
     exported = llama_server_export(plan, gguf, threads, port=args.port + 1)
     plain_cmd = llama_server_export(load_tree(args.plan), gguf, threads, port=args.port).command
     plain_cmd = plain_cmd[: plain_cmd.index("--spec-type")] if "--spec-type" in plain_cmd else plain_cmd
     cmds = {"plain": [args.server] + plain_cmd[1:], "exported": [args.server] + exported.command[1:]}
     ports = {"plain": args.port, "exported": args.port + 1}
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
-    stock = StockLlama(gguf, threads)
-    prompts = build_prompts(tokenizer, stock, args.chat, args.repeat)
-    stock.close()
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = load_avg()
     logs = Path(args.out).parent
     logs.mkdir(parents=True, exist_ok=True)
     procs = {}
@@ -134,13 +142,15 @@ def run(args) -> int:
                     seconds[k].setdefault(pid, []).append(sec)
                     decode_s[k].setdefault(pid, []).append(timings.get("predicted_ms", float("nan")) / 1e3)
                     tokens[k][pid] = toks
-            print(f"repeat {r + 1}/{args.repeats} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+            print(f"repeat {r + 1}/{args.repeats} done (load {load_avg()})", file=sys.stderr)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         for proc in procs.values():
             proc.terminate()
             proc.wait(timeout=30)
+    # the load is judged once, over the whole run, when the results are written: only then are the
+    # servers' CPU seconds this process's own (a finished child's), not another process's
     ids_done = [pid for pid, _, _ in prompts if all(pid in seconds[k] for k in cmds)]
     group = {pid: g for pid, g, _ in prompts}
     rows = {}
@@ -153,14 +163,13 @@ def run(args) -> int:
     ratio = {p: statistics.median(seconds["plain"][p]) / statistics.median(seconds["exported"][p]) for p in ids_done}
     geo = lambda rs: math.exp(statistics.fmean(math.log(x) for x in rs)) if rs else None  # noqa: E731
     doc = {"plan": args.plan, "machine": machine(threads), "load_before": load_before,
-           "load_after": round(os.getloadavg()[0], 2), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
+           "load_after": load_avg(), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
            "export_notes": exported.notes, "speedup_geomean": geo(list(ratio.values())),
            "speedup_chat": geo([r for p, r in ratio.items() if group[p] == "chat"]),
            "speedup_repeat": geo([r for p, r in ratio.items() if group[p] == "repeat"]),
            "per_prompt": ratio, "identical": [p for p in ids_done if tokens["plain"][p] != tokens["exported"][p]] == [],
            "differs_on": [p for p in ids_done if tokens["plain"][p] != tokens["exported"][p]],
            "interrupted": interrupted, "command": "python3 bench/bench_llama_server.py " + " ".join(sys.argv[1:])}
-    atomic_write_json(args.out + ".json", doc)
     md = [f"# llama-server: exported flags against none ({len(ids_done)} prompts x {args.tokens} tokens, medians of "
           f"{args.repeats})", "", f"Machine: {doc['machine']['cpu']}, {threads} threads; load {load_before} before, "
           f"{doc['load_after']} after.", "", "| server | tokens/s (wall) | tokens/s (server decode) | command |",
@@ -169,9 +178,8 @@ def run(args) -> int:
     md += ["", f"Speedup (wall, geometric mean over prompts): {doc['speedup_geomean']:.3f}x (chat "
            f"{doc['speedup_chat'] or float('nan'):.3f}x, repeat {doc['speedup_repeat'] or float('nan'):.3f}x); outputs "
            f"identical: {doc['identical']}."] + [f"- note: {n}" for n in exported.notes]
-    atomic_write_bytes(args.out + ".md", ("\n".join(md) + "\n").encode())
-    print("\n".join(md))
-    return 130 if interrupted else 0
+    text = "\n".join(md) + "\n"
+    return Results({Path(args.out + ".json"): doc, Path(args.out + ".md"): text}, text, 130 if interrupted else 0)
 
 
 if __name__ == "__main__":

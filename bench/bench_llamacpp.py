@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import random
 import statistics
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from common import Results, bench_main, load_avg, open_hf, sample_load  # noqa: E402
+from common import machine as common_machine  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
@@ -43,15 +44,16 @@ BASE = "llama.cpp plain"
 
 
 def machine(threads: int) -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.machine())
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "load_avg_1m": round(os.getloadavg()[0], 2)}
+    """bench/common.py's machine record with the threads llama.cpp computes with."""
+    return common_machine() | {"threads": threads, "load_avg_1m": load_avg()}
 
 
-def build_prompts(tokenizer, stock, n_chat: int, n_repeat: int) -> list[tuple[str, str, torch.Tensor]]:
-    """(id, group, prompt ids): chat first turns, chat second turns after llama.cpp's greedy first answer,
-    and repeat requests."""
+def build_prompts(engine, n_chat: int, n_repeat: int) -> list[tuple[str, str, torch.Tensor]]:
+    """(id, group, prompt ids): chat first turns, chat second turns after the engine's own greedy first
+    answer (llama.cpp's Llama.generate), and repeat requests, through the engine's chat template."""
     from training.splits import bench_prompts
+
+    tokenizer = engine.tokenizer
 
     def ids(messages) -> torch.Tensor:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -62,7 +64,7 @@ def build_prompts(tokenizer, stock, n_chat: int, n_repeat: int) -> list[tuple[st
         first = [{"role": "user", "content": bp.turns[0]}]
         rows.append((f"{bp.id}/1", "chat", ids(first)))
         if len(bp.turns) > 1:
-            answer, _ = stock.greedy(rows[-1][2], 96)
+            answer, _ = engine.stock_generate(rows[-1][2], 96)
             text = tokenizer.decode(answer, skip_special_tokens=True)
             rows.append((f"{bp.id}/2", "chat", ids(first + [{"role": "assistant", "content": text},
                                                             {"role": "user", "content": bp.turns[1]}])))
@@ -71,20 +73,19 @@ def build_prompts(tokenizer, stock, n_chat: int, n_repeat: int) -> list[tuple[st
     return rows
 
 
-def contenders(args, engine, plans: dict, stock: dict, hf) -> dict:
+def contenders(s: "Sizes", engine, plans: dict, lookups: dict, hf) -> dict:
     """name -> fn(ids) -> (tokens, seconds)."""
     from decoder.guesser import PlainGuesser
-    from decoder.loop import generate
     from decoder.guessers.registry import LoadRequest, load_guesser
+    from decoder.loop import generate
 
-    eng = engine
-    out = {BASE: lambda ids: stock["plain"].greedy(ids, args.tokens)}
-    for k in (4, 10):
-        out[f"llama.cpp lookup {k}"] = (lambda s: lambda ids: s.greedy(ids, args.tokens))(stock[k])
+    out = {BASE: lambda ids: engine.stock_generate(ids, s.tokens)}
+    for k, stock in lookups.items():
+        out[f"llama.cpp lookup {k}"] = (lambda st: lambda ids: st.greedy(ids, s.tokens))(stock)
 
     def ours(tree, guesser):
         def run(ids):
-            o = generate(eng, ids, plan=tree, guesser=guesser, max_new_tokens=args.tokens, phase_times=False)
+            o = generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=s.tokens, phase_times=False)
             run.last = o
             return o.tokens.tolist(), o.stats.total_s
         return run
@@ -92,34 +93,38 @@ def contenders(args, engine, plans: dict, stock: dict, hf) -> dict:
     out["engine plain"] = ours(None, PlainGuesser())
     for name, tree in plans.items():
         kind = tree.settings.get("guesser", "plain")
-        g = load_guesser(kind, LoadRequest(eng, depth=8)) if kind != "plain" else PlainGuesser()
+        g = load_guesser(kind, LoadRequest(engine, depth=8)) if kind != "plain" else PlainGuesser()
         out[f"plan {name}"] = ours(tree if kind != "plain" else None, g)
     if hf is not None:
-        model, eos = hf
-
         def transformers(ids):
-            torch.set_num_threads(args.threads)  # the llama engine keeps torch on one thread
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                y = model.generate(ids[None], max_new_tokens=args.tokens, do_sample=False, eos_token_id=eos,
-                                   pad_token_id=eos[0])
-            sec = time.perf_counter() - t0
-            torch.set_num_threads(1)
-            return y[0, ids.numel():].tolist(), sec
+            torch.set_num_threads(s.threads)  # the llama engine keeps torch on one thread
+            try:
+                return hf.stock_generate(ids, s.tokens)
+            finally:
+                torch.set_num_threads(1)
         out["transformers generate"] = transformers
     return out
 
 
-def measure(args, prompts, fns: dict) -> tuple[dict, dict, bool]:
+def _lookup_baselines(engine, threads: int) -> dict:
+    """llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding, K = 4 and 10) on the engine's file:
+    no engine option (stock_generate is its plain Llama.generate), so its own package's StockLlama."""
+    from decoder.engines.llama_cpp.stock import StockLlama
+
+    gguf = engine.record()["model_file"]
+    return {k: StockLlama(gguf, threads, lookup=k) for k in (4, 10)}
+
+
+def measure(s: "Sizes", seed: int, prompts, fns: dict) -> tuple[dict, dict, bool]:
     """seconds[name][prompt id] -> [per repeat], tokens[name][prompt id]; interleaved, warm-up first."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     seconds = {n: {} for n in fns}
     tokens = {n: {} for n in fns}
     for fn in fns.values():  # warm-up: first calls at new shapes, thread pools
         fn(prompts[0][2][: max(8, prompts[0][2].numel() // 2)])
     interrupted = False
     try:
-        for r in range(args.repeats):
+        for r in range(s.repeats):
             for pid, _, ids in prompts:
                 order = list(fns)
                 rng.shuffle(order)
@@ -127,7 +132,8 @@ def measure(args, prompts, fns: dict) -> tuple[dict, dict, bool]:
                     toks, sec = fns[n](ids)
                     seconds[n].setdefault(pid, []).append(sec)
                     tokens[n][pid] = toks
-            print(f"repeat {r + 1}/{args.repeats} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+                sample_load()
+            print(f"repeat {r + 1}/{s.repeats} done (load {load_avg()})", file=sys.stderr)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: writing what is measured", file=sys.stderr)
@@ -207,7 +213,7 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", action="append", default=[], help="a llama.cpp plan (repeatable), e.g. RUN/chosen.json")
     p.add_argument("--profile", default=None, help="the L(n) for the ceiling (default: the first plan's profile)")
@@ -217,65 +223,70 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp and torch threads (default: the cores)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    p.add_argument("--smoke", action="store_true", help="2 prompts x 16 tokens, one repeat, no transformers")
+    p.add_argument("--smoke", action="store_true",
+                   help="2 prompts x 16 tokens, one repeat, no transformers; writes nothing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "llamacpp"))
-    args = p.parse_args()
-    try:
-        return run(args)
-    except UserError as e:
-        print(f"bench_llamacpp: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def run(args) -> int:
+def main(argv=None) -> int:
+    return bench_main("bench_llamacpp", parser(), run, argv, writes=lambda a: not a.smoke)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's seconds."""
+
+    chat: int
+    repeat: int
+    tokens: int
+    repeats: int
+    no_hf: bool
+    threads: int
+
+
+def sizes(a) -> Sizes:
     from decoder.engines.llama_cpp.lib import check_threads
-    from decoder.engines.llama_cpp.stock import StockLlama
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
+
+    s = Sizes(1, 0, 16, 1, True, 0) if a.smoke else Sizes(a.chat, a.repeat, a.tokens, a.repeats, a.no_hf, 0)
+    if not (1 <= s.tokens <= 2048 and 1 <= s.repeats <= 100 and 0 <= s.chat <= 50 and 0 <= s.repeat <= 50):
+        raise UserError("--tokens in 1..2048, --repeats in 1..100, --chat and --repeat in 0..50")
+    return Sizes(s.chat, s.repeat, s.tokens, s.repeats, s.no_hf, check_threads(a.threads))
+
+
+def run(args) -> Results:
+    from decoder.engines.registry import EngineRequest, open_engine
+    from planner.engines import DEFAULT
     from planner.profile import load_profile
     from planner.tree import load_tree
-    from decoder.engines.registry import EngineRequest, open_engine
 
-    if args.smoke:
-        args.chat, args.repeat, args.tokens, args.repeats, args.no_hf = 1, 0, 16, 1, True
-    if not (1 <= args.tokens <= 2048 and 1 <= args.repeats <= 100 and 0 <= args.chat <= 50 and 0 <= args.repeat <= 50):
-        raise UserError("--tokens in 1..2048, --repeats in 1..100, --chat and --repeat in 0..50")
-    args.threads = check_threads(args.threads)
+    s = sizes(args)
     plans = {Path(f).parent.name + "/" + Path(f).stem: load_tree(f) for f in args.plan}
-    for f, t in zip(args.plan, plans.values()):
-        if t.engine != "llama.cpp":
-            raise UserError(f"--plan {f}: made for the {t.engine or 'hf'} engine, not llama.cpp")
     prof_path = args.profile or next((t.provenance.get("profile") for t in plans.values()
                                       if isinstance(t.provenance.get("profile"), str)), None)
     profile = load_profile(prof_path) if prof_path else None
-    load_before = round(os.getloadavg()[0], 2)
-    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=args.threads, context=4096))
-    tokenizer = engine.tokenizer
-    stock = {"plain": StockLlama(engine.path, args.threads), 4: StockLlama(engine.path, args.threads, lookup=4),
-             10: StockLlama(engine.path, args.threads, lookup=10)}
-    prompts = build_prompts(tokenizer, stock["plain"], args.chat, args.repeat)
-    hf = None
-    if not args.no_hf:
-        from decoder.engines.hf.load import load_model
-
-        hf_model = load_model("smollm2-135m", device="cpu", dtype="fp32").model
-        hf = (hf_model, sorted(engine.eos_ids()))
-    fns = contenders(args, engine, plans, stock, hf)
-    seconds, tokens, interrupted = measure(args, prompts, fns)
+    load_before = load_avg()
+    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=s.threads, context=4096))
+    for f, t in zip(args.plan, plans.values()):
+        if (t.engine or DEFAULT) != engine.caps.name:
+            raise UserError(f"--plan {f}: made for the {t.engine or DEFAULT} engine, not {engine.caps.name}")
+    prompts = build_prompts(engine, s.chat, s.repeat)
+    hf = None if s.no_hf else open_hf("smollm2-135m", "fp32")  # no threads: torch stays on the llama engine's one
+    fns = contenders(s, engine, plans, _lookup_baselines(engine, s.threads), hf)
+    seconds, tokens, interrupted = measure(s, args.seed, prompts, fns)
     ceil = ceilings(prompts, tokens[BASE], profile) if profile is not None else {}
     result = summarise(prompts, seconds, tokens, ceil)
-    doc = {"model": engine.model_name, "model_file": str(engine.path), "tokens": args.tokens, "repeats": args.repeats,
-           "machine": machine(args.threads), "load_before": load_before, "load_after": round(os.getloadavg()[0], 2),
-           "llama_cpp": engine.describe(), "plans": args.plan, "profile": prof_path,
+    record = engine.record()
+    doc = {"model": engine.model_name, "model_file": record["model_file"], "tokens": s.tokens, "repeats": s.repeats,
+           "machine": machine(s.threads), "load_before": load_before, "load_after": load_avg(),
+           "llama_cpp": record["llama_cpp"], "plans": args.plan, "profile": prof_path,
            "prompts": [{"id": pid, "group": g, "length": int(ids.numel())} for pid, g, ids in prompts],
            "ceilings": ceil, "result": result, "seconds": seconds, "interrupted": interrupted,
            "command": "python3 bench/bench_llamacpp.py " + " ".join(sys.argv[1:])}
-    if not args.smoke:
-        atomic_write_json(args.out + ".json", doc)
-        atomic_write_bytes(args.out + ".md", to_markdown(doc).encode())
-        print(f"wrote {args.out}.json and .md", file=sys.stderr)
-    print(to_markdown(doc))
-    return 130 if interrupted else 0
+    md = to_markdown(doc)
+    files = {} if args.smoke else {Path(args.out + ".json"): doc, Path(args.out + ".md"): md}
+    return Results(files, md, 130 if interrupted else 0)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import ROOT, bench_ids, builtin_tokenizer, by_group, geomean, interleaved, load, machine  # noqa: F401
+from common import (  # noqa: F401 (machine: the sampling benchmarks import it from here)
+    ROOT,
+    Results,
+    bench_ids,
+    bench_main,
+    by_group,
+    geomean,
+    interleaved,
+    library_generate,
+    load,
+    machine,
+    open_hf,
+    tokenizer_or_builtin,
+)
 
 import torch  # noqa: E402
 
@@ -38,10 +52,25 @@ from planner.errors import UserError  # noqa: E402
 # ---------------------------------------------------------------------------------------------- contenders
 
 
-def load_plan(path: str, loaded):
-    """The plan and the guesser it records (autotune writes both); None guesser for plain/PEARL."""
+def recorded_guesser(tree, path: str) -> str:
+    """KIND[:DIR] the plan records (autotune writes it): the files it was raced with (checked against
+    their checksum), else the recorded directory; as `planner decode --plan` resolves it."""
+    from planner.guessers import kind as guesser_kind
+    from planner.plan_settings import plan_settings
+
+    kind = tree.settings["guesser"]
+    raced = plan_settings(tree.settings, path).raced_with
+    where = None
+    if raced is not None and raced.guesser is not None:
+        where = str(raced.guesser.check(Path(path).parent, path, "the guesser's files"))
+    where = where or tree.provenance.get("guesser_dir")
+    return f"{kind}:{where}" if isinstance(where, str) and guesser_kind(kind).files is not None else kind
+
+
+def load_plan(path: str, engine):
+    """The plan and the guesser it records (autotune writes both), built against the engine (None: plain
+    decoding)."""
     from planner.tree import load_tree
-    from workflows.cli.cmd_decode import _recorded_guesser
     from workflows.cli.inputs import make_guesser
 
     tree = load_tree(path)
@@ -54,46 +83,44 @@ def load_plan(path: str, loaded):
         where = tree.provenance.get("guesser_dir")
         spec = f"draft:{where}" if isinstance(where, str) else "draft"
     else:
-        spec = _recorded_guesser(tree)
-    args = SimpleNamespace(guesser=spec, prompt_tokens=None, random_prompt_tokens=None, ensemble=1, top_k_guesses=10)
-    return tree, make_guesser(args, loaded, loaded.name)
+        spec = recorded_guesser(tree, path)
+    args = SimpleNamespace(guesser=spec, model=engine.model_name, prompt_tokens=None, random_prompt_tokens=None,
+                           ensemble=1, top_k_guesses=10)
+    return tree, make_guesser(args, engine)
 
 
-def contenders(model, tree, guesser, n: int, eos) -> dict:
-    """name -> fn(ids [T]) -> list of new token ids. transformers runs stock (F.linear in every
-    Linear); this project's loops run the matmul paths the profile chose, if any are installed."""
+def contenders(engine, tree, guesser, n: int) -> dict:
+    """name -> fn(ids [T]) -> list of new token ids. transformers runs stock (F.linear in every Linear:
+    the engine's stock_generate); this project's loops run the matmul paths the profile chose, if any
+    are installed on the engine."""
+    from decoder import generate_plain
+
+    def plain(ids):
+        return generate_plain(engine, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
+
+    return {"generate": lambda ids: engine.stock_generate(ids, n)[0],
+            "generate+lookup": lambda ids: library_generate(engine, ids, n, prompt_lookup_num_tokens=10),
+            "plain loop": plain, "chosen": chosen_runner(engine, tree, guesser, n)}
+
+
+def chosen_runner(engine, tree, guesser, n: int):
+    """The plan's own decoding: plain, PEARL (at the thread split autotune measured it at) or the loop."""
     from decoder import generate, generate_plain
-    from decoder.engines.hf.cpu_paths import set_paths_enabled
     from decoder.guessers.pearl import generate_pearl
-
-    def ours(fn):
-        def run(ids):
-            set_paths_enabled(model, True)
-            return fn(ids)
-        return run
-
-    def hf(**extra):
-        def run(ids):
-            set_paths_enabled(model, False)
-            out = model.generate(ids[None], max_new_tokens=n, do_sample=False, eos_token_id=eos, **extra)
-            return out[0, ids.numel():].tolist()
-        return run
 
     def chosen(ids):
         if guesser is None:
-            return generate_plain(model, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
+            return generate_plain(engine, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
         if tree.settings.get("guesser") == "pearl":
-            split = tree.settings["pearl"].get("threads")  # the split autotune measured it at
-            return generate_pearl(model, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
+            split = tree.settings["pearl"].get("threads")
+            return generate_pearl(engine, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
                                   max_new_tokens=n, threads=tuple(split) if split else None).tokens.tolist()
-        return generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False).tokens.tolist()
+        return generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False).tokens.tolist()
 
-    return {"generate": hf(), "generate+lookup": hf(prompt_lookup_num_tokens=10),
-            "plain loop": ours(lambda ids: generate_plain(model, ids, max_new_tokens=n, phase_times=False).tokens.tolist()),
-            "chosen": ours(chosen)}
+    return chosen
 
 
-def summarise(model, prompts, timings) -> dict:
+def summarise(engine, prompts, timings) -> dict:
     """Per contender: tokens/s, per-prompt speedup over generate (geometric mean, min, max, per
     group) and how many outputs equal generate's."""
     from profiler.compare import classify
@@ -105,7 +132,7 @@ def summarise(model, prompts, timings) -> dict:
     out = {}
     for name in secs:
         ups = [b / s for b, s in zip(base, secs[name])]
-        status = [classify(model, p.ids, tokens["generate"][k], tokens[name][k])["status"] for k, p in enumerate(prompts)]
+        status = [classify(engine, p.ids, tokens["generate"][k], tokens[name][k])["status"] for k, p in enumerate(prompts)]
         n_tok = sum(len(t) for t in tokens[name])
         out[name] = {"tokens_per_s": n_tok / sum(secs[name]), "tokens": n_tok, "seconds": sum(secs[name]),
                      "speedup_vs_generate": geomean(ups), "min_speedup": min(ups), "max_speedup": max(ups),
@@ -144,19 +171,37 @@ def _also(specs: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def _other_decision(model_name: str, run: Path, n: int, eos):
-    """Another run's chosen plan on its own model copy, with that run's matmul paths."""
-    from decoder.engines.hf.cpu_paths import use_profile_paths
-    from decoder.engines.hf.load import load_model
-
-    loaded = load_model(model_name, device="cpu")
+def _other_decision(model_name: str, run: Path, n: int):
+    """Another run's chosen plan on its own engine (its own model copy), with that run's matmul paths."""
+    engine = open_hf(model_name)
     if (run / "profile.json").is_file():
-        use_profile_paths(loaded.model, str(run / "profile.json"))
-    tree, guesser = load_plan(str(run / "chosen.json"), loaded)
-    return contenders(loaded.model, tree, guesser, n, eos)["chosen"]
+        engine.use_matmul_paths(str(run / "profile.json"))
+    tree, guesser = load_plan(str(run / "chosen.json"), engine)
+    return chosen_runner(engine, tree, guesser, n)
 
 
-def main(argv=None) -> int:
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's toy-model seconds."""
+
+    model: str
+    chat_prompts: int
+    repeat_prompts: int
+    max_new_tokens: int
+    repeats: int
+    first_answer_tokens: int
+
+
+def sizes(a) -> Sizes:
+    s = Sizes(a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats, 64)
+    if a.smoke:
+        s = Sizes("builtin", 1, 1, 12, 1, 16)
+    if not (1 <= s.max_new_tokens <= 2048 and 1 <= s.repeats <= 50 and s.chat_prompts + s.repeat_prompts >= 1):
+        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts and --repeat-prompts one at least")
+    return s
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--run", help="an autotune run folder (its chosen.json)")
@@ -174,58 +219,40 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="the toy model, 1 + 1 prompts, 12 tokens, 1 repeat")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "main_job"), help="writes OUT.json and OUT.md")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        return _run(a)
-    except UserError as e:
-        print(f"bench_main_job: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _run(a) -> int:
-    from transformers import AutoTokenizer
+def main(argv=None) -> int:
+    return bench_main("bench_main_job", parser(), run, argv)
 
-    from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
 
-    if a.smoke:
-        a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats = "builtin", 1, 1, 12, 1
-    if not (1 <= a.max_new_tokens <= 2048 and 1 <= a.repeats <= 50 and a.chat_prompts + a.repeat_prompts >= 1):
-        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts and --repeat-prompts one at least")
-    if a.threads:
-        torch.set_num_threads(a.threads)
+def run(a) -> Results:
+    s = sizes(a)
     plan = a.plan or (str(Path(a.run) / "chosen.json") if a.run else None)
-    loaded = load_model(a.model, device="cpu")
-    model = loaded.model
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir) if loaded.tokenizer_dir else builtin_tokenizer()
-    tree, guesser = load_plan(plan, loaded) if plan else (None, None)
+    engine = open_hf(s.model, threads=a.threads)
+    tok = tokenizer_or_builtin(engine)
+    tree, guesser = load_plan(plan, engine) if plan else (None, None)
     profile = a.profile or (str(Path(a.run) / "profile.json") if a.run else None)
     if profile:
-        from decoder.engines.hf.cpu_paths import installed_bytes, use_profile_paths
-
-        use_profile_paths(model, profile)
-        print(f"matmul paths from {profile}: {installed_bytes(model) / 2**20:.0f} MiB of extra layouts", file=sys.stderr)
+        engine.use_matmul_paths(profile)
+        print(f"matmul paths from {profile}", file=sys.stderr)
     label = "plain decoding" if guesser is None else f"{tree.settings.get('guesser')} {tree.method} ({len(tree.states[0].nodes)} nodes)"
     mach = machine()
-    counts = {"chat": a.chat_prompts, "repeat": a.repeat_prompts}
+    counts = {"chat": s.chat_prompts, "repeat": s.repeat_prompts}
     with torch.inference_mode():
-        prompts = bench_ids(tok, counts, model, first_answer_tokens=16 if a.smoke else 64)
-        eos = model.generation_config.eos_token_id
-        runs = contenders(model, tree, guesser, a.max_new_tokens, eos)
+        prompts = bench_ids(tok, counts, engine, first_answer_tokens=s.first_answer_tokens)
+        runs = contenders(engine, tree, guesser, s.max_new_tokens)
         for name, other in _also(a.also):
-            runs[f"chosen ({name})"] = _other_decision(a.model, other, a.max_new_tokens, eos)
-        timings = interleaved(runs, [p.ids for p in prompts], a.repeats, progress=not a.no_progress)
-        results = summarise(model, prompts, timings)
-    doc = {"model": loaded.name, "plan": plan, "plan_label": label, "also": a.also, "profile": profile, "machine": mach,
-           "load_avg_after": load(), "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "counts": counts,
-           "kinds": [g for g in counts if counts[g]],
+            runs[f"chosen ({name})"] = _other_decision(s.model, other, s.max_new_tokens)
+        timings = interleaved(runs, [p.ids for p in prompts], s.repeats, progress=not a.no_progress)
+        results = summarise(engine, prompts, timings)
+    doc = {"model": engine.model_name, "plan": plan, "plan_label": label, "also": a.also, "profile": profile,
+           "machine": mach, "load_avg_after": load(), "max_new_tokens": s.max_new_tokens, "repeats": s.repeats,
+           "counts": counts, "kinds": [g for g in counts if counts[g]],
            "prompts": [{"id": p.id, "kind": p.group, "length": int(p.ids.numel())} for p in prompts],
            "results": results}
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): markdown(doc)}, markdown(doc))
 
 
 if __name__ == "__main__":

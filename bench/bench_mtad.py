@@ -25,10 +25,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common import ROOT, BenchIds, bench_ids, interleaved, machine
+from common import ROOT, BenchIds, Results, bench_ids, bench_main, drafter, interleaved, machine, open_hf, sample_load
+
+from planner.errors import UserError
 
 GRIDS = {  # (widths, gammas, taus)
     "full": ((2, 4), (2, 3, 4, 5), (0.05, 0.1, 0.3, 0.9)),
@@ -40,87 +44,74 @@ GRIDS = {  # (widths, gammas, taus)
 # ---------------------------------------------------------------------------------------------- setup
 
 
-def _draft(spec: str | None, target):
-    from decoder.guessers.draft import build_draft_lm, load_draft_model
-    from planner.errors import UserError
-
+def _draft(spec: str | None, engine):
+    """(the drafter, its label): a draft LM directory or first-layers:N (common.drafter)."""
     if spec is None:
         spec = str(ROOT / "models" / "smollm2-135m" / "draft_lm")
         if not Path(spec).is_dir():
             raise UserError(f"--draft: {spec} does not exist yet; give --draft DIR or --draft first-layers:N")
     if spec.startswith("first-layers:"):
-        return build_draft_lm(target, int(spec.partition(":")[2])), f"{spec} (untrained)"
+        return drafter(spec, engine), f"{spec} (untrained)"
     shown = Path(spec).resolve()
     shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown  # results files travel with the repo
-    return load_draft_model(spec, target), str(shown)
+    return drafter(spec, engine), str(shown)
 
 
-def _smoke_model():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
+SMOKE_MODEL = ROOT / "bench" / "data" / "mtad-smoke.json"  # a random 2-layer Llama of 512 tokens
 
 
-def _setup(args):
-    """-> (target name, target, draft, draft label, calibration prompts, evaluation prompts)."""
+def _setup(args, s: "Sizes"):
+    """-> (target name, target engine, draft, draft label, calibration prompts, evaluation prompts)."""
     import torch
 
-    torch.set_num_threads(args.threads)
-    if args.smoke:
-        target = _smoke_model()
-        draft, label = _draft(args.draft or "first-layers:1", target)
-        g = torch.Generator().manual_seed(0)  # a 512-token random model has no tokenizer: random ids
-        prompts = [torch.randint(1, 500, (int(t),), generator=g) for t in (5, 9)]
-        return "smoke (random 2-layer Llama)", target, draft, label, prompts[:1], [BenchIds("s0", "random", prompts[1])]
-    from transformers import AutoTokenizer
-
-    from decoder.engines.hf.load import load_model
     from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
-    loaded = load_model(args.model, device="cpu", dtype="fp32")
-    draft, label = _draft(args.draft, loaded.model)
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-    calib, _ = held_out_prompts(str(DEFAULT_QUESTIONS), args.calib_prompts, 0)
+    if args.smoke:
+        torch.manual_seed(0)
+        engine = open_hf(str(SMOKE_MODEL), threads=args.threads)
+        draft, label = _draft(args.draft or "first-layers:1", engine)
+        g = torch.Generator().manual_seed(0)  # a 512-token random model has no tokenizer: random ids
+        prompts = [torch.randint(1, 500, (int(t),), generator=g) for t in (5, 9)]
+        return "smoke (random 2-layer Llama)", engine, draft, label, prompts[:1], [BenchIds("s0", "random", prompts[1])]
+    engine = open_hf(args.model, "fp32", args.threads)
+    draft, label = _draft(args.draft, engine)
+    calib, _ = held_out_prompts(str(DEFAULT_QUESTIONS), s.calib_prompts, 0)
     with torch.inference_mode():
-        evaluate = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, loaded.model)
-    return loaded.name, loaded.model, draft, label, encode_prompts(tok, calib), evaluate
+        evaluate = bench_ids(engine.tokenizer, {"chat": s.chat_prompts, "repeat": s.repeat_prompts}, engine)
+    return engine.model_name, engine, draft, label, encode_prompts(engine.tokenizer, calib), evaluate
 
 
 # ---------------------------------------------------------------------------------------------- decoding
 
 
-def _run(kind: str, target, draft, ids, args, seed: int, settings=None, n: int | None = None):
-    """One decode; kind plain | speculative | mtad."""
+def _run(kind: str, engine, draft, ids, cfg, seed: int, settings=None, n: int | None = None):
+    """One decode; kind plain | speculative | mtad (MTAD's loop takes the torch model: generate_mtad)."""
     from decoder import DraftModelGuesser, generate, generate_plain
     from decoder.guessers.mtad import MTADGuesser, generate_mtad
 
-    kw = dict(max_new_tokens=n or args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=seed)
+    kw = dict(max_new_tokens=n or cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+              top_p=cfg.top_p, seed=seed)
     if kind == "plain":
-        return generate_plain(target, ids, **kw)
+        return generate_plain(engine, ids, **kw)
     if kind == "speculative":
-        return generate(target, ids, None, DraftModelGuesser(draft, depth=args.sd_gamma), **kw)
-    return generate_mtad(target, ids, MTADGuesser(draft, settings.width, settings.gamma), tau_acc=settings.tau_acc, **kw)
+        return generate(engine, ids, None, DraftModelGuesser(draft, depth=cfg.sd_gamma), **kw)
+    return generate_mtad(engine.torch_model(), ids, MTADGuesser(draft, settings.width, settings.gamma),
+                         tau_acc=settings.tau_acc, **kw)
 
 
-def _warm_up(target, draft, prompts, points, args) -> None:
+def _warm_up(engine, draft, prompts, points, cfg) -> None:
     from profiler.measure import warm_up_shapes
 
     gmax = max(p.gamma for p in points)
-    if not args.smoke:
-        warm_up_shapes(target, prompts, range(1, max(gmax, args.sd_gamma) + 2))
-    _run("plain", target, draft, prompts[0], args, 0, n=4)
-    _run("speculative", target, draft, prompts[0], args, 0, n=4)
+    if not cfg.smoke:
+        warm_up_shapes(engine, prompts, range(1, max(gmax, cfg.sd_gamma) + 2))
+    _run("plain", engine, draft, prompts[0], cfg, 0, n=4)
+    _run("speculative", engine, draft, prompts[0], cfg, 0, n=4)
     for p in {(p.width, p.gamma): p for p in points}.values():
-        _run("mtad", target, draft, prompts[0], args, 0, p, n=4)
+        _run("mtad", engine, draft, prompts[0], cfg, 0, p, n=4)
 
 
-def _calibrate(target, draft, prompts, points, args) -> dict:
+def _calibrate(engine, draft, prompts, points, cfg) -> dict:
     """Walks per (W, gamma), perplexity per point and of plain sampling, on the calibration prompts."""
     import numpy as np
 
@@ -129,15 +120,17 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
     walks, sizes, outputs = {}, {}, {p: [] for p in points}
     plain, overhead = [], []
     for i, ids in enumerate(prompts):
-        out = _run("plain", target, draft, ids, args, i)
+        out = _run("plain", engine, draft, ids, cfg, i)
         plain.append(out.tokens.tolist())
         t = out.stats.times
         overhead += [sum(t[k][j] for k in t if k != "forward") for j in range(len(t["forward"]))]
         for p in points:
-            out = _run("mtad", target, draft, ids, args, i, p)
+            out = _run("mtad", engine, draft, ids, cfg, i, p)
             outputs[p].append(out.tokens.tolist())
             walks.setdefault((p.width, p.gamma), []).extend(out.walks)
             sizes.setdefault((p.width, p.gamma), []).extend(out.stats.input_lengths)  # root + the beams' tree
+        sample_load()
+    target = engine.torch_model()  # perplexity under the target's raw distribution (decoder/guessers/mtad.py)
     return {"walks": {k: np.array(v, dtype=np.float64) for k, v in walks.items()},
             "forward_tokens": {k: float(np.mean(v)) for k, v in sizes.items() if v},
             "perplexity": {p: perplexity(target, prompts, o) for p, o in outputs.items()},
@@ -145,7 +138,7 @@ def _calibrate(target, draft, prompts, points, args) -> dict:
             "overhead_s": statistics.median(overhead) if overhead else 0.0}
 
 
-def _evaluate(target, draft, prompts, points, args) -> list[dict]:
+def _evaluate(engine, draft, prompts, points, cfg) -> list[dict]:
     """Every method on every prompt (BenchIds) in a shuffled order per prompt (bench/common.py: a
     slow spell hits all alike), one sampling seed per prompt."""
     from decoder.guessers.mtad import text_quality
@@ -156,7 +149,7 @@ def _evaluate(target, draft, prompts, points, args) -> list[dict]:
     def method(kind, p):
         def fn(item):
             i, ids = item
-            out = _run(kind, target, draft, ids, args, 1000 + i, p)
+            out = _run(kind, engine, draft, ids, cfg, 1000 + i, p)
             r = runs[(kind, p)]
             r["tokens"].append(out.tokens.numel())
             r["steps"] += out.steps
@@ -169,7 +162,7 @@ def _evaluate(target, draft, prompts, points, args) -> list[dict]:
     groups = sorted({p.group for p in prompts})
     rows = []
     for (kind, p), r in runs.items():
-        q = text_quality(target, [x.ids for x in prompts], r["outputs"], draft).to_json()
+        q = text_quality(engine.torch_model(), [x.ids for x in prompts], r["outputs"], draft).to_json()
         tps = {g: sum(n for n, x in zip(r["tokens"], prompts) if x.group == g) /
                sum(s for s, x in zip(r["seconds"], prompts) if x.group == g) for g in groups}
         rows.append({"method": kind, "name": p.name if p else kind, "settings": _settings(p), "tokens": sum(r["tokens"]),
@@ -200,27 +193,26 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
+def _timings(engine, draft, ids, widths, n_max: int, cfg) -> tuple[dict, dict]:
     """L(n): the target's forward over n tokens, n = 1..n_max; t_d(W): one beam step of the drafter
     at W rows as the decoder runs it (reorder the W cache rows, forward one token per row, warp,
-    Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass."""
+    Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass: the two sides' torch
+    models through the hf engine's own forward functions (decoder/engines/hf/forward.py)."""
     import torch
 
     from decoder.engines.hf.cache import crop_cache
-    from decoder.engines.hf.forward import kv
-    from decoder.engines.hf.forward import prefill
+    from decoder.engines.hf.forward import prefill, tree_forward
     from decoder.guessers.mtad import beam_step, draft_logprobs
     from decoder.verify import Sampling
 
-    s = Sampling(args.temperature, args.top_k, args.top_p)
+    s = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     gen = torch.Generator().manual_seed(0)
-    vocab = target.get_input_embeddings().weight.shape[0]
+    vocab, target = engine.vocab_size, engine.torch_model()
     C = ids.numel()
 
     def forward(model, cache, rows: int, n: int):
         x = torch.randint(1, vocab, (rows, n))
-        out = model(input_ids=x, position_ids=torch.arange(C, C + n).expand(rows, n), **kv(cache),
-                    use_cache=True)
+        out = tree_forward(model, x, torch.arange(C, C + n).expand(rows, n), None, cache)  # default causal mask
         crop_cache(cache, C)
         return out.logits[:, -1]
 
@@ -231,12 +223,12 @@ def _timings(target, draft, ids, widths, n_max: int, args) -> tuple[dict, dict]:
 
     with torch.inference_mode():
         cache = prefill(target, ids[None]).cache
-        L = {n: _median_time(lambda n=n: forward(target, cache, 1, n), args.repeats) for n in range(1, n_max + 1)}
+        L = {n: _median_time(lambda n=n: forward(target, cache, 1, n), cfg.repeats) for n in range(1, n_max + 1)}
         draft_s = {}
         for w in widths:
             dc = prefill(draft, ids[None]).cache
             dc.reorder_cache(torch.zeros(w, dtype=torch.long))
-            draft_s[w] = _median_time(lambda dc=dc, w=w: beam(dc, w), args.repeats)
+            draft_s[w] = _median_time(lambda dc=dc, w=w: beam(dc, w), cfg.repeats)
     return L, draft_s
 
 
@@ -253,20 +245,20 @@ def _profile(L: dict, overhead_s: float):
 # ---------------------------------------------------------------------------------------------- run
 
 
-def run(args) -> dict:
+def measure(args, s: "Sizes") -> dict:
     from planner.mtad import choose, grid, walks_to_json
 
     t_start = time.time()
     widths, gammas, taus = GRIDS["smoke" if args.smoke else "quick" if args.quick else "full"]
     points = grid(widths, gammas, taus)
-    name, target, draft, draft_label, calib, evaluate = _setup(args)
-    _warm_up(target, draft, [p.ids for p in evaluate] + calib, points, args)
-    cal = _calibrate(target, draft, calib, points, args)
-    L, draft_s = _timings(target, draft, calib[0], widths, max(widths) * max(gammas) + 1, args)  # up to W beams' tree
+    name, engine, draft, draft_label, calib, evaluate = _setup(args, s)
+    _warm_up(engine, draft, [p.ids for p in evaluate] + calib, points, s)
+    cal = _calibrate(engine, draft, calib, points, s)
+    L, draft_s = _timings(engine, draft, calib[0], widths, max(widths) * max(gammas) + 1, s)  # up to W beams' tree
     profile = _profile(L, cal["overhead_s"])
     choice = choose(cal["walks"], cal["perplexity"], cal["plain_perplexity"], profile, draft_s,
-                    args.max_perplexity_ratio, cal["forward_tokens"])
-    rows = _evaluate(target, draft, evaluate, points, args)
+                    s.max_perplexity_ratio, cal["forward_tokens"])
+    rows = _evaluate(engine, draft, evaluate, points, s)
     predicted = {p.settings.name: p for p in choice.points}
     for row in rows:
         p = predicted.get(row["name"])
@@ -275,9 +267,9 @@ def run(args) -> dict:
         row["chosen"] = choice.chosen is not None and row["name"] == choice.chosen.settings.name
     result = {
         "machine": machine(), "model": name, "draft": draft_label,
-        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
-        "max_new_tokens": args.max_new_tokens, "calibration_prompts": len(calib), "evaluation_prompts": len(evaluate),
-        "sd_gamma": args.sd_gamma, "grid": {"widths": widths, "gammas": gammas, "taus": taus},
+        "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
+        "max_new_tokens": s.max_new_tokens, "calibration_prompts": len(calib), "evaluation_prompts": len(evaluate),
+        "sd_gamma": s.sd_gamma, "grid": {"widths": widths, "gammas": gammas, "taus": taus},
         "timing": {"target_forward_s": {str(k): v for k, v in L.items()}, "draft_forward_s": {str(k): v for k, v in draft_s.items()},
                    "overhead_s": cal["overhead_s"],
                    "forward_tokens": {f"W{w}-g{g}": v for (w, g), v in cal["forward_tokens"].items()}},
@@ -368,16 +360,16 @@ def plot(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _write(out: Path, r: dict) -> None:
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
+def _files(out: Path, r: dict) -> dict:
+    import tempfile
 
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "mtad.json", r)
-    atomic_write_bytes(out / "mtad.md", markdown(r).encode())
-    plot(r, out / "mtad.png")
+    with tempfile.TemporaryDirectory() as tmp:  # the plot as bytes: every file is written at the end, or none
+        plot(r, Path(tmp) / "mtad.png")
+        png = (Path(tmp) / "mtad.png").read_bytes()
+    return {out / "mtad.json": r, out / "mtad.md": markdown(r), out / "mtad.png": png}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default=None, metavar="DIR|first-layers:N",
@@ -397,22 +389,47 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small grid, 4 calibration + 2 + 2 prompts, 32 tokens")
     p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
     p.add_argument("--out", default=None, help="default bench/results")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.calib_prompts, args.chat_prompts, args.repeat_prompts, args.max_new_tokens = 4, 2, 2, 32
-    if not (1 <= args.calib_prompts <= 8 and args.chat_prompts + args.repeat_prompts >= 1):
-        p.error("--calib-prompts 1..8; --chat-prompts, --repeat-prompts: one prompt at least")
-    if args.smoke:
-        args.max_new_tokens, args.repeats, args.sd_gamma = 8, 2, 2
-        args.max_perplexity_ratio = 10.0  # random weights: any point will do, the code paths are the test
-    result = run(args)
-    if args.out or not args.smoke:
-        _write(Path(args.out or ROOT / "bench" / "results"), result)
-    print(markdown(result))
-    if args.smoke:
-        print("smoke: ok")
-    return 0
+    return p
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures and samples with: the flags, or --quick's or --smoke's."""
+
+    calib_prompts: int
+    chat_prompts: int
+    repeat_prompts: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    sd_gamma: int
+    max_perplexity_ratio: float
+    repeats: int
+    smoke: bool
+
+
+def sizes(a) -> Sizes:
+    s = Sizes(a.calib_prompts, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.temperature, a.top_k, a.top_p,
+              a.sd_gamma, a.max_perplexity_ratio, a.repeats, a.smoke)
+    if a.quick:
+        s = replace(s, calib_prompts=4, chat_prompts=2, repeat_prompts=2, max_new_tokens=32)
+    if not (1 <= s.calib_prompts <= 8 and s.chat_prompts + s.repeat_prompts >= 1):
+        raise UserError("--calib-prompts 1..8; --chat-prompts, --repeat-prompts: one prompt at least")
+    if a.smoke:  # random weights: any point will do under the cap, the code paths are the test
+        s = replace(s, max_new_tokens=8, sd_gamma=2, max_perplexity_ratio=10.0, repeats=2)
+    return s
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_mtad", parser(), run, argv, writes=lambda a: not a.smoke or a.out is not None)
+
+
+def run(args) -> Results:
+    result = measure(args, sizes(args))
+    files = _files(Path(args.out or ROOT / "bench" / "results"), result) if args.out or not args.smoke else {}
+    return Results(files, markdown(result) + ("smoke: ok" if args.smoke else ""))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

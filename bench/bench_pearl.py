@@ -26,11 +26,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_ids, builtin_tokenizer, interleaved, load, machine
+from common import (
+    ROOT,
+    Results,
+    bench_ids,
+    bench_main,
+    drafter,
+    interleaved,
+    load,
+    machine,
+    open_hf,
+    tokenizer_or_builtin,
+)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -43,41 +54,21 @@ METHODS = ("plain", "sd", "pearl", "pearl_serial")
 # ---------------------------------------------------------------------------------------------- setup
 
 
-def _drafter(spec: str, target):
-    from decoder.guessers.draft import build_draft_lm, load_draft_model
-
-    if spec.startswith("first-layers:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError:
-            raise UserError(f"--draft {spec}: expected first-layers:N with N an integer") from None
-        if not 1 <= n < target.config.num_hidden_layers:
-            raise UserError(f"--draft {spec}: N must be in 1..{target.config.num_hidden_layers - 1}")
-        return build_draft_lm(target, n)
-    return load_draft_model(spec, target)
-
-
-def _setup(args):
-    """(target, drafter, prompts [BenchIds], label). A tiny random model reads the prompts through the
+def _setup(args, s: "Sizes"):
+    """(engine, drafter, prompts [BenchIds], label). A tiny random model reads the prompts through the
     built-in model's tokenizer (same vocabulary)."""
-    from decoder.engines.hf.load import load_model
-
     if args.smoke:
-        target, tok = load_model("tiny", device="cpu").model, builtin_tokenizer()
-        draft, label = _drafter("first-layers:1", target), "tiny (random) / first-layers:1"
+        engine = open_hf("tiny", threads=s.threads)
+        draft, label = drafter("first-layers:1", engine), "tiny (random) / first-layers:1"
     else:
-        from transformers import AutoTokenizer
-
-        loaded = load_model("smollm2-135m", device="cpu", dtype="fp32")
-        if not loaded.has_weights:
+        engine = open_hf("smollm2-135m", "fp32", s.threads)
+        if not engine.record()["has_weights"]:
             raise UserError("smollm2-135m: no weights in the local cache (the bench measures the real model)")
-        target, tok = loaded.model, AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
-        draft, label = _drafter(args.draft, loaded.model), f"smollm2-135m / {args.draft}"
+        draft, label = drafter(args.draft, engine), f"smollm2-135m / {args.draft}"
     with torch.inference_mode():
-        prompts = bench_ids(tok, {"chat": args.chat_prompts, "repeat": args.repeat_prompts}, target,
-                            first_answer_tokens=8 if args.smoke else 64,
-                            keep_last=24 if args.smoke else None)
-    return target, draft, prompts, label
+        prompts = bench_ids(tokenizer_or_builtin(engine), {"chat": s.chat_prompts, "repeat": s.repeat_prompts}, engine,
+                            first_answer_tokens=8 if args.smoke else 64, keep_last=24 if args.smoke else None)
+    return engine, draft, prompts, label
 
 
 from profiler.overlap import side_latencies as _latencies  # noqa: E402
@@ -86,17 +77,17 @@ from profiler.overlap import split_check as _split_check  # noqa: E402
 # ---------------------------------------------------------------------------------------------- decoding
 
 
-def _run(method: str, target, draft, ids, gamma: int, tokens: int, split, total: int):
+def _run(method: str, engine, draft, ids, gamma: int, tokens: int, split, total: int):
     from decoder import DraftModelGuesser, generate, generate_plain
     from decoder.guessers.pearl import generate_pearl
 
     torch.set_num_threads(total)
     if method == "plain":
-        return generate_plain(target, ids, tokens)
+        return generate_plain(engine, ids, tokens)
     if method == "sd":
-        return generate(target, ids, plan=None, guesser=DraftModelGuesser(draft, top_k=1, depth=gamma),
+        return generate(engine, ids, plan=None, guesser=DraftModelGuesser(draft, top_k=1, depth=gamma),
                         max_new_tokens=tokens)
-    return generate_pearl(target, draft, ids, gamma, tokens, concurrent=method == "pearl", threads=split)
+    return generate_pearl(engine, draft, ids, gamma, tokens, concurrent=method == "pearl", threads=split)
 
 
 def _record(method: str, out, gamma: int) -> dict:
@@ -116,7 +107,7 @@ def _record(method: str, out, gamma: int) -> dict:
     return rec
 
 
-def _decode_all(target, draft, prompts, gammas, args, split) -> list[dict]:
+def _decode_all(engine, draft, prompts, gammas, s, split) -> list[dict]:
     """Every (method, gamma, prompt) `repeats` times, interleaved (bench/common.py), after a warm-up."""
     configs = [("plain", 0)] + [(m, g) for g in gammas for m in METHODS[1:]]
     runs, seen = [], {}
@@ -124,14 +115,14 @@ def _decode_all(target, draft, prompts, gammas, args, split) -> list[dict]:
     def config(m, g):
         def fn(item):
             k, ids = item
-            out = _run(m, target, draft, ids, max(g, 1), 4 if k < 0 else args.max_new_tokens, split, args.threads)
+            out = _run(m, engine, draft, ids, max(g, 1), 4 if k < 0 else s.max_new_tokens, split, s.threads)
             if k >= 0:  # not the warm-up
                 rep = seen[m, g, k] = seen.get((m, g, k), -1) + 1
                 runs.append({"method": m, "gamma": g, "prompt": k, "group": prompts[k].group, "repeat": rep,
                              **_record(m, out, max(g, 1))})
         return fn
 
-    interleaved({f"{m}/{g}": config(m, g) for m, g in configs}, list(enumerate(p.ids for p in prompts)), args.repeats,
+    interleaved({f"{m}/{g}": config(m, g) for m, g in configs}, list(enumerate(p.ids for p in prompts)), s.repeats,
                 warm_up=(-1, prompts[0].ids))
     plain = {(r["prompt"], r["repeat"]): r["ids"] for r in runs if r["method"] == "plain"}
     for r in runs:
@@ -202,14 +193,15 @@ def _predict(med: dict, lat: dict, split_check: dict, gammas, accept_alpha) -> d
             "c": choice.c, "measured_best_gamma": best}
 
 
-def _weight_bytes_per_token(model, shared_with=None) -> int:
-    """Parameter bytes a one-token forward reads: every matrix but the input embedding (a row lookup);
-    a drafter's shared LM head counts once for it, as it reads the head on every pass."""
+def _weight_bytes_per_token(model) -> int:
+    """Parameter bytes a one-token forward reads: every matrix but the input embedding (a row lookup,
+    unless a Linear reads the same matrix: a tied LM head); a drafter's shared LM head counts once for
+    it, as it reads the head on every pass. Found by module type, not by the model's accessors."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     seen, total = set(), 0
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
     for prm in model.parameters():
-        if id(prm) in seen or (prm is emb and prm is not head):
+        if id(prm) in seen or (id(prm) in lookups and id(prm) not in matmuls):
             continue
         seen.add(id(prm))
         total += prm.numel() * prm.element_size()
@@ -237,7 +229,7 @@ def _gpu_estimate(target, draft, alpha: float, gammas) -> dict:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, rounds: int = 8) -> list[dict]:
+def _timeline(engine, draft, ids, gamma: int, tokens: int, split, rounds: int = 8) -> tuple[list[dict], bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +237,7 @@ def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, ro
 
     from decoder.guessers.pearl import generate_pearl
 
-    out = generate_pearl(target, draft, ids, gamma, tokens, threads=split)
+    out = generate_pearl(engine, draft, ids, gamma, tokens, threads=split)
     evs = [e for e in out.stats.events if e.phase != "prefill"]
     per_round = 3
     evs = evs[: rounds * per_round]
@@ -267,14 +259,11 @@ def _timeline(target, draft, ids, gamma: int, tokens: int, split, path: Path, ro
     fig.tight_layout()
     import io
 
-    from planner.jsonio import atomic_write_bytes
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
     return [{"side": e.side, "phase": e.phase, "start_ms": (e.start - t0) * 1e3, "end_ms": (e.end - t0) * 1e3}
-            for e in evs]
+            for e in evs], buf.getvalue()
 
 
 def _markdown(doc: dict) -> str:
@@ -323,40 +312,42 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args) -> dict:
-    from planner.jsonio import atomic_write_bytes, atomic_write_json
-
-    t_start = time.time()
-    torch.set_num_threads(args.threads)
-    mach = machine()
-    target, draft, prompts, label = _setup(args)
+def run(args) -> Results:
     from decoder.guessers.pearl import split_threads
 
-    split = split_threads(args.threads)
+    s = sizes(args)
+    t_start = time.time()
+    torch.set_num_threads(s.threads)
+    mach = machine()
+    engine, draft, prompts, label = _setup(args, s)
+    target = engine.torch_model()  # PEARL's two sides timed as torch models (profiler/overlap.py)
+    split = split_threads(s.threads)
     context = prompts[0].ids
-    lat = _latencies(target, draft, context, range(1, max(args.gammas) + 2), split, args.threads, args.forward_repeats)
-    sc = _split_check(target, draft, context, args.gammas[len(args.gammas) // 2], split, args.forward_repeats)
-    runs = _decode_all(target, draft, prompts, args.gammas, args, split)
-    med = _medians(runs, args.repeats)
+    lat = _latencies(target, draft, context, range(1, max(s.gammas) + 2), split, s.threads, s.forward_repeats)
+    sc = _split_check(target, draft, context, s.gammas[len(s.gammas) // 2], split, s.forward_repeats)
+    runs = _decode_all(engine, draft, prompts, s.gammas, s, split)
+    med = _medians(runs, s.repeats)
     accept_alpha, source = _accept_alpha(args)
-    pred = _predict(med, lat, sc, args.gammas, accept_alpha)
+    pred = _predict(med, lat, sc, s.gammas, accept_alpha)
     out = Path(args.out)
-    timeline = _timeline(target, draft, prompts[0].ids, pred["planner_gamma"], args.max_new_tokens, split,
-                         out / "pearl.png")
+    timeline, png = _timeline(engine, draft, prompts[0].ids, pred["planner_gamma"], s.max_new_tokens, split)
     groups = sorted({p.group for p in prompts})
-    doc = {"machine": mach, "models": label, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    doc = {"machine": mach, "models": label, "prompts": len(prompts), "max_new_tokens": s.max_new_tokens,
            "groups": groups, "prompt_groups": ", ".join(f"{sum(p.group == g for p in prompts)} {g}" for g in groups),
-           "repeats": args.repeats, "gammas": args.gammas, "latency": lat, "split_check": sc,
+           "repeats": s.repeats, "gammas": s.gammas, "latency": lat, "split_check": sc,
            "methods": [{"method": k[0], "gamma": k[1], **v} for k, v in med.items()],
            "plain_tokens_per_s": med[("plain", 0)]["tokens_per_s"], "prediction": pred, "alpha_source": source,
            "all_identical": all(r["identical_to_plain"] for r in runs),
            "runs": [{k: v for k, v in r.items() if k != "ids"} for r in runs], "timeline": timeline,
-           "gpu_estimate": _gpu_estimate(target, draft, pred["alpha_pooled"], args.gammas),
+           "gpu_estimate": _gpu_estimate(target, draft, pred["alpha_pooled"], s.gammas),
            "load_avg_end": load(), "wall_s": time.time() - t_start}
-    atomic_write_json(out / "pearl.json", doc)
-    atomic_write_bytes(out / "pearl.md", _markdown(doc).encode())
-    print(_markdown(doc))
-    return doc
+    md = _markdown(doc)
+    files = {out / "pearl.json": doc, out / "pearl.md": md, out / "pearl.png": png}
+    if not args.smoke:
+        return Results(files, md)
+    ok = doc["all_identical"]
+    return Results(files, md + ("smoke: ok" if ok else "smoke: FAILED (an output differs from plain greedy decoding)"),
+                   0 if ok else 1)
 
 
 def _accept_alpha(args) -> tuple[float | None, str]:
@@ -368,7 +359,7 @@ def _accept_alpha(args) -> tuple[float | None, str]:
     return alpha_from_acceptance(load_acceptance(args.accept), args.alpha_rule), f"{args.accept} ({args.alpha_rule})"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", default=str(ROOT / "models" / "smollm2-135m" / "draft_lm"),
                    help="a draft LM directory (default: the project's trained one) or first-layers:N (untrained)")
@@ -383,25 +374,36 @@ def main() -> int:
     p.add_argument("--alpha-rule", default="mean", choices=["mean", "first", "geometric"])
     p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = p.parse_args()
-    args.gammas = [int(x) for x in args.gammas.split(",")]
-    if args.smoke:
-        # one thread (split (1, 1)): the smoke checks the code, and a 2-thread team on a busy machine is slow
-        args.gammas, args.max_new_tokens, args.repeats, args.forward_repeats, args.threads = [2, 3], 10, 1, 3, 1
-        args.chat_prompts, args.repeat_prompts = 1, 1
-    if args.chat_prompts + args.repeat_prompts < 1:
-        p.error("--chat-prompts, --repeat-prompts: one prompt at least")
+    return p
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's seconds on a tiny random model."""
+
+    gammas: list[int]
+    max_new_tokens: int
+    repeats: int
+    forward_repeats: int
+    threads: int
+    chat_prompts: int
+    repeat_prompts: int
+
+
+def sizes(a) -> Sizes:
+    if a.smoke:  # one thread (split (1, 1)): the smoke checks the code, and a 2-thread team on a busy machine is slow
+        return Sizes([2, 3], 10, 1, 3, 1, 1, 1)
     try:
-        doc = run(args)
-    except UserError as e:
-        print(f"bench_pearl: error: {e}", file=sys.stderr)
-        return 2
-    if args.smoke:
-        if not doc["all_identical"]:
-            print("smoke: FAILED (an output differs from plain greedy decoding)")
-            return 1
-        print("smoke: ok")
-    return 0
+        gammas = [int(x) for x in a.gammas.split(",")]
+    except ValueError:
+        raise UserError(f"--gammas {a.gammas}: expected integers separated by commas") from None
+    if a.chat_prompts + a.repeat_prompts < 1:
+        raise UserError("--chat-prompts, --repeat-prompts: one prompt at least")
+    return Sizes(gammas, a.max_new_tokens, a.repeats, a.forward_repeats, a.threads, a.chat_prompts, a.repeat_prompts)
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_pearl", parser(), run, argv)
 
 
 if __name__ == "__main__":

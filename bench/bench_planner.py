@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import platform
 import statistics
 import sys
 import time
@@ -22,10 +21,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import Results, bench_main, machine, sample_load  # noqa: E402
 
 from planner.accept import load_acceptance  # noqa: E402
 from planner.candidate import best_paths, sequoia_table, sequoia_tree  # noqa: E402
-from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
 from planner.plan import plan  # noqa: E402
 from planner.ppd import paper_trees, ppd_tree  # noqa: E402
 from planner.profile import LatencyProfile, load_profile  # noqa: E402
@@ -133,19 +134,34 @@ def tau_vs_size(ppd, medusa_acc):
     return rows
 
 
+PLAIN = {"predicted_speedup": 1.0, "tau": 1.0, "input_lengths": [1], "size": 0, "pi": [1.0]}  # no tree pays
+
+
 def hardware_aware(ppd, medusa_acc, profiles):
+    """Each planner's automatic size under each latency profile; where the planner predicts plain decoding
+    fastest (a profile whose forward grows steeply with its input), the cell is plain decoding."""
+    from planner.errors import PlainIsFastest
+
     out = []
     for prof in profiles:
         row = {"profile": prof.source.get("file")}
         for label, kw in (("ppd_paper", dict(improved=False)),
                           ("ppd_improved_shared_budget", dict(per_state_budgets=False)),
                           ("ppd_improved_per_state", dict())):
-            t = plan("ppd", ppd, profile=prof, max_input_length=min(256, prof.max_input_length), **kw)
+            try:
+                t = plan("ppd", ppd, profile=prof, max_input_length=min(256, prof.max_input_length), **kw)
+            except PlainIsFastest:
+                row[label] = PLAIN
+                continue
             row[label] = {"predicted_speedup": t.predicted_speedup, "tau": t.expected_tokens_per_step,
                           "input_lengths": [st.input_length for st in t.states],
                           "pi": [round(st.stationary_probability, 4) for st in t.states]}
         for method in ("medusa", "sequoia"):
-            t = plan(method, medusa_acc, profile=prof, max_size=255)
+            try:
+                t = plan(method, medusa_acc, profile=prof, max_size=255)
+            except PlainIsFastest:
+                row[f"{method}[medusa-vicuna-7b]"] = PLAIN
+                continue
             row[f"{method}[medusa-vicuna-7b]"] = {"predicted_speedup": t.predicted_speedup,
                                                   "tau": t.expected_tokens_per_step, "size": len(t.states[0].nodes)}
         out.append(row)
@@ -156,7 +172,7 @@ def to_markdown(res) -> str:
     s, q = res["speed"], res["tau_vs_size"]
     lines = [
         "# Planner benchmark", "",
-        f"Machine: {res['machine']}. Medians over {res['repeats']} repeats.", "",
+        f"Machine: {_machine_line(res['machine'])}. Medians over {res['repeats']} repeats.", "",
         "## Speed", "",
         "| what | seconds |", "|---|---|",
     ]
@@ -193,32 +209,48 @@ def to_markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
+def _machine_line(m) -> str:
+    """Older results files say the machine in one string; bench/common.py's record is an object."""
+    if isinstance(m, str):
+        return m
+    return f"{m['cpu']} ({m['cores']} cores, {', '.join(m['vector_extensions']) or 'no vector extensions known'}), " \
+           f"python {m['python']}, numpy {m['numpy']}"
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", default=str(ROOT / ".." / "shared"), help="the shared folder (data/ inside)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> int:
+    return bench_main("bench_planner", parser(), run, argv)
+
+
+def run(args) -> Results:
     data = Path(args.shared) / "data" / "published_acceptance.json"
     ppd = load_acceptance(f"{data}:ppd-vicuna-7b")
     med = load_acceptance(f"{data}:medusa-vicuna-7b")
     rng = np.random.default_rng(0)
     profiles = [synthetic_profile(32, 0.01), synthetic_profile(64, 0.005), synthetic_profile(16, 0.03)]
     profiles += [load_profile(str(p)) for p in sorted((ROOT / "profiles").glob("*.json"))]
+    speed = bench_speed(args.repeats, rng)
+    sample_load()
+    speed |= bench_ppd_speed(ppd, args.repeats)
+    sample_load()
     res = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} python {platform.python_version()}, "
-                   f"numpy {np.__version__}",
+        "machine": machine() | {"numpy": np.__version__},
         "repeats": args.repeats,
-        "speed": bench_speed(args.repeats, rng) | bench_ppd_speed(ppd, args.repeats),
+        "speed": speed,
         "tau_vs_size": tau_vs_size(ppd, med),
         "hardware_aware": hardware_aware(ppd, med, profiles),
     }
     out = Path(args.out)
-    atomic_write_json(out / "planner.json", res)
     md = to_markdown(res)
-    atomic_write_bytes(out / "planner.md", md.encode())
-    print(md)
+    return Results({out / "planner.json": res, out / "planner.md": md}, md)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

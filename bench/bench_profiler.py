@@ -3,15 +3,14 @@ wall time of `planner profile` with no arguments.
 
   python bench/bench_profiler.py [--preset qwen2-0.5b] [--repeats 3] [--threads 1] [--out bench/results]
 
-Build: `decoder.engines.hf.load.load_model` (allocate with init skipped, fill uniform noise of the same
-std) against the baseline `AutoModelForCausalLM.from_config` (the library's full random init),
-same preset, dtype and device, in the same run; medians over repeats. The default run is timed
+Build: opening the hf engine on the preset (its loader, decoder/engines/hf/load.py: allocate with init
+skipped, fill uniform noise of the same std) against the baseline `AutoModelForCausalLM.from_config`
+(the library's full random init), same preset, dtype and device, in the same run; medians over repeats. The default run is timed
 end to end as a user sees it (process start to exit). Writes profiler.json and profiler.md.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -21,24 +20,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from common import Results, bench_main, load_avg, machine, open_hf, sample_load  # noqa: E402
 
-from planner.jsonio import atomic_write_bytes, atomic_write_json  # noqa: E402
-from decoder.engines.hf.load import _load_config, load_model  # noqa: E402
+from decoder.engines.hf.load import _load_config  # noqa: E402
 from decoder.engines.models import PRESET_DIR  # noqa: E402
 
 
 def build_cheap(preset: str) -> float:
+    """Seconds to open the hf engine on a preset: its loader allocates with init skipped and fills noise."""
     t0 = time.perf_counter()
-    lm = load_model(preset, device="cpu", dtype="fp32")
+    engine = open_hf(preset, "fp32")
     dt = time.perf_counter() - t0
-    with torch.inference_mode():
-        assert torch.isfinite(lm.model(torch.arange(8)[None]).logits).all()
+    assert torch.isfinite(engine.teacher_forced(torch.arange(8)).logits).all()
     return dt
 
 
 def build_stock(preset: str) -> float:
+    """The baseline: transformers' own full random init of the same config. It measures the library
+    itself, so it is the one transformers call here (docs/benchmarks.md: engine internals)."""
     from transformers import AutoModelForCausalLM
 
     config = _load_config(PRESET_DIR / f"{preset}.json")
@@ -64,23 +66,30 @@ def default_run() -> dict:
             "load_avg_1m": prof.get("settings", {}).get("load_avg_1m")}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2-0.5b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap
 
+
+def main(argv=None) -> int:
+    return bench_main("bench_profiler", parser(), run, argv)
+
+
+def run(args) -> Results:
+    torch.set_num_threads(args.threads)
+    # shapes only (no memory): the parameter count, and every module the builds import, imported untimed
+    params = sum(p.numel() for p in open_hf(args.preset, device="meta").torch_model().parameters())
     cheap, stock = [], []
     for _ in range(args.repeats):  # alternate so drift on the shared machine hits both alike
         cheap.append(build_cheap(args.preset))
         stock.append(build_stock(args.preset))
-    params = sum(p.numel() for p in load_model(args.preset, device="meta").model.parameters())
+        sample_load()
     result = {
-        "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
-                    "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "machine": machine() | {"threads": args.threads, "load_avg_1m": load_avg()},
         "build": {"preset": args.preset, "params": params, "dtype": "fp32", "device": "cpu", "repeats": args.repeats,
                   "cheap_s": [round(x, 3) for x in cheap], "stock_init_s": [round(x, 3) for x in stock],
                   "cheap_median_s": round(statistics.median(cheap), 3),
@@ -89,11 +98,10 @@ def main() -> None:
         "default_run": default_run(),
     }
     out = Path(args.out)
-    atomic_write_json(out / "profiler.json", result)
-    b, d = result["build"], result["default_run"]
+    b, d, m = result["build"], result["default_run"], result["machine"]
     md = (
         "# Profiler benchmark\n\n"
-        f"Machine: {os.cpu_count()}-core CPU shared with other jobs (load {result['machine']['load_avg_1m']}), "
+        f"Machine: {m['cores']}-core CPU ({m['cpu']}) shared with other jobs (load {m['load_avg_1m']}), "
         f"torch {torch.__version__}, {args.threads} thread(s) for the build.\n\n"
         f"| build {b['preset']} ({b['params'] / 1e9:.2f} B params, fp32, CPU) | median of {b['repeats']} |\n|---|---|\n"
         f"| transformers init (baseline) | {b['stock_init_median_s']:.2f} s |\n"
@@ -103,9 +111,8 @@ def main() -> None:
         f"process start, {d['points']} lengths, {d['samples']} samples, L(1) = {d['L1_ms']} ms, "
         f"L(256) = {d['L256_ms']} ms (exit code {d['rc']}).\n"
     )
-    atomic_write_bytes(out / "profiler.md", md.encode())
-    print(md)
+    return Results({out / "profiler.json": result, out / "profiler.md": md}, md)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

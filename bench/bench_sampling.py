@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import statistics
 import sys
@@ -52,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch
-from bench_main_job import load_plan, machine
+from bench_main_job import load_plan
+from common import Results, bench_main, load_avg, machine, open_hf, sample_load
 
 from planner.errors import UserError
 from planner.sampling import Sampling, describe, record, recorded
@@ -64,8 +64,9 @@ SAMPLED_RUNS = {"t0.7-p0.9": REPORTS / "sampling-autotune-cpu-smollm2-135m-t0.7-
                 "t1.0-k50": REPORTS / "sampling-autotune-cpu-smollm2-135m-t1.0-k50"}
 
 
-def build_prompts(model, tokenizer, n_chat: int, n_repeat: int, first_answer_tokens: int) -> list[tuple[str, torch.Tensor]]:
-    """(group, prompt ids): chats whose first turn the model answers greedily, then the second turn; rewrites."""
+def build_prompts(engine, tokenizer, n_chat: int, n_repeat: int, first_answer_tokens: int) -> list[tuple[str, torch.Tensor]]:
+    """(group, prompt ids): chats whose first turn the engine answers greedily (its stock generation), then
+    the second turn; rewrites."""
     from training.splits import bench_prompts
 
     out = []
@@ -75,7 +76,7 @@ def build_prompts(model, tokenizer, n_chat: int, n_repeat: int, first_answer_tok
             msgs.append({"role": "user", "content": turn.strip()})
             ids = _template(tokenizer, msgs)
             if i + 1 < len(bp.turns):
-                answer = model.generate(ids[None], max_new_tokens=first_answer_tokens, do_sample=False)[0, ids.numel():]
+                answer, _ = engine.stock_generate(ids, first_answer_tokens)
                 msgs.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
         out.append((bp.group, ids))
     return out
@@ -86,43 +87,37 @@ def _template(tokenizer, msgs: list[dict]) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
-def contenders(model, plans: dict, s: Sampling, n: int, eos) -> dict:
-    """name -> fn(ids, seed) -> (new token ids, accepted per step or None)."""
+def contenders(engine, plans: dict, s: Sampling, n: int) -> dict:
+    """name -> fn(ids, seed) -> (new token ids, accepted per step or None). transformers' generate(do_sample=True)
+    is the engine's stock generation (stock F.linear); this project's loops run the engine's matmul paths."""
     from decoder import generate, generate_plain
-    from decoder.engines.hf.cpu_paths import set_paths_enabled
     from decoder.guessers.pearl import generate_pearl
 
     warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
     def hf(ids, seed):
-        set_paths_enabled(model, False)
-        torch.manual_seed(seed)
-        out = model.generate(ids[None], max_new_tokens=n, do_sample=True, eos_token_id=eos, **warp)
-        return out[0, ids.numel():].tolist(), None
+        return engine.stock_generate(ids, n, s, seed)[0], None
 
     def plain(ids, seed):
-        set_paths_enabled(model, True)
-        out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+        out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
         return out.tokens.tolist(), out.stats.accepted
 
     def plain_coupled(ids, seed):
-        set_paths_enabled(model, True)
-        out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
+        out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
         return out.tokens.tolist(), out.stats.accepted
 
     def plan_fn(tree, guesser, rule=None):
         rule = rule or ("coupled" if tree.settings.get("verify") == "coupled" else "auto")  # the rule it was raced with
 
         def run(ids, seed):
-            set_paths_enabled(model, True)
             if guesser is None:
-                out = generate_plain(model, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+                out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
             elif tree.settings.get("guesser") == "pearl":
-                out = generate_pearl(model, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
+                out = generate_pearl(engine, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
                                      max_new_tokens=n, threads=(1, 1), seed=seed, **warp)
                 return out.tokens.tolist(), None
             else:
-                out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False, seed=seed,
+                out = generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False, seed=seed,
                                verify_rule=rule, **warp)
             return out.tokens.tolist(), out.stats.accepted
         return run
@@ -144,10 +139,10 @@ COUPLED_PLAIN = "plain loop, coupled"  # plain sampling with decoder/noise.py's 
 
 @dataclass
 class LlamaSide:
-    """The llama.cpp contenders' engine, llama-cpp-python's own Llama, and the plan per setting."""
+    """The llama.cpp contenders' engine (its stock generation is llama-cpp-python's own Llama) and the plan
+    per setting."""
 
     engine: object
-    stock: object
     plans: dict = field(default_factory=dict)  # setting -> (label, tree, guesser or None)
     weights: str = "the model's Q4_1 GGUF in llama.cpp (transformers runs the fp32 weights converted from it)"
 
@@ -171,7 +166,7 @@ def llama_contenders(side: LlamaSide, key: str, s: Sampling, n: int) -> dict:
         return run
 
     def stock(ids, seed):
-        return side.stock.sample(ids.tolist(), n, s, seed)[0], None
+        return side.engine.stock_generate(ids, n, s, seed)[0], None
 
     def loop(tree, guesser):
         def run(ids, seed):
@@ -212,6 +207,7 @@ def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) 
                 seconds[name] += dt
                 if acc is not None:
                     accepted[name].extend(acc)
+            sample_load()
             if progress:
                 print(f"  repeat {r + 1}/{repeats}, prompt {p + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     ref = texts.get(COUPLED_PLAIN)
@@ -221,11 +217,12 @@ def measure(runs: dict, prompts: list, repeats: int, seed: int, progress: bool) 
             for k in runs}
 
 
-def warper_costs(model, prompts, s: Sampling, rows: int = 64, repeats: int = 5) -> dict:
+def warper_costs(engine, prompts, s: Sampling, rows: int = 64, repeats: int = 5) -> dict:
     """Per sampled token, the bookkeeping around the forward: transformers' warpers (temperature,
     top-k, top-p: a sort of the vocabulary) and torch.multinomial, against decoder.verify's
     probabilities (the top-p cut among the top tokens) and its inverse-CDF draw; median seconds per
-    row over `rows` real logits rows, interleaved, after a warm-up."""
+    row over `rows` real logits rows, interleaved, after a warm-up. transformers' warpers are the
+    library's own code, timed as they are: the one transformers import here (docs/benchmarks.md)."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -236,7 +233,7 @@ def warper_costs(model, prompts, s: Sampling, rows: int = 64, repeats: int = 5) 
     from decoder.verify import draw, probabilities
 
     ids = prompts[0][1]
-    logits = model(ids[None]).logits[0, -rows:].float()  # [rows, V] the model's own distributions
+    logits = engine.teacher_forced(ids).logits[-rows:].float()  # [rows, V] the model's own distributions
     warpers = LogitsProcessorList(
         ([TemperatureLogitsWarper(s.temperature)] if s.temperature != 1.0 else [])
         + ([TopKLogitsWarper(s.top_k)] if s.top_k else []) + ([TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []))
@@ -340,7 +337,7 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--greedy-plan", default=str(GREEDY_RUN / "chosen.json"), help="the plan autotune chose greedily")
@@ -363,15 +360,38 @@ def main(argv=None) -> int:
                                                         "(llama.cpp: the model's GGUF, a lookup chain as its plan)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling"), help="writes OUT.json and OUT.md")
     p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        return _run(a)
-    except UserError as e:
-        print(f"bench_sampling: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _plans(a, loaded) -> tuple[dict, dict]:
+def main(argv=None) -> int:
+    return bench_main("bench_sampling", parser(), run, argv)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --smoke's toy-model seconds."""
+
+    keys: list[str]  # the settings run
+    model: str
+    chat_prompts: int
+    repeat_prompts: int
+    max_new_tokens: int
+    repeats: int
+
+
+def sizes(a) -> Sizes:
+    keys = [s.strip() for s in a.settings.split(",") if s.strip()]
+    if not keys or any(s not in SETTINGS for s in keys):
+        raise UserError(f"--settings: expected a comma-separated subset of {', '.join(SETTINGS)}")
+    z = Sizes(keys, "builtin", 1, 1, 8, 1) if a.smoke else Sizes(keys, a.model, a.chat_prompts, a.repeat_prompts,
+                                                                   a.max_new_tokens, a.repeats)
+    if not (1 <= z.max_new_tokens <= 2048 and 1 <= z.repeats <= 50 and 0 <= z.chat_prompts <= 24
+            and 0 <= z.repeat_prompts <= 64 and z.chat_prompts + z.repeat_prompts >= 1):
+        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts 0..24, --repeat-prompts 0..64 (one at least)")
+    return z
+
+
+def _plans(a, keys: list[str], engine) -> tuple[dict, dict]:
     """(greedy plan, {setting: sampled plan}) as (path, (tree, guesser)) pairs."""
     sampled = {k: str(v / "chosen.json") for k, v in SAMPLED_RUNS.items()}
     for spec in a.sampled_plan or []:
@@ -379,10 +399,10 @@ def _plans(a, loaded) -> tuple[dict, dict]:
         if not sep or key not in SETTINGS:
             raise UserError(f"--sampled-plan {spec}: expected SETTING=FILE with SETTING one of {', '.join(SETTINGS)}")
         sampled[key] = path
-    for path in [a.greedy_plan] + [sampled[k] for k in a.settings]:
+    for path in [a.greedy_plan] + [sampled[k] for k in keys]:
         if not Path(path).is_file():
             raise UserError(f"{path}: no such plan (run planner autotune, or give --greedy-plan / --sampled-plan)")
-    return (a.greedy_plan, load_plan(a.greedy_plan, loaded)), {k: (sampled[k], load_plan(sampled[k], loaded)) for k in a.settings}
+    return (a.greedy_plan, load_plan(a.greedy_plan, engine)), {k: (sampled[k], load_plan(sampled[k], engine)) for k in keys}
 
 
 def _lookup_chain():
@@ -391,7 +411,7 @@ def _lookup_chain():
     return Tree(MEDUSA, [TreeState(0, [(0,), (0, 0)], 1.0, 3)], 1.0, settings={"guesser": "lookup"})
 
 
-def _smoke_plans(loaded):
+def _smoke_plans():
     """The toy model: a lookup chain as the greedy plan, plain decoding as the sampled one (seconds, no runs)."""
     from decoder.guessers.lookup import PromptLookupGuesser
     from planner.tree import MEDUSA, Tree, TreeState
@@ -400,10 +420,9 @@ def _smoke_plans(loaded):
     return ("lookup chain", (_lookup_chain(), PromptLookupGuesser(2))), {k: ("plain", (plain, None)) for k in SETTINGS}
 
 
-def _llama_side(a) -> LlamaSide | None:
+def _llama_side(a, keys: list[str]) -> LlamaSide | None:
     """llama.cpp's engine, its own Llama and the plans, or None (with the reason printed) when
     llama-cpp-python or the model's GGUF is missing, or --no-llama."""
-    from decoder.engines.llama_cpp.stock import StockLlama
     from decoder.engines.registry import EngineRequest, open_engine
 
     if a.no_llama:
@@ -417,17 +436,17 @@ def _llama_side(a) -> LlamaSide | None:
         return None
     finally:  # the engine keeps torch on one thread for itself (LlamaEngine); the hf rows run on the machine's
         torch.set_num_threads(before)
-    side = LlamaSide(engine, StockLlama(engine.path, engine.threads, n_ctx=engine.n_ctx))
+    side = LlamaSide(engine)
     if a.smoke:
         from decoder.guessers.lookup import PromptLookupGuesser
 
-        side.plans = {k: ("lookup chain", _lookup_chain(), PromptLookupGuesser(2)) for k in a.settings}
+        side.plans = {k: ("lookup chain", _lookup_chain(), PromptLookupGuesser(2)) for k in keys}
         side.weights = ("SmolLM2's GGUF in llama.cpp on the toy model's prompt ids (a smoke run: the code paths, "
                         "not speeds)")
         return side
     for path in a.llama_plan:
         key, plan = _llama_plan(path, engine)
-        if key in a.settings:
+        if key in keys:
             side.plans[key] = plan
     return side
 
@@ -435,11 +454,12 @@ def _llama_side(a) -> LlamaSide | None:
 def _llama_plan(path: str, engine) -> tuple[str, tuple]:
     """(setting, (label, tree, guesser or None)) of a llama.cpp plan: the setting whose sampling it records."""
     from decoder.guessers.registry import LoadRequest, load_guesser
+    from planner.engines import DEFAULT
     from planner.tree import load_tree
 
     tree = load_tree(path)
-    if tree.engine != "llama.cpp":
-        raise UserError(f"--llama-plan {path}: made for the {tree.engine or 'hf'} engine, not llama.cpp")
+    if (tree.engine or DEFAULT) != engine.caps.name:
+        raise UserError(f"--llama-plan {path}: made for the {tree.engine or DEFAULT} engine, not {engine.caps.name}")
     rec = recorded(tree.settings) or record(Sampling())
     key = next((k for k, s in SETTINGS.items() if record(s) == rec), None)
     if key is None:
@@ -483,66 +503,46 @@ def _label(tree, guesser) -> str:
     return f"{tree.settings.get('guesser')} {tree.method}"
 
 
-def _run(a) -> int:
-    from transformers import AutoTokenizer
-
-    from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
-
-    a.settings = [s.strip() for s in a.settings.split(",") if s.strip()]
-    if not a.settings or any(s not in SETTINGS for s in a.settings):
-        raise UserError(f"--settings: expected a comma-separated subset of {', '.join(SETTINGS)}")
-    if a.smoke:
-        a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats = "builtin", 1, 1, 8, 1
-    if not (1 <= a.max_new_tokens <= 2048 and 1 <= a.repeats <= 50 and 0 <= a.chat_prompts <= 24
-            and 0 <= a.repeat_prompts <= 64 and a.chat_prompts + a.repeat_prompts >= 1):
-        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts 0..24, --repeat-prompts 0..64 (one at least)")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    loaded = load_model(a.model, device="cpu")
-    model = loaded.model
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+def run(a) -> Results:
+    z = sizes(a)
+    engine = open_hf(z.model, threads=a.threads)
+    tok = engine.tokenizer
     if getattr(tok, "chat_template", None) is None:  # the toy model: its own "USER: ... ASSISTANT:" format
         tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() }}: {{ m['content'] }}\n{% endfor %}"
                              "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-    greedy, sampled = _smoke_plans(loaded) if a.smoke else _plans(a, loaded)
-    llama = _llama_side(a)
+    greedy, sampled = _smoke_plans() if a.smoke else _plans(a, z.keys, engine)
+    llama = _llama_side(a, z.keys)
     profile = a.profile or next(filter(None, (_profile_of(p) for p, _ in list(sampled.values()) + [greedy])), None)
     if profile:
-        from decoder.engines.hf.cpu_paths import use_profile_paths
-
-        use_profile_paths(model, profile)
-    eos = model.generation_config.eos_token_id
-    doc = {"model": loaded.name, "greedy_plan": greedy[0], "profile": profile, "machine": machine(),
+        engine.use_matmul_paths(profile)
+    doc = {"model": engine.model_name, "greedy_plan": greedy[0], "profile": profile, "machine": machine(),
            "command": "python3 bench/bench_sampling.py " + " ".join(sys.argv[1:]),
-           "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "seed": a.seed, "settings": {}}
+           "max_new_tokens": z.max_new_tokens, "repeats": z.repeats, "seed": a.seed, "settings": {}}
     with torch.inference_mode():
-        prompts = build_prompts(model, tok, a.chat_prompts, a.repeat_prompts, 16 if a.smoke else 64)
-        for key in a.settings:
+        prompts = build_prompts(engine, tok, z.chat_prompts, z.repeat_prompts, 16 if a.smoke else 64)
+        for key in z.keys:
             s = SETTINGS[key]
-            load0 = round(os.getloadavg()[0], 2)
+            load0 = load_avg()
             plans = {"greedy-tuned plan": greedy[1], "sampling-tuned": sampled[key][1]}
-            runs = contenders(model, plans, s, a.max_new_tokens, eos)
+            runs = contenders(engine, plans, s, z.max_new_tokens)
             if llama is not None:
-                runs.update(llama_contenders(llama, key, s, a.max_new_tokens))
+                runs.update(llama_contenders(llama, key, s, z.max_new_tokens))
             notes = _llama_notes(llama, key)
             for note in notes[1:]:
                 print(f"bench_sampling: {note}", file=sys.stderr)
-            got = measure(runs, prompts, a.repeats, a.seed, not a.no_progress)
-            costs = warper_costs(model, prompts, s)
+            got = measure(runs, prompts, z.repeats, a.seed, not a.no_progress)
+            costs = warper_costs(engine, prompts, s)
             doc["settings"][key] = {"label": describe(record(s)), "sampling": record(s), "sampled_plan": sampled[key][0],
                                     "per_token_warp_and_draw_s": costs,
                                     "sampled_plan_label": _label(*sampled[key][1]),
                                     "greedy_plan_label": _label(*greedy[1]), "load_avg_1m": load0,
-                                    "load_avg_1m_after": round(os.getloadavg()[0], 2),
+                                    "load_avg_1m_after": load_avg(),
                                     "results": summarise(prompts, got), "paired": paired(got), "llama_notes": notes}
     doc["kinds"] = sorted({k for k, _ in prompts})
     doc["prompts"] = [{"kind": k, "length": int(i.numel())} for k, i in prompts]
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0
+    md = markdown(doc)
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md}, md)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import Results, bench_main
 
 from planner.accept import Acceptance, load_acceptance
 from planner.candidate import tree_tau
 from planner.cost import Guessing, default_guessing, plain_step, step_latency
 from planner.errors import PlainIsFastest, UserError
-from planner.jsonio import atomic_write_json
 from planner.plan import plan
 from planner.profile import LatencyProfile, load_profile, profile_from_json
 from planner.tree import Tree
@@ -108,34 +110,36 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--greedy-run", default=str(GREEDY_RUN), help="a greedy `planner autotune` run folder (accept-*.json)")
     p.add_argument("--sampled-run", default=str(SAMPLED_RUN), help="a sampled run folder on the same prompts")
     p.add_argument("--profile", default=None, help="the latency profile (default: the greedy run's profile.json)")
     p.add_argument("--slopes", default="0,0.01,0.03,0.1", help="synthetic curves' slopes per input token, comma-separated")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling_plans"), help="writes OUT.json and OUT.md")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    # no timing: the planning model's answer does not depend on the machine's load, so none is judged
+    return bench_main("bench_sampling_plans", parser(), main_run, argv, writes=lambda a: False)
+
+
+def main_run(a) -> Results:
     try:
-        try:
-            slopes = [float(x) for x in a.slopes.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--slopes {a.slopes}: expected numbers separated by commas") from None
-        if not slopes or any(not 0 <= x <= 10 for x in slopes):
-            raise UserError(f"--slopes {a.slopes}: expected slopes in 0..10")
-        greedy, sampled = Path(a.greedy_run), Path(a.sampled_run)
-        profile = Path(a.profile) if a.profile else greedy / "profile.json"
-        if not profile.is_file():
-            raise UserError(f"{profile}: no such profile (give --profile FILE)")
-        doc = run(greedy, sampled, profile, slopes)
-    except UserError as e:
-        print(f"bench_sampling_plans: error: {e}", file=sys.stderr)
-        return 2
+        slopes = [float(x) for x in a.slopes.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--slopes {a.slopes}: expected numbers separated by commas") from None
+    if not slopes or any(not 0 <= x <= 10 for x in slopes):
+        raise UserError(f"--slopes {a.slopes}: expected slopes in 0..10")
+    greedy, sampled = Path(a.greedy_run), Path(a.sampled_run)
+    profile = Path(a.profile) if a.profile else greedy / "profile.json"
+    if not profile.is_file():
+        raise UserError(f"{profile}: no such profile (give --profile FILE)")
+    doc = run(greedy, sampled, profile, slopes)
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0
+    md = markdown(doc)
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md}, md)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def _slopes(text: str | None) -> list[float]:
     return out
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", default=str(A_PLAN), help="a dynamic plan (default: the greedy rerun's)")
     p.add_argument("--b", default=str(B_PLAN), help="another of the same guessers (default: the T 0.7 run's)")
@@ -111,27 +111,24 @@ def main(argv=None) -> int:
                    help="the autotune's held-out prompts (default) or bench_sampling's benchmark prompts")
     p.add_argument("--bench-prompts", type=int, default=8, help="--prompts bench: this many chats and rewrites each")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sampling_steps"))
-    a = p.parse_args(argv)
-    from planner.errors import UserError
-
-    try:
-        return _run(a)
-    except UserError as e:
-        print(f"bench_sampling_steps: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _run(a) -> int:
+def main(argv=None) -> int:
+    from common import bench_main
+
+    # no timing (steps on one coupled text, priced by a model): no load is judged
+    return bench_main("bench_sampling_steps", parser(), run, argv, writes=lambda a: False)
+
+
+def run(a):
     import torch
-    from bench_main_job import load_plan, machine
-    from transformers import AutoTokenizer
+    from bench_main_job import load_plan
+    from common import Results, machine, open_hf
 
     from decoder import generate
-    from decoder.engines.hf.cpu_paths import use_profile_paths
     from planner.errors import UserError
-    from planner.jsonio import atomic_write_json
     from planner.tree import tree_from_json
-    from decoder.engines.hf.load import load_model
     from workflows.cli.inputs import DEFAULT_QUESTIONS, encode_prompts, held_out_prompts
 
     if not (1 <= a.tokens <= 512 and 0 < a.temperature <= 5 and 0 < a.top_p <= 1 and 0 <= a.top_k <= 1000
@@ -148,10 +145,9 @@ def _run(a) -> int:
             raise UserError(f"{path}: field dynamic: expected a per-step (dynamic) plan")
     if set(docs["a"]["dynamic"]["guessers"]) != set(docs["b"]["dynamic"]["guessers"]):
         raise UserError(f"{a.a}, {a.b}: field dynamic.guessers: expected the same guessers in both")
-    loaded = load_model("smollm2-135m", device="cpu")
-    model = loaded.model
-    use_profile_paths(model, str(PATHS_PROFILE))
-    _, guesser = load_plan(a.a, loaded)
+    engine = open_hf("smollm2-135m")
+    engine.use_matmul_paths(str(PATHS_PROFILE))
+    _, guesser = load_plan(a.a, engine)
     A, B = docs["a"], docs["b"]
     priced = [f", slope {x:g}" for x in slopes] + ([", frozen"] if a.frozen else [])
     if priced:
@@ -163,11 +159,11 @@ def _run(a) -> int:
             plans["a, frozen"], plans["b, frozen"] = frozen(A), frozen(B)
     else:
         plans = {"a": A, "b": B, "a's step costs, b's guessers": hybrid(A, B), "b's step costs, a's guessers": hybrid(B, A)}
-    tok = AutoTokenizer.from_pretrained(loaded.tokenizer_dir)
+    tok = engine.tokenizer
     if a.prompts == "bench":
         from bench_sampling import build_prompts
 
-        prompts = [ids for _, ids in build_prompts(model, tok, a.bench_prompts, a.bench_prompts, 64)]
+        prompts = [ids for _, ids in build_prompts(engine, tok, a.bench_prompts, a.bench_prompts, 64)]
     else:
         accept, race = held_out_prompts(str(DEFAULT_QUESTIONS), 8, 16, 2)
         prompts = encode_prompts(tok, accept + race)
@@ -180,7 +176,7 @@ def _run(a) -> int:
             lengths: list[int] = []
             drafting: list[float] = []
             for i, ids in enumerate(prompts):
-                out = generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=a.tokens, phase_times=False,
+                out = generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=a.tokens, phase_times=False,
                                seed=i, verify_rule="coupled", temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
                 steps, tokens = steps + int(out.steps), tokens + len(out.tokens)
                 lengths += out.stats.input_lengths
@@ -198,11 +194,8 @@ def _run(a) -> int:
     if priced:
         doc["b_over_a"] = {c: rows[f"a{c}"]["modeled_s"] / rows[f"b{c}"]["modeled_s"] for c in [""] + priced}
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
     md = _markdown(doc, a)
-    out.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    return 0
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md + "\n"}, md)
 
 
 def _markdown(doc: dict, a) -> str:

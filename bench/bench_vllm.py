@@ -29,17 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, shared by every benchmark
+
+from common import Results, bench_main, load_avg, sample_load  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
@@ -49,10 +51,6 @@ from workflows.export.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
 # lists per prompt (and optionally a third: {"drafted", "accepted"}); run in this process, interleaved.
 EXTRA_CONTENDERS: dict = {}
-
-
-def load_avg() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -106,23 +104,21 @@ def vllm_contender(model_dir: str, config: dict | None, warmup: list[int], batch
     return run
 
 
-def local_contenders(model, plan, guesser, profile: str | None) -> dict:
+def local_contenders(engine, plan, guesser, profile: str | None) -> dict:
     """This project's plan on its own loop (matmul paths of the plan's profile) and transformers'
-    generate (stock Linears), in this process."""
+    generate (the engine's stock generation: stock Linears), in this process."""
     import torch
 
     from decoder import generate
-    from decoder.engines.hf.cpu_paths import set_paths_enabled, use_profile_paths
 
     if profile:
-        use_profile_paths(model, profile)
+        engine.use_matmul_paths(profile)
 
     def ours(ids, n, eos):
-        set_paths_enabled(model, True)
         toks, secs, drafted, accepted = [], [], 0, 0
         for p in ids:
             t = time.perf_counter()
-            out = generate(model, torch.tensor(p), plan=plan, guesser=guesser, max_new_tokens=n, eos_token_id=eos,
+            out = generate(engine, torch.tensor(p), plan=plan, guesser=guesser, max_new_tokens=n, eos_token_id=eos,
                            phase_times=False)
             secs.append(time.perf_counter() - t)
             toks.append(out.tokens.tolist())
@@ -131,13 +127,11 @@ def local_contenders(model, plan, guesser, profile: str | None) -> dict:
         return toks, secs, {"drafted": drafted, "accepted": accepted}
 
     def hf(ids, n, eos):
-        set_paths_enabled(model, False)
         toks, secs = [], []
         for p in ids:
             t = time.perf_counter()
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=eos)
+            toks.append(engine.stock_generate(torch.tensor(p), n)[0])
             secs.append(time.perf_counter() - t)
-            toks.append(out[0, len(p):].tolist())
         return toks, secs, {}
 
     return {"this project's plan (own engine)": ours, "transformers generate": hf}
@@ -162,6 +156,7 @@ def race(runs: dict, ids: list[list[int]], n: int, eos, rounds: int, seed: int =
             out[name]["extra"].append(dict(extra, load_avg_1m=load_avg()))
             print(f"  round {r + 1}/{rounds}: {name}: {sum(map(len, toks)) / sum(secs):.1f} tokens/s "
                   f"({time.perf_counter() - t:.0f} s, load {load_avg()})", file=sys.stderr, flush=True)
+            sample_load()  # a vLLM contender's engine process has finished: its CPU is this run's own
     for v in out.values():
         v["seconds"] = [statistics.median(s) for s in v["seconds"]]
     return out
@@ -223,7 +218,7 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chat", type=int, default=8, help="chat prompts (first turns)")
     p.add_argument("--repeat", type=int, default=8, help="input-repeating requests")
@@ -239,68 +234,76 @@ def main(argv=None) -> int:
                         "thread here, the other core serving its front end)")
     p.add_argument("--skip", default="", help="comma-separated contenders to leave out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm"), help="writes OUT.json and OUT.md")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.chat, a.repeat, a.max_new_tokens, a.rounds = 4, 4, 64, 1
-    try:
-        if not (0 <= a.chat <= 15 and 0 <= a.repeat <= 64 and a.chat + a.repeat >= 1 and 1 <= a.max_new_tokens <= 1024
-                and 1 <= a.rounds <= 20):
-            raise UserError("--chat 0..15, --repeat 0..64 (one prompt at least), --max-new-tokens 1..1024, --rounds 1..20")
-        return _run(a)
-    except UserError as e:
-        print(f"bench_vllm: error: {e}", file=sys.stderr)
-        return 2
+    return p
 
 
-def _run(a) -> int:
+def main(argv=None) -> int:
+    return bench_main("bench_vllm", parser(), run, argv)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What one run measures: the flags, or --quick's."""
+
+    chat: int
+    repeat: int
+    max_new_tokens: int
+    rounds: int
+
+
+def sizes(a) -> Sizes:
+    s = Sizes(4, 4, 64, 1) if a.quick else Sizes(a.chat, a.repeat, a.max_new_tokens, a.rounds)
+    if not (0 <= s.chat <= 15 and 0 <= s.repeat <= 64 and s.chat + s.repeat >= 1 and 1 <= s.max_new_tokens <= 1024
+            and 1 <= s.rounds <= 20):
+        raise UserError("--chat 0..15, --repeat 0..64 (one prompt at least), --max-new-tokens 1..1024, --rounds 1..20")
+    if not 1 <= a.threads <= 256:
+        raise UserError("--threads must be in 1..256")
+    return s
+
+
+def run(a) -> Results:
     import torch
-    from transformers import AutoTokenizer
 
     from bench_main_job import load_plan
-    from common import machine
-    from planner.jsonio import atomic_write_json
-    from decoder.engines.hf.load import load_model
+    from common import machine, open_hf
+
+    from decoder.engines.shipped import model_dir as shipped_dir
     from workflows.export.vllm import SETUP, STAMP, venv_python
 
+    s = sizes(a)
     python = venv_python()
     if python is None:
         raise UserError(f"no vLLM environment: run bash {SETUP}")
-    if not 1 <= a.threads <= 256:
-        raise UserError("--threads must be in 1..256")
-    torch.set_num_threads(a.threads)
     load0 = load_avg()
-    loaded = load_model("smollm2-135m", device="cpu")
-    model, model_dir = loaded.model, str(loaded.tokenizer_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows, warmup = prompts(tok, a.chat, a.repeat)
+    engine = open_hf("smollm2-135m", threads=a.threads)
+    model_dir = str(shipped_dir(engine.model_name))  # vLLM loads the same converted Hugging Face folder
+    rows, warmup = prompts(engine.tokenizer, s.chat, s.repeat)
     ids = [r[2] for r in rows]
-    eos = model.generation_config.eos_token_id
+    eos = sorted(engine.eos_ids())
     exports = exported_configs(a.export)
-    tree, guesser = load_plan(a.plan, loaded)
+    tree, guesser = load_plan(a.plan, engine)
     runs = {"vLLM plain": vllm_contender(model_dir, None, warmup, True),
             **{k: vllm_contender(model_dir, e["config"], warmup, True) for k, e in exports.items()},
             **{k: vllm_contender(model_dir, c, warmup, True) for k, c in VLLM_DEFAULTS.items()},
-            **local_contenders(model, tree, guesser, a.profile), **EXTRA_CONTENDERS}
-    skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+            **local_contenders(engine, tree, guesser, a.profile), **EXTRA_CONTENDERS}
+    skip = {x.strip() for x in a.skip.split(",") if x.strip()}
     runs = {k: v for k, v in runs.items() if k not in skip or k in ("vLLM plain", "transformers generate")}
     with torch.inference_mode():
         for name, fn in runs.items():
             if not name.startswith("vLLM"):
                 fn([warmup], 16, eos)  # this process's contenders: every shape once (vLLM's warm up in their engine)
-        results = race(runs, ids, a.max_new_tokens, eos, a.rounds)
+        results = race(runs, ids, s.max_new_tokens, eos, s.rounds)
     groups = [r[0] for r in rows]
-    doc = {"model": loaded.name, "machine": machine(),
+    doc = {"model": engine.model_name, "machine": machine(),
            "vllm": (python.parent.parent / STAMP).read_text().split()[0], "load_avg_before": load0,
-           "load_avg_after": load_avg(), "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
-           "groups": sorted(set(groups)), "counts": f"{a.chat} chat, {a.repeat} repeat",
+           "load_avg_after": load_avg(), "max_new_tokens": s.max_new_tokens, "rounds": s.rounds,
+           "groups": sorted(set(groups)), "counts": f"{s.chat} chat, {s.repeat} repeat",
            "prompts": [{"group": g, "id": i, "length": len(t)} for g, i, t in rows],
            "exports": exports, "plan": a.plan,
            "configs": {k: e["config"] for k, e in exports.items()} | VLLM_DEFAULTS, "results": summarise(results, groups)}
     out = Path(a.out)
-    atomic_write_json(out.with_suffix(".json"), doc)
-    out.with_suffix(".md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0
+    md = markdown(doc)
+    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md}, md)
 
 
 if __name__ == "__main__":

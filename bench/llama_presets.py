@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import Results, bench_main  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
@@ -60,27 +63,36 @@ def vicuna_lookup_ceiling(profile, tokenizer, answers: list[tuple[str, str]], ma
     return {"ceiling_speedup": plain / oracle, "answers": len(answers)}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", action="append", required=True, metavar="NAME=FILE", help="a llama.cpp profile")
     p.add_argument("--lookup", required=True, help="lookup acceptance measured in llama.cpp (autotune's accept-lookup.json)")
     p.add_argument("--answers", type=int, default=40, help="Vicuna-7B MT-bench answers for the lookup ceiling")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "llama_presets"))
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None) -> int:
+    # no decoding and no timing (predictions from measured profiles): no load is judged
+    return bench_main("llama_presets", parser(), run, argv, writes=lambda a: False)
+
+
+def _smollm2_tokenizer():
+    """SmolLM2's chat tokenizer, from the llama.cpp engine on its GGUF (closed at once: no decoding here)."""
+    from decoder.engines.registry import EngineRequest, open_engine
+
+    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=1))
     try:
-        return run(args)
-    except UserError as e:
-        print(f"llama_presets: error: {e}", file=sys.stderr)
-        return 2
+        return engine.tokenizer
+    finally:
+        engine.close()
 
 
-def run(args) -> int:
-    from transformers import AutoTokenizer
-
+def run(args) -> Results:
     from planner.accept import load_acceptance
-    from planner.jsonio import atomic_write_bytes, atomic_write_json, read_json
+    from planner.engines import DEFAULT, kind
+    from planner.jsonio import read_json
     from planner.profile import load_profile
-    from decoder.engines.shipped import model_dir
     from training.data import DEFAULT_DATA
 
     profiles = {}
@@ -89,12 +101,14 @@ def run(args) -> int:
         if not path:
             raise UserError(f"--profile {spec}: expected NAME=FILE")
         prof = load_profile(path)
-        if prof.source.get("engine") != "llama.cpp":
-            raise UserError(f"--profile {path}: not a llama.cpp profile")
+        engine = kind(prof.source.get("engine") or DEFAULT)
+        if engine.caps.trees:  # the chains priced here are what an engine that scores chains only (llama.cpp) runs
+            raise UserError(f"--profile {path}: a profile of the {engine.name} engine, which scores trees; expected "
+                            "one of a chain-only engine (llama.cpp)")
         profiles[name] = (prof, read_json(path))
     accepts = {"lookup (SmolLM2, measured)": load_acceptance(args.lookup),
                "medusa heads (Vicuna-7B, published)": load_acceptance(f"{DEFAULT_DATA / 'published_acceptance.json'}:medusa-vicuna-7b")}
-    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+    tok = _smollm2_tokenizer()
     rows = [json.loads(x) for x in (DEFAULT_DATA / "vicuna7b_mt_bench_answers.jsonl").read_text().splitlines() if x.strip()]
     questions = {json.loads(x)["question_id"]: json.loads(x)["turns"][0]
                  for x in (DEFAULT_DATA / "mt_bench_questions.jsonl").read_text().splitlines() if x.strip()}
@@ -109,8 +123,8 @@ def run(args) -> int:
             entry[label] = best_chain(acc, prof)
         entry["lookup ceiling (Vicuna-7B answers)"] = vicuna_lookup_ceiling(prof, tok, answers)
         out[name] = entry
-    atomic_write_json(args.out + ".json", {"profiles": {k: v[1].get("model_file") for k, v in profiles.items()},
-                                           "results": out, "command": "python3 bench/llama_presets.py " + " ".join(sys.argv[1:])})
+    doc = {"profiles": {k: v[1].get("model_file") for k, v in profiles.items()}, "results": out,
+           "command": "python3 bench/llama_presets.py " + " ".join(sys.argv[1:])}
     md = ["| model (llama.cpp, this CPU) | L(1) ms | L(2)/L(1) | L(4)/L(1) | L(8)/L(1) | lookup (SmolLM2 acc.) | "
           "medusa heads (Vicuna-7B acc.) | lookup oracle ceiling (Vicuna-7B answers) |", "|---|---|---|---|---|---|---|---|"]
     for name, e in out.items():
@@ -120,9 +134,8 @@ def run(args) -> int:
                   f"{r.get(8, float('nan')):.2f} | {cell('lookup (SmolLM2, measured)')} | "
                   f"{cell('medusa heads (Vicuna-7B, published)')} | "
                   f"{e['lookup ceiling (Vicuna-7B answers)']['ceiling_speedup']:.2f}x |")
-    atomic_write_bytes(args.out + ".md", ("\n".join(md) + "\n").encode())
-    print("\n".join(md))
-    return 0
+    text = "\n".join(md) + "\n"
+    return Results({Path(args.out + ".json"): doc, Path(args.out + ".md"): text}, text)
 
 
 if __name__ == "__main__":

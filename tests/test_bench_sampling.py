@@ -27,8 +27,8 @@ def _llama_available() -> bool:
     """The llama.cpp rows run when llama-cpp-python and the model's GGUF are there (else skipped, said why)."""
     import importlib.util
 
-    from planner.errors import UserError
     from decoder.engines.shipped import gguf_file
+    from planner.errors import UserError
 
     if importlib.util.find_spec("llama_cpp") is None:
         return False
@@ -41,7 +41,8 @@ def _llama_available() -> bool:
 def test_bench_sampling_smoke(tmp_path):
     out = tmp_path / "sampling"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_sampling.py"), "--smoke", "--no-progress",
-                        "--threads", "2", "--out", str(out)], capture_output=True, text=True, timeout=900)
+                        "--threads", "2", "--out", str(out), "--loaded-ok"],
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.with_suffix(".json").read_text())
     # the llama.cpp engine keeps torch on one thread for itself: the transformers rows keep the asked two
@@ -72,8 +73,8 @@ def test_bench_sampling_smoke(tmp_path):
 
 def test_bench_draft_q_smoke(tmp_path):
     out = tmp_path / "draft_q"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_draft_q.py"), "--smoke", "--out", str(out)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_draft_q.py"), "--smoke", "--out", str(out),
+                        "--loaded-ok"], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.with_suffix(".json").read_text())
     for block in doc["settings"].values():

@@ -1,7 +1,8 @@
 """The GPU benchmark must not rot while no GPU is around: its --smoke mode runs every section
 (tree attention, KV compaction, verification floor, decoder step dense vs kernels) on the CPU
 under the Triton interpreter and fails when a kernel or the kernel step disagrees with its
-reference."""
+reference. The other benchmarks' smoke modes run end to end on tiny models; those that write results
+pass --loaded-ok (the test machine is shared: bench/common.py would refuse to write otherwise)."""
 import json
 import os
 import subprocess
@@ -27,20 +28,22 @@ def test_bench_kernels_smoke(tmp_path):
 def test_bench_batch_smoke(tmp_path):
     """The batch benchmark runs end to end on a tiny model and every output equals single greedy decoding."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--batch-sizes", "1,2",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                        "--out", str(tmp_path), "--loaded-ok"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "batch.json").read_text())
     assert {(row["layout"], row["batch_size"], row["plan"]) for row in result["rows"]} == {
         (lay, b, k) for lay in ("packed", "padded") for b in (1, 2) for k in ("planned", "fixed")}
     assert all(row["tree"] is not None for row in result["rows"] if row["plan"] == "fixed")
     assert all(row["identical_to_single_greedy"] for row in result["rows"])
-    assert (tmp_path / "batch.md").is_file()
+    assert (tmp_path / "batch.md").is_file() and (tmp_path / "batch-profile-packed.json").is_file()
+    assert result["load_watch"]["loaded_ok"] is True and "other_cores" in result["load_watch"]
+    assert "vector_extensions" in result["machine"]
 
 
 def test_bench_drafters_smoke(tmp_path):
     """Every drafter decodes through the benchmark on a tiny model, identical to plain greedy decoding."""
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_drafters.py"), "--smoke", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_drafters.py"), "--smoke", "--out", str(tmp_path),
+                        "--loaded-ok"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads((tmp_path / "drafters.json").read_text())
     assert [row["guesser"] for row in result["rows"]] == ["plain", "parallelspec", "parallelspec (full head)",
@@ -63,12 +66,13 @@ def test_gpu_riders_smoke(tmp_path, kind):
 def test_bench_main_job_smoke(tmp_path):
     """The main job's benchmark runs end to end on the toy model with a plain decision and a lookup
     chain, and every contender's output equals transformers' generate."""
-    from planner.tree import TreeState, Tree, save_tree
+    from planner.tree import Tree, TreeState, save_tree
 
     chain = Tree("medusa", [TreeState(0, [(0,), (0, 0)], 1.5, 3)], 1.5, settings={"guesser": "lookup"})
     for name, plan in (("plain", None), ("lookup", save_tree(chain, tmp_path / "lookup.json"))):
         out = tmp_path / name
-        cmd = [sys.executable, str(ROOT / "bench" / "bench_main_job.py"), "--smoke", "--out", str(out), "--no-progress"]
+        cmd = [sys.executable, str(ROOT / "bench" / "bench_main_job.py"), "--smoke", "--out", str(out), "--no-progress",
+               "--loaded-ok"]
         r = subprocess.run(cmd + (["--plan", str(plan)] if plan else []), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         doc = json.loads(out.with_suffix(".json").read_text())
@@ -84,7 +88,7 @@ def test_bench_cpu_paths_smoke(tmp_path):
 
     plan = save_tree(Tree("medusa", [TreeState(0, [(0,), (0, 0), (0, 0, 0)], 1.0, 4)], 1.0), tmp_path / "chain.json")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_paths.py"), "--smoke", "--no-progress",
-                        "--plan", str(plan), "--guesser", "lookup", "--out", str(tmp_path)],
+                        "--plan", str(plan), "--guesser", "lookup", "--out", str(tmp_path), "--loaded-ok"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads((tmp_path / "cpu_paths.json").read_text())
@@ -100,8 +104,8 @@ def test_bench_cpu_paths_smoke(tmp_path):
 def test_bench_dynamic_smoke(tmp_path):
     """Dynamic plans (lookup, draft LM, their hybrid) run through the benchmark beside transformers'
     generate, prompt lookup and assisted generation on tiny models; ours equal generate."""
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dynamic.py"), "--smoke", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_dynamic.py"), "--smoke", "--out", str(tmp_path),
+                        "--loaded-ok"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "smoke: ok" in r.stdout
     result = json.loads((tmp_path / "dynamic.json").read_text())
