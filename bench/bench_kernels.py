@@ -218,10 +218,11 @@ def bench_verify_floor(cfg, measure, progress):
 
 
 def _attention(model, name: str) -> None:
-    """Switch the model's attention between "sdpa" (the decoder's dense path) and "tree_triton". The one
-    reach into the model here (docs/benchmarks.md): the step alternates the two paths every repeat, and
-    the engine's select_attention switches the kernels on but has no way back to dense."""
-    model.set_attn_implementation(name)
+    """Switch the model's attention between "sdpa" (the decoder's dense path) and "tree_triton" (the
+    kernels, their backend set once by enable_tree_attention), through the hf engine's own switch."""
+    from decoder.engines.hf.engine import select_attention
+
+    select_attention(model, "dense" if name == "sdpa" else "kernels")
 
 
 def bench_step(cfg, measure_many, progress):

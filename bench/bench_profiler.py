@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from common import Results, bench_main, load_avg, machine, open_hf, sample_load  # noqa: E402
 
-from decoder.engines.hf.load import _load_config  # noqa: E402
 from decoder.engines.models import PRESET_DIR  # noqa: E402
 
 
@@ -39,14 +38,11 @@ def build_cheap(preset: str) -> float:
 
 
 def build_stock(preset: str) -> float:
-    """The baseline: transformers' own full random init of the same config. It measures the library
-    itself, so it is the one transformers call here (docs/benchmarks.md: engine internals)."""
-    from transformers import AutoModelForCausalLM
+    """The baseline: transformers' own full random init of the same config (the hf engine's stock
+    machinery, decoder/engines/hf/stock.py)."""
+    from decoder.engines.hf.stock import stock_init_seconds
 
-    config = _load_config(PRESET_DIR / f"{preset}.json")
-    t0 = time.perf_counter()
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return time.perf_counter() - t0
+    return stock_init_seconds(PRESET_DIR / f"{preset}.json")
 
 
 def default_run() -> dict:

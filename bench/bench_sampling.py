@@ -222,26 +222,14 @@ def warper_costs(engine, prompts, s: Sampling, rows: int = 64, repeats: int = 5)
     top-k, top-p: a sort of the vocabulary) and torch.multinomial, against decoder.verify's
     probabilities (the top-p cut among the top tokens) and its inverse-CDF draw; median seconds per
     row over `rows` real logits rows, interleaved, after a warm-up. transformers' warpers are the
-    library's own code, timed as they are: the one transformers import here (docs/benchmarks.md)."""
-    from transformers.generation.logits_process import (
-        LogitsProcessorList,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
+    library's own code, timed as they are (the hf engine's stock machinery, decoder/engines/hf/stock.py)."""
+    from decoder.engines.hf.stock import stock_sampler
     from decoder.verify import draw, probabilities
 
     ids = prompts[0][1]
     logits = engine.teacher_forced(ids).logits[-rows:].float()  # [rows, V] the model's own distributions
-    warpers = LogitsProcessorList(
-        ([TemperatureLogitsWarper(s.temperature)] if s.temperature != 1.0 else [])
-        + ([TopKLogitsWarper(s.top_k)] if s.top_k else []) + ([TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []))
+    theirs = stock_sampler(s)
     gen = torch.Generator().manual_seed(0)
-
-    def theirs(row):
-        x = warpers(None, row[None])
-        return int(torch.multinomial(x.softmax(-1), 1))
 
     def ours(row):
         return draw(probabilities(row, s), gen)

@@ -159,5 +159,10 @@ def enable_tree_attention(model, backend: str = "auto"):
     return model
 
 
+def tree_backend(model) -> str:
+    """The backend the kernels were last switched on with ("auto" when never): switching back keeps it."""
+    return getattr(model.config, _BACKEND_ATTR, "auto")
+
+
 def uses_tree_attention(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ATTN_NAME

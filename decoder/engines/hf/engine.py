@@ -292,9 +292,16 @@ def _pad(args: dict, root: torch.Tensor, m: int, C: int) -> None:
 
 
 def select_attention(model, attention: str) -> None:
+    """auto: the tree kernels where they pay (CUDA, triton installed, a model they serve), else as it is;
+    kernels: the tree kernels or a one-line error; dense: the dense mask through SDPA (switching the
+    kernels off when they were on)."""
     if attention not in ("auto", "kernels", "dense"):
         raise UserError(f"attention: expected auto, kernels or dense, got {attention!r}")
     if attention == "dense":
+        from decoder.engines.hf.attention import uses_tree_attention
+
+        if uses_tree_attention(model):
+            model.set_attn_implementation("sdpa")
         return
     if attention == "auto":
         if model.get_input_embeddings().weight.device.type != "cuda":
@@ -303,7 +310,7 @@ def select_attention(model, attention: str) -> None:
             import triton  # noqa: F401
         except ImportError:
             return
-    from decoder.engines.hf.attention import enable_tree_attention, unsupported_reason, uses_tree_attention
+    from decoder.engines.hf.attention import enable_tree_attention, tree_backend, unsupported_reason, uses_tree_attention
 
     reason = unsupported_reason(model)
     if reason:
@@ -311,4 +318,4 @@ def select_attention(model, attention: str) -> None:
             return  # the dense mask serves every model the decoder supports
         raise UserError(f"attention='kernels': {reason}; use attention='dense'")
     if not uses_tree_attention(model):
-        enable_tree_attention(model)
+        enable_tree_attention(model, backend=tree_backend(model))
