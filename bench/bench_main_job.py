@@ -1,25 +1,28 @@
-"""The main job's decision against transformers' `model.generate`, on prompts the autotuner never saw.
+"""The main job's decision against the engine's own generation, on prompts the autotuner never saw.
 
-    python bench/bench_main_job.py --run runs/<autotune run>          # its chosen.json
+    python bench/bench_main_job.py --run runs/<autotune run>          # its chosen.json, in the engine it names
     python bench/bench_main_job.py --plan trees/x.json                 # any plan with a recorded guesser
     python bench/bench_main_job.py --smoke                             # the toy model, seconds
     python bench/bench_main_job.py --run runs/quiet --also loaded=runs/loaded   # two decisions, one race
 
-Prompts: training.splits.bench_prompts, which no tuning step reads (bench/common.py): two-turn
-chats (the model's own greedy first answer, then the second turn) and requests that repeat their
-input (rewrite, summarise, edit, extract), reported per group. On the same prompt ids, interleaved
-in a shuffled order per repeat after a warm-up, medians over `--repeats`:
-  generate          transformers' model.generate, greedy (the baseline a user compares with)
-  generate+lookup   the same with prompt_lookup_num_tokens=10 (transformers' own speculation)
+Prompts: training.splits.bench_prompts, which no tuning step reads (bench/common.py): single-turn
+chats, the follow-up turn of two-turn chats (the model's own greedy first answer, then the second
+turn), and requests that repeat their input (rewrite, summarise, edit, extract), reported per group.
+On the same prompt ids, interleaved in a shuffled order per repeat after a warm-up, medians over
+`--repeats`:
+  generate          the engine's own generation (transformers' generate, llama.cpp's Llama.generate),
+                    greedy: the baseline a user compares with
+  generate+lookup   transformers' generate with prompt_lookup_num_tokens=10 (its own speculation;
+                    engines that lend their torch modules)
   plain loop        this project's plain decoding loop (decoder.generate_plain)
-  chosen            the plan (decoder.generate with its recorded guesser; PEARL; or plain)
+  chosen            the decision as a user runs it: decoder.api.load_plan + generate (its guesser and
+                    files as raced, the profile's matmul paths; a plain decision the engine's fastest
+                    plain decoding; PEARL its own loop)
   chosen (NAME)     --also NAME=RUN: another run's decision (e.g. one made while a core was busy), on
-                    its own copy of the model with its own run's matmul paths
-This project's loops run the matmul paths of the run's profile (--profile; decoder/engines/hf/cpu_paths.py),
-transformers runs stock.
-Reports tokens/s per contender, per-prompt speedup over generate (geometric mean, min, max) and
-whether every output equals generate's (a difference may only be a near tie, profiler.compare).
-Writes bench/results/main_job.{json,md} (--out) with the machine.
+                    its own engine with its own run's matmul paths
+Reports tokens/s per contender, per-prompt speedup over the engine's own generation (geometric mean,
+min, max, per group) and whether every output equals it (a difference may only be a near tie,
+profiler.compare). Writes bench/results/main_job.{json,md} (--out) with the machine.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch  # noqa: E402
 from common import (  # noqa: F401 (machine: the sampling benchmarks import it from here)
     ROOT,
     Results,
@@ -40,14 +44,10 @@ from common import (  # noqa: F401 (machine: the sampling benchmarks import it f
     library_generate,
     load,
     machine,
-    open_hf,
     tokenizer_or_builtin,
 )
 
-import torch  # noqa: E402
-
 from planner.errors import UserError  # noqa: E402
-
 
 # ---------------------------------------------------------------------------------------------- contenders
 
@@ -89,33 +89,29 @@ def load_plan(path: str, engine):
     return tree, make_guesser(args, engine)
 
 
-def contenders(engine, tree, guesser, n: int) -> dict:
-    """name -> fn(ids [T]) -> list of new token ids. transformers runs stock (F.linear in every Linear:
-    the engine's stock_generate); this project's loops run the matmul paths the profile chose, if any
-    are installed on the engine."""
+def contenders(engine, plan, n: int) -> dict:
+    """name -> fn(ids [T]) -> list of new token ids. The engine's own generation runs stock (transformers:
+    F.linear in every Linear); this project's loops run the matmul paths the plan's profile chose."""
     from decoder import generate_plain
 
     def plain(ids):
         return generate_plain(engine, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
 
-    return {"generate": lambda ids: engine.stock_generate(ids, n)[0],
-            "generate+lookup": lambda ids: library_generate(engine, ids, n, prompt_lookup_num_tokens=10),
-            "plain loop": plain, "chosen": chosen_runner(engine, tree, guesser, n)}
+    out = {"generate": lambda ids: engine.stock_generate(ids, n)[0]}
+    if engine.caps.torch_modules:  # transformers' own speculation runs on its torch model
+        out["generate+lookup"] = lambda ids: library_generate(engine, ids, n, prompt_lookup_num_tokens=10)
+    out["plain loop"] = plain
+    if plan is not None:
+        out["chosen"] = chosen_runner(engine, plan, n)
+    return out
 
 
-def chosen_runner(engine, tree, guesser, n: int):
-    """The plan's own decoding: plain, PEARL (at the thread split autotune measured it at) or the loop."""
-    from decoder import generate, generate_plain
-    from decoder.guessers.pearl import generate_pearl
+def chosen_runner(engine, plan, n: int):
+    """The decision as `planner decode --plan` runs it, through the library (decoder/api.py)."""
+    from decoder import api
 
     def chosen(ids):
-        if guesser is None:
-            return generate_plain(engine, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
-        if tree.settings.get("guesser") == "pearl":
-            split = tree.settings["pearl"].get("threads")
-            return generate_pearl(engine, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
-                                  max_new_tokens=n, threads=tuple(split) if split else None).tokens.tolist()
-        return generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False).tokens.tolist()
+        return api.generate(engine, ids, plan, max_new_tokens=n, phase_times=False).tokens
 
     return chosen
 
@@ -144,8 +140,10 @@ def summarise(engine, prompts, timings) -> dict:
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
-    lines = [f"# The main job's decision vs transformers' generate ({doc['model']}, {m['cpu']}, {m['cores']} cores, "
-             f"torch {m['torch']}, load {m['load_avg']} -> {doc['load_avg_after']})", "",
+    lines = [f"# The main job's decision vs {doc.get('baseline', 'the engine')} ({doc['model']}, {doc.get('engine', 'hf')} "
+             f"engine, {m['cpu']} ({', '.join(m.get('vector_extensions') or []) or 'vector extensions unknown'}), "
+             f"{m['cores']} cores, torch {m['torch']}, load {m['load_avg']} -> {doc['load_avg_after']})", "",
+             f"`generate` is {doc.get('baseline', 'the engine')}, the baseline of every speedup.", "",
              f"Plan: `{doc['plan']}` ({doc['plan_label']}); {len(doc['prompts'])} benchmark prompts no tuning step "
              f"read (training.splits.bench_prompts: {', '.join(f'{n} {k}' for k, n in doc['counts'].items())}), "
              f"{doc['max_new_tokens']} new tokens, median of {doc['repeats']} interleaved repeats."
@@ -171,13 +169,21 @@ def _also(specs: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def _other_decision(model_name: str, run: Path, n: int):
+def _other_decision(model_name: str, run: Path, n: int, threads: int | None):
     """Another run's chosen plan on its own engine (its own model copy), with that run's matmul paths."""
-    engine = open_hf(model_name)
-    if (run / "profile.json").is_file():
-        engine.use_matmul_paths(str(run / "profile.json"))
-    tree, guesser = load_plan(str(run / "chosen.json"), engine)
-    return chosen_runner(engine, tree, guesser, n)
+    engine, plan = open_plan(str(run / "chosen.json"), model_name, threads)
+    return chosen_runner(engine, plan, n)
+
+
+def open_plan(path: str | None, model: str, threads: int | None):
+    """(the engine the plan names, opened on `model`, and the plan made ready for it by decoder.api);
+    without a plan, the default engine and None."""
+    from decoder import api
+    from planner.tree import load_tree
+
+    tree = load_tree(path) if path else None
+    engine = api.open_engine(tree.engine if tree is not None else None, model=model, threads=threads)
+    return engine, (api.load_plan(path, engine) if path else None)
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,7 @@ class Sizes:
     """What one run measures: the flags, or --smoke's toy-model seconds."""
 
     model: str
+    single_prompts: int
     chat_prompts: int
     repeat_prompts: int
     max_new_tokens: int
@@ -193,11 +200,12 @@ class Sizes:
 
 
 def sizes(a) -> Sizes:
-    s = Sizes(a.model, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats, 64)
+    s = Sizes(a.model, a.single_prompts, a.chat_prompts, a.repeat_prompts, a.max_new_tokens, a.repeats, 64)
     if a.smoke:
-        s = Sizes("builtin", 1, 1, 12, 1, 16)
-    if not (1 <= s.max_new_tokens <= 2048 and 1 <= s.repeats <= 50 and s.chat_prompts + s.repeat_prompts >= 1):
-        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, --chat-prompts and --repeat-prompts one at least")
+        s = Sizes("builtin", 1, 1, 1, 12, 1, 16)
+    if not (1 <= s.max_new_tokens <= 2048 and 1 <= s.repeats <= 50
+            and s.single_prompts + s.chat_prompts + s.repeat_prompts >= 1):
+        raise UserError("--max-new-tokens 1..2048, --repeats 1..50, and one prompt at least")
     return s
 
 
@@ -211,7 +219,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", default=None,
                    help="the profile whose matmul paths this project's loops run (default: the run's profile.json)")
-    p.add_argument("--chat-prompts", type=int, default=8, help="two-turn chats (bench/data/bench_chat.jsonl)")
+    p.add_argument("--single-prompts", type=int, default=8, help="single-turn chats (bench/data/bench_chat.jsonl)")
+    p.add_argument("--chat-prompts", type=int, default=8,
+                   help="follow-up turns of two-turn chats (bench/data/bench_chat.jsonl)")
     p.add_argument("--repeat-prompts", type=int, default=8, help="requests that repeat their input")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
@@ -228,31 +238,42 @@ def main(argv=None) -> int:
 
 def run(a) -> Results:
     s = sizes(a)
-    plan = a.plan or (str(Path(a.run) / "chosen.json") if a.run else None)
-    engine = open_hf(s.model, threads=a.threads)
+    path = a.plan or (str(Path(a.run) / "chosen.json") if a.run else None)
+    engine, plan = open_plan(path, s.model, a.threads)
     tok = tokenizer_or_builtin(engine)
-    tree, guesser = load_plan(plan, engine) if plan else (None, None)
-    profile = a.profile or (str(Path(a.run) / "profile.json") if a.run else None)
-    if profile:
-        engine.use_matmul_paths(profile)
-        print(f"matmul paths from {profile}", file=sys.stderr)
-    label = "plain decoding" if guesser is None else f"{tree.settings.get('guesser')} {tree.method} ({len(tree.states[0].nodes)} nodes)"
+    if a.profile:  # else the plan's own (load_plan installed the paths it was raced with)
+        engine.use_matmul_paths(a.profile)
+        print(f"matmul paths from {a.profile}", file=sys.stderr)
+    label = _label(plan)
     mach = machine()
-    counts = {"chat": s.chat_prompts, "repeat": s.repeat_prompts}
+    counts = {"single": s.single_prompts, "chat": s.chat_prompts, "repeat": s.repeat_prompts}
     with torch.inference_mode():
         prompts = bench_ids(tok, counts, engine, first_answer_tokens=s.first_answer_tokens)
-        runs = contenders(engine, tree, guesser, s.max_new_tokens)
+        runs = contenders(engine, plan, s.max_new_tokens)
         for name, other in _also(a.also):
-            runs[f"chosen ({name})"] = _other_decision(s.model, other, s.max_new_tokens)
+            runs[f"chosen ({name})"] = _other_decision(s.model, other, s.max_new_tokens, a.threads)
         timings = interleaved(runs, [p.ids for p in prompts], s.repeats, progress=not a.no_progress)
         results = summarise(engine, prompts, timings)
-    doc = {"model": engine.model_name, "plan": plan, "plan_label": label, "also": a.also, "profile": profile,
-           "machine": mach, "load_avg_after": load(), "max_new_tokens": s.max_new_tokens, "repeats": s.repeats,
-           "counts": counts, "kinds": [g for g in counts if counts[g]],
+    from decoder.engines.registry import kind_of
+
+    doc = {"model": engine.model_name, "engine": engine.caps.name, "baseline": kind_of(engine).stock, "plan": path,
+           "plan_label": label, "also": a.also, "profile": a.profile, "machine": mach, "load_avg_after": load(),
+           "max_new_tokens": s.max_new_tokens, "repeats": s.repeats, "counts": counts,
+           "kinds": [g for g in counts if counts[g]],
            "prompts": [{"id": p.id, "kind": p.group, "length": int(p.ids.numel())} for p in prompts],
            "results": results}
     out = Path(a.out)
     return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): markdown(doc)}, markdown(doc))
+
+
+def _label(plan) -> str:
+    if plan is None:
+        return "no plan"
+    if plan.plain:
+        return "plain decoding (the engine's fastest plain)"
+    if plan.pearl is not None:
+        return f"PEARL, gamma {plan.pearl[0]}"
+    return f"{plan.tree.settings.get('guesser')} {plan.tree.method} ({len(plan.tree.states[0].nodes)} nodes)"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ average would count the benchmark's own threads, so the meter counts the machine
 process's and its children's). Refused in one line on stderr, exit code 3, nothing written, unless
 --loaded-ok says the load is intended; every JSON result records what was seen ("load_watch").
 
-Prompts come from training.splits.bench_prompts: hand-written two-turn chats ("chat") and requests
+Prompts come from training.splits.bench_prompts: hand-written chats asked alone ("single") or as two turns
+("chat": the follow-up is timed), and requests
 that repeat their input ("repeat": rewrite, summarise, edit, extract), which no tuning step reads
 (no drafter trained on them, no acceptance was measured on them, no plan raced on them;
 tests/test_splits.py checks it). A two-turn chat is the model's own greedy answer to the first turn
@@ -50,7 +51,6 @@ import torch  # noqa: E402
 from planner.errors import UserError  # noqa: E402
 from profiler.machine import cores, cpu_name, load_avg, load_avgs, vector_extensions  # noqa: E402
 
-GROUPS = ("chat", "repeat")
 MAX_PROMPTS = 64  # per group: bounds what a user can type
 LOAD_LIMIT = 0.5  # load (runnable processes, or cores others keep busy) above which the cores are shared
 LOADED_EXIT = 3  # the exit code of a run refused for the load (2: any other one-line error)
@@ -238,7 +238,7 @@ class BenchIds:
     """One benchmark prompt as token ids, ready to decode."""
 
     id: str
-    group: str  # chat | repeat
+    group: str  # single | chat | repeat (training.splits.GROUPS)
     ids: torch.Tensor  # [T]
 
 

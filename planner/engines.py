@@ -71,6 +71,7 @@ class EngineKind:
     install: str | None = None  # the command that installs that library (scripts/install_engine.sh NAME)
     compares: bool = False  # the main job of another engine times this one's stock plain decoding beside it
     serves: tuple[str, ...] = ()  # serving programs whose plans are priced on this engine's profile (planner export)
+    stock: str = "its library's own generation"  # what `stock_generate` runs, as reports name the baseline
 
     def why_not(self, option: str) -> str | None:
         return dict(self.refuses).get(option)
@@ -117,6 +118,7 @@ register(EngineKind(
     EngineCaps("hf", hidden_states=True, input_embeddings=True, trees=True, batches=True, torch_modules=True,
                matmul_paths=True, tree_kernels=True, devices=("cpu", "cuda")),
     EngineDefaults(),
+    stock="transformers' generate",
     refuses=(("--n-ctx", "transformers models size their cache as they go"),
              ("--quant", "it loads the model's own weights (a random-filled GGUF is llama.cpp's)")),
 ))
@@ -140,4 +142,5 @@ register(EngineKind(
              ("--matmul-paths", "the CPU matmul paths are the hf engine's; llama.cpp has its own kernels"),
              ("--profile", "the CPU matmul paths are the hf engine's; llama.cpp has its own kernels")),
     requires="llama_cpp", install="scripts/install_engine.sh llama.cpp", compares=True, serves=("llama-server",),
+    stock="llama.cpp's Llama.generate",
 ))

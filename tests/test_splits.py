@@ -77,7 +77,9 @@ def test_a_follow_up_quotes_the_answer_cut_at_a_sentence(tmp_path):
     assert cut.endswith("here.") and ANSWER_CHARS // 3 < len(cut) <= ANSWER_CHARS and long.startswith(cut)
     assert race[1].messages() == [{"role": "user", "content": "q90"}, {"role": "assistant", "content": cut},
                                   {"role": "user", "content": "again 90"}]
-    assert GROUPS == ("chat", "repeat")
+    assert GROUPS == ("single", "chat", "repeat")
+    single, chat = bench_prompts("single", 2), bench_prompts("chat", 2)
+    assert [p.turns for p in single] == [c.turns[:1] for c in chat] and {p.group for p in single} == {"single"}
 
 
 def test_a_follow_up_is_encoded_as_its_conversation():

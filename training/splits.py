@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH_DATA = REPO / "bench" / "data"
 BENCH_CHAT = BENCH_DATA / "bench_chat.jsonl"
 BENCH_REWRITE = BENCH_DATA / "rewrite_prompts.jsonl"
-GROUPS = ("chat", "repeat")
+GROUPS = ("single", "chat", "repeat")  # single-turn chats, follow-up turns, input-repeating requests
 
 # What a user asks of a text they paste: the answer repeats much of it (prompt lookup's best case).
 REQUESTS = (
@@ -43,7 +43,7 @@ class BenchPrompt:
     """One benchmark prompt: `turns` are user turns (a two-turn chat is answered turn by turn)."""
 
     id: str
-    group: str  # chat | repeat
+    group: str  # single | chat | repeat
     turns: tuple[str, ...]
 
 
@@ -174,16 +174,19 @@ def _passages(data_dir: Path, n: int, chars: int) -> list[str]:
 
 
 def bench_prompts(group: str, n: int, data_dir: str | Path = DEFAULT_DATA, chars: int = 480) -> list[BenchPrompt]:
-    """The first n benchmark prompts of a group: chat (two-turn, hand-written) or repeat (the
-    hand-written rewrite requests, then the REQUESTS in turn on validation web documents)."""
+    """The first n benchmark prompts of a group: single (the hand-written chats' first turns, asked
+    alone), chat (two-turn, hand-written: the follow-up is timed) or repeat (the hand-written rewrite
+    requests, then the REQUESTS in turn on validation web documents)."""
     if group not in GROUPS:
         raise UserError(f"benchmark prompts: group {group!r}, expected one of {', '.join(GROUPS)}")
     if n < 0:
         raise UserError(f"benchmark prompts: expected a count >= 0, got {n}")
-    if group == "chat":
+    if group in ("single", "chat"):
         rows = read_jsonl(BENCH_CHAT)
         if n > len(rows):
             raise UserError(f"{BENCH_CHAT}: {len(rows)} chat prompts, {n} asked for")
+        if group == "single":
+            return [BenchPrompt(f"{r['id']}-1", "single", (str(r["turns"][0]),)) for r in rows[:n]]
         return [BenchPrompt(str(r["id"]), "chat", tuple(str(t) for t in r["turns"])) for r in rows[:n]]
     out = [BenchPrompt(f"r{i:02d}", "repeat", (str(r["text"]),)) for i, r in enumerate(read_jsonl(BENCH_REWRITE))]
     if n > len(out):
