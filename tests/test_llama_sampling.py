@@ -132,7 +132,7 @@ def test_autotune_under_sampling_records_its_settings(tmp_path, capsys):
     reuse = ["--profile", str(PROFILE)] if PROFILE.is_file() else ["--profile-budget", "3"]
     code, _ = _main(capsys, "autotune", "--engine", "llama.cpp", "--out", str(run), "--accept-prompts", "2",
                     "--decode-prompts", "2", "--accept-tokens", str(N_NEW), "--decode-tokens", "12", "--rounds", "1",
-                    "--threads", "1", "--quiet", "--temperature", "0.7", "--top-p", "0.9", *reuse)
+                    "--threads", "1", "--quiet", "--no-report", "--temperature", "0.7", "--top-p", "0.9", *reuse)
     assert code == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["identical_to_greedy"] is None and summary["sampling"] == RECORD
