@@ -45,7 +45,7 @@ from common import Results, bench_main, load_avg, sample_load  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
 
-RUN = ROOT / "reports" / "autotune-quiet-cpu-smollm2-135m"  # the main job the README quotes
+RUN = ROOT / "reports" / "autotune-quiet-cpu-smollm2-135m"  # the main job docs/vllm.md's race was measured with
 from workflows.export.vllm import RACE_DEFAULTS as VLLM_DEFAULTS  # noqa: E402  vLLM's own settings, as the race uses them
 
 # Another engine's contender: name -> fn(prompts: list[list[int]], max_new_tokens, eos) -> (tokens, seconds)
