@@ -69,14 +69,16 @@ def test_bench_main_job_smoke(tmp_path):
     from planner.tree import Tree, TreeState, save_tree
 
     chain = Tree("medusa", [TreeState(0, [(0,), (0, 0)], 1.5, 3)], 1.5, settings={"guesser": "lookup"})
-    for name, plan in (("plain", None), ("lookup", save_tree(chain, tmp_path / "lookup.json"))):
-        out = tmp_path / name
+    plain = Tree("medusa", [TreeState(0, [(0,)], 1.0, 2)], 1.0, settings={"guesser": "plain"})
+    for name, tree in (("plain", plain), ("lookup", chain)):
+        out, plan = tmp_path / name, save_tree(tree, tmp_path / f"{name}.json")
         cmd = [sys.executable, str(ROOT / "bench" / "bench_main_job.py"), "--smoke", "--out", str(out), "--no-progress",
-               "--loaded-ok"]
-        r = subprocess.run(cmd + (["--plan", str(plan)] if plan else []), capture_output=True, text=True, timeout=600)
+               "--plan", str(plan)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         doc = json.loads(out.with_suffix(".json").read_text())
         assert set(doc["results"]) == {"generate", "generate+lookup", "plain loop", "chosen"}
+        assert doc["plan_label"].startswith("plain") == (name == "plain")
         assert all(res["mismatches"] == 0 for res in doc["results"].values())
         assert doc["results"]["generate"]["speedup_vs_generate"] == 1.0
 

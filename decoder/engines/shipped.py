@@ -68,9 +68,18 @@ def model_dir(name: str, progress: bool = True) -> Path:
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise UserError(f"model '{name}': converting the GGUF file needs the package '{mod}' (run scripts/setup.sh)")
-    if progress:
-        print(f"converting {m.gguf_file} once into {out} (fp32 Hugging Face directory, about 30 s)...", file=sys.stderr)
-    _convert(m, src, out)
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one converter at a time (parallel test workers, two commands at once): the others wait, then reuse it
+    with open(out.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / MARKER).is_file():
+            return out
+        if progress:
+            print(f"converting {m.gguf_file} once into {out} (fp32 Hugging Face directory, about 30 s)...",
+                  file=sys.stderr)
+        _convert(m, src, out)
     return out
 
 
