@@ -5,8 +5,29 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel workers (-n 2 on two cores): one thread each, set before torch or llama.cpp start, and
+    # inherited by the subprocesses tests run, so no two workers' spinning OpenMP threads share a core.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # xdist's workers ignore SIGINT (the controller owns Ctrl-C), and an ignored signal stays ignored in
+    # every child: the tests that interrupt a load or a benchmark need Python's own handler back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The files that take minutes (vLLM server starts, distribution tests, llama.cpp's main job) go first:
+# xdist's loadfile hands files out in this order, so no long file starts when the rest is done.
+SLOW_FIRST = ("test_vllm.py", "test_vllm_server.py", "test_vllm_profile.py", "test_vllm_accept.py",
+              "test_dynamic_sampling.py", "test_llama_cli.py", "test_draft_sampling.py", "test_pearl.py",
+              "test_bench_smoke.py", "test_bench_serving.py", "test_sampling_decode.py", "test_llama_sampling.py",
+              "test_bench_sampling.py", "test_smollm2.py", "test_mtad.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 def pytest_sessionstart(session):
