@@ -34,6 +34,8 @@ class EngineCaps:
     tree_kernels: bool = False  # has the Triton tree-attention kernels (select_attention: auto, kernels, dense)
     stock_plain: bool = False  # its library's own generation is its fastest plain decoding: a plain decision runs it
     devices: tuple[str, ...] = ("cpu",)  # where it runs ("cuda" also takes "cuda:N")
+    server: bool = False  # a serving program in its own environment: profiled, measured and raced through
+    #                       its HTTP API under concurrent load, never stepped from this process
 
 
 @dataclass(frozen=True)
@@ -143,4 +145,21 @@ register(EngineKind(
              ("--profile", "the CPU matmul paths are the hf engine's; llama.cpp has its own kernels")),
     requires="llama_cpp", install="scripts/install_engine.sh llama.cpp", compares=True, serves=("llama-server",),
     stock="llama.cpp's Llama.generate",
+))
+
+register(EngineKind(
+    "vllm", "vLLM's CPU build as a server (its own environment, scripts/setup_vllm.sh): concurrent requests, "
+            "its own proposers (ngram, suffix, draft_model) and draft lengths per batch-size range",
+    "decoder.engines.vllm.open:open_engine",
+    EngineCaps("vllm", hidden_states=False, input_embeddings=False, trees=False, batches=True, stock_plain=True,
+               server=True),
+    EngineDefaults(decode_tokens=48, rounds=2, budget_minutes=15.0, decode_prompts=24, turns=1, max_input_length=9,
+                   sampled_rule="lossless"),
+    refuses=(("--device", "vLLM's CPU build runs on the CPU here"),
+             ("--n-ctx", "vLLM sizes its KV cache itself (VLLM_CPU_KVCACHE_SPACE)"),
+             ("--quant", "it serves the model's own weights"),
+             ("--attention tree", "vLLM verifies chains with its own attention"),
+             ("--matmul-paths", "the CPU matmul paths are the hf engine's"),
+             ("--profile", "the CPU matmul paths are the hf engine's")),
+    stock="vLLM plain (the same server without --speculative-config)",
 ))

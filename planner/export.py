@@ -62,9 +62,11 @@ class Target:
     model_object: bool = False  # takes the drafter as a loaded model (transformers' assistant): no --draft-model path
     per_step_lookup: str | None = None  # its method whose draft length follows each step's match (vLLM: suffix)
     batch_schedule: bool = True  # takes a draft length per batch size (transformers decodes batch size 1)
+    lookup_keys: bool = False  # takes prompt-lookup parameters planned from measurements (lookup_settings)
+    runs_here: bool = False  # its CPU build runs on this machine, so `planner export --race` can time configs in it
 
 
-TARGETS = {"vllm": Target(per_step_lookup="suffix"), "sglang": Target(), "trtllm": Target(),
+TARGETS = {"vllm": Target(per_step_lookup="suffix", lookup_keys=True, runs_here=True), "sglang": Target(), "trtllm": Target(),
            "hf": Target(model_object=True, batch_schedule=False)}
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees

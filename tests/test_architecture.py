@@ -419,7 +419,9 @@ def engine_name_comparisons(source: str, engine_names) -> list[int]:
         if not isinstance(node, ast.Compare):
             continue
         operands = [node.left, *node.comparators]
-        named = [c for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant) and c.value in engine_names]
+        # a name compared directly, or in a tuple/list/set compared: a name inside a call's arguments is passed on
+        named = [c for o in operands for c in ([o] if isinstance(o, ast.Constant) else getattr(o, "elts", []))
+                 if isinstance(c, ast.Constant) and c.value in engine_names]
         other = " ".join(ast.get_source_segment(source, o) or "" for o in operands
                          if not isinstance(o, (ast.Constant, ast.Tuple, ast.List, ast.Set))).lower()
         if named and any(w in other for w in ("engine", "caps", "target", "backend")):
@@ -442,6 +444,7 @@ def test_the_engine_check_catches_a_comparison():
     assert engine_name_comparisons('y = target != "llama.cpp"\n', names) == [1]
     assert engine_name_comparisons('if plan.method == "hf":\n    pass\n', names) == []  # another vocabulary
     assert engine_name_comparisons('e = kind("llama.cpp")\n', names) == []  # naming one is not deciding on it
+    assert engine_name_comparisons('ok = main(["--engine", "hf"]) != 0\n', names) == []  # passing one on neither
 
 
 def hf_internals(source: str) -> list[tuple[int, str]]:

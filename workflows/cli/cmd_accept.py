@@ -43,6 +43,121 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sampled with --temperature, each guess scored with p(x)); stored under 'calibration' with a "
                         "cross-fitted reliability table")
     p.add_argument("-o", "--output", required=True, help="acceptance JSON (loadable by `planner plan --accept`)")
+    add_serving_arguments(p)
+
+
+def add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving engines (--engine vllm): the acceptance of vLLM's own proposers, measured in its "
+                             "server from its speculative-decoding counters (docs/vllm.md)")
+    g.add_argument("--method", default=None, metavar="M[,M...]",
+                   help="the proposers measured, one server each: ngram, suffix, draft_model (default all three); one "
+                        "method writes its entry, several a collection (`planner plan --accept FILE:METHOD`)")
+    g.add_argument("--max-depth", type=int, default=None, metavar="K",
+                   help="the draft length every method drafts with (suffix: at most K; default 8)")
+    g.add_argument("--concurrency", type=int, default=None, metavar="N", help="requests in flight (default 4)")
+    g.add_argument("--workload", default=None, metavar="FILE",
+                   help="the user's requests (OpenAI chat-completions JSON lines or ShareGPT; each keeps its own "
+                        "max_tokens, sampling set by this command) instead of the held-out acceptance prompts of "
+                        "--prompts (the MT-bench questions' acceptance split, with their follow-ups)")
+    g.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="draft_model's drafter: the project's draft LM (converted once into a Hugging Face folder) or "
+                        "a Hugging Face model folder (default: the draft LM shipped for --model)")
+
+
+SERVING_OPTIONS = ("--method", "--max-depth", "--concurrency", "--workload", "--draft-model")
+
+
+def _serving_given(args) -> dict[str, bool]:
+    return {f: getattr(args, f[2:].replace("-", "_")) is not None for f in SERVING_OPTIONS}
+
+
+def _served(args, s, spec) -> int:
+    """caps.server engines: vLLM's own proposers in its server (profiler/vllm_accept.py), one entry per method."""
+    from planner.accept import from_entry
+    from planner.jsonio import atomic_write_json, writable_target
+    from planner.sampling import describe, record
+    from profiler import vllm_accept as va
+    from workflows.cli.engines import open_from_args, refuse_options
+
+    refuse_options(spec, {"--device": args.device is not None, "--dtype": args.dtype is not None,
+                          "--n-ctx": args.n_ctx is not None})
+    for flag, on in {"--plan": args.plan is not None, "--calibrate": args.calibrate, "--guesser": args.guesser is not None,
+                     "--prompt-tokens": args.prompt_tokens is not None,
+                     "--random-prompt-tokens": args.random_prompt_tokens is not None}.items():
+        if on:
+            raise UserError(f"{flag}: not with --engine {spec.name}, which measures its own proposers (--method)")
+    if args.max_new_tokens < 2:
+        raise UserError("--max-new-tokens: expected an integer >= 2")
+    methods = [m.strip() for m in (args.method or ",".join(va.METHODS)).split(",") if m.strip()]
+    k = va.DEFAULT_DRAFT_LENGTH if args.max_depth is None else args.max_depth
+    if not methods or len(set(methods)) != len(methods):
+        raise UserError(f"--method {args.method}: expected distinct names among {', '.join(va.METHODS)}")
+    for m in methods:
+        va.speculative_config(m, k, "")  # names and K checked before anything starts
+    concurrency = 4 if args.concurrency is None else args.concurrency
+    if not 1 <= concurrency <= 1024:
+        raise UserError(f"--concurrency: expected an integer in 1..1024, got {concurrency}")
+    writable_target(args.output)
+    requests, where = _served_requests(args)
+    engine = open_from_args(args, spec, server_ok=True)
+    va.check_methods(methods, engine.python)
+    draft = _served_draft(args, engine) if "draft_model" in methods else None
+    t0 = time.time()
+    records = va.measure_methods(engine, methods, requests, s, seed=args.seed, draft_length=k,
+                                 concurrency=concurrency, draft_model=draft,
+                                 say=None if args.no_progress else va.progress_line)
+    for m, rec in records.items():
+        rec["source"] = (f"planner accept --engine {spec.name}: {engine.model_name}, {rec['prompts']} requests from "
+                         f"{where}, vLLM {m} drafting {k} at concurrency {rec['vllm']['concurrency']}, "
+                         f"{describe(record(s))}")
+        from_entry({"accuracy": rec["accuracy"]}, label=f"{args.output}:{m}")  # what we write, the planner can read
+    doc = records[methods[0]] if len(methods) == 1 else dict(records)
+    atomic_write_json(args.output, doc)
+    for m, rec in records.items():
+        top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(rec["accuracy"]))
+        print(f"{m}: rank-0 accuracy {top}; {rec['vllm']['tokens_per_step']:.2f} tokens/step over {rec['positions']} "
+              f"steps ({rec['wall_s']:.0f} s)")
+    print(f"wrote {args.output}" + ("" if len(methods) == 1 else f" (entries {', '.join(methods)}: FILE:METHOD)")
+          + f" in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _served_requests(args) -> tuple[list, str]:
+    """The requests: --workload's, else the held-out acceptance prompts (training.splits: disjoint from the
+    race and the benchmarks), first turns and, where the answers file is there, their follow-ups."""
+    from pathlib import Path
+
+    from profiler.workload import Request, read_workload
+    from training.data import ANSWERS_FILE
+    from training.splits import accept_and_race, tuning_questions
+    from workflows.cli.inputs import DEFAULT_QUESTIONS
+
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UserError("--num-prompts: expected a positive integer")
+    if args.workload:
+        if args.prompts:
+            raise UserError("--workload and --prompts: give one (the workload's requests, or prompts)")
+        return read_workload(args.workload, default_max_tokens=args.max_new_tokens, limit=args.num_prompts), args.workload
+    questions = args.prompts or DEFAULT_QUESTIONS
+    turns = 2 if (Path(questions).parent / ANSWERS_FILE).is_file() else 1
+    available = (len(tuning_questions(questions)) + 1) // 2 * turns  # the even places of the held-out questions
+    if not available:
+        raise UserError(f"--prompts {questions}: no held-out question (question_id % 5 == 0) to measure on")
+    accept, _ = accept_and_race(questions, min(args.num_prompts or available, available), 0, turns)
+    requests = [Request(messages=p.messages() if hasattr(p, "messages") else [{"role": "user", "content": p}],
+                        max_tokens=args.max_new_tokens) for p in accept]
+    return requests, f"the held-out acceptance split of {questions}"
+
+
+def _served_draft(args, engine):
+    """The folder vLLM's draft_model loads: --draft-model, else the draft LM shipped for the model."""
+    from decoder.engines.vllm.draft_folder import served_draft
+    from workflows.cli.inputs import shipped
+
+    path = args.draft_model or shipped(engine.model_name, "draft_lm")
+    if path is None:
+        raise UserError(f"--method draft_model: no draft LM ships for {engine.model_name}; give --draft-model DIR")
+    return served_draft(path, engine.model_dir, target_name=None if args.draft_model else engine.model_name)
 
 
 def _sampled(args, s, engine, guesser, prompts: list) -> int:
@@ -72,14 +187,20 @@ def _check(args, s) -> None:
 
 
 def run(args) -> int:
+    from planner.engines import kinds
     from planner.jsonio import writable_target
     from planner.tree import load_tree
     from workflows.cli.engines import engine_kind, refuse_options
 
     s = sampling_from_args(args)
-    _check(args, s)
-    tree = load_tree(args.plan) if args.plan else None
     spec = engine_kind(args)
+    if spec.caps.server:
+        return _served(args, s, spec)
+    _check(args, s)
+    given = [f for f, on in _serving_given(args).items() if on]
+    if given:
+        raise UserError(f"{given[0]}: only with a serving engine (--engine {', '.join(k.name for k in kinds() if k.caps.server)})")
+    tree = load_tree(args.plan) if args.plan else None
     refuse_options(spec, {"--device": args.device is not None, "--dtype": args.dtype is not None,
                           "--n-ctx": args.n_ctx is not None})
     writable_target(args.output)

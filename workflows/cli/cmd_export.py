@@ -113,7 +113,8 @@ def run(args) -> int:
     notes: list[str] = _hybrid_notes(plan, engine, method) if args.method is None else []
     ranges, chains, accept, profiles, sources = _draft_ranges(args, plan, plan_path, engine, method, max_b, notes)
     lookup = _lookup(plan, engine, method, ranges, accept, profiles, notes)
-    opts = ExportOptions(engine, method, args.draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
+    draft_model = _draft_folder(args.draft_model, plan, method, out, notes)
+    opts = ExportOptions(engine, method, draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
                          str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup)
     result = build(plan, ranges, opts, basis(plan, str(plan_path), ranges, chains, sources), notes)
     if args.race:
@@ -124,7 +125,7 @@ def run(args) -> int:
     if not args.quiet:
         cfg = result.settings.get("speculative_config") or {}
         sched = cfg.get("num_speculative_tokens_per_batch_size") or ([[1, ranges[-1].hi, cfg["num_speculative_tokens"]]]
-                                                                     if engine == "vllm" else None)
+                                                                     if "num_speculative_tokens" in cfg else None)
         ks = ", ".join(f"{lo}-{hi}: {k}" for lo, hi, k in sched) if sched else \
             ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
         print(f"wrote {', '.join(written)} ({engine}, {method}); draft length by batch size {ks}", file=sys.stderr)
@@ -139,10 +140,10 @@ def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
     import shlex
 
     from planner.errors import UserError
-    from planner.export import build
+    from planner.export import TARGETS, build
     from workflows.export.vllm import RACE_DEFAULTS, race, race_prompts
 
-    if opts.engine != "vllm":
+    if not TARGETS[opts.engine].runs_here:
         raise UserError("--race times configs in vLLM: it needs --engine vllm")
     planned = {f"planned ({opts.method})": result.settings["speculative_config"]}
     if opts.method in LOOKUP_METHODS:  # the other lookup method, planned the same way
@@ -188,9 +189,9 @@ def _hybrid_notes(plan, engine: str, method: str) -> list[str]:
 
 def _lookup(plan, engine: str, method: str, ranges, accept, profiles, notes: list[str]) -> dict:
     """vLLM's ngram / suffix parameters from the plan's measurements (planner.export.lookup_settings)."""
-    from planner.export import MEASURED_NGRAMS, lookup_settings
+    from planner.export import MEASURED_NGRAMS, TARGETS, lookup_settings
 
-    if engine != "vllm" or method not in LOOKUP_METHODS:
+    if not TARGETS[engine].lookup_keys or method not in LOOKUP_METHODS:
         return {}
     k = ranges[0].k or max(r.k for r in ranges)
     if accept is None or profiles is None:
@@ -235,6 +236,23 @@ def _plan_profile(plan) -> dict:
         return read_json(path) if isinstance(path, str) and Path(path).is_file() else {}
     except Exception:  # noqa: BLE001 (an unreadable profile only loses the defaults)
         return {}
+
+
+def _draft_folder(draft: str | None, plan, method: str, out: Path, notes: list[str]) -> str | None:
+    """--draft-model naming the project's draft LM (layers on the target's embedding and head): written
+    beside the output as a Hugging Face folder that engines' draft_model methods load (OUT_STEM.draft/)."""
+    from decoder.engines.vllm.draft_folder import is_project_draft, write_draft_folder
+
+    if draft is None or method != "draft_model" or not is_project_draft(draft):
+        return draft
+    from decoder.engines.models import DEFAULT_MODEL, resolve_spec
+
+    model = plan.provenance.get("model") if isinstance(plan.provenance.get("model"), str) else DEFAULT_MODEL
+    _, source, target_dir = resolve_spec(model)
+    folder = write_draft_folder(draft, target_dir, out.with_name(out.stem + ".draft"), target_name=model)
+    notes.append(f"the project's draft LM {draft} written as a model folder at {folder} (its layers with the "
+                 f"target's embedding and head, the target's tokenizer)")
+    return str(folder.resolve())
 
 
 def _plan_model_file(plan) -> str:

@@ -44,12 +44,19 @@ def refuse_options(spec: EngineKind, given: dict[str, bool]) -> None:
 
 
 def open_from_args(args, spec: EngineKind, context: int | None = None, weights: bool = True,
-                   progress: bool | None = None, busy: bool | None = None, threads: int | None = None, say=None):
+                   progress: bool | None = None, busy: bool | None = None, threads: int | None = None, say=None,
+                   server_ok: bool = False):
     """The engine on --model, --device, --dtype, --threads (or `threads`, resolved from a plan), --n-ctx.
     busy (default: the kind's spinning_threads): on a machine busier than its cores and without
     threads, one thread, said in a note once the engine is open (a refusal comes first, alone);
-    say: where the note goes (default stderr; a caller with checks of its own collects it)."""
+    say: where the note goes (default stderr; a caller with checks of its own collects it).
+    server_ok: the command has a path for engines that serve (caps.server); others refuse them here."""
     from decoder.engines.registry import EngineRequest, open_engine
+
+    if spec.caps.server and not server_ok:
+        command = getattr(args, "command", None) or "this command"
+        raise UserError(f"--engine {spec.name}: planner {command} steps a model in this process, and {spec.name} is a "
+                        "server; it is profiled, measured and raced by planner profile, accept and autotune")
 
     n_ctx = getattr(args, "n_ctx", None)
     if n_ctx is not None and not 256 <= n_ctx <= 131072:

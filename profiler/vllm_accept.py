@@ -1,0 +1,215 @@
+"""The acceptance of vLLM's own proposers (ngram, suffix, draft_model), measured in vLLM's server.
+
+    from profiler.vllm_accept import measure_methods
+    records = measure_methods(engine, ["ngram", "suffix"], requests, draft_length=8, concurrency=4)
+    records["ngram"]["accuracy"]   # [[a_1], ..., [a_K]]: planner/accept.py's format, one rank per distance
+
+One server per method (decoder/engines/vllm/server.py) with a fixed draft length K; the requests go
+through the load generator (profiler/load_generator.py) at a fixed concurrency, and the
+speculative-decoding counters of vLLM's `/metrics` page (profiler/serving_metrics.py) are read before
+and after: drafts, drafted and accepted tokens, accepted tokens per draft position.
+
+vLLM verifies chains, and counts a draft position as accepted only when every position before it was
+(its `num_accepted_tokens_per_pos[i]` counts steps that accepted more than i tokens). The chain's
+per-distance rank-0 accuracy that the planner's product model multiplies (planner/batch.py
+chain_acceptance, plan_chain_schedule) is then
+
+    a_1 = accepted[0] / steps,    a_{i+1} = accepted[i] / accepted[i-1]
+
+that is P(position i accepted | position i-1 accepted), and a_1 ... a_d = accepted[d-1] / steps: the
+product is the measured share of steps that accepted at least d tokens, so 1 + sum of the products is
+the measured tokens per step. `steps` counts every verification step of the requests, also those in
+which the proposer drafted nothing (vLLM counts only steps with a draft in `num_drafts`; its own
+per-position rate accepted[i] / drafts is kept as `vllm.per_draft`): a step without a draft is a step
+in which the chain gained nothing, as the project's own lookup measurement counts it. vLLM exports no
+per-step count, so it is recovered from the streams: each request's first token comes from its
+prefill and each later step adds 1 + its accepted tokens, so steps = output tokens - requests -
+accepted tokens; and each step's tokens arrive in one streamed chunk, so steps >= chunks - requests.
+Both are lower bounds (the first because a request's last step may accept drafts past its end, which
+vLLM counts and then cuts; the second because a slow client may receive two steps in one chunk), and
+the larger is taken (both are kept). A row past a position nothing reached is 0, which changes no
+prediction. The raw counts are kept as provenance (`counts`, `totals`, `vllm`).
+
+Under --temperature / --top-k / --top-p every request is sampled (request i with seed + i) and vLLM's
+lossless rejection sampler decides; the record says so under "sampling". Drafting cost is not
+measured here: vLLM's step time includes it (a vLLM profile with the method on measures it).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from planner.errors import UserError
+from planner.sampling import record as sampling_record
+from profiler.load_generator import LoadResult, run_load
+from profiler.serving_metrics import SpecDecodeCounters, fetch_spec_decode
+from profiler.workload import Request
+
+METHODS = ("ngram", "suffix", "draft_model")  # vLLM's proposers this measures (its own spelling)
+DEFAULT_DRAFT_LENGTH = 8
+MAX_DRAFT_LENGTH = 24  # suffix decoding's default tree depth; longer drafts say nothing more here
+NGRAM_LOOKUP = (1, 3)  # prompt_lookup_min/max: the n-grams the project's own lookup is measured with
+DRAFT_PASSES = {"ngram": "one", "suffix": "one", "draft_model": "depth"}  # planner.cost.Guessing's draft_passes
+REQUEST_TIMEOUT_S = 900.0
+
+
+def speculative_config(method: str, k: int, draft_model: str | Path | None = None) -> dict:
+    """vLLM's --speculative-config for `method` drafting K tokens (suffix: at most K)."""
+    if method not in METHODS:
+        raise UserError(f"--method {method}: expected one of {', '.join(METHODS)}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_LENGTH:
+        raise UserError(f"--max-depth: expected an integer in 1..{MAX_DRAFT_LENGTH}, got {k!r}")
+    cfg = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=NGRAM_LOOKUP[0], prompt_lookup_max=NGRAM_LOOKUP[1])
+    elif method == "draft_model":
+        if draft_model is None:
+            raise UserError("--method draft_model needs a draft model folder (--draft-model DIR)")
+        cfg["model"] = str(draft_model)
+    return cfg
+
+
+def check_methods(methods: Sequence[str], python: Path) -> None:
+    """One line for a method vLLM's environment cannot run, before any server starts."""
+    for m in methods:
+        if m not in METHODS:
+            raise UserError(f"--method {m}: expected one of {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise UserError(f"--method: {','.join(methods)} names a method twice")
+    if "suffix" in methods and not _has_module(python, "arctic_inference"):
+        raise UserError("--method suffix: vLLM's suffix decoding needs arctic-inference in the vLLM environment "
+                        "(run bash scripts/setup_vllm.sh)")
+
+
+def _has_module(python: Path, module: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
+
+
+def sampled_requests(requests: Sequence[Request], s, seed: int = 0) -> list[Request]:
+    """The requests under the user's settings: greedy (temperature 0), or sampled with request i
+    seeded seed + i. These fields replace any the workload carries."""
+    rec = sampling_record(s)
+    out = []
+    for i, r in enumerate(requests):
+        extras = {k: v for k, v in r.extras.items() if k not in ("temperature", "top_p", "top_k", "seed")}
+        extras["temperature"] = rec["temperature"]
+        if rec["temperature"] > 0:
+            extras["seed"] = seed + i
+            if rec["top_k"]:
+                extras["top_k"] = rec["top_k"]
+            if rec["top_p"] < 1:
+                extras["top_p"] = rec["top_p"]
+        out.append(replace(r, extras=extras))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- counts -> acceptance
+
+def decode_steps(result: LoadResult, counters: SpecDecodeCounters) -> dict:
+    """Verification steps of the completed requests (see the module docstring): both lower bounds
+    and the larger, never fewer than the steps vLLM counted a draft in."""
+    done = result.completed
+    by_tokens = sum(r.output_tokens for r in done) - len(done) - int(counters.accepted_tokens)
+    by_chunks = sum(max(len(set(r.token_times_s)) - 1, 0) for r in done)
+    return {"steps": int(max(by_tokens, by_chunks, counters.drafts)), "steps_by_tokens": int(by_tokens),
+            "steps_by_chunks": int(by_chunks)}
+
+
+def chain_rows(accepted_per_position: Sequence[float], steps: float, k: int) -> tuple[list, list, list]:
+    """(accuracy [K][1], counts [K][1], totals [K]) of a chain from vLLM's accepted counts per position:
+    a_1 = accepted[0] / steps, a_{i+1} = accepted[i] / accepted[i-1] (0 where the total is 0)."""
+    acc = [float(a) for a in accepted_per_position][:k]
+    acc += [0.0] * (k - len(acc))
+    totals = [float(steps)] + acc[:-1]
+    if any(a > t + 1e-9 for a, t in zip(acc, totals)):
+        raise UserError(f"vLLM's counters are inconsistent: accepted per position {acc} over {steps:g} steps "
+                        "(a later position accepted more often than an earlier one)")
+    rows = [[min(a / t, 1.0) if t > 0 else 0.0] for a, t in zip(acc, totals)]
+    return rows, [[round(a)] for a in acc], [round(t) for t in totals]
+
+
+def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result: LoadResult, config: dict,
+                      s, model: str, engine: str) -> dict:
+    """The acceptance record (planner/accept.py format) of one method from one level's counters."""
+    steps = decode_steps(result, counters)
+    if steps["steps"] <= 0:
+        raise UserError(f"--method {method}: no decoding step was measured (every answer ended at its first "
+                        "token); raise --max-new-tokens")
+    rows, counts, totals = chain_rows(counters.accepted_per_position, steps["steps"], k)
+    drafts = counters.drafts
+    done = result.completed
+    return {
+        "accuracy": rows, "counts": counts, "totals": totals, "conditional": True,
+        "positions": steps["steps"], "prompts": len(done), "model": model, "engine": engine,
+        "guesser": {"kind": f"vllm:{method}", "method": method, "prompt_tokens": False, "ensemble": 1, "top_k": 1,
+                    "draft_passes": DRAFT_PASSES[method]},
+        "sampling": sampling_record(s),
+        "vllm": {
+            "speculative_config": config, "draft_length": k, "concurrency": result.concurrency,
+            "drafts": drafts, "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted_tokens,
+            "accepted_per_position": list(counters.accepted_per_position), **steps,
+            "draft_rate": drafts / steps["steps"],
+            "per_draft": list(counters.acceptance_per_position),
+            "mean_acceptance_length": counters.mean_acceptance_length,
+            "tokens_per_step": 1 + counters.accepted_tokens / steps["steps"],
+            "requests": len(result.records), "output_tokens": result.output_tokens, "load_wall_s": result.wall_s,
+            "output_tokens_per_s": result.output_tokens_per_s,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+def measure_method(engine, method: str, requests: Sequence[Request], s, draft_length: int = DEFAULT_DRAFT_LENGTH,
+                   concurrency: int = 4, draft_model: str | Path | None = None,
+                   timeout_s: float = REQUEST_TIMEOUT_S, say: Callable[[str], None] | None = None,
+                   server_kwargs: dict | None = None) -> dict:
+    """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record."""
+    say = say or (lambda line: None)
+    config = speculative_config(method, draft_length, draft_model)
+    t0 = time.perf_counter()
+    say(f"{method}: starting vLLM ({config})")
+    with engine.server(speculative_config=config, **(server_kwargs or {})) as server:
+        started = time.perf_counter() - t0
+        before = fetch_spec_decode(server.url)
+        say(f"{method}: {len(requests)} requests at concurrency {concurrency}")
+        result = run_load(server.url, server.served_model_name, requests, concurrency, timeout_s)  # Ctrl-C: stops
+        counters = fetch_spec_decode(server.url) - before
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        raise UserError(f"--method {method}: {len(failed)} of {len(result.records)} requests failed "
+                        f"(request {failed[0].index}: {failed[0].error}); nothing written")
+    if not counters.speculating:
+        raise UserError(f"--method {method}: vLLM exposes no speculative-decoding counters (it did not speculate)")
+    rec = acceptance_record(method, draft_length, counters, result, config, s, engine.model_name, engine.caps.name)
+    rec["vllm"]["server_start_s"] = started
+    rec["wall_s"] = time.perf_counter() - t0
+    v = rec["vllm"]
+    say(f"{method}: accepted {v['accepted_tokens']:g} of {v['draft_tokens']:g} drafted over {v['steps']} steps "
+        f"({v['tokens_per_step']:.2f} tokens/step) in {rec['wall_s']:.0f} s")
+    return rec
+
+
+def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request], s, seed: int = 0,
+                    draft_length: int = DEFAULT_DRAFT_LENGTH, concurrency: int = 4,
+                    draft_model: str | Path | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+                    say: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """method -> its acceptance record, one server each, in order; the same (sampled) requests for all."""
+    if not requests:
+        raise UserError("no requests to measure acceptance on")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 1024:
+        raise UserError(f"--concurrency: expected an integer in 1..1024, got {concurrency!r}")
+    for m in methods:
+        speculative_config(m, draft_length, draft_model)  # every setting checked before the first server
+    reqs = sampled_requests(requests, s, seed)
+    return {m: measure_method(engine, m, reqs, s, draft_length, concurrency, draft_model, timeout_s, say)
+            for m in methods}
+
+
+def progress_line(line: str) -> None:
+    print(f"planner accept (vllm): {line}", file=sys.stderr, flush=True)
