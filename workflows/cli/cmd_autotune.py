@@ -74,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chosen.json says so)")
     p.add_argument("--no-report", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true")
+    g = p.add_argument_group("engines that serve (--engine vllm: workflows/mainjob/serving.py)")
+    g.add_argument("--concurrency", default=None, metavar="LIST",
+                   help="concurrent requests to plan and race for (default 1,2,4,8,16); --guessers picks vLLM's "
+                        "proposers (auto: ngram,suffix,draft_model), --decode-prompts / --decode-tokens the race's "
+                        "requests and their length, --accept a reused acceptance record per proposer (comma list)")
+    g.add_argument("--workload", default=None, metavar="FILE",
+                   help="the requests to serve: OpenAI chat-completions JSON lines, or ShareGPT JSON (default: the "
+                        "held-out questions); even lines measure acceptance, odd lines race")
 
 
 def _check(args, s: AutotuneSettings) -> None:
@@ -143,9 +151,40 @@ def _refuse(args, s: AutotuneSettings) -> None:
                         f"{spec.name} cannot run")
 
 
+def _serving(args) -> int:
+    """--engine ENGINE whose caps.server: the serving main job (a draft length per concurrency, raced under load)."""
+    from planner.errors import UserError
+    from workflows.cli.engines import refuse_options
+    from workflows.mainjob.serving import CONCURRENCY, ServingSettings, autotune_serving
+
+    refuse_options(engine_kind(args.engine), {"--device": args.device is not None, "--n-ctx": args.n_ctx is not None})
+    for flag, given in (("--prompt-tokens", args.prompt_tokens), ("--parallelspec", args.parallelspec),
+                        ("--dtype", args.dtype), ("--turns", args.turns), ("--max-input-length", args.max_input_length),
+                        ("--verify", args.verify)):
+        if given is not None:
+            raise UserError(f"{flag}: not with --engine {args.engine} (it serves vLLM's own proposers, fp32)")
+    try:
+        levels = tuple(int(x) for x in (args.concurrency or ",".join(map(str, CONCURRENCY))).split(","))
+    except ValueError:
+        raise UserError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
+    methods = ("ngram", "suffix", "draft_model") if args.guessers == "auto" else \
+        tuple(m.strip() for m in args.guessers.split(",") if m.strip())
+    d = ServingSettings()
+    s = ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload, methods=methods,
+                        max_tokens=args.decode_tokens or d.max_tokens, race_requests=args.decode_prompts or d.race_requests,
+                        accept_requests=args.accept_prompts, rounds=args.rounds or d.rounds,
+                        budget_minutes=args.budget or d.budget_minutes, profile=args.profile,
+                        accept=tuple(a for a in (args.accept or "").split(",") if a), draft=args.draft,
+                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, quiet=args.quiet)
+    autotune_serving(s)
+    return 0
+
+
 def run(args) -> int:
     from workflows.mainjob.pipeline import autotune
 
+    if args.engine and engine_kind(args.engine).caps.server:
+        return _serving(args)
     s = _settings(args)
     _check(args, s)
     _refuse(args, s)

@@ -1,0 +1,170 @@
+"""The serving main job's planning and deciding (workflows/mainjob/serving.py), without vLLM: the chain
+model against brute force, the planned draft length per level against an exhaustive search, the
+schedule's ranges, the paired rule per level (a real gain wins, noise does not, a changed token
+disqualifies) and the one-config decision; and the command's refusals before anything starts."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner import serving as planning
+from planner.profile import LatencyProfile
+from profiler.load_generator import LoadResult, RequestRecord
+from profiler.serving_metrics import SpecDecodeCounters
+from workflows.mainjob import serving as sv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_chain_rate_is_the_expected_tokens_by_enumeration():
+    """E[tokens per step] of a chain: enumerate every accept/reject pattern of k drafts, the step keeps
+    the accepted prefix plus the target's own token."""
+    a = [0.9, 0.7, 0.5, 0.3]
+    for k in range(5):
+        expect = 0.0
+        for bits in itertools.product([0, 1], repeat=k):
+            p = math.prod(a[i] if b else 1 - a[i] for i, b in enumerate(bits))
+            prefix = next((i for i, b in enumerate(bits) if not b), k)
+            expect += p * (1 + prefix)
+        assert planning.chain_rate(a, k) == pytest.approx(expect)
+
+
+def _profiles(levels, fixed_s=0.1, per_token_s=0.004):
+    """Step time fixed + per_token * b * (1 + K): a CPU's serving step (mostly fixed cost at small b)."""
+    ns = np.arange(1, 10)
+    return {b: LatencyProfile(ns, fixed_s + per_token_s * b * ns, {"file": "fake"}) for b in levels}
+
+
+@pytest.mark.parametrize("acc", [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.3, 0.1, 0.05, 0.01, 0, 0, 0, 0],
+                                 [0.99] * 8])
+def test_planned_draft_length_is_the_best_of_every_length(acc):
+    levels = [1, 2, 4, 8, 16]
+    profiles = _profiles(levels)
+    rec = {"accuracy": [[x] for x in acc], "guesser": {"draft_passes": "one"}}
+    plan = planning.plan_method("ngram", rec, profiles, levels, 8, {})
+    for b in levels:
+        rates = [planning.predicted_tokens_per_s(acc, profiles[b], b, k) for k in range(9)]
+        assert rates[plan["per_level"][b]] == pytest.approx(max(rates), rel=1e-9)
+        assert plan["predicted"][b] == pytest.approx(max(rates), rel=1e-9)
+    fixed = {k: np.mean(np.log([planning.predicted_tokens_per_s(acc, profiles[b], b, k) for b in levels])) for k in range(1, 9)}
+    assert plan["best_fixed"] == max(fixed, key=fixed.get)
+
+
+def test_a_costly_drafter_drafts_less_under_load():
+    levels = [1, 16]
+    profiles = _profiles(levels, per_token_s=0.01)
+    rec = {"accuracy": [[0.8]] * 8, "guesser": {"draft_passes": "depth"}}
+    cheap = planning.plan_method("draft_model", rec, profiles, levels, 8, {1: 0.0, 16: 0.0})
+    costly = planning.plan_method("draft_model", rec, profiles, levels, 8, {1: 0.03, 16: 0.03})
+    assert costly["per_level"][1] <= cheap["per_level"][1]
+    assert costly["per_level"][16] < cheap["per_level"][1]
+
+
+def test_schedule_ranges():
+    assert planning.schedule_ranges({1: 4, 2: 4, 4: 2, 8: 0, 16: 0}, [1, 2, 4, 8, 16]) == \
+        [[1, 3, 4], [4, 7, 2], [8, planning.MAX_CONCURRENCY, 0]]
+    assert planning.schedule_ranges({4: 3}, [4]) == [[1, planning.MAX_CONCURRENCY, 3]]
+
+
+def _level(c: int, seconds: list[float], tokens: list[list[int]]):
+    recs = [RequestRecord(i, 0.0, ttft_s=0.01, token_times_s=[0.01, s], latency_s=s, output_tokens=len(t),
+                          token_ids=list(t)) for i, (s, t) in enumerate(zip(seconds, tokens))]
+    return [{"result": LoadResult(c, max(seconds), recs), "counters": SpecDecodeCounters()}]
+
+
+def test_the_paired_rule_per_level():
+    rng = np.random.default_rng(0)
+    n = 12
+    toks = [[i, i + 1, i + 2, i + 3] for i in range(n)]
+    plain = list(1.0 + 0.3 * rng.random(n))
+    results = {
+        sv.PLAIN: {1: _level(1, plain, toks)},
+        "fast": {1: _level(1, [x / 1.5 for x in plain], toks)},
+        "noise": {1: _level(1, [x * (1.0 + 0.05 * rng.standard_normal()) for x in plain], toks)},
+        "faster but wrong": {1: _level(1, [x / 3 for x in plain], [t[:3] + [99] for t in toks])},
+    }
+    lv = sv.decide_level(results, 1, greedy=True)
+    assert lv["winner"] == "fast"
+    assert lv["contenders"]["fast"]["paired"]["lo"] > 1.0
+    assert lv["contenders"]["faster but wrong"]["mismatches"] == n
+    assert lv["contenders"]["noise"]["paired"]["lo"] <= 1.0
+    # without the right contender, noise does not win: plain
+    del results["fast"]
+    assert sv.decide_level(results, 1, greedy=True)["winner"] == sv.PLAIN
+
+
+def test_the_decision_switches_speculation_off_where_it_lost():
+    levels = [1, 4, 16]
+    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("planned ngram", {
+        "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 2]]})]
+
+    def lv(level, winner, ratio):
+        return {"level": level, "winner": winner, "contenders": {sv.PLAIN: {"vs_plain": 1.0},
+                                                                  "planned ngram": {"vs_plain": ratio}}}
+
+    chosen, why = sv.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sv.PLAIN, 0.95)],
+                              levels)
+    assert why["levels_won"] == [1, 4] and why["draft_length_by_level"] == {1: 4, 4: 2, 16: 0}
+    assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
+    assert chosen.speculative["num_speculative_tokens"] == 4
+    none, why = sv.decision(cs, [lv(x, sv.PLAIN, 0.9) for x in levels], levels)
+    assert none is None and why["winner"] == sv.PLAIN
+
+
+def test_exports_carry_the_same_schedule(tmp_path):
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+           "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 15, 2], [16, 256, 0]]}
+    sv._exports(sv.Contender("planned ngram", cfg), tmp_path, None)
+    assert json.loads((tmp_path / "exports" / "vllm.json").read_text())["speculative_config"] == cfg
+    trt = json.loads((tmp_path / "exports" / "trtllm.json").read_text())["speculative_config"]
+    assert trt == {"decoding_type": "NGram", "max_draft_len": 4, "draft_len_schedule": {"3": 4, "15": 2},
+                   "max_concurrency": 15}
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "planner", "autotune", "--engine", "vllm", *args],
+                          check=False, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--concurrency", "1,x"], "--concurrency: expected comma-separated integers"),
+    (["--concurrency", "4,2"], "--concurrency: expected increasing integers"),
+    (["--concurrency", "1,1000"], "--concurrency: expected increasing integers in 1..256"),
+    (["--guessers", "lookup"], "--methods: expected a subset of ngram,suffix,draft_model"),
+    (["--turns", "2"], "--turns: not with --engine vllm"),
+])
+def test_bad_flags_are_one_line(args, expect, tmp_path):
+    r = _cli(*args, "--out", str(tmp_path / "run"))
+    assert r.returncode != 0 and expect in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_workload_line_is_refused_before_anything_starts(tmp_path):
+    ws = tmp_path / "w.jsonl"
+    ws.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}\n{"messages": "oops"}\n')
+    r = _cli("--workload", str(ws), "--out", str(tmp_path / "run"))
+    assert r.returncode != 0 and f"{ws}: line 2" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_writes_the_project_draft_as_a_model_folder(tmp_path):
+    """`planner export --method draft_model --draft-model <the project's draft LM>` writes the folder vLLM's
+    draft_model method loads beside the config, and the config names it."""
+    out = tmp_path / "vllm.json"
+    r = subprocess.run([sys.executable, "-m", "planner", "export", "--engine", "vllm",
+                        str(ROOT / "trees" / "autotune-cpu-smollm2-135m.json"), "--method", "draft_model",
+                        "--draft-model", str(ROOT / "models" / "smollm2-135m" / "draft_lm"), "-o", str(out)],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(out.read_text())["speculative_config"]
+    folder = Path(cfg["model"])
+    assert folder == (tmp_path / "vllm.draft").resolve() and cfg["method"] == "draft_model"
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
