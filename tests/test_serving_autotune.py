@@ -168,3 +168,36 @@ def test_export_writes_the_project_draft_as_a_model_folder(tmp_path):
     assert folder == (tmp_path / "vllm.draft").resolve() and cfg["method"] == "draft_model"
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkeypatch):
+    """suffix decoding drafts from earlier answers: racing it on the same requests at a second level on
+    the same server would draft them from its own first pass. Other contenders keep one server."""
+    import contextlib
+
+    import profiler.load_generator as lg
+    import profiler.serving_metrics as sm
+    from profiler.workload import Request
+
+    starts = []
+
+    class Engine:
+        @contextlib.contextmanager
+        def server(self, speculative_config=None):
+            starts.append(speculative_config)
+            yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m"})()
+
+    sent = []
+    monkeypatch.setattr(lg, "run_load", lambda url, m, reqs, c, t: sent.append((c, len(reqs))) or
+                        LoadResult(c, 1.0, [RequestRecord(i, 0.0, output_tokens=2) for i in range(len(reqs))]))
+    monkeypatch.setattr(sm, "fetch_spec_decode", lambda url: SpecDecodeCounters())
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 4) for i in range(3)]
+    warm = Request([{"role": "user", "content": "warm"}], 4)
+    s = sv.ServingSettings(rounds=2)
+    for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
+        starts.clear()
+        results: dict = {}
+        sv.race_contender(Engine(), sv.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
+        assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
+        assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
+    assert (1, 1) in sent  # the warm-up: one request outside the race
