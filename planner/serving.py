@@ -7,10 +7,11 @@
 The engine verifies chains (vLLM). With b requests running, each drafting k tokens a step, a step
 costs the engine's measured step at (b, 1 + k) scored tokens per sequence plus the drafting, and
 yields E[tau](k) = 1 + sum_d prod_{i<=d} a_i tokens per request (a_i: the acceptance at distance i
-given every earlier one accepted), so the level's output is b E[tau](k) / step(b, k) tokens/s. The
-best k per level is planned with planner/batch.py plan_chain_schedule (the project's chain planner
-on the profile measured at that batch size) and checked against this closed form by
-tests/test_serving_autotune.py. Numpy only.
+given every earlier one accepted), so the level's output is b E[tau](k) / step(b, k) tokens/s. A
+lookup proposer drafts only in a share r of the steps (where the text matches), so its steps are
+priced as the mixture r step(b, 1 + k) + (1 - r) step(b, 1). Every k is priced (exact under the
+model); with r = 1 the choice is the project's chain planner's (planner/batch.py
+plan_chain_schedule), which tests/test_serving_autotune.py checks. Numpy only.
 """
 from __future__ import annotations
 
@@ -19,45 +20,60 @@ import numpy as np
 MAX_CONCURRENCY = 256  # the schedule's last range ends here (vLLM takes the last range beyond it anyway)
 
 
-
 def chain_rate(accuracy: np.ndarray, k: int) -> float:
     """Expected tokens per verification step of a chain of k drafts: 1 + sum_d prod_{i<=d} a_i."""
     a = np.asarray(accuracy, dtype=np.float64).reshape(-1)[:k]
     return 1.0 + float(np.cumprod(a).sum()) if k else 1.0
 
 
-def predicted_tokens_per_s(accuracy, profile, batch_size: int, k: int, draft_s: float = 0.0,
-                           passes: str = "one") -> float:
-    """Output tokens/s of `batch_size` running requests drafting k each step: b E[tau] / step(b, k)."""
-    step = float(profile.latency(1 + k)) + (0.0 if k == 0 else draft_s * (k if passes == "depth" else 1))
-    return batch_size * chain_rate(accuracy, k) / step
+def drafting(record: dict, label: str = "acceptance") -> tuple[np.ndarray, float]:
+    """(prefix[d-1] = P(the first d drafts accepted | the step drafted), the share of steps that draft).
+    A lookup proposer (ngram, suffix) drafts only where the text matches; a step without a draft costs
+    a plain step, so pricing every step as a k-token draft would overcharge it. vLLM's own counters give
+    both (accepted per position over drafts, drafts over steps); without them: every step drafts, with
+    the per-distance acceptance of the record."""
+    from planner.accept import from_entry
+
+    v = record.get("vllm") or {}
+    per, rate = v.get("per_draft"), v.get("draft_rate")
+    if isinstance(per, list) and per and isinstance(rate, (int, float)) and 0 < rate <= 1:
+        prefix = np.minimum.accumulate(np.clip(np.asarray(per, dtype=np.float64), 0.0, 1.0))
+        return prefix, float(rate)
+    return np.cumprod(from_entry(record, label).accuracy[:, 0]), 1.0
+
+
+def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
+                           passes: str = "one", rate: float = 1.0) -> float:
+    """Output tokens/s of `batch_size` running requests whose proposer drafts k tokens in a share `rate`
+    of the steps: b E[tau] / E[step], E[tau] = 1 + rate sum_{d<=k} prefix_d, a drafting step priced at
+    the profile's (b, 1 + k) plus the drafting, the others at (b, 1)."""
+    plain = float(profile.latency(1))
+    if k == 0:
+        return batch_size / plain
+    tokens = 1.0 + rate * float(np.sum(np.asarray(prefix, dtype=np.float64)[:k]))
+    drafting_step = float(profile.latency(1 + k)) + draft_s * (k if passes == "depth" else 1)
+    return batch_size * tokens / ((1.0 - rate) * plain + rate * drafting_step)
 
 
 def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float]) -> dict:
-    """The best draft length per level (plan_chain_schedule, per level with its own drafting cost) and
-    the best fixed one (geometric mean of predicted tokens/s over the levels), with predictions."""
-    from planner.accept import from_entry
-    from planner.batch import plan_chain_schedule
-    from planner.cost import Guessing
-
-    accept = from_entry(record, f"accept-{method}")
-    acc = accept.accuracy[:, 0]
-    k_max = min(max_k, acc.size)
+    """The best draft length per level (every k in 0..max_k priced, the most tokens/s) and the best fixed
+    one (geometric mean over the levels), with predictions. With every step drafting (rate 1) this is the
+    chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py)."""
+    prefix, rate = drafting(record, f"accept-{method}")
+    k_max = min(max_k, prefix.size)
     passes = record.get("guesser", {}).get("draft_passes", "one")
-    per_level, predicted = {}, {}
-    for b in levels:
-        g = Guessing(draft_s=draft_s.get(b, 0.0), draft_passes=passes)
-        entry = plan_chain_schedule(accept, {b: profiles[b]}, [b], g, max_depth=k_max)[0]
-        k = 0 if entry.tree is None else entry.tree.depth
-        per_level[b] = k
-        predicted[b] = predicted_tokens_per_s(acc, profiles[b], b, k, draft_s.get(b, 0.0), passes)
-    fixed = {k: [predicted_tokens_per_s(acc, profiles[b], b, k, draft_s.get(b, 0.0), passes) for b in levels]
-             for k in range(1, k_max + 1)}
+
+    def rate_at(b: int, k: int) -> float:
+        return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate)
+
+    per_level = {b: max(range(k_max + 1), key=lambda k, b=b: rate_at(b, k)) for b in levels}
+    predicted = {b: rate_at(b, per_level[b]) for b in levels}
+    fixed = {k: [rate_at(b, k) for b in levels] for k in range(1, k_max + 1)}
     best_k = max(fixed, key=lambda k: float(np.mean(np.log(fixed[k]))))
-    plain = {b: predicted_tokens_per_s(acc, profiles[b], b, 0) for b in levels}
-    return {"method": method, "per_level": per_level, "predicted": predicted, "plain_predicted": plain,
-            "best_fixed": best_k, "fixed_predicted": dict(zip(levels, fixed[best_k])),
-            "tokens_per_step": {b: chain_rate(acc, per_level[b]) for b in levels}, "draft_s": draft_s}
+    return {"method": method, "per_level": per_level, "predicted": predicted,
+            "plain_predicted": {b: rate_at(b, 0) for b in levels}, "best_fixed": best_k,
+            "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
+            "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s}
 
 
 def schedule_ranges(per_level: dict[int, int], levels) -> list[list[int]]:

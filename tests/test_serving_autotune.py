@@ -44,17 +44,45 @@ def _profiles(levels, fixed_s=0.1, per_token_s=0.004):
 
 @pytest.mark.parametrize("acc", [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.3, 0.1, 0.05, 0.01, 0, 0, 0, 0],
                                  [0.99] * 8])
-def test_planned_draft_length_is_the_best_of_every_length(acc):
+def test_planned_draft_length_is_the_best_of_every_length_and_the_chain_planners(acc):
+    from planner.accept import from_entry
+    from planner.batch import plan_chain_schedule
+    from planner.cost import Guessing
+
     levels = [1, 2, 4, 8, 16]
     profiles = _profiles(levels)
     rec = {"accuracy": [[x] for x in acc], "guesser": {"draft_passes": "one"}}
     plan = planning.plan_method("ngram", rec, profiles, levels, 8, {})
+    prefix = np.cumprod(acc)
     for b in levels:
-        rates = [planning.predicted_tokens_per_s(acc, profiles[b], b, k) for k in range(9)]
+        rates = [planning.predicted_tokens_per_s(prefix, profiles[b], b, k) for k in range(9)]
         assert rates[plan["per_level"][b]] == pytest.approx(max(rates), rel=1e-9)
         assert plan["predicted"][b] == pytest.approx(max(rates), rel=1e-9)
-    fixed = {k: np.mean(np.log([planning.predicted_tokens_per_s(acc, profiles[b], b, k) for b in levels])) for k in range(1, 9)}
+        assert rates[1] == pytest.approx(b * planning.chain_rate(acc, 1) / profiles[b].latency(2))
+        entry = plan_chain_schedule(from_entry(rec), {b: profiles[b]}, [b], Guessing(), max_depth=8)[0]
+        assert (0 if entry.tree is None else entry.tree.depth) == plan["per_level"][b]
+    fixed = {k: np.mean(np.log([planning.predicted_tokens_per_s(prefix, profiles[b], b, k) for b in levels]))
+             for k in range(1, 9)}
     assert plan["best_fixed"] == max(fixed, key=fixed.get)
+
+
+def test_a_proposer_that_drafts_on_few_steps_is_priced_by_the_mixture():
+    """Steps without a match cost a plain step: by enumeration over (drafted or not) x accepted prefix,
+    tokens/s is b E[tau] / E[step]; pricing every step as a drafting one would choose shorter drafts."""
+    profiles = _profiles([1])
+    per_draft, rate = [0.8, 0.7, 0.6, 0.5], 0.25
+    rec = {"accuracy": [[x] for x in np.array(per_draft) * rate], "guesser": {"draft_passes": "one"},
+           "vllm": {"per_draft": per_draft, "draft_rate": rate}}
+    prefix, r = planning.drafting(rec)
+    assert r == rate and list(prefix) == per_draft
+    for k in range(1, 5):
+        tokens = (1 - rate) * 1 + rate * (1 + sum(per_draft[:k]))
+        seconds = (1 - rate) * profiles[1].latency(1) + rate * profiles[1].latency(1 + k)
+        assert planning.predicted_tokens_per_s(prefix, profiles[1], 1, k, rate=rate) == pytest.approx(tokens / seconds)
+    mixture = planning.plan_method("suffix", rec, profiles, [1], 4, {})["per_level"][1]
+    every_step = planning.plan_method("suffix", {k: v for k, v in rec.items() if k != "vllm"}, profiles, [1], 4,
+                                      {})["per_level"][1]
+    assert mixture >= every_step
 
 
 def test_a_costly_drafter_drafts_less_under_load():
