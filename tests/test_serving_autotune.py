@@ -220,7 +220,7 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
                         LoadResult(c, 1.0, [RequestRecord(i, 0.0, output_tokens=2) for i in range(len(reqs))]))
     monkeypatch.setattr(sm, "fetch_spec_decode", lambda url: SpecDecodeCounters())
     reqs = [Request([{"role": "user", "content": f"q{i}"}], 4) for i in range(3)]
-    warm = Request([{"role": "user", "content": "warm"}], 4)
+    warm = [Request([{"role": "user", "content": "warm"}], 4)]
     s = sv.ServingSettings(rounds=2)
     for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
         starts.clear()
@@ -228,4 +228,6 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
         sv.race_contender(Engine(), sv.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
-    assert (1, 1) in sent  # the warm-up: one request outside the race
+    # every pass: a warm-up wave of `level` requests outside the race, then the 3 race requests
+    assert sent[-12:] == [(1, 1), (1, 3), (1, 1), (1, 3), (4, 4), (4, 3), (4, 4), (4, 3), (16, 16), (16, 3),
+                          (16, 16), (16, 3)]

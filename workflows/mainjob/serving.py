@@ -159,17 +159,18 @@ def distinct(contenders: list[Contender]) -> list[Contender]:
 LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
 
 
-def race_contender(engine, c: Contender, race_reqs: list, warm, s: ServingSettings, levels, say,
+def race_contender(engine, c: Contender, race_reqs: list, warm: list, s: ServingSettings, levels, say,
                    results: dict, server_kwargs: dict | None = None) -> None:
-    """`c` at every level (results[c.name][level] = its rounds), after a warm-up on a request outside the
-    race. One server for all, except for a proposer that learns from earlier answers: it gets a fresh
-    server for every pass, or it would draft a repeated request's answer from its own first pass."""
+    """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
+    requests outside the race (so no contender's first pass at a batch size is a cold one). One server
+    for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
+    pass, or it would draft a repeated request's answer from its own first pass."""
     from profiler.load_generator import run_load
     from profiler.serving_metrics import fetch_spec_decode
     from profiler.vllm_accept import sampled_requests
 
     reqs = sampled_requests(race_reqs, _sampling(s), s.seed)  # request i seeded seed + i, the same for all
-    warm = sampled_requests([warm], _sampling(s), s.seed + len(reqs))
+    warm = sampled_requests(warm, _sampling(s), s.seed + len(reqs))
     passes = [level for level in levels for _ in range(s.rounds)]
     fresh = (c.speculative or {}).get("method") in LEARNS
     for group in ([[p] for p in passes] if fresh else [passes]):
@@ -177,8 +178,9 @@ def race_contender(engine, c: Contender, race_reqs: list, warm, s: ServingSettin
         say(f"      {c.name}: starting vLLM" + (f" ({json.dumps(c.speculative)})" if c.speculative else ""))
         with engine.server(speculative_config=c.speculative, **(server_kwargs or {})) as server:
             say(f"      {c.name}: ready in {time.perf_counter() - t0:.0f} s")
-            run_load(server.url, server.served_model_name, warm, 1, s.request_timeout_s)
             for level in group:
+                wave = [warm[i % len(warm)] for i in range(level)]
+                run_load(server.url, server.served_model_name, wave, level, s.request_timeout_s)
                 before = fetch_spec_decode(server.url)
                 res = run_load(server.url, server.served_model_name, reqs, level, s.request_timeout_s)
                 counters = fetch_spec_decode(server.url) - before
@@ -337,7 +339,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     interrupted = False
     try:
         for c in contenders:
-            race_contender(engine, c, race_reqs, accept_reqs[0], s, levels, say, results)
+            race_contender(engine, c, race_reqs, accept_reqs, s, levels, say, results)
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
