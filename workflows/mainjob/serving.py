@@ -392,6 +392,11 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
         if not Path(s.profile).is_file():
             raise UserError(f"--profile {s.profile}: file not found")
         return Path(s.profile)
+    import importlib.util
+
+    if importlib.util.find_spec("profiler.vllm_profile") is None:  # vLLM's step profiler is not in this release
+        raise UserError("--engine vllm: give --profile FILE, a vLLM step profile (batch sizes x draft lengths, "
+                        "planner/profile.py's series format); measuring it here is not in this release yet")
     from profiler.vllm_profile import ServingProfileSpec, profile_serving
 
     spec = ServingProfileSpec(draft_lengths=tuple(s.draft_lengths), batch_sizes=tuple(levels),
