@@ -31,6 +31,9 @@ def parse_batch_sizes(values: list[str]) -> list[int]:
     return out
 
 
+BATCH_SIZES_DEFAULT = ["1"]  # by identity: --engine vllm has its own default when none is given
+
+
 def _positive(kind):
     def conv(s: str):
         try:
@@ -70,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-lengths", default=DEFAULT_LENGTHS_SPEC,
                    help="N, START:STOP or START:STOP:STEP (STOP inclusive), comma-separated "
                         f"(default {DEFAULT_LENGTHS_SPEC})")
-    p.add_argument("--batch-sizes", "--batch-size", dest="batch_size", nargs="+", default=["1"],
-                   help="one or more batch sizes, e.g. 1,2,4,8 or 1 4 (default 1)")
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_size", nargs="+", default=BATCH_SIZES_DEFAULT,
+                   help="one or more batch sizes, e.g. 1,2,4,8 or 1 4 (default 1; 1,2,4,8,16 with --engine vllm)")
     p.add_argument("--time-budget", type=_positive(float), default=None,
                    help="seconds of measuring in total (default 15 on CPU, 120 on GPU, 30 with --engine llama.cpp)")
     p.add_argument("--min-repeats", type=_positive(int), default=5)
@@ -152,6 +155,8 @@ def run(args) -> int:
 
     spec = engine_kind(args)
     refuse_options(spec, _given(args))
+    if spec.caps.server:
+        return _serving(args, spec)
     profile_spec, out = _spec(args, spec), _output(args)
     for opt, path in (("-o", out), ("--plot", args.plot)):
         _check_writable(opt, Path(path) if path else Path("profiles") / "x")
@@ -228,6 +233,65 @@ def _measure(args, spec, profile_spec, out: Path | None, model: str) -> int:
     except OSError as e:
         raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
     _report(profile, out)
+    return 0
+
+
+# Options a serving engine's step profile has no use for: (attribute, default, why).
+SERVING_UNUSED = (("dtype", None, "it runs fp32, as the server and the race do"),
+                  ("threads", None, "vLLM binds its own threads"),
+                  ("layout", "padded", "vLLM batches sequences itself"),
+                  ("warmup", 1, "the first 2 counted steps of each point are dropped"),
+                  ("max_repeats", 50, "each point has --min-repeats repeats"), ("target_ci", 0.02, "same"),
+                  ("matmul_budget", None, "the CPU matmul paths are the hf engine's"),
+                  ("matmul_max_rows", 16, "the CPU matmul paths are the hf engine's"),
+                  ("cuda_graphs", False, "vLLM's CPU build runs on the CPU here"))
+
+
+def _serving(args, spec) -> int:
+    """caps.server: the engine's own step time per batch size and draft length, measured in its own
+    environment (profiler/vllm_profile.py); --input-lengths are 1 + K."""
+    from planner.jsonio import atomic_write_json
+    from profiler.vllm_profile import ServingProfileSpec, check_spec, profile_serving, table_lines
+    from workflows.cli.engines import open_from_args
+
+    for name, default, why in SERVING_UNUSED:
+        if getattr(args, name) != default:
+            raise UserError(f"--{name.replace('_', '-')}: not with --engine {spec.name} ({why})")
+    contexts = parse_batch_sizes([args.context_lengths]) if args.context_lengths else [args.context_length]
+    if len(contexts) > 1:
+        raise UserError(f"--context-lengths: one with --engine {spec.name} (each context needs its own engines)")
+    defaults = ServingProfileSpec()
+    ks = (defaults.draft_lengths if args.input_lengths == DEFAULT_LENGTHS_SPEC
+          else tuple(n - 1 for n in parse_lengths(args.input_lengths)))
+    sizes = defaults.batch_sizes if args.batch_size is BATCH_SIZES_DEFAULT else tuple(parse_batch_sizes(args.batch_size))
+    pspec = ServingProfileSpec(ks, sizes, contexts[0], args.time_budget or defaults.time_budget_s,
+                               repeats=args.min_repeats, seed=args.seed, progress=not args.no_progress)
+    check_spec(pspec)
+    engine = open_from_args(args, spec, server_ok=True)
+    out = _output(args) or Path("profiles") / f"cpu-{spec.name}-{engine.model_name}.json"
+    for opt, path in (("-o", out), ("--plot", args.plot)):
+        _check_writable(opt, Path(path) if path else out)
+    profile = profile_serving(engine, pspec)
+    try:
+        atomic_write_json(out, profile)
+        if args.plot:
+            from profiler.plot import plot_profile
+
+            plot_profile(profile, args.plot)
+    except OSError as e:
+        raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    print("\n".join(table_lines(profile)), file=sys.stderr)
+    stops = profile.get("incomplete", [])
+    cut = sum(s["reason"] == "time budget" for s in stops)
+    print(f"wrote {out}: {len(profile['points'])} points in {profile['wall_s']:.0f} s"
+          + (f"; the time budget left {cut} out (its 'incomplete' lists them)" if cut else ""), file=sys.stderr)
+    if any(s["reason"] == "interrupted" for s in stops):
+        print(f"interrupted: kept the points measured so far in {out}", file=sys.stderr)
+        raise KeyboardInterrupt
+    failed = [s for s in stops if s["reason"] == "worker failed"]
+    if failed:
+        raise UserError(f"vLLM {failed[0]['engine']} worker {failed[0]['error']}; stopped there and kept the "
+                        f"{len(profile['points'])} points measured so far in {out}")
     return 0
 
 
