@@ -56,7 +56,7 @@ def open_from_args(args, spec: EngineKind, context: int | None = None, weights: 
     if spec.caps.server and not server_ok:
         command = getattr(args, "command", None) or "this command"
         raise UserError(f"--engine {spec.name}: planner {command} steps a model in this process, and {spec.name} is a "
-                        "server; planner accept and autotune measure and race it")
+                        "server; it is profiled, measured and raced by planner profile, accept and autotune")
 
     n_ctx = getattr(args, "n_ctx", None)
     if n_ctx is not None and not 256 <= n_ctx <= 131072:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.errors import UserError
+from planner.export import DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
 from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges
 
@@ -326,7 +327,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c)) for n, c in STOCK.items()]
     fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
     contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
-                                {b: _fixed_prediction(best, b) for b in levels}))
+                                dict(best["fixed_predicted"])))
     planned_ranges = schedule_ranges(best["per_level"], levels)
     if any(k for *_, k in planned_ranges):
         cfg = method_config(best["method"], max(k for *_, k in planned_ranges), draft_dir, planned_ranges)
@@ -372,10 +373,6 @@ def autotune_serving(s: ServingSettings) -> dict:
     return summary
 
 
-def _fixed_prediction(plan: dict, b: int) -> float:
-    return plan["fixed_predicted"][b]
-
-
 def _prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
     """Per planned contender and level: predicted / measured output tokens/s - 1."""
     out = {}
@@ -392,11 +389,6 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
         if not Path(s.profile).is_file():
             raise UserError(f"--profile {s.profile}: file not found")
         return Path(s.profile)
-    import importlib.util
-
-    if importlib.util.find_spec("profiler.vllm_profile") is None:  # vLLM's step profiler is not in this release
-        raise UserError("--engine vllm: give --profile FILE, a vLLM step profile (batch sizes x draft lengths, "
-                        "planner/profile.py's series format); measuring it here is not in this release yet")
     from profiler.vllm_profile import ServingProfileSpec, profile_serving
 
     spec = ServingProfileSpec(draft_lengths=tuple(s.draft_lengths), batch_sizes=tuple(levels),
@@ -450,25 +442,29 @@ def _exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None
     atomic_write_json(d / "vllm.json", {"speculative_config": cfg, "command_line": "--speculative-config "
                                         + json.dumps(cfg, separators=(",", ":"))})
     ranges = cfg.get("num_speculative_tokens_per_batch_size") or [[1, MAX_CONCURRENCY, cfg.get("num_speculative_tokens")]]
-    method = cfg["method"]
     notes = []
-    trt = {"ngram": "NGram", "draft_model": "DraftTarget"}.get(method)
-    if trt is not None:
-        k_max = max(k for *_, k in ranges)
-        sched = {str(hi): k for lo, hi, k in ranges if k}
-        off = [r for r in ranges if r[2] == 0]
-        tcfg = {"decoding_type": trt, "max_draft_len": k_max, "draft_len_schedule": sched}
-        if off and off[-1][1] == MAX_CONCURRENCY:
-            tcfg["max_concurrency"] = off[-1][0] - 1
-        if draft_dir and method == "draft_model":
-            tcfg["speculative_model"] = draft_dir
-        atomic_write_json(d / "trtllm.json", {"speculative_config": tcfg})
-    else:
-        notes.append(f"trtllm: no {method} proposer (TensorRT-LLM has ngram and draft-target)")
-    if method == "ngram":
-        notes.append("sglang: its NGRAM method takes no per-batch-size draft length (--speculative-adaptive is "
-                     "EAGLE's); not written")
+    for engine in ("trtllm", "sglang"):  # planner/export.py's builders: each engine's own constraints and notes
+        try:
+            export = _export_for(engine, cfg["method"], [DraftRange(*r) for r in ranges], draft_dir, d)
+        except UserError as e:
+            notes.append(f"{engine}: {e}")
+            continue
+        atomic_write_json(d / f"{engine}.json", export.to_json())
     atomic_write_json(d / "notes.json", {"notes": notes})
+
+
+def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d: Path):
+    """The same ranges as another engine's settings (a chain plan as deep as the longest draft)."""
+    from planner.export import ENGINE_METHODS, ExportOptions, build
+    from planner.tree import Tree, TreeState
+
+    if method not in ENGINE_METHODS[engine]:
+        raise UserError(f"no {method} proposer (it has {', '.join(ENGINE_METHODS[engine])})")
+    depth = max(r.k for r in ranges) or 1
+    chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
+    opts = ExportOptions(engine, method, draft_dir if method == "draft_model" else None,
+                         adaptive_config_path=str(d / f"{engine}.adaptive.json"))
+    return build(chain, ranges, opts, {"source": "planner autotune --engine vllm, the raced schedule"}, [])
 
 
 def report(summary: dict, contenders: list[Contender]) -> str:
