@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import sys
 
 import pytest
 
@@ -34,3 +35,15 @@ def pytest_sessionstart(session):
     if os.environ.get("TREE_PLANNER_REQUIRE_LLAMA_CPP") == "1" and importlib.util.find_spec("llama_cpp") is None:
         pytest.exit("TREE_PLANNER_REQUIRE_LLAMA_CPP=1 but llama-cpp-python is not installed "
                     "(bash scripts/setup.sh --engine llama.cpp)", returncode=3)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that sets torch's thread count must not leak it into the next one: on a float32 toy,
+    60 training steps on two threads end somewhere else than on one (other reduction order), and a
+    later test's outcome then depends on which file its worker ran before it."""
+    torch = sys.modules.get("torch")  # not imported here: the numpy-only tests never load it
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
