@@ -48,8 +48,11 @@ def test_accept_writes_loadable_statistics(files):
     acc = load_acceptance(str(out))
     doc = json.loads(out.read_text())
     assert acc.accuracy.shape == (2, 3)
-    # distance 2 counts only rows whose rank-0 distance-1 guess was right (conditional acceptance)
-    assert doc["conditional"] is True and doc["totals"][0] == 14 and 0 < doc["totals"][1] <= 12 and doc["positions"] == 16
+    # distance 2 counts only rows whose rank-0 distance-1 guess was right (conditional acceptance; the
+    # unconditional count would be 12 rows here whatever the guesses): the exact counts are checked
+    # against brute force in test_acceptance_measure.py
+    assert doc["conditional"] is True and doc["totals"][0] == 14 and doc["positions"] == 16
+    assert doc["totals"][1] <= doc["counts"][0][0] and sum(doc["counts"][1]) <= doc["totals"][1] < 12
     t = json.loads(tr.read_text())
     assert sum(t["visits"]) > 0 and len(t["counts"]) == 3
 

@@ -91,11 +91,19 @@ def _fill_cheaply(model, std: float) -> None:
     """Give uninitialised parameters finite values with the model's init scale, cheaply: uniform
     noise with the std of the usual normal init (norms at 1, biases at 0). On the CPU, random
     generation is the slow part, so one block of noise is generated and tiled (a memory copy);
-    latency does not depend on the values."""
+    latency does not depend on the values. Seeded: the same preset gets the same weights whatever
+    drew from torch's global generator before (a run, or a test, must not depend on what ran first)."""
     import torch
 
     bound = std * math.sqrt(3.0)
     block = None
+    gens: dict = {}  # one seeded generator per device
+
+    def gen(device):
+        if device not in gens:
+            gens[device] = torch.Generator(device=device).manual_seed(0)
+        return gens[device]
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
@@ -103,10 +111,10 @@ def _fill_cheaply(model, std: float) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             elif p.device.type != "cpu" or p.numel() <= NOISE_BLOCK:
-                p.uniform_(-bound, bound)
+                p.uniform_(-bound, bound, generator=gen(p.device))
             else:
                 if block is None:
-                    block = torch.empty(NOISE_BLOCK, dtype=p.dtype).uniform_(-bound, bound)
+                    block = torch.empty(NOISE_BLOCK, dtype=p.dtype).uniform_(-bound, bound, generator=gen(p.device))
                 flat = p.view(-1)
                 k = flat.numel() // NOISE_BLOCK
                 flat[: k * NOISE_BLOCK].view(k, NOISE_BLOCK).copy_(block.to(p.dtype).expand(k, NOISE_BLOCK))
