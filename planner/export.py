@@ -70,7 +70,10 @@ TARGETS = {"vllm": Target(per_step_lookup="suffix", lookup_keys=True, runs_here=
            "hf": Target(model_object=True, batch_schedule=False)}
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees
-SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"}}
+# vLLM 0.32's suffix and Medusa proposers assert the step's K is the configured one: a per-batch-size
+# schedule passes the config check, then kills the worker at the first switch (seen in a race here)
+SCHEDULE_METHODS = {"sglang": {"eagle", "eagle3"}, "trtllm": set(ENGINE_METHODS["trtllm"]) - {"medusa"},
+                    "vllm": set(ENGINE_METHODS["vllm"]) - {"suffix", "medusa"}}
 DEFAULT_MAX_BATCH_SIZE = 4096
 
 
@@ -273,16 +276,21 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     cap = opts.lookup.get("num_speculative_tokens") if opts.method == "suffix" else None
     if cap:  # suffix decoding stops each draft itself: the cap wherever the chain plan drafts at all
         ranges = _stretch([DraftRange(r.lo, r.hi, cap if r.k else 0) for r in ranges], ranges[-1].hi)
-    if len(ranges) > 1:
+    off, notes = [f"{r.lo}-{r.hi}" for r in ranges if r.k == 0], []
+    if len(ranges) > 1 and opts.method not in SCHEDULE_METHODS["vllm"]:
+        notes.append(f"per-batch-size draft lengths dropped: vLLM's {cfg['method']} proposer takes one draft length; "
+                     f"wrote {max(r.k for r in ranges)} for every batch size, also at {', '.join(off) or '-'} (planned off)")
+    elif len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
     if opts.method in ("ngram", "suffix"):
         cfg.update(opts.lookup)
     if opts.method == "ngram":
         cfg.update({k: v for k, v in (("prompt_lookup_min", opts.ngram_min), ("prompt_lookup_max", opts.ngram_max))
                     if v is not None})
-    notes = _tree_note(plan, opts, "verifies chains only (tree attention removed)")
+    notes += _tree_note(plan, opts, "verifies chains only (tree attention removed)")
     line = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
     return Export("vllm", {"speculative_config": cfg}, line, notes)
+
 
 
 def _sglang(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
@@ -508,26 +516,6 @@ def _describe(tree: Tree | None) -> str:
         return "plain decoding"
     depth, topk, n = tree_knobs(tree)
     return f"{tree.method}: {n} candidates, depth {depth}, top-{topk}"
-
-
-def to_yaml(obj: dict, comments: list[str] = (), indent: int = 0) -> str:
-    """A small YAML writer for the settings above: nested mappings of scalars and flat lists
-    (scalars in JSON spelling, which YAML reads alike); comments go first, one per line."""
-    lines = [f"# {c}" for c in comments]
-    lines += _yaml_lines(obj, indent)
-    return "\n".join(lines) + "\n"
-
-
-def _yaml_lines(obj: dict, indent: int) -> list[str]:
-    pad = " " * indent
-    out = []
-    for key, value in obj.items():
-        if isinstance(value, dict):
-            out.append(f"{pad}{key}:")
-            out += _yaml_lines(value, indent + 2)
-        else:
-            out.append(f"{pad}{key}: {json.dumps(value)}")
-    return out
 
 
 def basis_lines(b: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""JSON reading with clear errors, and atomic writes (nothing half-written)."""
+"""JSON reading with clear errors, atomic writes (nothing half-written), and the small YAML writer exports use."""
 import json
 import os
 import tempfile
@@ -74,3 +74,23 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+
+
+def to_yaml(obj: dict, comments: list[str] = (), indent: int = 0) -> str:
+    """A small YAML writer for the settings above: nested mappings of scalars and flat lists
+    (scalars in JSON spelling, which YAML reads alike); comments go first, one per line."""
+    lines = [f"# {c}" for c in comments]
+    lines += _yaml_lines(obj, indent)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_lines(obj: dict, indent: int) -> list[str]:
+    pad = " " * indent
+    out = []
+    for key, value in obj.items():
+        if isinstance(value, dict):
+            out.append(f"{pad}{key}:")
+            out += _yaml_lines(value, indent + 2)
+        else:
+            out.append(f"{pad}{key}: {json.dumps(value)}")
+    return out

@@ -55,10 +55,12 @@ def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: fl
     return batch_size * tokens / ((1.0 - rate) * plain + rate * drafting_step)
 
 
-def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float]) -> dict:
+def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float],
+                schedulable: bool = True) -> dict:
     """The best draft length per level (every k in 0..max_k priced, the most tokens/s) and the best fixed
     one (geometric mean over the levels), with predictions. With every step drafting (rate 1) this is the
-    chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py)."""
+    chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py).
+    schedulable=False: the engine's proposer takes one draft length, so the plan is the best fixed one."""
     prefix, rate = drafting(record, f"accept-{method}")
     k_max = min(max_k, prefix.size)
     passes = record.get("guesser", {}).get("draft_passes", "one")
@@ -70,10 +72,14 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
     predicted = {b: rate_at(b, per_level[b]) for b in levels}
     fixed = {k: [rate_at(b, k) for b in levels] for k in range(1, k_max + 1)}
     best_k = max(fixed, key=lambda k: float(np.mean(np.log(fixed[k]))))
+    if not schedulable:
+        per_level = {b: best_k for b in levels}
+        predicted = {b: rate_at(b, best_k) for b in levels}
     return {"method": method, "per_level": per_level, "predicted": predicted,
             "plain_predicted": {b: rate_at(b, 0) for b in levels}, "best_fixed": best_k,
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
-            "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s}
+            "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s,
+            "schedulable": schedulable}
 
 
 def schedule_ranges(per_level: dict[int, int], levels) -> list[list[int]]:

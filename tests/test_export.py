@@ -15,8 +15,8 @@ from planner.export import (
     build,
     ranges_from_depths,
     resolve_method,
-    to_yaml,
 )
+from planner.jsonio import to_yaml
 from planner.plan import SHARED_DIR
 from planner.tree import SCHEMA_PATH, load_tree
 from workflows.cli.main import main

@@ -128,6 +128,33 @@ def test_the_paired_rule_per_level():
     assert sv.decide_level(results, 1, greedy=True)["winner"] == sv.PLAIN
 
 
+def _row(ratio, lo=None, mismatches=0):
+    """A contender's row at a level: tokens/s over plain, the paired interval (around the ratio by default)."""
+    lo = ratio - 0.03 if lo is None else lo
+    return {"vs_plain": ratio, "mismatches": mismatches, "paired": {"lo": lo, "mean": ratio, "hi": ratio + 0.03}}
+
+
+def test_ahead_of_plain_needs_the_paired_interval_and_the_throughput_and_no_changed_token():
+    assert sv.beats_plain(_row(1.2))
+    assert not sv.beats_plain(_row(1.2, lo=0.98))  # within the noise per request
+    assert not sv.beats_plain(_row(0.85, lo=1.005))  # per-request faster, level slower (seen at 16 here)
+    assert not sv.beats_plain(_row(1.2, mismatches=1))
+
+
+def test_the_decision_keeps_speculation_where_it_beat_plain_though_another_won():
+    """ngram beat plain at 1 where suffix won; suffix is out (one length, behind at 16): ngram keeps its
+    K at 1, and is off only at 16, where it was behind plain."""
+    levels = [1, 4, 16]
+    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("suffix defaults", {"method": "suffix"}),
+          sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+    out = [{"level": 1, "winner": "suffix defaults", "contenders": {"suffix defaults": _row(1.58), "ngram defaults": _row(1.32)}},
+           {"level": 4, "winner": "ngram defaults", "contenders": {"suffix defaults": _row(0.87), "ngram defaults": _row(1.23)}},
+           {"level": 16, "winner": sv.PLAIN, "contenders": {"suffix defaults": _row(0.6), "ngram defaults": _row(0.85, 1.005)}}]
+    chosen, why = sv.decision(cs, out, levels)
+    assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 0}
+    assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 15, 4], [16, 256, 0]]
+
+
 def test_the_decision_switches_speculation_off_where_it_lost():
     levels = [1, 4, 16]
     cs = [sv.Contender(sv.PLAIN, None), sv.Contender("planned ngram", {
@@ -135,11 +162,11 @@ def test_the_decision_switches_speculation_off_where_it_lost():
 
     def lv(level, winner, ratio):
         return {"level": level, "winner": winner, "contenders": {sv.PLAIN: {"vs_plain": 1.0},
-                                                                  "planned ngram": {"vs_plain": ratio}}}
+                                                                  "planned ngram": _row(ratio)}}
 
     chosen, why = sv.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sv.PLAIN, 0.95)],
                               levels)
-    assert why["levels_won"] == [1, 4] and why["draft_length_by_level"] == {1: 4, 4: 2, 16: 0}
+    assert why["levels_ahead_of_plain"] == [1, 4] and why["draft_length_by_level"] == {1: 4, 4: 2, 16: 0}
     assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
     assert chosen.speculative["num_speculative_tokens"] == 4
     none, why = sv.decision(cs, [lv(x, sv.PLAIN, 0.9) for x in levels], levels)
@@ -238,3 +265,77 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     # every pass: a warm-up wave of `level` requests outside the race, then the 3 race requests
     assert sent[-12:] == [(1, 1), (1, 3), (1, 1), (1, 3), (4, 4), (4, 3), (4, 4), (4, 3), (16, 16), (16, 3),
                           (16, 16), (16, 3)]
+
+
+def test_a_proposer_vllm_runs_at_one_length_is_planned_and_chosen_as_one_length():
+    """vLLM 0.32's suffix proposer asserts the step's draft length is its configured one, so a per-batch-size
+    schedule kills its worker at the first switch: its plan is its best fixed length at every level, and
+    the decision takes it only where it won every level (it cannot be switched off where it lost)."""
+    from planner.export import SCHEDULE_METHODS
+
+    assert "suffix" not in SCHEDULE_METHODS["vllm"] and {"ngram", "draft_model"} <= SCHEDULE_METHODS["vllm"]
+    levels = [1, 16]
+    profiles = _profiles(levels, per_token_s=0.01)
+    rec = {"accuracy": [[0.8]] * 8, "guesser": {"draft_passes": "one"}}
+    free = planning.plan_method("suffix", rec, profiles, levels, 8, {})
+    fixed = planning.plan_method("suffix", rec, profiles, levels, 8, {}, schedulable=False)
+    assert len(set(free["per_level"].values())) > 1  # the model would switch lengths under load
+    assert set(fixed["per_level"].values()) == {free["best_fixed"]} and fixed["predicted"] == free["fixed_predicted"]
+
+    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("suffix defaults", {"method": "suffix"}),
+          sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+
+    def lv(level, winner, ratios):
+        return {"level": level, "winner": winner,
+                "contenders": {sv.PLAIN: {"vs_plain": 1.0}, "suffix defaults": _row(ratios[0]),
+                               "ngram defaults": _row(ratios[1])}}
+
+    # suffix wins at 1 and 4, ngram only at 16: suffix cannot be switched off at 16, so ngram is chosen
+    out = [lv(1, "suffix defaults", (1.5, 1.2)), lv(4, "suffix defaults", (1.2, 1.1)), lv(16, "ngram defaults", (0.8, 1.05))]
+    chosen, why = sv.decision(cs, out, [1, 4, 16])
+    assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 4}
+    assert "num_speculative_tokens_per_batch_size" not in chosen.speculative
+    # suffix everywhere: chosen as it is, one length
+    out = [lv(x, "suffix defaults", (1.3, 1.1)) for x in (1, 4, 16)]
+    chosen, why = sv.decision(cs, out, [1, 4, 16])
+    assert why["winner"] == "suffix defaults" and "num_speculative_tokens_per_batch_size" not in chosen.speculative
+    # suffix alone, winning some levels only: plain
+    chosen, why = sv.decision(cs[:2], [lv(1, "suffix defaults", (1.3, 0.9)), lv(4, sv.PLAIN, (0.9, 0.9))], [1, 4])
+    assert chosen is None and why["winner"] == sv.PLAIN
+
+
+def test_vllm_export_of_a_suffix_schedule_writes_one_length_and_says_why(tmp_path):
+    from planner.export import DraftRange, ExportOptions, build
+    from planner.tree import Tree, TreeState
+
+    chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, 4)], 1.0, 4)], 1.0)
+    ranges = [DraftRange(1, 7, 3), DraftRange(8, 256, 0)]
+    ngram = build(chain, ranges, ExportOptions("vllm", "ngram"), {}, [])
+    assert ngram.to_json()["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 7, 3], [8, 256, 0]]
+    suffix = build(chain, ranges, ExportOptions("vllm", "suffix"), {}, []).to_json()
+    assert "num_speculative_tokens_per_batch_size" not in suffix["speculative_config"]
+    assert suffix["speculative_config"]["num_speculative_tokens"] == 3
+    assert any("takes one draft length" in n and "8-256" in n for n in suffix["notes"]), suffix["notes"]
+
+
+def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, tmp_path):
+    """A config vLLM accepts and then fails on (its worker dies mid-race): that contender is recorded as
+    failed and left out of the decision; the other contenders still race and race.json is written."""
+    calls = []
+
+    def fake_race(engine, c, race_reqs, warm, s, levels, say, results):
+        calls.append(c.name)
+        if c.speculative and c.speculative.get("num_speculative_tokens_per_batch_size"):
+            raise sv.UserError("http://127.0.0.1:1/metrics: cannot read the server's metrics (Connection refused)")
+        for lv in levels:
+            ok = [RequestRecord(i, 0.0, latency_s=1.0, output_tokens=4, token_ids=[1, 2, 3, 4]) for i in range(4)]
+            results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 1.0, ok), "counters": SpecDecodeCounters()}]
+
+    monkeypatch.setattr(sv, "race_contender", fake_race)
+    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("planned ngram", {
+        "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 0]]}),
+        sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+    failed, results = sv.race_all(None, cs, [], [], sv.ServingSettings(), [1, 4], lambda line: None)
+    assert calls == [sv.PLAIN, "planned ngram", "ngram defaults"]
+    assert list(failed) == ["planned ngram"] and "Connection refused" in failed["planned ngram"]
+    assert sorted(results) == ["ngram defaults", sv.PLAIN]

@@ -410,7 +410,8 @@ def _recorded(plan, kind: str, notes: list[str]) -> str | None:
 
 
 def _write(result, out: Path, yaml_out: bool, adaptive_path: Path) -> list[str]:
-    from planner.export import basis_lines, to_yaml
+    from planner.export import basis_lines
+    from planner.jsonio import to_yaml
     from planner.jsonio import atomic_write_bytes, atomic_write_json
 
     written = []

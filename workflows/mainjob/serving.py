@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.errors import UserError
-from planner.export import DraftRange
+from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
 from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges
 
@@ -190,6 +190,25 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s: Serving
                     + (f", {res.timed_out} timed out" if res.timed_out else ""))
 
 
+def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s: ServingSettings, levels, say,
+             results: dict | None = None, failed: dict | None = None) -> tuple[dict, dict]:
+    """Every contender in turn; (failed: name -> why its server stopped, results). A contender whose server
+    dies (a config vLLM takes, then fails on) is out of the decision and the race goes on; plain's is
+    fatal. The dicts passed in fill as it goes, so an interrupted race keeps what it measured."""
+    results = {} if results is None else results
+    failed = {} if failed is None else failed
+    for c in contenders:
+        try:
+            race_contender(engine, c, race_reqs, warm, s, levels, say, results)
+        except UserError as e:
+            if c.speculative is None:
+                raise
+            failed[c.name] = str(e)
+            results.pop(c.name, None)
+            say(f"      {c.name}: failed, out of the race ({e})")
+    return failed, results
+
+
 def per_request_s(rounds: list[dict]) -> list[float | None]:
     """Per request: median over rounds of end-to-end seconds per output token (None: failed)."""
     n = len(rounds[0]["result"].records)
@@ -231,39 +250,55 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
             iv = interval(x)
             bad = mismatches(results[PLAIN][level], rounds) if greedy else 0
             row.update({"paired": iv.to_json(), "mismatches": bad})
-            if bad == 0 and iv.lo > 1.0 and iv.mean > best:
-                winner, best = name, iv.mean
         rows[name] = row
     plain_tps = rows[PLAIN]["output_tokens_per_s"]
-    for row in rows.values():
+    for name, row in rows.items():
         row["vs_plain"] = row["output_tokens_per_s"] / plain_tps if plain_tps > 0 else None
+        if name != PLAIN and beats_plain(row) and row["paired"]["mean"] > best:
+            winner, best = name, row["paired"]["mean"]
     return {"level": level, "contenders": rows, "winner": winner}
 
 
+def beats_plain(row: dict) -> bool:
+    """A contender's row at a level is ahead of plain: the paired interval over requests lies above 1,
+    no greedy answer changed, and the level's output tokens/s is above plain's too (per-request
+    seconds per token weigh every request alike; the level's throughput waits for its slowest one,
+    and at 16 requests the two were seen to disagree: interval above 1, 0.85x tokens/s)."""
+    paired = row.get("paired") or {}
+    return (row.get("mismatches") == 0 and paired.get("lo", 0.0) > 1.0
+            and (row.get("vs_plain") or 0.0) > 1.0)
+
+
 def decision(contenders: list[Contender], levels_out: list[dict], levels) -> tuple[Contender | None, dict]:
-    """The one config: the contender that wins the most levels (then the highest geometric mean of
-    tokens/s over plain), its draft length 0 where it did not win."""
+    """The one config: the contender that wins the most levels (then is ahead of plain at the most, then
+    the highest geometric mean of tokens/s over plain), its draft length 0 wherever it was not ahead of
+    plain (beats_plain). A proposer vLLM runs at one draft length only (planner/export.py
+    SCHEDULE_METHODS) cannot be switched off by batch size: it is a candidate only if ahead everywhere."""
     scores = []
     for c in contenders:
         if c.speculative is None:
             continue
         wins = [lv["level"] for lv in levels_out if lv["winner"] == c.name]
+        ahead = [lv["level"] for lv in levels_out if beats_plain(lv["contenders"].get(c.name) or {})]
+        if c.speculative.get("method") not in SCHEDULE_METHODS["vllm"] and len(ahead) < len(levels):
+            continue
         ratios = [lv["contenders"].get(c.name, {}).get("vs_plain") or 0.0 for lv in levels_out]
         geo = math.exp(float(np.mean(np.log(np.maximum(ratios, 1e-9))))) if ratios else 0.0
-        scores.append((len(wins), geo, c, wins))
-    scores.sort(key=lambda t: (t[0], t[1]), reverse=True)
-    if not scores or scores[0][0] == 0:
-        return None, {"winner": PLAIN, "why": "no contender beat plain beyond the noise at any level"}
-    _, geo, c, wins = scores[0]
+        scores.append((len(wins), len(ahead), geo, c, ahead))
+    scores.sort(key=lambda t: t[:3], reverse=True)
+    if not scores or scores[0][1] == 0:
+        return None, {"winner": PLAIN, "why": "no contender beat plain beyond the noise at any level (a proposer vLLM runs at one "
+                                        "draft length must win every level)"}
+    *_, geo, c, ahead = scores[0]
     cfg = dict(c.speculative)
     k_of = _k_by_level(cfg, levels)
-    per_level = {lv: (k_of[lv] if lv in wins else 0) for lv in levels}
+    per_level = {lv: (k_of[lv] if lv in ahead else 0) for lv in levels}
     ranges = schedule_ranges(per_level, list(levels))
     cfg.pop("num_speculative_tokens_per_batch_size", None)
     cfg["num_speculative_tokens"] = max(k for *_, k in ranges) or cfg.get("num_speculative_tokens", 1)
     if len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = ranges
-    return Contender(c.name, cfg), {"winner": c.name, "levels_won": wins, "geomean_vs_plain": geo,
+    return Contender(c.name, cfg), {"winner": c.name, "levels_ahead_of_plain": ahead, "geomean_vs_plain": geo,
                                     "draft_length_by_level": per_level}
 
 
@@ -321,7 +356,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     plans = {}
     for m, rec in records.items():
         costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
-        plans[m] = plan_method(m, rec, profiles, levels, max_k, costs)
+        plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"])
         say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
     best = max(plans.values(), key=lambda p: float(np.mean(np.log([p["predicted"][b] for b in levels]))))
     contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c)) for n, c in STOCK.items()]
@@ -337,10 +372,10 @@ def autotune_serving(s: ServingSettings) -> dict:
 
     phase(4, f"race: {len(contenders)} contenders x levels {','.join(map(str, levels))}, {len(race_reqs)} requests each")
     results: dict = {}
+    failed: dict[str, str] = {}
     interrupted = False
     try:
-        for c in contenders:
-            race_contender(engine, c, race_reqs, accept_reqs, s, levels, say, results)
+        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed)
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
@@ -351,14 +386,14 @@ def autotune_serving(s: ServingSettings) -> dict:
                                                       "predicted_tokens_per_s": c.predicted} for c in contenders],
                 "requests": len(race_reqs), "max_tokens": s.max_tokens, "rounds": s.rounds,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-                "interrupted": interrupted}
+                "failed": failed, "interrupted": interrupted}
     atomic_write_json(out / "race.json", race_doc)
     summary["phases"]["race_s"] = time.time() - t0
     if interrupted:
         raise KeyboardInterrupt
 
     phase(5, "write: the decision, exports, report")
-    chosen, why = decision(contenders, levels_out, levels)
+    chosen, why = decision([c for c in contenders if c.name not in failed], levels_out, levels)
     summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out)})
     _exports(chosen, out, draft_dir)
     atomic_write_bytes(out / "report.md", report(summary, contenders).encode())
