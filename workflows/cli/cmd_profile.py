@@ -204,7 +204,6 @@ def _output(args) -> Path | None:
 
 def _measure(args, spec, profile_spec, out: Path | None, model: str) -> int:
     from planner.engines import DEFAULT
-    from planner.jsonio import atomic_write_json
     from profiler.measure import check_spec, profile_engine
     from workflows.cli.engines import open_from_args
 
@@ -224,16 +223,23 @@ def _measure(args, spec, profile_spec, out: Path | None, model: str) -> int:
     profile = profile_engine(engine, profile_spec)
     tag = "" if spec.name == DEFAULT else f"-{spec.name}"
     out = out or Path("profiles") / f"{device_slug(profile)}{tag}-{r['model']}.json"
-    try:
-        atomic_write_json(out, profile)
-        if args.plot:
-            from profiler.plot import plot_profile
-
-            plot_profile(profile, args.plot)
-    except OSError as e:
-        raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    _write(profile, out, args.plot)
     _report(profile, out)
     return 0
+
+
+def _write(profile: dict, out: Path, plot: str | None) -> None:
+    """The profile (atomically) and its plot; a failed write is one line."""
+    from planner.jsonio import atomic_write_json
+
+    try:
+        atomic_write_json(out, profile)
+        if plot:
+            from profiler.plot import plot_profile
+
+            plot_profile(profile, plot)
+    except OSError as e:
+        raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
 
 
 # Options a serving engine's step profile has no use for: (attribute, default, why).
@@ -250,7 +256,6 @@ SERVING_UNUSED = (("dtype", None, "it runs fp32, as the server and the race do")
 def _serving(args, spec) -> int:
     """caps.server: the engine's own step time per batch size and draft length, measured in its own
     environment (profiler/vllm_profile.py); --input-lengths are 1 + K."""
-    from planner.jsonio import atomic_write_json
     from profiler.vllm_profile import ServingProfileSpec, check_spec, profile_serving, table_lines
     from workflows.cli.engines import open_from_args
 
@@ -272,14 +277,7 @@ def _serving(args, spec) -> int:
     for opt, path in (("-o", out), ("--plot", args.plot)):
         _check_writable(opt, Path(path) if path else out)
     profile = profile_serving(engine, pspec)
-    try:
-        atomic_write_json(out, profile)
-        if args.plot:
-            from profiler.plot import plot_profile
-
-            plot_profile(profile, args.plot)
-    except OSError as e:
-        raise UserError(f"{e.filename or out}: cannot write ({e.strerror})") from None
+    _write(profile, out, args.plot)
     print("\n".join(table_lines(profile)), file=sys.stderr)
     stops = profile.get("incomplete", [])
     cut = sum(s["reason"] == "time budget" for s in stops)
