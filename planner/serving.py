@@ -43,30 +43,46 @@ def drafting(record: dict, label: str = "acceptance") -> tuple[np.ndarray, float
 
 
 def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
-                           passes: str = "one", rate: float = 1.0) -> float:
+                           passes: str = "one", rate: float = 1.0, overhead_s: float = 0.0) -> float:
     """Output tokens/s of `batch_size` running requests whose proposer drafts k tokens in a share `rate`
     of the steps: b E[tau] / E[step], E[tau] = 1 + rate sum_{d<=k} prefix_d, a drafting step priced at
-    the profile's (b, 1 + k) plus the drafting, the others at (b, 1)."""
-    plain = float(profile.latency(1))
+    the profile's (b, 1 + k) plus the drafting, the others at (b, 1); every step also pays the server's
+    own cost beyond the profiled forward (`overhead_s`, server_overhead)."""
+    plain = float(profile.latency(1)) + overhead_s
     if k == 0:
         return batch_size / plain
     tokens = 1.0 + rate * float(np.sum(np.asarray(prefix, dtype=np.float64)[:k]))
-    drafting_step = float(profile.latency(1 + k)) + draft_s * (k if passes == "depth" else 1)
+    drafting_step = float(profile.latency(1 + k)) + overhead_s + draft_s * (k if passes == "depth" else 1)
     return batch_size * tokens / ((1.0 - rate) * plain + rate * drafting_step)
 
 
+def server_overhead(profiles: dict, plain_tokens_per_s: dict[int, float], levels) -> dict[int, float]:
+    """Seconds per step the serving engine spends beyond the profiled forward at each level: b over plain's
+    measured output tokens/s (one token per request per step) less the profile's plain step. The server
+    schedules, streams and detokenises on the same cores, so its step is the profile's plus this; a plain
+    run through the server is what measures it. Never below 0 (noise, not a faster server)."""
+    out = {}
+    for b in levels:
+        measured = plain_tokens_per_s.get(b)
+        out[b] = max(0.0, b / measured - float(profiles[b].latency(1))) if measured and measured > 0 else 0.0
+    return out
+
+
 def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float],
-                schedulable: bool = True) -> dict:
+                schedulable: bool = True, overhead_s: dict[int, float] | None = None) -> dict:
     """The best draft length per level (every k in 0..max_k priced, the most tokens/s) and the best fixed
     one (geometric mean over the levels), with predictions. With every step drafting (rate 1) this is the
     chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py).
-    schedulable=False: the engine's proposer takes one draft length, so the plan is the best fixed one."""
+    schedulable=False: the engine's proposer takes one draft length, so the plan is the best fixed one.
+    overhead_s: the server's own seconds per step at each level (server_overhead), 0 where absent."""
+    overhead_s = overhead_s or {}
     prefix, rate = drafting(record, f"accept-{method}")
     k_max = min(max_k, prefix.size)
     passes = record.get("guesser", {}).get("draft_passes", "one")
 
     def rate_at(b: int, k: int) -> float:
-        return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate)
+        return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
+                                      overhead_s.get(b, 0.0))
 
     per_level = {b: max(range(k_max + 1), key=lambda k, b=b: rate_at(b, k)) for b in levels}
     predicted = {b: rate_at(b, per_level[b]) for b in levels}
@@ -79,7 +95,7 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
             "plain_predicted": {b: rate_at(b, 0) for b in levels}, "best_fixed": best_k,
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
             "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s,
-            "schedulable": schedulable}
+            "schedulable": schedulable, "overhead_s": overhead_s}
 
 
 def schedule_ranges(per_level: dict[int, int], levels) -> list[list[int]]:

@@ -201,6 +201,7 @@ def _cli(*args, cwd=None):
     (["--concurrency", "1,1000"], "--concurrency: expected increasing integers in 1..256"),
     (["--guessers", "lookup"], "--methods: expected a subset of ngram,suffix,draft_model"),
     (["--turns", "2"], "--turns: not with --engine vllm"),
+    (["--decode-prompts", "4"], "--decode-prompts: expected an integer in 5..4096"),
 ])
 def test_bad_flags_are_one_line(args, expect, tmp_path):
     r = _cli(*args, "--out", str(tmp_path / "run"))
@@ -339,3 +340,78 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     assert calls == [sv.PLAIN, "planned ngram", "ngram defaults"]
     assert list(failed) == ["planned ngram"] and "Connection refused" in failed["planned ngram"]
     assert sorted(results) == ["ngram defaults", sv.PLAIN]
+
+
+def test_the_servers_own_cost_per_step_is_recovered_from_plain_and_priced_into_every_step():
+    """vLLM plain through the server runs one token per request per step, so b / its tokens/s is the
+    server's step: the profile's plus the server's own cost (server_overhead recovers a known one).
+    Priced steps pay it too (by enumeration), and a larger fixed cost per step never shortens the
+    planned draft (drafting's marginal cost is unchanged while a step's base grows)."""
+    levels = [1, 4, 16]
+    profiles = _profiles(levels, per_token_s=0.004)
+    true = {1: 0.03, 4: 0.05, 16: 0.12}
+    plain = {b: b / (profiles[b].latency(1) + true[b]) for b in levels}
+    got = planning.server_overhead(profiles, plain, levels)
+    assert got == pytest.approx(true, rel=1e-9)
+    faster = {b: 1.2 * b / profiles[b].latency(1) for b in levels}  # noise cannot make the server cheaper
+    assert planning.server_overhead(profiles, faster, levels) == {b: 0.0 for b in levels}
+    assert planning.server_overhead(profiles, {1: plain[1]}, levels)[16] == 0.0  # not measured: no cost
+
+    acc = [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]
+    rec = {"accuracy": [[x] for x in acc], "guesser": {"draft_passes": "one"}}
+    prefix = np.cumprod(acc)
+    for b in levels:
+        for k in range(4):
+            seconds = profiles[b].latency(1 + k) + true[b]
+            assert planning.predicted_tokens_per_s(prefix, profiles[b], b, k, overhead_s=true[b]) == \
+                pytest.approx(b * planning.chain_rate(acc, k) / seconds)
+    bare = planning.plan_method("ngram", rec, profiles, levels, 8, {})
+    served = planning.plan_method("ngram", rec, profiles, levels, 8, {}, overhead_s=true)
+    assert served["plain_predicted"] == pytest.approx(plain, rel=1e-9)
+    assert all(served["per_level"][b] >= bare["per_level"][b] for b in levels)
+    assert any(served["per_level"][b] > bare["per_level"][b] for b in levels), (bare["per_level"], served["per_level"])
+
+
+def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(monkeypatch, tmp_path):
+    """Phase 3 runs vLLM plain through the server before planning: the plan (and every prediction in
+    race.json) is priced on the profile plus the cost per step plain's pass measured, and the other
+    contenders race after it. A planned length equal to a stock setting races once, with its prediction."""
+    import decoder.engines.registry as registry
+    import planner.profile as pp
+
+    levels = [1, 4, 16]
+    profiles = _profiles(levels, per_token_s=0.004)
+    true = {1: 0.03, 4: 0.05, 16: 0.4}
+    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
+    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
+    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
+    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
+    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
+    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec})
+    raced = []
+
+    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results):
+        raced.append(c.name)
+        for lv in lvls:
+            tps = lv / (profiles[lv].latency(1) + true[lv]) * (1.0 if c.speculative is None else 1.1)
+            recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
+                    for i in range(6)]
+            results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 48 / tps, recs),
+                                                   "counters": SpecDecodeCounters()}]
+
+    monkeypatch.setattr(sv, "race_contender", fake_race)
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",), out=str(tmp_path / "run"), quiet=True,
+                           race_requests=6, accept_requests=2)
+    sv.autotune_serving(s)
+    assert raced[0] == sv.PLAIN and raced.count(sv.PLAIN) == 1 and len(raced) >= 3
+    plans = json.loads((tmp_path / "run" / "plans.json").read_text())
+    assert {int(k): v for k, v in plans["server_overhead_s"].items()} == pytest.approx(true, rel=1e-6)
+    expect = planning.plan_method("ngram", rec, profiles, levels, max(s.draft_lengths), {}, overhead_s=true)
+    race = json.loads((tmp_path / "run" / "race.json").read_text())
+    predicted = {c["name"]: c["predicted_tokens_per_s"] for c in race["contenders"]}
+    assert not predicted[sv.PLAIN]
+    fixed = [n for n in predicted if n.startswith("fixed") or n == "ngram defaults" and predicted[n]]
+    assert fixed, predicted
+    for lv in levels:
+        assert predicted[fixed[0]][str(lv)] == pytest.approx(expect["fixed_predicted"][lv], rel=1e-9)
+    assert (tmp_path / "run" / "chosen.json").is_file()

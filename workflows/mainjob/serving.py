@@ -6,9 +6,12 @@
 Five named phases, each announced with the time left:
   1 profile   the server's own step time by batch size and draft length       profiler/vllm_profile.py
   2 accept    each proposer's acceptance per draft position, in the server     profiler/vllm_accept.py
-  3 plan      per proposer, the draft length per concurrency level with the most output tokens/s
-              (planner/batch.py plan_chain_schedule on the server's profile), and its best fixed length
-  4 race      one real server per contender and real concurrent clients at every level: plain, the
+  3 plan      vLLM plain through the server at every level (the first contender of the race), whose
+              tokens/s give the server's own cost per step beyond the profiled forward (scheduling,
+              streaming, detokenising on the same cores: planner/serving.py server_overhead); then per
+              proposer the draft length per level with the most output tokens/s on the profile plus
+              that cost (planner/serving.py plan_method), and its best fixed length
+  4 race      one real server per contender and real concurrent clients at every level: the
               stock suffix and ngram settings, the best fixed length, the planned schedule; every greedy
               answer must equal plain's; each level is decided by the paired rule below
   5 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
@@ -18,7 +21,7 @@ the same length), so its end-to-end seconds per output token pair up; a contende
 the sign-flip interval of log(plain / contender) over the requests (workflows/mainjob/signflip.py,
 the main job's own test) lies above 1, and among winners the highest geometric mean takes the level.
 The decision is one config (an engine runs one proposer): the contender ahead on the most levels
-(then by geometric mean), with its draft length set to 0 on every level where it did not win, so
+(then by geometric mean), with its draft length set to 0 on every level where it was not ahead of plain, so
 speculation is switched off exactly where it was measured to lose; no winner anywhere: plain.
 Ctrl-C stops the server in use and keeps every file already written; chosen.json is written last,
 atomically, so an interrupted run leaves none (or the previous run's, untouched, in another folder).
@@ -37,7 +40,7 @@ import numpy as np
 from planner.errors import UserError
 from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
-from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges
+from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges, server_overhead
 
 PHASES = 5
 CONCURRENCY = (1, 2, 4, 8, 16)
@@ -90,8 +93,9 @@ def check(s: ServingSettings) -> None:
                          for c in levels) or list(levels) != sorted(set(levels)):
         raise UserError(f"--concurrency: expected increasing integers in 1..{MAX_CONCURRENCY}, got "
                         f"{','.join(map(str, levels))}")
-    for name, v, lo, hi in (("--max-tokens", s.max_tokens, 2, 4096), ("--race-requests", s.race_requests, 2, 4096),
-                            ("--accept-requests", s.accept_requests, 1, 4096), ("--rounds", s.rounds, 1, 20)):
+    # 5 paired requests are the fewest whose sign-flip interval can exclude 1 (2^5 ALPHA >= 1)
+    for name, v, lo, hi in (("--decode-tokens", s.max_tokens, 2, 4096), ("--decode-prompts", s.race_requests, 5, 4096),
+                            ("--accept-prompts", s.accept_requests, 1, 4096), ("--rounds", s.rounds, 1, 20)):
         if not lo <= v <= hi:
             raise UserError(f"{name}: expected an integer in {lo}..{hi}, got {v}")
     if not 1.0 <= s.budget_minutes <= 24 * 60:
@@ -147,14 +151,16 @@ def method_config(method: str, k: int, draft_dir: str | None, ranges: list[list[
 
 
 def distinct(contenders: list[Contender]) -> list[Contender]:
-    """One server per config: a planned schedule that drafts the same length everywhere is the fixed one."""
-    seen, out = set(), []
+    """One server per config: a planned schedule that drafts the same length everywhere is the fixed one,
+    and a planned length equal to a stock setting is that setting (which then carries the prediction)."""
+    seen: dict[str, Contender] = {}
     for c in contenders:
         key = json.dumps(c.speculative, sort_keys=True)
         if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
+            seen[key] = c
+        elif not seen[key].predicted and c.predicted:
+            seen[key].predicted = dict(c.predicted)
+    return list(seen.values())
 
 
 LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
@@ -265,7 +271,7 @@ def beats_plain(row: dict) -> bool:
     seconds per token weigh every request alike; the level's throughput waits for its slowest one,
     and at 16 requests the two were seen to disagree: interval above 1, 0.85x tokens/s)."""
     paired = row.get("paired") or {}
-    return (row.get("mismatches") == 0 and paired.get("lo", 0.0) > 1.0
+    return (row.get("mismatches") == 0 and (paired.get("lo") or 0.0) > 1.0
             and (row.get("vs_plain") or 0.0) > 1.0)
 
 
@@ -351,34 +357,33 @@ def autotune_serving(s: ServingSettings) -> dict:
     records = _acceptance(engine, s, accept_reqs, draft_dir, out, say)
     summary["phases"]["accept_s"] = time.time() - t0
 
-    phase(3, "plan: the draft length per concurrency level, per proposer")
-    max_k = max(s.draft_lengths)
-    plans = {}
-    for m, rec in records.items():
-        costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
-        plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"])
-        say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
-    best = max(plans.values(), key=lambda p: float(np.mean(np.log([p["predicted"][b] for b in levels]))))
-    contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c)) for n, c in STOCK.items()]
-    fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
-    contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
-                                dict(best["fixed_predicted"])))
-    planned_ranges = schedule_ranges(best["per_level"], levels)
-    if any(k for *_, k in planned_ranges):
-        cfg = method_config(best["method"], max(k for *_, k in planned_ranges), draft_dir, planned_ranges)
-        contenders.append(Contender(f"planned {best['method']}", cfg, dict(best["predicted"])))
-    contenders = distinct(contenders)
-    atomic_write_json(out / "plans.json", {"plans": _jsonable(plans), "chosen_method": best["method"]})
-
-    phase(4, f"race: {len(contenders)} contenders x levels {','.join(map(str, levels))}, {len(race_reqs)} requests each")
+    phase(3, "plan: vLLM plain through the server at every level (its cost per step beyond the profile), "
+             "then the draft length per level, per proposer")
     results: dict = {}
     failed: dict[str, str] = {}
+    contenders = [Contender(PLAIN, None)]
     interrupted = False
     try:
         race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed)
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
+    if not interrupted:
+        plain_tps = {lv: decide_level(results, lv, False)["contenders"][PLAIN]["output_tokens_per_s"] for lv in levels}
+        overhead = server_overhead(profiles, plain_tps, levels)
+        summary["server_overhead_s"] = overhead
+        say("      the server's own cost per step (ms) by level: "
+            + ", ".join(f"{lv}: {overhead[lv] * 1e3:.0f}" for lv in levels))
+        contenders = _planned_contenders(records, profiles, levels, s, draft_dir, overhead, out, say)
+        summary["phases"]["plan_s"] = time.time() - t0
+
+        phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
+                 f"{len(race_reqs)} requests each")
+        try:
+            race_all(engine, contenders[1:], race_reqs, accept_reqs, s, levels, say, results, failed)
+        except KeyboardInterrupt:
+            interrupted = True
+            say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
     greedy = s.temperature <= 0
     levels_out = [decide_level(results, lv, greedy) for lv in levels
                   if PLAIN in results and lv in results[PLAIN]]
@@ -386,7 +391,7 @@ def autotune_serving(s: ServingSettings) -> dict:
                                                       "predicted_tokens_per_s": c.predicted} for c in contenders],
                 "requests": len(race_reqs), "max_tokens": s.max_tokens, "rounds": s.rounds,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-                "failed": failed, "interrupted": interrupted}
+                "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "interrupted": interrupted}
     atomic_write_json(out / "race.json", race_doc)
     summary["phases"]["race_s"] = time.time() - t0
     if interrupted:
@@ -406,6 +411,32 @@ def autotune_serving(s: ServingSettings) -> dict:
     say(f"decision: {why['winner']}" + ("" if chosen is None else f" {json.dumps(chosen.speculative)}"))
     say(f"wrote {shown(out)}/ (chosen.json, race.json, plans.json, exports/, report.md, summary.json)")
     return summary
+
+
+def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSettings, draft_dir: str | None,
+                        overhead: dict[int, float], out: Path, say) -> list[Contender]:
+    """Plain, the stock settings, the best proposer's best fixed length and its planned schedule, each
+    priced on the profile plus the server's measured cost per step; plans.json records every proposer's."""
+    max_k = max(s.draft_lengths)
+    plans = {}
+    for m, rec in records.items():
+        costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
+        plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
+                               overhead_s=overhead)
+        say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
+    best = max(plans.values(), key=lambda p: float(np.mean(np.log([p["predicted"][b] for b in levels]))))
+    contenders = [Contender(PLAIN, None)]
+    contenders += [Contender(n, dict(c)) for n, c in STOCK.items()]
+    fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
+    contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
+                                dict(best["fixed_predicted"])))
+    planned_ranges = schedule_ranges(best["per_level"], levels)
+    if any(k for *_, k in planned_ranges):
+        cfg = method_config(best["method"], max(k for *_, k in planned_ranges), draft_dir, planned_ranges)
+        contenders.append(Contender(f"planned {best['method']}", cfg, dict(best["predicted"])))
+    atomic_write_json(out / "plans.json", {"plans": _jsonable(plans), "chosen_method": best["method"],
+                                           "server_overhead_s": _jsonable(overhead)})
+    return distinct(contenders)
 
 
 def _prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
@@ -533,7 +564,13 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     err = summary.get("prediction_error") or {}
     if err:
         lines += ["", "Predicted / measured output tokens/s - 1:", ""]
-        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in sorted(v.items())) for name, v in err.items()]
+        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in sorted(v.items(), key=lambda t: int(t[0])))
+                  for name, v in err.items()]
+    overhead = summary.get("server_overhead_s") or {}
+    if overhead:
+        lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
+                  "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
+                                                            sorted(overhead.items(), key=lambda t: int(t[0])))]
     return "\n".join(lines) + "\n"
 
 
