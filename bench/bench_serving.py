@@ -5,6 +5,7 @@ configs, at several concurrency levels, on requests no tuning step reads.
     python bench/bench_serving.py --concurrency 1,4,16 --requests 12 --max-tokens 32 --repeats 1
     python bench/bench_serving.py --config planned=vllm.json        # a `planner export --engine vllm` file
     python bench/bench_serving.py --sampling greedy,sampled
+    python bench/bench_serving.py --skip suffix,ngram --draft-lengths 1,2,4   # the project draft LM in vLLM
     python bench/bench_serving.py --smoke                           # a fake server in this process, seconds
 
 Requests: training.splits.bench_prompts' "chat" (first turns of the hand-written chats) and
@@ -71,6 +72,7 @@ DEFAULT_CONTENDERS = {  # --skip key -> (name, vLLM's speculative config)
     "ngram": ("vLLM ngram (k=4, lookup 1-3)", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                                "prompt_lookup_min": 1}),
 }
+PROJECT_DRAFT = "<the project's draft LM>"  # resolved to its vLLM folder when a server starts
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 WARMUP_TOKENS = 16
 
@@ -149,13 +151,27 @@ def parse_config(spec: str) -> Contender:
     return Contender(name, doc, source, notes)
 
 
-def contenders(specs: list[str], skip: str) -> list[Contender]:
+def draft_contenders(lengths: str | None) -> list[Contender]:
+    """--draft-lengths 1,2,4: vLLM's draft_model method on the project's draft LM, one fixed length each."""
+    if not lengths:
+        return []
+    try:
+        ks = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--draft-lengths {lengths}: expected positive integers separated by commas") from None
+    if not ks or any(k < 1 or k > 16 for k in ks) or len(set(ks)) != len(ks):
+        raise UserError(f"--draft-lengths {lengths}: expected distinct lengths in 1..16")
+    return [Contender(f"vLLM draft_model (k={k})", {"method": "draft_model", "num_speculative_tokens": k,
+                                                     "model": PROJECT_DRAFT}) for k in ks]
+
+
+def contenders(specs: list[str], skip: str, draft_lengths: str | None = None) -> list[Contender]:
     left_out = {x.strip() for x in skip.split(",") if x.strip()}
     unknown = left_out - set(DEFAULT_CONTENDERS)
     if unknown:
         raise UserError(f"--skip {', '.join(sorted(unknown))}: not a built-in contender ({', '.join(DEFAULT_CONTENDERS)})")
     out = [Contender(*v) for k, v in DEFAULT_CONTENDERS.items() if k not in left_out]
-    out += [parse_config(s) for s in specs]
+    out += draft_contenders(draft_lengths) + [parse_config(s) for s in specs]
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise UserError(f"--config: two contenders named the same ({names})")
@@ -566,7 +582,18 @@ class VllmBackend:
         self.model_name = self.engine.model_name
 
     def server(self, config: dict | None):
+        if config and config.get("model") == PROJECT_DRAFT:
+            config = {**config, "model": self.draft_dir()}
         return self.engine.server(speculative_config=config, startup_timeout_s=self.startup_timeout_s)
+
+    def draft_dir(self) -> str:
+        from decoder.engines.models import shipped
+        from decoder.engines.vllm.draft_folder import served_draft
+
+        src = shipped(self.engine.model_name, "draft_lm")
+        if src is None:
+            raise UserError(f"--draft-lengths: no draft LM ships for {self.engine.model_name}")
+        return str(served_draft(src, self.engine.model_dir))
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         from decoder.engines.hf.tokenizer import load_tokenizer
@@ -588,7 +615,7 @@ class FakeBackend:
         return [[10 + (ord(ch) % 200) for ch in t[:24]] for t in texts]
 
 
-FAKE_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+FAKE_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
              "num_speculative_tokens_per_batch_size", "suffix_decoding_max_cached_requests"}
 
 
@@ -713,6 +740,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=JSON_OR_FILE",
                    help="another contender: a speculative config as JSON, or a file (planner export --engine vllm); "
                         "repeatable")
+    p.add_argument("--draft-lengths", default=None, metavar="K,K,...",
+                   help="also race vLLM's draft_model method on the project's draft LM at these fixed lengths")
     p.add_argument("--skip", default="", help="built-in contenders to leave out: suffix, ngram (comma-separated)")
     p.add_argument("--plain-between", action="store_true", help="run vLLM plain between every two contenders too")
     p.add_argument("--model", default="smollm2-135m", help="registry model or Hugging Face folder vLLM serves")
@@ -724,7 +753,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(a) -> Results:
     s = settings(a)
-    order = schedule(contenders(a.configs, a.skip), s.plain_between)
+    order = schedule(contenders(a.configs, a.skip, a.draft_lengths), s.plain_between)
     backend = FakeBackend() if s.smoke else VllmBackend(a.model, a.startup_timeout)
     w = workload(s, backend.encode)
     if w.reused:
