@@ -19,6 +19,7 @@ from planner.profile import LatencyProfile
 from profiler.load_generator import LoadResult, RequestRecord
 from profiler.serving_metrics import SpecDecodeCounters
 from workflows.mainjob import serving as sv
+from workflows.mainjob import serving_race as sr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,19 +114,19 @@ def test_the_paired_rule_per_level():
     toks = [[i, i + 1, i + 2, i + 3] for i in range(n)]
     plain = list(1.0 + 0.3 * rng.random(n))
     results = {
-        sv.PLAIN: {1: _level(1, plain, toks)},
+        sr.PLAIN: {1: _level(1, plain, toks)},
         "fast": {1: _level(1, [x / 1.5 for x in plain], toks)},
         "noise": {1: _level(1, [x * (1.0 + 0.05 * rng.standard_normal()) for x in plain], toks)},
         "faster but wrong": {1: _level(1, [x / 3 for x in plain], [t[:3] + [99] for t in toks])},
     }
-    lv = sv.decide_level(results, 1, greedy=True)
+    lv = sr.decide_level(results, 1, greedy=True)
     assert lv["winner"] == "fast"
     assert lv["contenders"]["fast"]["paired"]["lo"] > 1.0
     assert lv["contenders"]["faster but wrong"]["mismatches"] == n
     assert lv["contenders"]["noise"]["paired"]["lo"] <= 1.0
     # without the right contender, noise does not win: plain
     del results["fast"]
-    assert sv.decide_level(results, 1, greedy=True)["winner"] == sv.PLAIN
+    assert sr.decide_level(results, 1, greedy=True)["winner"] == sr.PLAIN
 
 
 def _row(ratio, lo=None, mismatches=0):
@@ -135,48 +136,48 @@ def _row(ratio, lo=None, mismatches=0):
 
 
 def test_ahead_of_plain_needs_the_paired_interval_and_the_throughput_and_no_changed_token():
-    assert sv.beats_plain(_row(1.2))
-    assert not sv.beats_plain(_row(1.2, lo=0.98))  # within the noise per request
-    assert not sv.beats_plain(_row(0.85, lo=1.005))  # per-request faster, level slower (seen at 16 here)
-    assert not sv.beats_plain(_row(1.2, mismatches=1))
+    assert sr.beats_plain(_row(1.2))
+    assert not sr.beats_plain(_row(1.2, lo=0.98))  # within the noise per request
+    assert not sr.beats_plain(_row(0.85, lo=1.005))  # per-request faster, level slower (seen at 16 here)
+    assert not sr.beats_plain(_row(1.2, mismatches=1))
 
 
 def test_the_decision_keeps_speculation_where_it_beat_plain_though_another_won():
     """ngram beat plain at 1 where suffix won; suffix is out (one length, behind at 16): ngram keeps its
     K at 1, and is off only at 16, where it was behind plain."""
     levels = [1, 4, 16]
-    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("suffix defaults", {"method": "suffix"}),
-          sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"}),
+          sr.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
     out = [{"level": 1, "winner": "suffix defaults", "contenders": {"suffix defaults": _row(1.58), "ngram defaults": _row(1.32)}},
            {"level": 4, "winner": "ngram defaults", "contenders": {"suffix defaults": _row(0.87), "ngram defaults": _row(1.23)}},
-           {"level": 16, "winner": sv.PLAIN, "contenders": {"suffix defaults": _row(0.6), "ngram defaults": _row(0.85, 1.005)}}]
-    chosen, why = sv.decision(cs, out, levels)
+           {"level": 16, "winner": sr.PLAIN, "contenders": {"suffix defaults": _row(0.6), "ngram defaults": _row(0.85, 1.005)}}]
+    chosen, why = sr.decision(cs, out, levels)
     assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 0}
     assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 15, 4], [16, 256, 0]]
 
 
 def test_the_decision_switches_speculation_off_where_it_lost():
     levels = [1, 4, 16]
-    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("planned ngram", {
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("planned ngram", {
         "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 2]]})]
 
     def lv(level, winner, ratio):
-        return {"level": level, "winner": winner, "contenders": {sv.PLAIN: {"vs_plain": 1.0},
+        return {"level": level, "winner": winner, "contenders": {sr.PLAIN: {"vs_plain": 1.0},
                                                                   "planned ngram": _row(ratio)}}
 
-    chosen, why = sv.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sv.PLAIN, 0.95)],
+    chosen, why = sr.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sr.PLAIN, 0.95)],
                               levels)
     assert why["levels_ahead_of_plain"] == [1, 4] and why["draft_length_by_level"] == {1: 4, 4: 2, 16: 0}
     assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
     assert chosen.speculative["num_speculative_tokens"] == 4
-    none, why = sv.decision(cs, [lv(x, sv.PLAIN, 0.9) for x in levels], levels)
-    assert none is None and why["winner"] == sv.PLAIN
+    none, why = sr.decision(cs, [lv(x, sr.PLAIN, 0.9) for x in levels], levels)
+    assert none is None and why["winner"] == sr.PLAIN
 
 
 def test_exports_carry_the_same_schedule(tmp_path):
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
            "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 15, 2], [16, 256, 0]]}
-    sv._exports(sv.Contender("planned ngram", cfg), tmp_path, None)
+    sv._exports(sr.Contender("planned ngram", cfg), tmp_path, None)
     assert json.loads((tmp_path / "exports" / "vllm.json").read_text())["speculative_config"] == cfg
     trt = json.loads((tmp_path / "exports" / "trtllm.json").read_text())["speculative_config"]
     # planner/export.py's TensorRT-LLM builder: keyed by each range's highest batch size, 0 above the last key
@@ -185,7 +186,7 @@ def test_exports_carry_the_same_schedule(tmp_path):
     sglang = json.loads((tmp_path / "exports" / "sglang.json").read_text())
     assert sglang["server_args"][:2] == ["--speculative-algorithm", "NGRAM"]
     assert any("per-batch-size" in n or "batch size" in n for n in sglang["notes"]), sglang["notes"]
-    sv._exports(sv.Contender("planned suffix", {"method": "suffix", "num_speculative_tokens": 3}), tmp_path, None)
+    sv._exports(sr.Contender("planned suffix", {"method": "suffix", "num_speculative_tokens": 3}), tmp_path, None)
     notes = json.loads((tmp_path / "exports" / "notes.json").read_text())["notes"]
     assert any(n.startswith("trtllm: no suffix proposer") for n in notes), notes
 
@@ -260,7 +261,7 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
         starts.clear()
         results: dict = {}
-        sv.race_contender(Engine(), sv.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
+        sr.race_contender(Engine(), sr.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
     # every pass: a warm-up wave of `level` requests outside the race, then the 3 race requests
@@ -283,26 +284,26 @@ def test_a_proposer_vllm_runs_at_one_length_is_planned_and_chosen_as_one_length(
     assert len(set(free["per_level"].values())) > 1  # the model would switch lengths under load
     assert set(fixed["per_level"].values()) == {free["best_fixed"]} and fixed["predicted"] == free["fixed_predicted"]
 
-    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("suffix defaults", {"method": "suffix"}),
-          sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"}),
+          sr.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
 
     def lv(level, winner, ratios):
         return {"level": level, "winner": winner,
-                "contenders": {sv.PLAIN: {"vs_plain": 1.0}, "suffix defaults": _row(ratios[0]),
+                "contenders": {sr.PLAIN: {"vs_plain": 1.0}, "suffix defaults": _row(ratios[0]),
                                "ngram defaults": _row(ratios[1])}}
 
     # suffix wins at 1 and 4, ngram only at 16: suffix cannot be switched off at 16, so ngram is chosen
     out = [lv(1, "suffix defaults", (1.5, 1.2)), lv(4, "suffix defaults", (1.2, 1.1)), lv(16, "ngram defaults", (0.8, 1.05))]
-    chosen, why = sv.decision(cs, out, [1, 4, 16])
+    chosen, why = sr.decision(cs, out, [1, 4, 16])
     assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 4}
     assert "num_speculative_tokens_per_batch_size" not in chosen.speculative
     # suffix everywhere: chosen as it is, one length
     out = [lv(x, "suffix defaults", (1.3, 1.1)) for x in (1, 4, 16)]
-    chosen, why = sv.decision(cs, out, [1, 4, 16])
+    chosen, why = sr.decision(cs, out, [1, 4, 16])
     assert why["winner"] == "suffix defaults" and "num_speculative_tokens_per_batch_size" not in chosen.speculative
     # suffix alone, winning some levels only: plain
-    chosen, why = sv.decision(cs[:2], [lv(1, "suffix defaults", (1.3, 0.9)), lv(4, sv.PLAIN, (0.9, 0.9))], [1, 4])
-    assert chosen is None and why["winner"] == sv.PLAIN
+    chosen, why = sr.decision(cs[:2], [lv(1, "suffix defaults", (1.3, 0.9)), lv(4, sr.PLAIN, (0.9, 0.9))], [1, 4])
+    assert chosen is None and why["winner"] == sr.PLAIN
 
 
 def test_vllm_export_of_a_suffix_schedule_writes_one_length_and_says_why(tmp_path):
@@ -327,19 +328,19 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     def fake_race(engine, c, race_reqs, warm, s, levels, say, results):
         calls.append(c.name)
         if c.speculative and c.speculative.get("num_speculative_tokens_per_batch_size"):
-            raise sv.UserError("http://127.0.0.1:1/metrics: cannot read the server's metrics (Connection refused)")
+            raise sr.UserError("http://127.0.0.1:1/metrics: cannot read the server's metrics (Connection refused)")
         for lv in levels:
             ok = [RequestRecord(i, 0.0, latency_s=1.0, output_tokens=4, token_ids=[1, 2, 3, 4]) for i in range(4)]
             results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 1.0, ok), "counters": SpecDecodeCounters()}]
 
-    monkeypatch.setattr(sv, "race_contender", fake_race)
-    cs = [sv.Contender(sv.PLAIN, None), sv.Contender("planned ngram", {
+    monkeypatch.setattr(sr, "race_contender", fake_race)
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("planned ngram", {
         "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 0]]}),
-        sv.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
-    failed, results = sv.race_all(None, cs, [], [], sv.ServingSettings(), [1, 4], lambda line: None)
-    assert calls == [sv.PLAIN, "planned ngram", "ngram defaults"]
+        sr.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
+    failed, results = sr.race_all(None, cs, [], [], sv.ServingSettings(), [1, 4], lambda line: None)
+    assert calls == [sr.PLAIN, "planned ngram", "ngram defaults"]
     assert list(failed) == ["planned ngram"] and "Connection refused" in failed["planned ngram"]
-    assert sorted(results) == ["ngram defaults", sv.PLAIN]
+    assert sorted(results) == ["ngram defaults", sr.PLAIN]
 
 
 def test_the_servers_own_cost_per_step_is_recovered_from_plain_and_priced_into_every_step():
@@ -376,7 +377,7 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     """Phase 3 runs vLLM plain through the server before planning: the plan (and every prediction in
     race.json) is priced on the profile plus the cost per step plain's pass measured, and the other
     contenders race after it. A planned length equal to a stock setting races once, with its prediction."""
-    import decoder.engines.registry as registry
+    from decoder.engines import registry
     import planner.profile as pp
 
     levels = [1, 4, 16]
@@ -388,30 +389,43 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
     monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
     monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec})
+    exported = []
+    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: exported.append(chosen))  # checked by vLLM: slow
     raced = []
 
     def fake_race(engine, c, race_reqs, warm, s, lvls, say, results):
         raced.append(c.name)
         for lv in lvls:
-            tps = lv / (profiles[lv].latency(1) + true[lv]) * (1.0 if c.speculative is None else 1.1)
+            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            gain = 1.0 if k == 0 else (1.1 if lv < 16 else 0.8)  # speculation loses at 16
+            tps = lv / (profiles[lv].latency(1) + true[lv]) * gain
             recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
                     for i in range(6)]
             results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 48 / tps, recs),
                                                    "counters": SpecDecodeCounters()}]
 
-    monkeypatch.setattr(sv, "race_contender", fake_race)
+    monkeypatch.setattr(sr, "race_contender", fake_race)
     s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",), out=str(tmp_path / "run"), quiet=True,
                            race_requests=6, accept_requests=2)
     sv.autotune_serving(s)
-    assert raced[0] == sv.PLAIN and raced.count(sv.PLAIN) == 1 and len(raced) >= 3
+    assert raced[0] == sr.PLAIN and raced.count(sr.PLAIN) == 1 and len(raced) >= 3
     plans = json.loads((tmp_path / "run" / "plans.json").read_text())
     assert {int(k): v for k, v in plans["server_overhead_s"].items()} == pytest.approx(true, rel=1e-6)
     expect = planning.plan_method("ngram", rec, profiles, levels, max(s.draft_lengths), {}, overhead_s=true)
     race = json.loads((tmp_path / "run" / "race.json").read_text())
     predicted = {c["name"]: c["predicted_tokens_per_s"] for c in race["contenders"]}
-    assert not predicted[sv.PLAIN]
+    assert not predicted[sr.PLAIN]
     fixed = [n for n in predicted if n.startswith("fixed") or n == "ngram defaults" and predicted[n]]
     assert fixed, predicted
     for lv in levels:
         assert predicted[fixed[0]][str(lv)] == pytest.approx(expect["fixed_predicted"][lv], rel=1e-9)
-    assert (tmp_path / "run" / "chosen.json").is_file()
+    # speculation lost at 16, so the decision switches it off there: a config no contender ran, raced last
+    chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
+    assert chosen["speculative_config"]["num_speculative_tokens_per_batch_size"][-1] == [16, planning.MAX_CONCURRENCY, 0]
+    assert raced[-1] == sr.DECISION and chosen["decision"]["measured_as"] == sr.DECISION
+    assert exported[0].speculative == chosen["speculative_config"]
+    assert chosen["decision"]["vs_plain_by_level"]["16"] == pytest.approx(1.0)
+    assert chosen["decision"]["vs_plain_by_level"]["1"] == pytest.approx(1.1)
+    race = json.loads((tmp_path / "run" / "race.json").read_text())
+    assert all(sr.DECISION in lv["contenders"] for lv in race["levels"])
+    assert sr.DECISION in (tmp_path / "run" / "report.md").read_text()

@@ -3,7 +3,7 @@
     from workflows.mainjob.serving import ServingSettings, autotune_serving
     summary = autotune_serving(ServingSettings(concurrency=(1, 2, 4, 8, 16)))
 
-Five named phases, each announced with the time left:
+Six named phases, each announced with the time left:
   1 profile   the server's own step time by batch size and draft length       profiler/vllm_profile.py
   2 accept    each proposer's acceptance per draft position, in the server     profiler/vllm_accept.py
   3 plan      vLLM plain through the server at every level (the first contender of the race), whose
@@ -13,26 +13,21 @@ Five named phases, each announced with the time left:
               that cost (planner/serving.py plan_method), and its best fixed length
   4 race      one real server per contender and real concurrent clients at every level: the
               stock suffix and ngram settings, the best fixed length, the planned schedule; every greedy
-              answer must equal plain's; each level is decided by the paired rule below
-  5 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
+              answer must equal plain's; each level is decided by the paired rule (serving_race.py)
+  5 confirm   the decided config raced against plain at every level where no contender ran it as it is
+              (speculation switched off where it lost makes a new schedule), so its rows are measured
+  6 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
 
-The paired rule, per level: request i of the race is sent to every contender (the same messages,
-the same length), so its end-to-end seconds per output token pair up; a contender wins a level when
-the sign-flip interval of log(plain / contender) over the requests (workflows/mainjob/signflip.py,
-the main job's own test) lies above 1, and among winners the highest geometric mean takes the level.
-The decision is one config (an engine runs one proposer): the contender ahead on the most levels
-(then by geometric mean), with its draft length set to 0 on every level where it was not ahead of plain, so
-speculation is switched off exactly where it was measured to lose; no winner anywhere: plain.
+The paired rule and the one-config decision: workflows/mainjob/serving_race.py.
 Ctrl-C stops the server in use and keeps every file already written; chosen.json is written last,
 atomically, so an interrupted run leaves none (or the previous run's, untouched, in another folder).
 """
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,15 +36,25 @@ from planner.errors import UserError
 from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
 from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges, server_overhead
+from workflows.mainjob.serving_race import (
+    DECISION,
+    PLAIN,
+    Contender,
+    confirm,
+    decide_level,
+    decision,
+    distinct,
+    race_all,
+)
+from workflows.mainjob.serving_race import sampling as _sampling
 
-PHASES = 5
+PHASES = 6
 CONCURRENCY = (1, 2, 4, 8, 16)
 RACE_DRAFT_LENGTHS = (0, 2, 4, 8)  # profiled K: the ends and the middle; the planner interpolates between
 STOCK = {  # vLLM's documented defaults a user would otherwise run
     "suffix defaults": {"method": "suffix"},
     "ngram defaults": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
 }
-PLAIN = "plain"
 
 
 @dataclass
@@ -77,13 +82,6 @@ class ServingSettings:
     quiet: bool = False
 
 
-@dataclass
-class Contender:
-    name: str
-    speculative: dict | None  # the speculative config (None: plain)
-    predicted: dict = field(default_factory=dict)  # level -> predicted output tokens/s (planned contenders)
-
-
 # ---------------------------------------------------------------------------------------------- settings
 
 
@@ -105,12 +103,6 @@ def check(s: ServingSettings) -> None:
     bad = [m for m in s.methods if m not in METHODS]
     if bad or not s.methods:
         raise UserError(f"--methods: expected a subset of {','.join(METHODS)}, got {','.join(s.methods)}")
-
-
-def _sampling(s: ServingSettings):
-    from planner.sampling import Sampling
-
-    return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 def requests(s: ServingSettings) -> tuple[list, list]:
@@ -145,176 +137,6 @@ def method_config(method: str, k: int, draft_dir: str | None, ranges: list[list[
     if ranges and len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = ranges
     return cfg
-
-
-# ---------------------------------------------------------------------------------------------- 4 race
-
-
-def distinct(contenders: list[Contender]) -> list[Contender]:
-    """One server per config: a planned schedule that drafts the same length everywhere is the fixed one,
-    and a planned length equal to a stock setting is that setting (which then carries the prediction)."""
-    seen: dict[str, Contender] = {}
-    for c in contenders:
-        key = json.dumps(c.speculative, sort_keys=True)
-        if key not in seen:
-            seen[key] = c
-        elif not seen[key].predicted and c.predicted:
-            seen[key].predicted = dict(c.predicted)
-    return list(seen.values())
-
-
-LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
-
-
-def race_contender(engine, c: Contender, race_reqs: list, warm: list, s: ServingSettings, levels, say,
-                   results: dict, server_kwargs: dict | None = None) -> None:
-    """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
-    requests outside the race (so no contender's first pass at a batch size is a cold one). One server
-    for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
-    pass, or it would draft a repeated request's answer from its own first pass."""
-    from profiler.load_generator import run_load
-    from profiler.serving_metrics import fetch_spec_decode
-    from profiler.vllm_accept import sampled_requests
-
-    reqs = sampled_requests(race_reqs, _sampling(s), s.seed)  # request i seeded seed + i, the same for all
-    warm = sampled_requests(warm, _sampling(s), s.seed + len(reqs))
-    passes = [level for level in levels for _ in range(s.rounds)]
-    fresh = (c.speculative or {}).get("method") in LEARNS
-    for group in ([[p] for p in passes] if fresh else [passes]):
-        t0 = time.perf_counter()
-        say(f"      {c.name}: starting vLLM" + (f" ({json.dumps(c.speculative)})" if c.speculative else ""))
-        with engine.server(speculative_config=c.speculative, **(server_kwargs or {})) as server:
-            say(f"      {c.name}: ready in {time.perf_counter() - t0:.0f} s")
-            for level in group:
-                wave = [warm[i % len(warm)] for i in range(level)]
-                run_load(server.url, server.served_model_name, wave, level, s.request_timeout_s)
-                before = fetch_spec_decode(server.url)
-                res = run_load(server.url, server.served_model_name, reqs, level, s.request_timeout_s)
-                counters = fetch_spec_decode(server.url) - before
-                results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": counters})
-                say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
-                    + (f", {res.timed_out} timed out" if res.timed_out else ""))
-
-
-def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s: ServingSettings, levels, say,
-             results: dict | None = None, failed: dict | None = None) -> tuple[dict, dict]:
-    """Every contender in turn; (failed: name -> why its server stopped, results). A contender whose server
-    dies (a config vLLM takes, then fails on) is out of the decision and the race goes on; plain's is
-    fatal. The dicts passed in fill as it goes, so an interrupted race keeps what it measured."""
-    results = {} if results is None else results
-    failed = {} if failed is None else failed
-    for c in contenders:
-        try:
-            race_contender(engine, c, race_reqs, warm, s, levels, say, results)
-        except UserError as e:
-            if c.speculative is None:
-                raise
-            failed[c.name] = str(e)
-            results.pop(c.name, None)
-            say(f"      {c.name}: failed, out of the race ({e})")
-    return failed, results
-
-
-def per_request_s(rounds: list[dict]) -> list[float | None]:
-    """Per request: median over rounds of end-to-end seconds per output token (None: failed)."""
-    n = len(rounds[0]["result"].records)
-    out = []
-    for i in range(n):
-        xs = [r["result"].records[i] for r in rounds]
-        ok = [x.latency_s / x.output_tokens for x in xs if x.ok and x.latency_s and x.output_tokens > 0]
-        out.append(float(np.median(ok)) if len(ok) == len(xs) else None)
-    return out
-
-
-def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
-    """Requests whose token ids differ from plain's (greedy: speculation must not change a token)."""
-    a = plain_rounds[0]["result"].records
-    b = rounds[0]["result"].records
-    return sum(1 for x, y in zip(a, b) if x.ok and y.ok and x.token_ids is not None and x.token_ids != y.token_ids)
-
-
-def decide_level(results: dict, level: int, greedy: bool) -> dict:
-    """Each contender against plain at one level (the paired rule), and the level's winner."""
-    from workflows.mainjob.signflip import interval
-
-    plain_s = per_request_s(results[PLAIN][level])
-    rows, winner, best = {}, PLAIN, 1.0
-    for name, by_level in results.items():
-        rounds = by_level.get(level)
-        if rounds is None:
-            continue
-        res = [r["result"] for r in rounds]
-        tps = float(np.median([r.output_tokens_per_s for r in res]))
-        counters = rounds[0]["counters"]
-        row = {"output_tokens_per_s": tps, "tpot_p50_s": res[0].tpot_p50_s, "tpot_p99_s": res[0].tpot_p99_s,
-               "ttft_p50_s": res[0].ttft_p50_s, "timed_out": sum(r.timed_out for r in res),
-               "accepted": counters.accepted_tokens, "drafted": counters.draft_tokens,
-               "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None}
-        if name != PLAIN:
-            mine = per_request_s(rounds)
-            x = [math.log(p / m) for p, m in zip(plain_s, mine) if p and m]
-            iv = interval(x)
-            bad = mismatches(results[PLAIN][level], rounds) if greedy else 0
-            row.update({"paired": iv.to_json(), "mismatches": bad})
-        rows[name] = row
-    plain_tps = rows[PLAIN]["output_tokens_per_s"]
-    for name, row in rows.items():
-        row["vs_plain"] = row["output_tokens_per_s"] / plain_tps if plain_tps > 0 else None
-        if name != PLAIN and beats_plain(row) and row["paired"]["mean"] > best:
-            winner, best = name, row["paired"]["mean"]
-    return {"level": level, "contenders": rows, "winner": winner}
-
-
-def beats_plain(row: dict) -> bool:
-    """A contender's row at a level is ahead of plain: the paired interval over requests lies above 1,
-    no greedy answer changed, and the level's output tokens/s is above plain's too (per-request
-    seconds per token weigh every request alike; the level's throughput waits for its slowest one,
-    and at 16 requests the two were seen to disagree: interval above 1, 0.85x tokens/s)."""
-    paired = row.get("paired") or {}
-    return (row.get("mismatches") == 0 and (paired.get("lo") or 0.0) > 1.0
-            and (row.get("vs_plain") or 0.0) > 1.0)
-
-
-def decision(contenders: list[Contender], levels_out: list[dict], levels) -> tuple[Contender | None, dict]:
-    """The one config: the contender that wins the most levels (then is ahead of plain at the most, then
-    the highest geometric mean of tokens/s over plain), its draft length 0 wherever it was not ahead of
-    plain (beats_plain). A proposer vLLM runs at one draft length only (planner/export.py
-    SCHEDULE_METHODS) cannot be switched off by batch size: it is a candidate only if ahead everywhere."""
-    scores = []
-    for c in contenders:
-        if c.speculative is None:
-            continue
-        wins = [lv["level"] for lv in levels_out if lv["winner"] == c.name]
-        ahead = [lv["level"] for lv in levels_out if beats_plain(lv["contenders"].get(c.name) or {})]
-        if c.speculative.get("method") not in SCHEDULE_METHODS["vllm"] and len(ahead) < len(levels):
-            continue
-        ratios = [lv["contenders"].get(c.name, {}).get("vs_plain") or 0.0 for lv in levels_out]
-        geo = math.exp(float(np.mean(np.log(np.maximum(ratios, 1e-9))))) if ratios else 0.0
-        scores.append((len(wins), len(ahead), geo, c, ahead))
-    scores.sort(key=lambda t: t[:3], reverse=True)
-    if not scores or scores[0][1] == 0:
-        return None, {"winner": PLAIN, "why": "no contender beat plain beyond the noise at any level (a proposer vLLM runs at one "
-                                        "draft length must win every level)"}
-    *_, geo, c, ahead = scores[0]
-    cfg = dict(c.speculative)
-    k_of = _k_by_level(cfg, levels)
-    per_level = {lv: (k_of[lv] if lv in ahead else 0) for lv in levels}
-    ranges = schedule_ranges(per_level, list(levels))
-    cfg.pop("num_speculative_tokens_per_batch_size", None)
-    cfg["num_speculative_tokens"] = max(k for *_, k in ranges) or cfg.get("num_speculative_tokens", 1)
-    if len(ranges) > 1:
-        cfg["num_speculative_tokens_per_batch_size"] = ranges
-    return Contender(c.name, cfg), {"winner": c.name, "levels_ahead_of_plain": ahead, "geomean_vs_plain": geo,
-                                    "draft_length_by_level": per_level}
-
-
-def _k_by_level(cfg: dict, levels) -> dict[int, int]:
-    default = int(cfg.get("num_speculative_tokens") or _SUFFIX_CAP)
-    table = cfg.get("num_speculative_tokens_per_batch_size") or []
-    return {lv: next((k for lo, hi, k in table if lo <= lv <= hi), default) for lv in levels}
-
-
-_SUFFIX_CAP = 32  # vLLM's suffix method without num_speculative_tokens: its own default cap
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
@@ -397,11 +219,34 @@ def autotune_serving(s: ServingSettings) -> dict:
     if interrupted:
         raise KeyboardInterrupt
 
-    phase(5, "write: the decision, exports, report")
     chosen, why = decision([c for c in contenders if c.name not in failed], levels_out, levels)
+    phase(5, "confirm: the decision as it is written, raced against plain unless a contender already ran it")
+    shown_contenders = contenders
+    try:
+        confirmed = confirm(engine, chosen, contenders, results, failed, race_reqs, accept_reqs, s, levels, say)
+    except KeyboardInterrupt:
+        say("interrupted: the server is stopped; race.json keeps the race (no chosen.json)")
+        raise
+    if confirmed is not None:
+        why["measured_as"] = confirmed.name
+        if confirmed.name == DECISION:
+            shown_contenders = contenders + [confirmed]
+            for lv in levels_out:  # the decision's own rows beside the race's, which decided the winners
+                if confirmed.name in results and lv["level"] in results[confirmed.name]:
+                    lv["contenders"][DECISION] = decide_level(results, lv["level"], greedy)["contenders"][DECISION]
+            race_doc["levels"] = levels_out
+            race_doc["contenders"].append({"name": DECISION, "config": confirmed.speculative,
+                                           "predicted_tokens_per_s": {}})
+        why["vs_plain_by_level"] = {lv["level"]: (lv["contenders"].get(confirmed.name) or {}).get("vs_plain")
+                                    for lv in levels_out}
+    race_doc["failed"] = failed
+    atomic_write_json(out / "race.json", race_doc)
+    summary["phases"]["confirm_s"] = time.time() - t0
+
+    phase(6, "write: the decision, exports, report")
     summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out)})
     _exports(chosen, out, draft_dir)
-    atomic_write_bytes(out / "report.md", report(summary, contenders).encode())
+    atomic_write_bytes(out / "report.md", report(summary, shown_contenders).encode())
     summary["wall_s"] = time.time() - t0
     atomic_write_json(out / "summary.json", _jsonable(summary))
     doc = {"format": "tree-planner/serving-decision", "engine": engine.caps.name, "model": engine.model_name,
@@ -538,9 +383,14 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     lines = [f"# Serving autotune: {summary['model']} on {summary['engine']}", "",
              f"Decision: **{summary['decision']['winner']}**"
              + (f", draft length by level {summary['decision'].get('draft_length_by_level')}"
-                if summary['decision'].get('draft_length_by_level') else ""), "",
-             "Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
-             "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
+                if summary['decision'].get('draft_length_by_level') else ""), ""]
+    measured = summary["decision"].get("vs_plain_by_level") or {}
+    if measured:
+        lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
+                  + ", ".join(f"{lv}: {v:.2f}x" if v is not None else f"{lv}: -"
+                              for lv, v in sorted(measured.items(), key=lambda t: int(t[0]))), ""]
+    lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
+              "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
     by_level = {lv["level"]: lv for lv in summary["levels"]}
     for c in contenders:
         cells = []
