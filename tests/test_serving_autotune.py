@@ -429,3 +429,35 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     race = json.loads((tmp_path / "run" / "race.json").read_text())
     assert all(sr.DECISION in lv["contenders"] for lv in race["levels"])
     assert sr.DECISION in (tmp_path / "run" / "report.md").read_text()
+
+
+def test_a_level_where_no_request_completes_fails_the_contender_with_vllms_reason(monkeypatch):
+    """vLLM 0.32's CPU worker died mid-level under seeded sampling with suffix decoding at 16 requests
+    (RuntimeError: CPU Generator does not use offset) while its API server still answered: every request
+    errored. That contender is failed with vLLM's reason, not raced on at 0 tokens/s."""
+    import contextlib
+
+    import profiler.load_generator as lg
+    import profiler.serving_metrics as sm
+    from profiler.workload import Request
+
+    class Engine:
+        @contextlib.contextmanager
+        def server(self, speculative_config=None):
+            yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m",
+                                 "why_stopped": lambda self: "RuntimeError: CPU Generator does not use offset"})()
+
+    def load(url, m, reqs, c, t):
+        dead = c >= 16
+        return LoadResult(c, 1.0, [RequestRecord(i, 0.0, output_tokens=0 if dead else 2,
+                                                 error="HTTP 500: EngineDeadError" if dead else None)
+                                   for i in range(len(reqs))])
+
+    monkeypatch.setattr(lg, "run_load", load)
+    monkeypatch.setattr(sm, "fetch_spec_decode", lambda url: SpecDecodeCounters())
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 4) for i in range(3)]
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"})]
+    with pytest.raises(sr.UserError, match="no request completed at concurrency 16: RuntimeError: CPU Generator"):
+        sr.race_all(Engine(), cs[:1], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
+    failed, results = sr.race_all(Engine(), cs[1:], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
+    assert "CPU Generator does not use offset" in failed["suffix defaults"] and "suffix defaults" not in results

@@ -87,6 +87,11 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                 run_load(server.url, server.served_model_name, wave, level, s.request_timeout_s)
                 before = fetch_spec_decode(server.url)
                 res = run_load(server.url, server.served_model_name, reqs, level, s.request_timeout_s)
+                if res.records and not any(r.ok for r in res.records):
+                    # vLLM's worker can die mid-level (0.32 on CPU: seeded sampling with suffix decoding at
+                    # 16 requests, "CPU Generator does not use offset"): that is a failed contender, not 0 tokens/s
+                    why = server.why_stopped() if hasattr(server, "why_stopped") else res.records[0].error
+                    raise UserError(f"no request completed at concurrency {level}: {why}")
                 counters = fetch_spec_decode(server.url) - before
                 results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": counters})
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"

@@ -126,6 +126,10 @@ class VllmServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def why_stopped(self) -> str:
+        """vLLM's own reason, one line, for a server that died or stopped answering (its log's last error)."""
+        return f"{failure_reason(self.log_path)} (log: {self.log_path})"
+
     def __enter__(self) -> VllmServer:
         return self.start()
 
