@@ -461,3 +461,11 @@ def test_a_level_where_no_request_completes_fails_the_contender_with_vllms_reaso
         sr.race_all(Engine(), cs[:1], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
     failed, results = sr.race_all(Engine(), cs[1:], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
     assert "CPU Generator does not use offset" in failed["suffix defaults"] and "suffix defaults" not in results
+
+
+def test_a_confirmed_decision_that_is_not_ahead_over_the_levels_falls_back_to_plain():
+    """Measured on sampled traffic here: ngram at one request only, K = 0 by schedule elsewhere, which
+    vLLM still runs as speculation: 1.06 / 0.92 / 0.96 / 0.90 / 0.88x, so plain is the better config."""
+    assert not sv.ahead_over_range({1: 1.06, 2: 0.92, 4: 0.96, 8: 0.90, 16: 0.88})
+    assert sv.ahead_over_range({1: 1.36, 2: 1.39, 4: 1.17, 8: 0.91, 16: 1.07})
+    assert not sv.ahead_over_range({1: None, 2: None}) and not sv.ahead_over_range({1: 0.0, 2: 3.0})
