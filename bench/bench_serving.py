@@ -587,13 +587,12 @@ class VllmBackend:
         return self.engine.server(speculative_config=config, startup_timeout_s=self.startup_timeout_s)
 
     def draft_dir(self) -> str:
-        from decoder.engines.models import shipped
-        from decoder.engines.vllm.draft_folder import served_draft
+        from decoder.engines.vllm.draft_folder import draft_for
 
-        src = shipped(self.engine.model_name, "draft_lm")
-        if src is None:
+        folder = draft_for(self.engine.model_name, self.engine.model_dir)
+        if folder is None:
             raise UserError(f"--draft-lengths: no draft LM ships for {self.engine.model_name}")
-        return str(served_draft(src, self.engine.model_dir))
+        return str(folder)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         from decoder.engines.hf.tokenizer import load_tokenizer

@@ -151,13 +151,12 @@ def _served_requests(args) -> tuple[list, str]:
 
 def _served_draft(args, engine):
     """The folder vLLM's draft_model loads: --draft-model, else the draft LM shipped for the model."""
-    from decoder.engines.vllm.draft_folder import served_draft
-    from workflows.cli.inputs import shipped
+    from decoder.engines.vllm.draft_folder import draft_for
 
-    path = args.draft_model or shipped(engine.model_name, "draft_lm")
-    if path is None:
+    folder = draft_for(engine.model_name, engine.model_dir, args.draft_model)
+    if folder is None:
         raise UserError(f"--method draft_model: no draft LM ships for {engine.model_name}; give --draft-model DIR")
-    return served_draft(path, engine.model_dir, target_name=None if args.draft_model else engine.model_name)
+    return folder
 
 
 def _sampled(args, s, engine, guesser, prompts: list) -> int:

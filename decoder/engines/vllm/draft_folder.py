@@ -126,6 +126,17 @@ def served_draft(draft_dir: str | Path, target_dir: str | Path, cache: str | Pat
     return write_draft_folder(draft_dir, target_dir, out, target_name)
 
 
+def draft_for(model_name: str, model_dir: str | Path, draft: str | Path | None = None) -> Path | None:
+    """The folder vLLM's draft_model loads when serving `model_name`: the user's `draft`, else the draft LM
+    shipped for the model (checked to be a draft of it); None when neither exists."""
+    from decoder.engines.models import shipped
+
+    src = draft or shipped(model_name, "draft_lm")
+    if src is None:
+        return None
+    return served_draft(src, model_dir, target_name=None if draft else model_name)
+
+
 # ---------------------------------------------------------------------------------------------- reading
 
 def _draft_meta(draft_dir: Path, target_name: str | None) -> tuple[int, dict]:
