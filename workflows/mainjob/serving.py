@@ -40,6 +40,8 @@ from workflows.mainjob.serving_race import (
     DECISION,
     PLAIN,
     Contender,
+    ahead_over_range,
+    by_level,
     confirm,
     decide_level,
     decision,
@@ -185,12 +187,8 @@ def autotune_serving(s: ServingSettings) -> dict:
     failed: dict[str, str] = {}
     contenders = [Contender(PLAIN, None)]
     interrupted = False
-    try:
+    try:  # Ctrl-C in plain's pass or in the race: race.json keeps what was raced
         race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed)
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
-    if not interrupted:
         plain_tps = {lv: decide_level(results, lv, False)["contenders"][PLAIN]["output_tokens_per_s"] for lv in levels}
         overhead = server_overhead(profiles, plain_tps, levels)
         summary["server_overhead_s"] = overhead
@@ -201,11 +199,10 @@ def autotune_serving(s: ServingSettings) -> dict:
 
         phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
                  f"{len(race_reqs)} requests each")
-        try:
-            race_all(engine, contenders[1:], race_reqs, accept_reqs, s, levels, say, results, failed)
-        except KeyboardInterrupt:
-            interrupted = True
-            say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
+        race_all(engine, contenders[1:], race_reqs, accept_reqs, s, levels, say, results, failed)
+    except KeyboardInterrupt:
+        interrupted = True
+        say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
     greedy = s.temperature <= 0
     levels_out = [decide_level(results, lv, greedy) for lv in levels
                   if PLAIN in results and lv in results[PLAIN]]
@@ -262,15 +259,6 @@ def autotune_serving(s: ServingSettings) -> dict:
     return summary
 
 
-def ahead_over_range(vs_plain_by_level: dict) -> bool:
-    """The confirmed decision pays over the levels: the geometric mean of its measured ratios to plain
-    is above 1. Speculation switched off by a schedule (K = 0) is not plain in vLLM (the proposer and the
-    speculative step still run: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at
-    few levels can lose more where it is off than it gains where it is on; then no config is better."""
-    ratios = [r for r in vs_plain_by_level.values() if r is not None]
-    return bool(ratios) and all(r > 0 for r in ratios) and float(np.mean(np.log(ratios))) > 0.0
-
-
 def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSettings, draft_dir: str | None,
                         overhead: dict[int, float], out: Path, say) -> list[Contender]:
     """Plain, the stock settings, the best proposer's best fixed length and its planned schedule, each
@@ -322,13 +310,12 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
 
 
 def _draft_dir(engine, s: ServingSettings) -> str:
-    from decoder.engines.models import shipped
-    from decoder.engines.vllm.draft_folder import served_draft
+    from decoder.engines.vllm.draft_folder import draft_for
 
-    src = s.draft or shipped(engine.model_name, "draft_lm")
-    if src is None:
+    folder = draft_for(engine.model_name, engine.model_dir, s.draft)
+    if folder is None:
         raise UserError(f"--methods draft_model: no draft LM ships for {engine.model_name}; pass --draft DIR")
-    return str(served_draft(src, engine.model_dir))
+    return str(folder)
 
 
 def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | None, out: Path, say) -> dict:
@@ -401,18 +388,18 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     if measured:
         lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
                   + ", ".join(f"{lv}: {v:.2f}x" if v is not None else f"{lv}: -"
-                              for lv, v in sorted(measured.items(), key=lambda t: int(t[0]))), ""]
+                              for lv, v in by_level(measured)), ""]
     lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
               "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
-    by_level = {lv["level"]: lv for lv in summary["levels"]}
+    at_level = {lv["level"]: lv for lv in summary["levels"]}
     for c in contenders:
         cells = []
         for lv in levels:
-            row = by_level.get(lv, {}).get("contenders", {}).get(c.name)
+            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
             if row is None:
                 cells.append("-")
                 continue
-            star = "*" if by_level[lv]["winner"] == c.name != PLAIN else ""
+            star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
             cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
     lines += ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
@@ -420,20 +407,20 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     for c in contenders:
         cells = []
         for lv in levels:
-            row = by_level.get(lv, {}).get("contenders", {}).get(c.name)
+            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
             ok = row and row["tpot_p50_s"] is not None and row["tpot_p99_s"] is not None
             cells.append(f"{row['tpot_p50_s'] * 1e3:.0f} / {row['tpot_p99_s'] * 1e3:.0f}" if ok else "-")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
     err = summary.get("prediction_error") or {}
     if err:
         lines += ["", "Predicted / measured output tokens/s - 1:", ""]
-        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in sorted(v.items(), key=lambda t: int(t[0])))
+        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in by_level(v))
                   for name, v in err.items()]
     overhead = summary.get("server_overhead_s") or {}
     if overhead:
         lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
                   "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
-                                                            sorted(overhead.items(), key=lambda t: int(t[0])))]
+                                                            by_level(overhead))]
     return "\n".join(lines) + "\n"
 
 

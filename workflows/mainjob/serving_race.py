@@ -47,12 +47,27 @@ def sampling(s):
     return Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
+def config_key(speculative: dict | None) -> str:
+    """One key per speculative config (the same config, whatever its keys' order)."""
+    return json.dumps(speculative, sort_keys=True)
+
+
+def by_level(values: dict) -> list[tuple]:
+    """(level, value) in level order, for levels as ints or as JSON's strings."""
+    return sorted(values.items(), key=lambda t: int(t[0]))
+
+
+def geomean(ratios) -> float:
+    """The geometric mean of ratios to plain (a 0, a contender that produced nothing, counts as 1e-9)."""
+    return math.exp(float(np.mean(np.log(np.maximum(ratios, 1e-9))))) if len(ratios) else 0.0
+
+
 def distinct(contenders: list[Contender]) -> list[Contender]:
     """One server per config: a planned schedule that drafts the same length everywhere is the fixed one,
     and a planned length equal to a stock setting is that setting (which then carries the prediction)."""
     seen: dict[str, Contender] = {}
     for c in contenders:
-        key = json.dumps(c.speculative, sort_keys=True)
+        key = config_key(c.speculative)
         if key not in seen:
             seen[key] = c
         elif not seen[key].predicted and c.predicted:
@@ -90,8 +105,7 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                 if res.records and not any(r.ok for r in res.records):
                     # vLLM's worker can die mid-level (0.32 on CPU: seeded sampling with suffix decoding at
                     # 16 requests, "CPU Generator does not use offset"): that is a failed contender, not 0 tokens/s
-                    why = server.why_stopped() if hasattr(server, "why_stopped") else res.records[0].error
-                    raise UserError(f"no request completed at concurrency {level}: {why}")
+                    raise UserError(f"no request completed at concurrency {level}: {server.why_stopped()}")
                 counters = fetch_spec_decode(server.url) - before
                 results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": counters})
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
@@ -191,7 +205,7 @@ def decision(contenders: list[Contender], levels_out: list[dict], levels) -> tup
         if c.speculative.get("method") not in SCHEDULE_METHODS["vllm"] and len(ahead) < len(levels):
             continue
         ratios = [lv["contenders"].get(c.name, {}).get("vs_plain") or 0.0 for lv in levels_out]
-        geo = math.exp(float(np.mean(np.log(np.maximum(ratios, 1e-9))))) if ratios else 0.0
+        geo = geomean(ratios)
         scores.append((len(wins), len(ahead), geo, c, ahead))
     scores.sort(key=lambda t: t[:3], reverse=True)
     if not scores or scores[0][1] == 0:
@@ -228,11 +242,20 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
     if chosen is None:
         say("      the decision is plain: nothing to confirm")
         return None
-    key = json.dumps(chosen.speculative, sort_keys=True)
-    same = [c for c in contenders if c.name not in failed and json.dumps(c.speculative, sort_keys=True) == key]
+    key = config_key(chosen.speculative)
+    same = [c for c in contenders if c.name not in failed and config_key(c.speculative) == key]
     if same:
         say(f"      the decision is {same[0].name}'s config, raced as it is")
         return same[0]
     mine = Contender(DECISION, chosen.speculative)
     race_all(engine, [mine], race_reqs, warm, s, levels, say, results, failed)
     return None if DECISION in failed else mine
+
+
+def ahead_over_range(vs_plain_by_level: dict) -> bool:
+    """The confirmed decision pays over the levels: the geometric mean of its measured ratios to plain
+    is above 1. Speculation switched off by a schedule (K = 0) is not plain in vLLM (the proposer and the
+    speculative step still run: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at
+    few levels can lose more where it is off than it gains where it is on; then no config is better."""
+    ratios = [r for r in vs_plain_by_level.values() if r is not None]
+    return bool(ratios) and all(r > 0 for r in ratios) and geomean(ratios) > 1.0
