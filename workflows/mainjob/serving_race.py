@@ -254,8 +254,8 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
 
 def ahead_over_range(vs_plain_by_level: dict) -> bool:
     """The confirmed decision pays over the levels: the geometric mean of its measured ratios to plain
-    is above 1. Speculation switched off by a schedule (K = 0) is not plain in vLLM (the proposer and the
-    speculative step still run: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at
+    is above 1. Speculation switched off by a schedule (K = 0) is not plain in vLLM (its speculative path
+    stays: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at
     few levels can lose more where it is off than it gains where it is on; then no config is better."""
     ratios = [r for r in vs_plain_by_level.values() if r is not None]
     return bool(ratios) and all(r > 0 for r in ratios) and geomean(ratios) > 1.0
