@@ -63,8 +63,9 @@ sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, the loa
 from common import Results, bench_main, machine, sample_load  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
-from profiler.load_generator import LoadInterrupted, TokenRequest, percentile, run_load  # noqa: E402
-from profiler.serving_metrics import SpecDecodeCounters, fetch_spec_decode  # noqa: E402
+from profiler import serving_level  # noqa: E402
+from profiler.load_generator import LoadInterrupted, TokenRequest, percentile  # noqa: E402
+from profiler.serving_metrics import SpecDecodeCounters  # noqa: E402
 
 PLAIN = "vLLM plain"
 DEFAULT_CONTENDERS = {  # --skip key -> (name, vLLM's speculative config)
@@ -355,31 +356,20 @@ def credit_own_cpu(seconds: float) -> None:
 
 def measure_level(c: Contender, run: int, server, s: Settings, w: Workload, mode: str, level: int,
                   state: State) -> Cell:
-    url, model = server.url, server.served_model_name
-    warm = run_load(url, model, token_requests(w.warmup[:level], mode, WARMUP_TOKENS, 10_000), level, s.timeout_s)
-    if len(warm.completed) < len(warm.records):
-        state.warnings.append(f"{c.name}: {len(warm.records) - len(warm.completed)} warm-up request(s) failed at "
-                              f"{mode} concurrency {level}: {next(r.error for r in warm.records if not r.ok)}")
-    cell = Cell(c.name, run, mode, level)
-    before = spec_counters(url)
-    for r in range(s.repeats):
-        prompts = w.slots[(mode, level, r)]
-        res = run_load(url, model, token_requests(prompts, mode, s.max_tokens, 1000 * r), level, s.timeout_s)
-        cell.rounds.append(res)
+    def said(r: int, res) -> None:
         bad = [x for x in res.records if not x.ok]
         note = f", {len(bad)} failed ({bad[0].error})" if bad else ""
         progress(f"  {c.name} {mode} c={level} round {r + 1}/{s.repeats}: {res.output_tokens_per_s:.1f} tokens/s, "
                  f"{res.output_tokens} tokens in {res.wall_s:.1f} s{note}")
-    after = spec_counters(url)
-    cell.spec = after - before if before is not None and after is not None else None
-    return cell
 
-
-def spec_counters(url: str) -> SpecDecodeCounters | None:
-    try:
-        return fetch_spec_decode(url)
-    except UserError:
-        return None
+    warm = token_requests(w.warmup[:level], mode, WARMUP_TOKENS, 10_000)
+    rounds = [token_requests(w.slots[(mode, level, r)], mode, s.max_tokens, 1000 * r) for r in range(s.repeats)]
+    lv = serving_level.measure_level(server.url, server.served_model_name, warm, rounds, level, s.timeout_s, said)
+    if len(lv.warmup.completed) < len(lv.warmup.records):
+        state.warnings.append(f"{c.name}: {len(lv.warmup.records) - len(lv.warmup.completed)} warm-up request(s) "
+                              f"failed at {mode} concurrency {level}: "
+                              f"{next(r.error for r in lv.warmup.records if not r.ok)}")
+    return Cell(c.name, run, mode, level, rounds=lv.rounds, spec=lv.spec)
 
 
 # ---------------------------------------------------------------------------------------------- summary

@@ -84,8 +84,7 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
     requests outside the race (so no contender's first pass at a batch size is a cold one). One server
     for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
     pass, or it would draft a repeated request's answer from its own first pass."""
-    from profiler.load_generator import run_load
-    from profiler.serving_metrics import fetch_spec_decode
+    from profiler.serving_level import measure_level
     from profiler.vllm_accept import sampled_requests
 
     reqs = sampled_requests(race_reqs, sampling(s), s.seed)  # request i seeded seed + i, the same for all
@@ -99,15 +98,15 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
             say(f"      {c.name}: ready in {time.perf_counter() - t0:.0f} s")
             for level in group:
                 wave = [warm[i % len(warm)] for i in range(level)]
-                run_load(server.url, server.served_model_name, wave, level, s.request_timeout_s)
-                before = fetch_spec_decode(server.url)
-                res = run_load(server.url, server.served_model_name, reqs, level, s.request_timeout_s)
+                run = measure_level(server.url, server.served_model_name, wave, [reqs], level, s.request_timeout_s)
+                res = run.rounds[0]
                 if res.records and not any(r.ok for r in res.records):
                     # vLLM's worker can die mid-level (0.32 on CPU: seeded sampling with suffix decoding at
                     # 16 requests, "CPU Generator does not use offset"): that is a failed contender, not 0 tokens/s
                     raise UserError(f"no request completed at concurrency {level}: {server.why_stopped()}")
-                counters = fetch_spec_decode(server.url) - before
-                results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": counters})
+                if run.spec is None:  # the decision needs accepted/drafted at every level
+                    raise UserError(f"{server.url}/metrics: the server's counters could not be read at concurrency {level}")
+                results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": run.spec})
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
                     + (f", {res.timed_out} timed out" if res.timed_out else ""))
 
