@@ -2,7 +2,9 @@
 (tree attention, KV compaction, verification floor, decoder step dense vs kernels) on the CPU
 under the Triton interpreter and fails when a kernel or the kernel step disagrees with its
 reference. The other benchmarks' smoke modes run end to end on tiny models; those that write results
-pass --loaded-ok (the test machine is shared: bench/common.py would refuse to write otherwise)."""
+pass --loaded-ok (the test machine is shared: bench/common.py would refuse to write otherwise) and one
+torch thread where the benchmark's default is two: beside the other test worker on two cores a second
+spinning OpenMP thread slowed the batch smoke from 25 s to 132 s."""
 import json
 import os
 import subprocess
@@ -28,7 +30,7 @@ def test_bench_kernels_smoke(tmp_path):
 def test_bench_batch_smoke(tmp_path):
     """The batch benchmark runs end to end on a tiny model and every output equals single greedy decoding."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--batch-sizes", "1,2",
-                        "--out", str(tmp_path), "--loaded-ok"], capture_output=True, text=True, timeout=600)
+                        "--threads", "1", "--out", str(tmp_path), "--loaded-ok"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "batch.json").read_text())
     assert {(row["layout"], row["batch_size"], row["plan"]) for row in result["rows"]} == {
@@ -43,7 +45,7 @@ def test_bench_batch_smoke(tmp_path):
 def test_bench_drafters_smoke(tmp_path):
     """Every drafter decodes through the benchmark on a tiny model, identical to plain greedy decoding."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_drafters.py"), "--smoke", "--out", str(tmp_path),
-                        "--loaded-ok"], capture_output=True, text=True, timeout=600)
+                        "--threads", "1", "--loaded-ok"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads((tmp_path / "drafters.json").read_text())
     assert [row["guesser"] for row in result["rows"]] == ["plain", "parallelspec", "parallelspec (full head)",
@@ -90,7 +92,7 @@ def test_bench_cpu_paths_smoke(tmp_path):
 
     plan = save_tree(Tree("medusa", [TreeState(0, [(0,), (0, 0), (0, 0, 0)], 1.0, 4)], 1.0), tmp_path / "chain.json")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_paths.py"), "--smoke", "--no-progress",
-                        "--plan", str(plan), "--guesser", "lookup", "--out", str(tmp_path), "--loaded-ok"],
+                        "--plan", str(plan), "--guesser", "lookup", "--threads", "1", "--out", str(tmp_path), "--loaded-ok"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads((tmp_path / "cpu_paths.json").read_text())
