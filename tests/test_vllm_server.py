@@ -7,11 +7,12 @@ line each, a rejected config is one line with the reason, and the whole process 
 a normal exit, an exception, Ctrl-C while starting, a startup timeout and interpreter exit.
 
 With vLLM (scripts/setup_vllm.sh; skipped with the reason where it is absent, unless
-TREE_PLANNER_REQUIRE_VLLM=1): three server starts in all, 30-60 s each on a 2-core CPU, the first two
-at once. SmolLM2 plain and with the project's ngram chain export (`planner export --engine vllm`)
-serve the same concurrent greedy requests (token ids and a chat request), which must decode the same
-tokens, and the speculating server's metrics must show drafts at every position of the export; a
-config vLLM rejects must be one line with vLLM's own reason.
+TREE_PLANNER_REQUIRE_VLLM=1): four server starts in all, 30-60 s each on a 2-core CPU, the first three
+at once. SmolLM2 plain, with the project's ngram chain export and with the main job's suffix export
+(`planner export --engine vllm`) serve the same concurrent greedy requests (token ids and a chat
+request), which must decode the same tokens; the ngram server's metrics must show drafts at every
+position of the export, the suffix server's accepted drafts; a config vLLM rejects must be one line
+with vLLM's own reason.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from decoder.engines.vllm.server import VllmServer, failure_reason, group_member
 from planner.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"  # the committed example main-job run
 REQUIRED = os.environ.get("TREE_PLANNER_REQUIRE_VLLM") == "1"
 PYTHON = vllm_env.venv_python()
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -230,25 +232,38 @@ def smollm2() -> Path:
     return model_dir("smollm2-135m", progress=False)
 
 
-@pytest.fixture(scope="module")
-def ngram_export(tmp_path_factory) -> dict:
-    """The project's static lookup chain exported for vLLM (`planner export`): the config the
-    speculating server runs, so a shipped export is checked under concurrent load."""
+def _export(tmp_path_factory, plan: Path) -> dict:
     import json
 
     from workflows.cli.main import main
 
-    out = tmp_path_factory.mktemp("export") / "ngram.json"
-    plan = ROOT / "reports" / "example-autotune-cpu-smollm2-135m" / "trees" / "lookup-chain-5.json"
+    out = tmp_path_factory.mktemp("export") / "vllm.json"
     assert main(["export", "--engine", "vllm", str(plan), "-q", "-o", str(out)]) == 0
     return json.loads(out.read_text())["speculative_config"]
 
 
+
 @pytest.fixture(scope="module")
-def served(smollm2, ngram_export, tmp_path_factory) -> dict:
+def ngram_export(tmp_path_factory) -> dict:
+    """The project's static lookup chain exported for vLLM (`planner export`): a shipped export
+    checked under concurrent load."""
+    return _export(tmp_path_factory, RUN / "trees" / "lookup-chain-5.json")
+
+
+@pytest.fixture(scope="module")
+def suffix_export(tmp_path_factory) -> dict | None:
+    """The main job's per-step plan exported for vLLM (suffix decoding); None where vLLM's environment
+    lacks suffix decoding's index (arctic-inference)."""
+    from workflows.export.vllm import suffix_available
+
+    return _export(tmp_path_factory, RUN / "chosen.json") if suffix_available(PYTHON) else None
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, ngram_export, suffix_export, tmp_path_factory) -> dict:
     """The same greedy load (4 token-id requests and a chat request, 3 at a time) on a plain server
-    and one speculating with the project's ngram export, both started at once (a start is mostly
-    waiting on one core): their load results, metric deltas and process groups."""
+    and on servers speculating with the project's ngram and suffix exports, all started at once (a
+    start is mostly imports, one core each): their load results, metric deltas and process groups."""
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import ExitStack
 
@@ -268,13 +283,13 @@ def served(smollm2, ngram_export, tmp_path_factory) -> dict:
     requests = [TokenRequest(list(map(int, p)), 16, greedy) for p in ids]
     requests.append(Request([{"role": "user", "content": "Count: 1, 2, 3, 1, 2, 3, 1, 2, 3"}], 16, greedy))
     out = {}
-    configs = {"plain": None, "ngram": ngram_export}
+    configs = {"plain": None, "ngram": ngram_export, **({"suffix": suffix_export} if suffix_export else {})}
     with ExitStack() as stack:
         servers = {name: VllmServer(smollm2, speculative_config=cfg, log_path=tmp_path_factory.mktemp("vllm") / f"{name}.log")
                    for name, cfg in configs.items()}
         for server in servers.values():
             stack.callback(server.stop)  # stopped whatever happens, a start that failed included
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
             for f in [pool.submit(s.start) for s in servers.values()]:
                 f.result()
         for name, server in servers.items():  # one load at a time: the two servers share the cores
@@ -299,8 +314,24 @@ def test_speculation_decodes_plains_tokens_under_concurrent_load(served):
     assert not served["plain"]["spec"].speculating
 
 
+def test_the_suffix_export_decodes_plains_tokens_under_concurrent_load(served):
+    if "suffix" not in served:
+        from workflows.export.vllm import SETUP
+
+        msg = f"suffix export not served: arctic-inference is missing in the vLLM environment (bash {SETUP})"
+        if REQUIRED:
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    plain, suffix = served["plain"]["result"], served["suffix"]["result"]
+    assert [r.error for r in suffix.records] == [None] * 5
+    assert [r.token_ids for r in suffix.records] == [r.token_ids for r in plain.records]  # greedy, fp32
+    spec = served["suffix"]["spec"]
+    assert spec.speculating and spec.draft_tokens > 0 and 0 < spec.accepted_tokens <= spec.draft_tokens
+
+
 def test_no_server_process_is_left(served):
-    assert [group_members(served[name]["pgid"]) for name in ("plain", "ngram")] == [[], []]
+    names = [n for n in ("plain", "ngram", "suffix") if n in served]
+    assert [group_members(served[name]["pgid"]) for name in names] == [[]] * len(names)
 
 
 def test_a_config_vllm_rejects_is_one_line_with_vllms_reason(smollm2, tmp_path):
