@@ -9,11 +9,10 @@ the request and reads the result.
           (EngineArgs(...).create_engine_config(): ModelConfig, SpeculativeConfig and their checks,
           no weights loaded) from each config; RESULT {name: null | "the error, one line"}.
   decode  REQUEST {"model", "config": speculative_config | null, "prompts": [[token ids]],
-          "warmup": [token ids], "max_tokens", "batched": bool, optional "configs" to check
-          first}: one engine (fp32, eager, greedy,
+          "warmup": [token ids], "max_tokens", "batched": bool}: one engine (fp32, eager, greedy,
           one request at a time after a warm-up request), RESULT {"start_s", "tokens": [[ids]],
           "seconds": [per prompt], "drafted", "accepted", "drafts", and with "batched" the same
-          prompts submitted together: "batched_seconds", "batched_tokens"; with "configs": "checked"}.
+          prompts submitted together: "batched_seconds", "batched_tokens"}.
 
 One engine per process: vLLM's CPU engine keeps global state, and a process per contender keeps
 the measurements independent (the caller interleaves the processes).
@@ -65,7 +64,6 @@ def _spec_counts(llm) -> dict:
 def decode(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    checked = check(request) if request.get("configs") else None  # one process for both: vLLM imports slowly
     t0 = time.perf_counter()
     llm = LLM(model=request["model"], speculative_config=request.get("config"), disable_log_stats=False,
               **ENGINE_DEFAULTS)
@@ -86,8 +84,6 @@ def decode(request: dict) -> dict:
         seconds.append(time.perf_counter() - t)
     after = _spec_counts(llm)
     result = {"start_s": start_s, "tokens": tokens, "seconds": seconds, **{k: after[k] - before[k] for k in after}}
-    if checked is not None:
-        result["checked"] = checked
     if request.get("batched"):
         t = time.perf_counter()
         result["batched_tokens"] = run(request["prompts"])
