@@ -30,7 +30,8 @@ def test_bench_kernels_smoke(tmp_path):
 def test_bench_batch_smoke(tmp_path):
     """The batch benchmark runs end to end on a tiny model and every output equals single greedy decoding."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--batch-sizes", "1,2",
-                        "--threads", "1", "--out", str(tmp_path), "--loaded-ok"], capture_output=True, text=True, timeout=600)
+                        "--threads", "1", "--out", str(tmp_path), "--loaded-ok"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "batch.json").read_text())
     assert {(row["layout"], row["batch_size"], row["plan"]) for row in result["rows"]} == {
@@ -92,7 +93,8 @@ def test_bench_cpu_paths_smoke(tmp_path):
 
     plan = save_tree(Tree("medusa", [TreeState(0, [(0,), (0, 0), (0, 0, 0)], 1.0, 4)], 1.0), tmp_path / "chain.json")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_paths.py"), "--smoke", "--no-progress",
-                        "--plan", str(plan), "--guesser", "lookup", "--threads", "1", "--out", str(tmp_path), "--loaded-ok"],
+                        "--plan", str(plan), "--guesser", "lookup", "--threads", "1", "--out", str(tmp_path),
+                        "--loaded-ok"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads((tmp_path / "cpu_paths.json").read_text())

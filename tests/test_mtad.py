@@ -508,7 +508,8 @@ def test_bad_mtad_options_are_one_line_errors(capsys, extra, message):
 
 
 def test_bench_smoke(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mtad.py"), "--smoke", "--threads", "1", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_mtad.py"), "--smoke", "--threads", "1",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "smoke: ok" in r.stdout

@@ -387,7 +387,8 @@ def test_decode_pearl_command(tmp_path, capsys):
 
 
 def test_bench_smoke(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_pearl.py"), "--smoke", "--threads", "1", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_pearl.py"), "--smoke", "--threads", "1",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "smoke: ok" in r.stdout

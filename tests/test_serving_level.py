@@ -17,7 +17,8 @@ def _fake(monkeypatch, metrics_fail=False):
     def run_load(url, model, reqs, concurrency, timeout_s):
         log.append(("load", concurrency, [r.max_tokens for r in reqs]))
         accepted[0] += 10 * len(reqs)  # the server's counters move with every request, warm-up included
-        return LoadResult(concurrency, 1.0, [RequestRecord(i, 0.0, output_tokens=r.max_tokens) for i, r in enumerate(reqs)])
+        records = [RequestRecord(i, 0.0, output_tokens=r.max_tokens) for i, r in enumerate(reqs)]
+        return LoadResult(concurrency, 1.0, records)
 
     def fetch(url):
         log.append(("metrics",))
@@ -36,7 +37,8 @@ def test_the_warmup_is_outside_the_counters_and_the_rounds_run_in_order(monkeypa
     warm = [TokenRequest([1], 3)] * 4
     rounds = [[TokenRequest([1], 5)] * 2, [TokenRequest([1], 7)] * 3]
     seen = []
-    run = measure_level("http://127.0.0.1:1", "m", warm, rounds, 4, 30.0, lambda i, res: seen.append((i, res.concurrency)))
+    run = measure_level("http://127.0.0.1:1", "m", warm, rounds, 4, 30.0,
+                        lambda i, res: seen.append((i, res.concurrency)))
     assert log == [("load", 4, [3] * 4), ("metrics",), ("load", 4, [5, 5]), ("load", 4, [7, 7, 7]), ("metrics",)]
     assert [r.output_tokens for r in run.rounds] == [10, 21] and run.warmup.output_tokens == 12
     assert seen == [(0, 4), (1, 4)]

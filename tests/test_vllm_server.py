@@ -242,7 +242,6 @@ def _export(tmp_path_factory, plan: Path) -> dict:
     return json.loads(out.read_text())["speculative_config"]
 
 
-
 @pytest.fixture(scope="module")
 def ngram_export(tmp_path_factory) -> dict:
     """The project's static lookup chain exported for vLLM (`planner export`): a shipped export
@@ -292,7 +291,7 @@ def served(smollm2, ngram_export, suffix_export, tmp_path_factory) -> dict:
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:
             for f in [pool.submit(s.start) for s in servers.values()]:
                 f.result()
-        for name, server in servers.items():  # one load at a time: the two servers share the cores
+        for name, server in servers.items():  # one load at a time: the servers share the cores
             before = fetch_spec_decode(server.url)
             result = run_load(server.url, server.served_model_name, requests, concurrency=3, timeout_s=300)
             out[name] = {"result": result, "spec": fetch_spec_decode(server.url) - before, "pgid": server.pgid}

@@ -105,7 +105,8 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                     # 16 requests, "CPU Generator does not use offset"): that is a failed contender, not 0 tokens/s
                     raise UserError(f"no request completed at concurrency {level}: {server.why_stopped()}")
                 if run.spec is None:  # the decision needs accepted/drafted at every level
-                    raise UserError(f"{server.url}/metrics: the server's counters could not be read at concurrency {level}")
+                    raise UserError(f"{server.url}/metrics: the server's counters could not be read at "
+                                    f"concurrency {level}")
                 results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": run.spec})
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
                     + (f", {res.timed_out} timed out" if res.timed_out else ""))
@@ -254,7 +255,7 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
 def ahead_over_range(vs_plain_by_level: dict) -> bool:
     """The confirmed decision pays over the levels: the geometric mean of its measured ratios to plain
     is above 1. Speculation switched off by a schedule (K = 0) is not plain in vLLM (its speculative path
-    stays: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at
-    few levels can lose more where it is off than it gains where it is on; then no config is better."""
+    stays: 0.88-0.96x measured at 2-16 requests here), so a config that speculates at few levels can
+    lose more where it is off than it gains where it is on; then no config is better."""
     ratios = [r for r in vs_plain_by_level.values() if r is not None]
     return bool(ratios) and all(r > 0 for r in ratios) and geomean(ratios) > 1.0
