@@ -469,3 +469,92 @@ def test_a_confirmed_decision_that_is_not_ahead_over_the_levels_falls_back_to_pl
     assert not sv.ahead_over_range({1: 1.06, 2: 0.92, 4: 0.96, 8: 0.90, 16: 0.88})
     assert sv.ahead_over_range({1: 1.36, 2: 1.39, 4: 1.17, 8: 0.91, 16: 1.07})
     assert not sv.ahead_over_range({1: None, 2: None}) and not sv.ahead_over_range({1: 0.0, 2: 3.0})
+
+
+def test_racing_a_contender_is_priced_from_plains_race():
+    """A contender's predicted race time: its servers at plain's start time (a proposer that learns from
+    answers needs one per pass), and each level at plain's time scaled by plain's over its predicted
+    tokens/s."""
+    plain = {"start_s": [50.0], "level_s": {1: [60.0], 4: [30.0]}, "wall_s": 140.0}
+    tps = {1: 10.0, 4: 20.0}
+    ngram = sr.Contender("n", {"method": "ngram", "num_speculative_tokens": 2}, {1: 20.0, 4: 10.0})
+    assert sr.predicted_seconds(ngram, plain, [1, 4], 1, tps) == pytest.approx(50 + 60 / 2 + 30 * 2)
+    assert sr.predicted_seconds(sr.Contender("s", {"method": "suffix"}), plain, [1, 4], 1, tps) == \
+        pytest.approx(2 * 50 + 90)
+    assert sr.predicted_seconds(sr.Contender("s", {"method": "suffix"}), {"start_s": [50.0], "level_s": {
+        1: [60.0, 62.0], 4: [30.0, 28.0]}}, [1, 4], 2, tps) == pytest.approx(4 * 50 + 180)
+    assert sr.predicted_seconds(sr.Contender("x", {"method": "ngram"}), {"wall_s": 140.0}, [1, 4], 1, tps) == \
+        pytest.approx(140.0)  # no detail (a fake race): plain's wall time
+    schedule = {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4],
+                                                                                                       [4, 256, 1]]}
+    order = sr.race_order([sr.Contender("suffix", {"method": "suffix"}), sr.Contender("stock", {"method": "ngram"}),
+                           ngram, sr.Contender("planned", schedule, {1: 5.0, 4: 5.0})], plain, [1, 4], 1, tps)
+    assert [c.name for c, _ in order] == ["planned", "n", "stock", "suffix"]
+
+
+def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fit(monkeypatch, tmp_path):
+    """--budget bounds the serving run: after plain's race every contender is priced from it and races
+    only if it fits the time left, less plain's time kept for confirming the decision and writing; the
+    planned schedule races first, and what is skipped is said in race.json, the summary and the report."""
+    from decoder.engines import registry
+    import planner.profile as pp
+
+    levels = [1, 4, 16]
+    profiles = _profiles(levels, per_token_s=0.004)
+    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
+    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
+    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
+    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
+    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
+    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec, "suffix": rec})
+    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: None)
+
+    class Clock:  # every server start 50 s, every pass 40 s, whatever the contender
+        now = 1000.0
+
+        def time(self):
+            return self.now
+
+        perf_counter = time
+
+    clock = Clock()
+    monkeypatch.setattr(sv, "time", clock)
+    monkeypatch.setattr(sr, "time", clock)
+    raced = []
+
+    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results):
+        raced.append(c.name)
+        timing = {"start_s": [], "level_s": {}}
+        for lv in lvls:
+            if lv == lvls[0] or sr.learns(c):
+                clock.now += 50.0
+                timing["start_s"].append(50.0)
+            clock.now += 40.0
+            timing["level_s"][lv] = [40.0]
+            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            tps = lv * (1.2 if k else 1.0)
+            recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
+                    for i in range(6)]
+            results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 48 / tps, recs),
+                                                   "counters": SpecDecodeCounters()}]
+        return timing
+
+    monkeypatch.setattr(sr, "race_contender", fake_race)
+    # plain 170 s; kept for confirming and writing 185 s; room for two more contenders of about 170 s
+    # (the planned and the fixed length), not for the stock settings after them
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram", "suffix"), out=str(tmp_path / "run"),
+                           quiet=True, race_requests=6, accept_requests=2, budget_minutes=(170 + 2 * 175 + 185) / 60)
+    summary = sv.autotune_serving(s)
+    race = json.loads((tmp_path / "run" / "race.json").read_text())
+    names = [c["name"] for c in race["contenders"]]
+    planned = [n for n in names if n.startswith("planned")]
+    assert raced[0] == sr.PLAIN and raced[1] == planned[0], raced
+    assert len(raced) == 3 and set(race["skipped"]) == {"ngram defaults", "suffix defaults"}  # the stock last
+    assert "suffix defaults" in race["skipped"] and "suffix defaults" not in raced
+    assert race["skipped"]["suffix defaults"].startswith("not raced: predicted 270 s")  # a server per level
+    assert set(race["skipped"]) | set(raced) >= set(names) - {sr.DECISION}
+    assert summary["skipped"] == race["skipped"] and summary["budget"]["minutes"] == pytest.approx(s.budget_minutes)
+    assert set(summary["budget"]["seconds_by_contender"]) == set(raced)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "- suffix defaults: not raced" in report and "min of a" in report
+    assert (tmp_path / "run" / "chosen.json").is_file()

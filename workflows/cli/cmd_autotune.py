@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = AutotuneSettings()
     ll = engine_kind("llama.cpp").defaults  # the help quotes the second engine's defaults beside the default's
     hf = engine_kind(d.engine).defaults
+    vl = engine_kind("vllm").defaults
     p.add_argument("--model", default=d.model,
                    help="smollm2-135m (default), builtin (the 2.4 M toy), a preset name or a local model directory")
     p.add_argument("--guessers", default="auto",
@@ -48,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(METHODS), help="PPD's tree families: a subset of ppd,medusa,sequoia")
     p.add_argument("--budget", type=float, default=None, metavar="MINUTES",
                    help=f"bounds the whole run, loading to report (default {hf.budget_minutes:g}; {ll.budget_minutes:g} with "
-                        "--engine llama.cpp); the race of the plans gets what the other phases leave")
+                        f"--engine llama.cpp, {vl.budget_minutes:g} with --engine vllm); the race of the plans gets what "
+                        "the other phases leave (vllm: the contenders it cannot fit are not raced, the planned "
+                        "schedule first)")
     p.add_argument("--finalists", type=int, default=d.finalists,
                    help="(guesser, method) families whose best predicted plan races against plain decoding")
     p.add_argument("--neighbours", type=int, default=d.neighbours,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.engines import kind as engine_kind
 from planner.errors import UserError
 from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
@@ -47,11 +48,14 @@ from workflows.mainjob.serving_race import (
     decision,
     distinct,
     race_all,
+    race_order,
 )
 from workflows.mainjob.serving_race import sampling as _sampling
 
 PHASES = 6
+_DEFAULTS = engine_kind("vllm").defaults  # planner/engines.py: every engine's defaults in one place
 CONCURRENCY = (1, 2, 4, 8, 16)
+WRITE_S = 15.0  # decide, export (each engine's config check), report: kept from the budget with the confirmation
 RACE_DRAFT_LENGTHS = (0, 2, 4, 8)  # profiled K: the ends and the middle; the planner interpolates between
 STOCK = {  # vLLM's documented defaults a user would otherwise run
     "suffix defaults": {"method": "suffix"},
@@ -67,11 +71,11 @@ class ServingSettings:
     concurrency: tuple[int, ...] = CONCURRENCY
     workload: str | None = None  # --workload FILE (profiler/workload.py); None: the held-out questions
     methods: tuple[str, ...] = ("ngram", "suffix", "draft_model")
-    max_tokens: int = 32  # per request, acceptance and race
-    race_requests: int = 16  # requests per level (the held-out race questions, first turns and follow-ups)
+    max_tokens: int = _DEFAULTS.decode_tokens  # per request, acceptance and race
+    race_requests: int = _DEFAULTS.decode_prompts  # requests per level (the held-out race questions' two turns)
     accept_requests: int = 12
-    rounds: int = 1  # passes over a level's requests per contender; the median seconds per token counts
-    budget_minutes: float = 25.0
+    rounds: int = _DEFAULTS.rounds  # passes over a level's requests per contender; the median seconds per token counts
+    budget_minutes: float = _DEFAULTS.budget_minutes  # the whole run: contenders it cannot fit are not raced
     draft_lengths: tuple[int, ...] = RACE_DRAFT_LENGTHS
     profile: str | None = None  # reuse a vLLM profile instead of measuring
     accept: tuple[str, ...] = ()  # reuse acceptance records (planner accept --engine vllm) instead of measuring
@@ -176,7 +180,8 @@ def autotune_serving(s: ServingSettings) -> dict:
                         "--concurrency level)")
     summary["phases"]["profile_s"] = time.time() - t0
 
-    phase(2, f"accept: {', '.join(s.methods)} on {len(accept_reqs)} requests")
+    reused = f" ({len(s.accept)} reused)" if s.accept else ""
+    phase(2, f"accept: {', '.join(s.methods)} on {len(accept_reqs)} requests{reused}")
     draft_dir = _draft_dir(engine, s) if "draft_model" in s.methods else None
     records = _acceptance(engine, s, accept_reqs, draft_dir, out, say)
     summary["phases"]["accept_s"] = time.time() - t0
@@ -185,10 +190,12 @@ def autotune_serving(s: ServingSettings) -> dict:
              "then the draft length per level, per proposer")
     results: dict = {}
     failed: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    timings: dict = {}
     contenders = [Contender(PLAIN, None)]
     interrupted = False
     try:  # Ctrl-C in plain's pass or in the race: race.json keeps what was raced
-        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed)
+        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed, timings)
         plain_tps = {lv: decide_level(results, lv, False)["contenders"][PLAIN]["output_tokens_per_s"] for lv in levels}
         overhead = server_overhead(profiles, plain_tps, levels)
         summary["server_overhead_s"] = overhead
@@ -198,8 +205,18 @@ def autotune_serving(s: ServingSettings) -> dict:
         summary["phases"]["plan_s"] = time.time() - t0
 
         phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
-                 f"{len(race_reqs)} requests each")
-        race_all(engine, contenders[1:], race_reqs, accept_reqs, s, levels, say, results, failed)
+                 f"{len(race_reqs)} requests each, as the budget allows")
+        # the decision may be a config no contender ran (confirm): plain's time is kept for it, and for writing
+        reserve = timings[PLAIN]["wall_s"] + WRITE_S
+        for i, (c, eta) in enumerate(race_order(contenders[1:], timings[PLAIN], levels, s.rounds, plain_tps)):
+            left = budget - (time.time() - t0) - reserve
+            if i and eta > left:  # the first always races: a race of plain alone decides nothing
+                skipped[c.name] = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s "
+                                   f"after keeping {reserve:.0f} s to confirm and write")
+                say(f"      {c.name}: {skipped[c.name]}")
+                continue
+            say(f"      {c.name}: predicted {eta:.0f} s")
+            race_all(engine, [c], race_reqs, accept_reqs, s, levels, say, results, failed, timings)
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
@@ -210,13 +227,15 @@ def autotune_serving(s: ServingSettings) -> dict:
                                                       "predicted_tokens_per_s": c.predicted} for c in contenders],
                 "requests": len(race_reqs), "max_tokens": s.max_tokens, "rounds": s.rounds,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-                "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "interrupted": interrupted}
+                "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "skipped": skipped,
+                "interrupted": interrupted}
     atomic_write_json(out / "race.json", race_doc)
     summary["phases"]["race_s"] = time.time() - t0
     if interrupted:
         raise KeyboardInterrupt
 
-    chosen, why = decision([c for c in contenders if c.name not in failed], levels_out, levels)
+    raced = [c for c in contenders if c.name not in failed and c.name not in skipped]
+    chosen, why = decision(raced, levels_out, levels)
     phase(5, "confirm: the decision as it is written, raced against plain unless a contender already ran it")
     shown_contenders = contenders
     try:
@@ -245,16 +264,22 @@ def autotune_serving(s: ServingSettings) -> dict:
     summary["phases"]["confirm_s"] = time.time() - t0
 
     phase(6, "write: the decision, exports, report")
-    summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out)})
+    summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out),
+                    "skipped": skipped})
     _exports(chosen, out, draft_dir)
-    atomic_write_bytes(out / "report.md", report(summary, shown_contenders).encode())
     summary["wall_s"] = time.time() - t0
+    summary["budget"] = {"minutes": s.budget_minutes, "used_minutes": summary["wall_s"] / 60,
+                         "seconds_by_contender": {n: round(v["wall_s"], 1) for n, v in timings.items()}}
+    atomic_write_bytes(out / "report.md", report(summary, shown_contenders).encode())
     atomic_write_json(out / "summary.json", _jsonable(summary))
     doc = {"format": "tree-planner/serving-decision", "engine": engine.caps.name, "model": engine.model_name,
            "speculative_config": None if chosen is None else chosen.speculative, "decision": why,
            "concurrency": levels, "race": "race.json", "profile": shown(profile_path)}
     atomic_write_json(out / "chosen.json", doc)  # last: a run without it did not finish
     say(f"decision: {why['winner']}" + ("" if chosen is None else f" {json.dumps(chosen.speculative)}"))
+    if summary["wall_s"] > budget:
+        say(f"the run took {summary['wall_s'] / 60:.1f} min of its {s.budget_minutes:g}-minute budget (the first "
+            "contender and the confirmation race whatever is left)")
     say(f"wrote {shown(out)}/ (chosen.json, race.json, plans.json, exports/, report.md, summary.json)")
     return summary
 
@@ -402,6 +427,9 @@ def report(summary: dict, contenders: list[Contender]) -> str:
             star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
             cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    skipped = summary.get("skipped") or {}
+    if skipped:
+        lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
     lines += ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
               "|---" * (len(levels) + 1) + "|"]
     for c in contenders:
@@ -416,6 +444,11 @@ def report(summary: dict, contenders: list[Contender]) -> str:
         lines += ["", "Predicted / measured output tokens/s - 1:", ""]
         lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in by_level(v))
                   for name, v in err.items()]
+    budget = summary.get("budget") or {}
+    if budget:
+        lines += ["", f"Time: {budget['used_minutes']:.1f} min of a {budget['minutes']:g}-minute budget; per contender "
+                  "(server starts and every level): " + ", ".join(f"{n} {v:.0f} s" for n, v in
+                                                                   budget["seconds_by_contender"].items())]
     overhead = summary.get("server_overhead_s") or {}
     if overhead:
         lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "

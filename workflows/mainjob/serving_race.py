@@ -79,24 +79,28 @@ LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' an
 
 
 def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels, say,
-                   results: dict, server_kwargs: dict | None = None) -> None:
+                   results: dict, server_kwargs: dict | None = None) -> dict:
     """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
     requests outside the race (so no contender's first pass at a batch size is a cold one). One server
     for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
-    pass, or it would draft a repeated request's answer from its own first pass."""
+    pass, or it would draft a repeated request's answer from its own first pass. Returns where its time
+    went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up included]}}, which
+    prices the next contenders against the budget (predicted_seconds)."""
     from profiler.serving_level import measure_level
     from profiler.vllm_accept import sampled_requests
 
     reqs = sampled_requests(race_reqs, sampling(s), s.seed)  # request i seeded seed + i, the same for all
     warm = sampled_requests(warm, sampling(s), s.seed + len(reqs))
     passes = [level for level in levels for _ in range(s.rounds)]
-    fresh = (c.speculative or {}).get("method") in LEARNS
-    for group in ([[p] for p in passes] if fresh else [passes]):
+    timing: dict = {"start_s": [], "level_s": {}}
+    for group in ([[p] for p in passes] if learns(c) else [passes]):
         t0 = time.perf_counter()
         say(f"      {c.name}: starting vLLM" + (f" ({json.dumps(c.speculative)})" if c.speculative else ""))
         with engine.server(speculative_config=c.speculative, **(server_kwargs or {})) as server:
-            say(f"      {c.name}: ready in {time.perf_counter() - t0:.0f} s")
+            timing["start_s"].append(time.perf_counter() - t0)
+            say(f"      {c.name}: ready in {timing['start_s'][-1]:.0f} s")
             for level in group:
+                t_level = time.perf_counter()
                 wave = [warm[i % len(warm)] for i in range(level)]
                 run = measure_level(server.url, server.served_model_name, wave, [reqs], level, s.request_timeout_s)
                 res = run.rounds[0]
@@ -108,20 +112,61 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                     raise UserError(f"{server.url}/metrics: the server's counters could not be read at "
                                     f"concurrency {level}")
                 results.setdefault(c.name, {}).setdefault(level, []).append({"result": res, "counters": run.spec})
+                timing["level_s"].setdefault(level, []).append(time.perf_counter() - t_level)
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
                     + (f", {res.timed_out} timed out" if res.timed_out else ""))
+    return timing
+
+
+def learns(c: Contender) -> bool:
+    return (c.speculative or {}).get("method") in LEARNS
+
+
+def predicted_seconds(c: Contender, plain: dict, levels, rounds: int, plain_tps: dict) -> float:
+    """What racing `c` will take, from plain's race (`plain`: race_all's timings of it): its servers at
+    plain's start time, and every level's passes at plain's time scaled by plain's tokens/s over the
+    contender's predicted tokens/s where it has a prediction (else plain's own time)."""
+    wall = float(plain.get("wall_s") or 0.0)
+    start = float(np.median(plain["start_s"])) if plain.get("start_s") else 0.0
+    level_s = plain.get("level_s") or {lv: [(wall - start) / len(levels) / rounds] * rounds for lv in levels}
+    servers = len(levels) * rounds if learns(c) else 1
+    passes = 0.0
+    for lv in levels:
+        pred = c.predicted.get(lv) or 0.0
+        slower = plain_tps[lv] / pred if pred > 0 and plain_tps.get(lv) else 1.0
+        passes += float(np.sum(level_s.get(lv) or [0.0])) * slower
+    return servers * start + passes
+
+
+def race_order(contenders: list[Contender], plain: dict, levels, rounds: int,
+               plain_tps: dict) -> list[tuple[Contender, float]]:
+    """(contender, predicted seconds), in the order a budget keeps them: the planned schedules first
+    (what the planner decided), then the planner's fixed lengths, then the stock settings; cheapest
+    first within each (a proposer that learns from answers needs a server per pass: the dearest)."""
+    def rank(c: Contender) -> int:
+        if (c.speculative or {}).get("num_speculative_tokens_per_batch_size"):
+            return 0
+        return 1 if c.predicted else 2
+
+    priced = [(c, predicted_seconds(c, plain, levels, rounds, plain_tps)) for c in contenders]
+    return sorted(priced, key=lambda t: (rank(t[0]), t[1]))
 
 
 def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s, levels, say,
-             results: dict | None = None, failed: dict | None = None) -> tuple[dict, dict]:
+             results: dict | None = None, failed: dict | None = None,
+             timings: dict | None = None) -> tuple[dict, dict]:
     """Every contender in turn; (failed: name -> why its server stopped, results). A contender whose server
     dies (a config vLLM takes, then fails on) is out of the decision and the race goes on; plain's is
-    fatal. The dicts passed in fill as it goes, so an interrupted race keeps what it measured."""
+    fatal. The dicts passed in fill as it goes, so an interrupted race keeps what it measured; `timings`
+    gets each raced contender's race_contender timing plus its "wall_s"."""
     results = {} if results is None else results
     failed = {} if failed is None else failed
+    timings = {} if timings is None else timings
     for c in contenders:
+        t0 = time.perf_counter()
         try:
-            race_contender(engine, c, race_reqs, warm, s, levels, say, results)
+            timing = race_contender(engine, c, race_reqs, warm, s, levels, say, results)
+            timings[c.name] = {**(timing or {}), "wall_s": time.perf_counter() - t0}
         except UserError as e:
             if c.speculative is None:
                 raise
