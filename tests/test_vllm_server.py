@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from decoder.engines.vllm import env as vllm_env
-from decoder.engines.vllm.server import VllmServer, failure_reason, group_members
+from decoder.engines.vllm.server import VllmServer, failure_reason, group_members, start_together
 from planner.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,6 +160,25 @@ def test_the_group_is_gone_after_a_normal_exit_and_an_exception(fake_vllm):
     assert group_members(pgid) == []
 
 
+def test_servers_started_together_get_their_own_ports_and_one_failure_stops_them_all(fake_vllm, tmp_path):
+    servers = [_server(dict(fake_vllm, log=str(tmp_path / f"{i}.log")), "serve") for i in range(3)]
+    start_together(servers)
+    try:
+        assert all(s.alive() and s.start_s > 0 for s in servers)
+        assert len({s.port for s in servers}) == 3
+    finally:
+        for s in servers:
+            s.stop()
+    assert all(group_members(s.pgid) == [] for s in servers)
+    # the second is rejected: the first (healthy by then) and the third (still starting) are stopped too
+    servers = [_server(dict(fake_vllm, log=str(tmp_path / f"r{i}.log")), mode) for i, mode in
+               enumerate(("serve", "reject", "hang"))]
+    with pytest.raises(UserError) as e:
+        start_together(servers)
+    assert "SpeculativeConfig" in _one_line(e)
+    assert all(not s.alive() and group_members(s.pgid) == [] for s in servers)
+
+
 def test_ctrl_c_while_starting_stops_the_group_even_when_children_ignore_sigterm(fake_vllm):
     server = _server(fake_vllm, "hang")
     seen = []
@@ -263,7 +282,6 @@ def served(smollm2, ngram_export, suffix_export, tmp_path_factory) -> dict:
     """The same greedy load (4 token-id requests and a chat request, 3 at a time) on a plain server
     and on servers speculating with the project's ngram and suffix exports, all started at once (a
     start is mostly imports, one core each): their load results, metric deltas and process groups."""
-    from concurrent.futures import ThreadPoolExecutor
     from contextlib import ExitStack
 
     from transformers import AutoTokenizer
@@ -284,13 +302,15 @@ def served(smollm2, ngram_export, suffix_export, tmp_path_factory) -> dict:
     out = {}
     configs = {"plain": None, "ngram": ngram_export, **({"suffix": suffix_export} if suffix_export else {})}
     with ExitStack() as stack:
-        servers = {name: VllmServer(smollm2, speculative_config=cfg, log_path=tmp_path_factory.mktemp("vllm") / f"{name}.log")
-                   for name, cfg in configs.items()}
+        # vLLM binds every server's worker to the same core (VLLM_CPU_OMP_THREADS_BIND=auto), so started
+        # at once their workers would import and load one after another; nothing here is timed
+        cores = sorted(os.sched_getaffinity(0))
+        servers = {name: VllmServer(smollm2, speculative_config=cfg, log_path=tmp_path_factory.mktemp("vllm") / f"{name}.log",
+                                    env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])})
+                   for i, (name, cfg) in enumerate(configs.items())}
         for server in servers.values():
             stack.callback(server.stop)  # stopped whatever happens, a start that failed included
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            for f in [pool.submit(s.start) for s in servers.values()]:
-                f.result()
+        start_together(list(servers.values()))
         for name, server in servers.items():  # one load at a time: the servers share the cores
             before = fetch_spec_decode(server.url)
             result = run_load(server.url, server.served_model_name, requests, concurrency=3, timeout_s=300)

@@ -4,6 +4,7 @@
     with VllmServer(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as server:
         ...  # POST f"{server.url}/v1/completions" with "model": server.served_model_name
     # here no process of the server is left: API server, engine core and worker are gone
+    start_together([server_a, server_b])  # launched at once, each waited for; a failure stops all
 
 The server (`python -m vllm.entrypoints.openai.api_server` in the venv that scripts/setup_vllm.sh
 makes, see env.py; fp32, eager, 2 GiB of KV cache unless `env` says otherwise) listens on 127.0.0.1
@@ -62,6 +63,8 @@ class VllmServer:
         self.stop_grace_s = STOP_GRACE_S
         self._proc: subprocess.Popen | None = None
         self._pgid: int | None = None
+        self._launched = 0.0
+        self.start_s: float | None = None  # launch to /health, once healthy
 
     @property
     def url(self) -> str:
@@ -86,6 +89,17 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Start the server and wait for /health; stop it again if anything fails (Ctrl-C included)."""
+        self.launch()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> None:
+        """Start vLLM's processes without waiting for them (start_together launches several at once);
+        wait_healthy waits. A launched server is stopped at interpreter exit if nothing stops it before."""
         if self._proc is not None:
             raise RuntimeError("this VllmServer is already running")
         python = require_python()
@@ -107,13 +121,8 @@ class VllmServer:
             self._proc = subprocess.Popen(self.command(python, self.port), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._pgid = self._proc.pid
+        self._launched = time.monotonic()
         atexit.register(self.stop)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def stop(self) -> None:
         """Stop the server's whole process group; safe to call twice."""
@@ -136,8 +145,11 @@ class VllmServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def wait_healthy(self) -> None:
+        """Wait for a launched server's /health (at most startup_timeout_s from its launch); `start_s`
+        is then how long it took. A server that died while starting is a one-line UserError with
+        vLLM's reason; the caller stops it (start does)."""
+        deadline = self._launched + self.startup_timeout_s
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never through a proxy
         while True:
             rc = self._proc.poll()
@@ -147,6 +159,7 @@ class VllmServer:
             try:
                 with opener.open(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
+                        self.start_s = time.monotonic() - self._launched
                         return
             except (OSError, http.client.HTTPException):
                 pass  # not listening yet, or still loading
@@ -154,6 +167,41 @@ class VllmServer:
                 raise UserError(f"vLLM server on {self.model_dir.name} did not answer /health within "
                                 f"{self.startup_timeout_s:g} s (log: {self.log_path})")
             time.sleep(POLL_S)
+
+
+def start_together(servers: Sequence[VllmServer]) -> None:
+    """Launch every server at once, then wait for each. A start is mostly Python imports in three
+    processes, one after another (about 50 s of one core here), so where cores are free the starts
+    overlap. Any failure, Ctrl-C included, stops every one of them. Servers given no port get
+    distinct free ones (claimed together: a port released for one vLLM to bind seconds later must
+    not be handed to the next)."""
+    open_ports = iter(free_ports(sum(1 for s in servers if s.requested_port is None)))
+    for s in servers:
+        if s.requested_port is None:
+            s.requested_port = next(open_ports)
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_healthy()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1, held together while chosen, then released for the servers."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def claim_port(port: int | None) -> int:
