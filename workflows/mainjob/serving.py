@@ -13,7 +13,8 @@ Six named phases, each announced with the time left:
               that cost (planner/serving.py plan_method), and its best fixed length
   4 race      one real server per contender and real concurrent clients at every level: the
               stock suffix and ngram settings, the best fixed length, the planned schedule; every greedy
-              answer must equal plain's; each level is decided by the paired rule (serving_race.py)
+              answer must equal plain's; each level is decided by the paired rule (serving_race.py).
+              (--budget: priced from plain's race, the planned schedule first, the rest while they fit)
   5 confirm   the decided config raced against plain at every level where no contender ran it as it is
               (speculation switched off where it lost makes a new schedule), so its rows are measured
   6 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
