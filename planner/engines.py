@@ -153,7 +153,7 @@ register(EngineKind(
     "decoder.engines.vllm.open:open_engine",
     EngineCaps("vllm", hidden_states=False, input_embeddings=False, trees=False, batches=True, stock_plain=True,
                server=True),
-    # the serving main job's (workflows/mainjob/serving.py): a fresh run measured 33 min on 2 cores, most of it
+    # the serving main job's (workflows/mainjob/serving.py): a fresh run took 36 min on 2 cores, most of it
     # vLLM server starts (about a minute each) and level-1 passes; --budget skips the dearest contenders
     EngineDefaults(decode_tokens=32, rounds=1, budget_minutes=40.0, decode_prompts=16, turns=2, max_input_length=9,
                    sampled_rule="lossless"),
