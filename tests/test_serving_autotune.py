@@ -558,3 +558,29 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     report = (tmp_path / "run" / "report.md").read_text()
     assert "- suffix defaults: not raced" in report and "min of a" in report
     assert (tmp_path / "run" / "chosen.json").is_file()
+
+
+def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_races_too(tmp_path):
+    """Replayed on the committed fresh run: the planner predicted suffix (one length in vLLM) ahead and
+    raced only its fixed K = 1, which measured 0.55x plain at 16 requests. The best proposer that a
+    schedule can switch off by batch size now races its planned schedule beside it."""
+    from planner.profile import load_batch_profiles
+
+    run = ROOT / "reports" / "main-job-vllm-cpu-smollm2-135m-fresh"
+    levels = [1, 2, 4, 8, 16]
+    profiles = load_batch_profiles(str(run / "profile.json"))
+    records = {m: json.loads((run / f"accept-{m}.json").read_text()) for m in ("ngram", "suffix", "draft_model")}
+    overhead = {int(k): v for k, v in json.loads((run / "plans.json").read_text())["server_overhead_s"].items()}
+    s = sv.ServingSettings()
+    cs = sv._planned_contenders(records, profiles, levels, s, "draft-dir", overhead, tmp_path, lambda line: None)
+    by_name = {c.name: c for c in cs}
+    plans = json.loads((tmp_path / "plans.json").read_text())
+    assert plans["chosen_method"] == "suffix" and plans["planned_methods"] == ["suffix", "ngram"]
+    assert "fixed suffix K=1" in by_name
+    ngram = by_name["planned ngram"]
+    expect = planning.schedule_ranges({int(k): v for k, v in plans["plans"]["ngram"]["per_level"].items()}, levels)
+    assert ngram.speculative["num_speculative_tokens_per_batch_size"] == expect and ngram.predicted
+    # a schedulable best proposer races alone, as before
+    only = sv._planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, None, overhead, tmp_path,
+                                  lambda line: None)
+    assert [c.name for c in only if c.name.startswith("planned")] == ["planned ngram"]
