@@ -164,7 +164,7 @@ def test_servers_started_together_get_their_own_ports_and_one_failure_stops_them
     servers = [_server(dict(fake_vllm, log=str(tmp_path / f"{i}.log")), "serve") for i in range(3)]
     start_together(servers)
     try:
-        assert all(s.alive() and s.start_s > 0 for s in servers)
+        assert all(s.alive() for s in servers)
         assert len({s.port for s in servers}) == 3
     finally:
         for s in servers:

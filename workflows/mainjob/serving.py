@@ -56,7 +56,7 @@ from workflows.mainjob.serving_race import sampling as _sampling
 PHASES = 6
 _DEFAULTS = engine_kind("vllm").defaults  # planner/engines.py: every engine's defaults in one place
 CONCURRENCY = (1, 2, 4, 8, 16)
-WRITE_S = 15.0  # decide, export (each engine's config check), report: kept from the budget with the confirmation
+WRITE_S = 15.0  # decide, write the exports and the report: kept from the budget with the confirmation
 RACE_DRAFT_LENGTHS = (0, 2, 4, 8)  # profiled K: the ends and the middle; the planner interpolates between
 STOCK = {  # vLLM's documented defaults a user would otherwise run
     "suffix defaults": {"method": "suffix"},
@@ -296,6 +296,7 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
         plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
                                overhead_s=overhead)
         say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
+
     def score(p: dict) -> float:
         return float(np.mean(np.log([p["predicted"][b] for b in levels])))
 

@@ -63,8 +63,7 @@ class VllmServer:
         self.stop_grace_s = STOP_GRACE_S
         self._proc: subprocess.Popen | None = None
         self._pgid: int | None = None
-        self._launched = 0.0
-        self.start_s: float | None = None  # launch to /health, once healthy
+        self._launched = 0.0  # time.monotonic() at launch: startup_timeout_s counts from there
 
     @property
     def url(self) -> str:
@@ -146,9 +145,9 @@ class VllmServer:
         self.stop()
 
     def wait_healthy(self) -> None:
-        """Wait for a launched server's /health (at most startup_timeout_s from its launch); `start_s`
-        is then how long it took. A server that died while starting is a one-line UserError with
-        vLLM's reason; the caller stops it (start does)."""
+        """Wait for a launched server's /health, at most startup_timeout_s from its launch. A server
+        that died while starting is a one-line UserError with vLLM's reason; the caller stops it
+        (start does)."""
         deadline = self._launched + self.startup_timeout_s
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never through a proxy
         while True:
@@ -159,7 +158,6 @@ class VllmServer:
             try:
                 with opener.open(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
-                        self.start_s = time.monotonic() - self._launched
                         return
             except (OSError, http.client.HTTPException):
                 pass  # not listening yet, or still loading
