@@ -174,6 +174,37 @@ def test_the_decision_switches_speculation_off_where_it_lost():
     assert none is None and why["winner"] == sr.PLAIN
 
 
+def test_a_tie_keeps_the_draft_length_and_only_a_loss_switches_it_off():
+    """A schedule's K = 0 is not plain in vLLM, so a level where the winner tied plain keeps its length
+    (the decision is then the raced config itself, nothing to confirm); one where it lost goes to 0."""
+    levels = [1, 4, 16]
+    raced = {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 2]]}
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("planned ngram", dict(raced))]
+
+    def lv(level, winner, row):
+        return {"level": level, "winner": winner, "contenders": {sr.PLAIN: {"vs_plain": 1.0}, "planned ngram": row}}
+
+    tie = _row(0.99, lo=0.95)  # interval 0.95..1.02 and 0.99x tokens/s: neither ahead nor behind
+    assert not sr.beats_plain(tie) and not sr.behind_plain(tie)
+    chosen, why = sr.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
+                                   lv(16, sr.PLAIN, tie)], levels)
+    assert chosen.speculative == raced and why["levels_behind_plain"] == []
+    assert why["draft_length_by_level"] == {1: 4, 4: 2, 16: 2}
+    for lost in (_row(0.97, lo=0.95), _row(0.99, lo=0.9) | {"paired": {"lo": 0.9, "mean": 0.95, "hi": 0.99}},
+                 _row(1.1, mismatches=1), None):
+        assert sr.behind_plain(lost)
+        chosen, why = sr.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
+                                       lv(16, sr.PLAIN, lost)], levels)
+        assert why["levels_behind_plain"] == [16]
+        assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
+    # a one-length proposer that ties somewhere and is ahead elsewhere is a candidate, and written as raced
+    suffix = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"})]
+    out = [{"level": x, "winner": w, "contenders": {sr.PLAIN: {"vs_plain": 1.0}, "suffix defaults": r}}
+           for x, w, r in ((1, "suffix defaults", _row(1.4)), (4, sr.PLAIN, tie), (16, "suffix defaults", _row(1.1)))]
+    chosen, why = sr.decision(suffix, out, levels)
+    assert chosen.speculative == {"method": "suffix"} and why["winner"] == "suffix defaults"
+
+
 def test_exports_carry_the_same_schedule(tmp_path):
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
            "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 15, 2], [16, 256, 0]]}
@@ -251,12 +282,13 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
             starts.append(speculative_config)
             yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m"})()
 
-    sent = []
+    sent, lengths = [], []
     monkeypatch.setattr(lg, "run_load", lambda url, m, reqs, c, t: sent.append((c, len(reqs))) or
+                        lengths.append({r.max_tokens for r in reqs}) or
                         LoadResult(c, 1.0, [RequestRecord(i, 0.0, output_tokens=2) for i in range(len(reqs))]))
     monkeypatch.setattr(sm, "fetch_spec_decode", lambda url: SpecDecodeCounters())
-    reqs = [Request([{"role": "user", "content": f"q{i}"}], 4) for i in range(3)]
-    warm = [Request([{"role": "user", "content": "warm"}], 4)]
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 32) for i in range(3)]
+    warm = [Request([{"role": "user", "content": "warm"}], 32)]
     s = sv.ServingSettings(rounds=2)
     for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
         starts.clear()
@@ -264,9 +296,10 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
         sr.race_contender(Engine(), sr.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
-    # every pass: a warm-up wave of `level` requests outside the race, then the 3 race requests
+    # every pass: a warm-up wave of `level` short requests outside the race, then the 3 race requests
     assert sent[-12:] == [(1, 1), (1, 3), (1, 1), (1, 3), (4, 4), (4, 3), (4, 4), (4, 3), (16, 16), (16, 3),
                           (16, 16), (16, 3)]
+    assert lengths[-12:] == [{sr.WARMUP_TOKENS}, {32}] * 6  # the warm-up's answers short, the race's whole
 
 
 def test_a_proposer_vllm_runs_at_one_length_is_planned_and_chosen_as_one_length():
@@ -492,10 +525,9 @@ def test_racing_a_contender_is_priced_from_plains_race():
     assert [c.name for c, _ in order] == ["planned", "n", "stock", "suffix"]
 
 
-def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fit(monkeypatch, tmp_path):
-    """--budget bounds the serving run: after plain's race every contender is priced from it and races
-    only if it fits the time left, less plain's time kept for confirming the decision and writing; the
-    planned schedule races first, and what is skipped is said in race.json, the summary and the report."""
+def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain):
+    """A serving autotune on a fake clock (every server start 50 s, every pass 40 s), the race faked with
+    tokens/s = level x gain(k, level) at draft length k; (summary, raced names in order, race.json)."""
     from decoder.engines import registry
     import planner.profile as pp
 
@@ -506,10 +538,10 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
     monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
     monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
-    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec, "suffix": rec})
+    monkeypatch.setattr(sv, "_acceptance", lambda *a: {m: rec for m in methods})
     monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: None)
 
-    class Clock:  # every server start 50 s, every pass 40 s, whatever the contender
+    class Clock:
         now = 1000.0
 
         def time(self):
@@ -532,7 +564,7 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
             clock.now += 40.0
             timing["level_s"][lv] = [40.0]
             k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
-            tps = lv * (1.2 if k else 1.0)
+            tps = lv * (gain(k, lv) if k else 1.0)
             recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
                     for i in range(6)]
             results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 48 / tps, recs),
@@ -540,12 +572,20 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
         return timing
 
     monkeypatch.setattr(sr, "race_contender", fake_race)
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=tuple(methods), out=str(tmp_path / "run"),
+                           quiet=True, race_requests=6, accept_requests=2, budget_minutes=budget_minutes)
+    summary = sv.autotune_serving(s)
+    return summary, raced, json.loads((tmp_path / "run" / "race.json").read_text())
+
+
+def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fit(monkeypatch, tmp_path):
+    """--budget bounds the serving run: after plain's race every contender is priced from it and races
+    only if it fits the time left, less plain's time kept for confirming the decision and writing; the
+    planned schedule races first, and what is skipped is said in race.json, the summary and the report."""
     # plain 170 s; kept for confirming and writing 185 s; room for two more contenders of about 170 s
     # (the planned and the fixed length), not for the stock settings after them
-    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram", "suffix"), out=str(tmp_path / "run"),
-                           quiet=True, race_requests=6, accept_requests=2, budget_minutes=(170 + 2 * 175 + 185) / 60)
-    summary = sv.autotune_serving(s)
-    race = json.loads((tmp_path / "run" / "race.json").read_text())
+    budget = (170 + 2 * 175 + 185) / 60
+    summary, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram", "suffix"), budget, lambda k, lv: 1.2)
     names = [c["name"] for c in race["contenders"]]
     planned = [n for n in names if n.startswith("planned")]
     assert raced[0] == sr.PLAIN and raced[1] == planned[0], raced
@@ -553,11 +593,32 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     assert "suffix defaults" in race["skipped"] and "suffix defaults" not in raced
     assert race["skipped"]["suffix defaults"].startswith("not raced: predicted 270 s")  # a server per level
     assert set(race["skipped"]) | set(raced) >= set(names) - {sr.DECISION}
-    assert summary["skipped"] == race["skipped"] and summary["budget"]["minutes"] == pytest.approx(s.budget_minutes)
+    assert summary["skipped"] == race["skipped"] and summary["budget"]["minutes"] == pytest.approx(budget)
     assert set(summary["budget"]["seconds_by_contender"]) == set(raced)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "- suffix defaults: not raced" in report and "min of a" in report
     assert (tmp_path / "run" / "chosen.json").is_file()
+
+
+@pytest.mark.parametrize("loss", [0.8, 0.5])
+def test_a_confirmation_the_budget_cannot_fit_leaves_the_winner_as_raced_or_plain(monkeypatch, tmp_path, loss):
+    """Speculation loses at 16, so the decision would switch it off there, a config no contender ran; with
+    no time left to race it, the decision is the winner as it raced (every level measured) when that pays
+    over the levels, else plain, and the schedule it would have confirmed is named, not written."""
+    _, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), (170 + 175 + 30) / 60,
+                                  lambda k, lv: 1.2 if lv < 16 else loss)
+    assert sr.DECISION not in raced and len(raced) == 2, raced
+    chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
+    why = chosen["decision"]
+    assert why["confirm"].startswith("not raced: predicted 170 s") and '[16, 256, 0]' in why["confirm"]
+    if loss * 1.2 * 1.2 > 1:  # geometric mean over 1, 4, 16 above 1: the raced config as it is
+        assert why["winner"] == raced[1] and why["measured_as"] == raced[1] and why["levels_behind_plain"] == [16]
+        winner = next(c for c in race["contenders"] if c["name"] == raced[1])
+        assert chosen["speculative_config"] == winner["config"]
+        assert why["vs_plain_by_level"]["16"] == pytest.approx(loss)
+    else:
+        assert why["winner"] == sr.PLAIN and chosen["speculative_config"] is None
+    assert "Confirmation: not raced" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_races_too(tmp_path):

@@ -43,11 +43,14 @@ from workflows.mainjob.serving_race import (
     PLAIN,
     Contender,
     ahead_over_range,
+    as_raced,
     by_level,
     confirm,
     decide_level,
     decision,
     distinct,
+    needs_confirming,
+    predicted_seconds,
     race_all,
     race_order,
 )
@@ -238,6 +241,16 @@ def autotune_serving(s: ServingSettings) -> dict:
     raced = [c for c in contenders if c.name not in failed and c.name not in skipped]
     chosen, why = decision(raced, levels_out, levels)
     phase(5, "confirm: the decision as it is written, raced against plain unless a contender already ran it")
+    if needs_confirming(chosen, raced):  # a new schedule: it races only if it fits what the budget has left
+        eta = predicted_seconds(Contender(DECISION, chosen.speculative), timings[PLAIN], levels, s.rounds, plain_tps)
+        left = budget - (time.time() - t0) - WRITE_S
+        if eta > left:
+            skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s; the schedule it would "
+                    f"have confirmed: {json.dumps(chosen.speculative)}")
+            say(f"      the decision as written: {skip}")
+            winner = next(c for c in raced if c.name == why["winner"])
+            chosen, why = as_raced(winner, levels_out, levels, skip)
+            say(f"      so the decision is {why['winner']} as raced")
     shown_contenders = contenders
     try:
         confirmed = confirm(engine, chosen, contenders, results, failed, race_reqs, accept_reqs, s, levels, say)
@@ -427,6 +440,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
         lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
                   + ", ".join(f"{lv}: {v:.2f}x" if v is not None else f"{lv}: -"
                               for lv, v in by_level(measured)), ""]
+    if summary["decision"].get("confirm"):
+        lines += [f"Confirmation: {summary['decision']['confirm']}", ""]
     lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
               "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
     at_level = {lv["level"]: lv for lv in summary["levels"]}

@@ -10,10 +10,12 @@ The paired rule, per level: request i of the race is sent to every contender (th
 the same length), so its end-to-end seconds per output token pair up; a contender is ahead of plain at
 a level when the sign-flip interval of log(plain / contender) over the requests
 (workflows/mainjob/signflip.py, the main job's own test) lies above 1, no greedy answer changed and the
-level's tokens/s is above plain's; among those the highest geometric mean takes the level. The
-decision is one config (an engine runs one proposer): the contender that won the most levels (then is
-ahead at the most, then by geometric mean), with its draft length 0 on every level where it was not
-ahead of plain, so speculation is switched off exactly where it was measured to lose; none ahead
+level's tokens/s is above plain's; among those the highest geometric mean takes the level. It is
+behind plain when the interval lies below 1, a greedy answer changed or its tokens/s is under TIE x
+plain's; otherwise it ties. The decision is one config (an engine runs one proposer): the contender
+that won the most levels (then is ahead at the most, then by geometric mean), with its draft length 0
+on every level where it was behind plain, so speculation is switched off exactly where it was measured
+to lose (not where it tied: a schedule's K = 0 is not plain in vLLM, see ahead_over_range); none ahead
 anywhere: plain. confirm races that config as it is written when no contender ran it.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -75,14 +77,17 @@ def distinct(contenders: list[Contender]) -> list[Contender]:
     return list(seen.values())
 
 
+# a warm-up wave's answers: enough steps at the level's batch size for its shapes' first use, at a
+# fraction of a measured pass's time (the wave at 16 requests was as long as the pass at full length)
+WARMUP_TOKENS = 8
 LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
 
 
 def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels, say,
                    results: dict, server_kwargs: dict | None = None) -> dict:
     """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
-    requests outside the race (so no contender's first pass at a batch size is a cold one). One server
-    for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
+    short requests (WARMUP_TOKENS each) outside the race (so no contender's first pass at a batch size is
+    a cold one). One server for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
     pass, or it would draft a repeated request's answer from its own first pass. Returns where its time
     went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up included]}}, which
     prices the next contenders against the budget (predicted_seconds)."""
@@ -90,7 +95,8 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
     from profiler.vllm_accept import sampled_requests
 
     reqs = sampled_requests(race_reqs, sampling(s), s.seed)  # request i seeded seed + i, the same for all
-    warm = sampled_requests(warm, sampling(s), s.seed + len(reqs))
+    warm = [replace(r, max_tokens=min(WARMUP_TOKENS, r.max_tokens))
+            for r in sampled_requests(warm, sampling(s), s.seed + len(reqs))]
     passes = [level for level in levels for _ in range(s.rounds)]
     timing: dict = {"start_s": [], "level_s": {}}
     for group in ([[p] for p in passes] if learns(c) else [passes]):
@@ -236,37 +242,54 @@ def beats_plain(row: dict) -> bool:
             and (row.get("vs_plain") or 0.0) > 1.0)
 
 
+TIE = 0.98  # tokens/s over plain's at or above which a level not won is a tie (the issue's noise allowance)
+
+
+def behind_plain(row: dict | None) -> bool:
+    """A contender's row at a level is behind plain: no row (it did not run there), a greedy answer
+    changed, the paired interval lies below 1, or the level's tokens/s is under TIE x plain's."""
+    if not row:
+        return True
+    hi = (row.get("paired") or {}).get("hi")
+    return row.get("mismatches") != 0 or (hi if hi is not None else 0.0) < 1.0 or (row.get("vs_plain") or 0.0) < TIE
+
+
 def decision(contenders: list[Contender], levels_out: list[dict], levels) -> tuple[Contender | None, dict]:
     """The one config: the contender that wins the most levels (then is ahead of plain at the most, then
-    the highest geometric mean of tokens/s over plain), its draft length 0 wherever it was not ahead of
-    plain (beats_plain). A proposer vLLM runs at one draft length only (planner/export.py
-    SCHEDULE_METHODS) cannot be switched off by batch size: it is a candidate only if ahead everywhere."""
+    the highest geometric mean of tokens/s over plain), its draft length 0 wherever it was behind plain
+    (behind_plain); where it tied, its own draft length stays, since a schedule's K = 0 still costs
+    vLLM's speculative path (0.81-0.96x plain measured here) and would trade a measured tie for an
+    unmeasured loss. A proposer vLLM runs at one draft length only (planner/export.py SCHEDULE_METHODS)
+    cannot be switched off by batch size: it is a candidate only if behind plain at no level."""
     scores = []
+    at = {lv["level"]: lv for lv in levels_out}
     for c in contenders:
         if c.speculative is None:
             continue
-        wins = [lv["level"] for lv in levels_out if lv["winner"] == c.name]
-        ahead = [lv["level"] for lv in levels_out if beats_plain(lv["contenders"].get(c.name) or {})]
-        if c.speculative.get("method") not in SCHEDULE_METHODS["vllm"] and len(ahead) < len(levels):
+        rows = {lv: at[lv]["contenders"].get(c.name) if lv in at else None for lv in levels}
+        wins = [lv for lv in levels if lv in at and at[lv]["winner"] == c.name]
+        ahead = [lv for lv in levels if beats_plain(rows[lv] or {})]
+        behind = [lv for lv in levels if behind_plain(rows[lv])]
+        if c.speculative.get("method") not in SCHEDULE_METHODS["vllm"] and behind:
             continue
-        ratios = [lv["contenders"].get(c.name, {}).get("vs_plain") or 0.0 for lv in levels_out]
-        geo = geomean(ratios)
-        scores.append((len(wins), len(ahead), geo, c, ahead))
+        geo = geomean([(rows[lv] or {}).get("vs_plain") or 0.0 for lv in levels if lv in at])
+        scores.append((len(wins), len(ahead), geo, c, ahead, behind))
     scores.sort(key=lambda t: t[:3], reverse=True)
     if not scores or scores[0][1] == 0:
         return None, {"winner": PLAIN, "why": "no contender beat plain beyond the noise at any level (a proposer vLLM runs at one "
-                                        "draft length must win every level)"}
-    *_, geo, c, ahead = scores[0]
+                                        "draft length must be behind plain at no level)"}
+    *_, geo, c, ahead, behind = scores[0]
     cfg = dict(c.speculative)
     k_of = _k_by_level(cfg, levels)
-    per_level = {lv: (k_of[lv] if lv in ahead else 0) for lv in levels}
-    ranges = schedule_ranges(per_level, list(levels))
-    cfg.pop("num_speculative_tokens_per_batch_size", None)
-    cfg["num_speculative_tokens"] = max(k for *_, k in ranges) or cfg.get("num_speculative_tokens", 1)
-    if len(ranges) > 1:
-        cfg["num_speculative_tokens_per_batch_size"] = ranges
-    return Contender(c.name, cfg), {"winner": c.name, "levels_ahead_of_plain": ahead, "geomean_vs_plain": geo,
-                                    "draft_length_by_level": per_level}
+    per_level = {lv: (0 if lv in behind else k_of[lv]) for lv in levels}
+    if behind:  # else the raced config as it is (suffix's own default cap stays unwritten: the same server)
+        ranges = schedule_ranges(per_level, list(levels))
+        cfg.pop("num_speculative_tokens_per_batch_size", None)
+        cfg["num_speculative_tokens"] = max(k for *_, k in ranges) or cfg.get("num_speculative_tokens", 1)
+        if len(ranges) > 1:
+            cfg["num_speculative_tokens_per_batch_size"] = ranges
+    return Contender(c.name, cfg), {"winner": c.name, "levels_ahead_of_plain": ahead, "levels_behind_plain": behind,
+                                    "geomean_vs_plain": geo, "draft_length_by_level": per_level}
 
 
 def _k_by_level(cfg: dict, levels) -> dict[int, int]:
@@ -295,6 +318,29 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
     mine = Contender(DECISION, chosen.speculative)
     race_all(engine, [mine], race_reqs, warm, s, levels, say, results, failed)
     return None if DECISION in failed else mine
+
+
+def needs_confirming(chosen: Contender | None, raced: list[Contender]) -> bool:
+    """The decided config is one no raced contender ran as it is (speculation switched off where it lost)."""
+    return chosen is not None and all(config_key(c.speculative) != config_key(chosen.speculative) for c in raced)
+
+
+def as_raced(winner: Contender, levels_out: list[dict], levels, why_skipped: str) -> tuple[Contender | None, dict]:
+    """The decision when its confirmation does not fit the budget: the winner's config as it was raced,
+    every level measured, if that pays over the levels (ahead_over_range), else plain. The schedule the
+    confirmation would have raced is named, not written: a user with more time runs it with a larger
+    --budget."""
+    measured = {lv["level"]: (lv["contenders"].get(winner.name) or {}).get("vs_plain") for lv in levels_out}
+    if not ahead_over_range(measured):
+        return None, {"winner": PLAIN, "why": f"{winner.name} as raced is not ahead of plain over the levels, and "
+                      "switching it off where it lost was not confirmed in the budget", "confirm": why_skipped,
+                      "measured_decision": {"winner": winner.name, "vs_plain_by_level": measured}}
+    rows = {x["level"]: x["contenders"].get(winner.name) for x in levels_out}
+    return Contender(winner.name, dict(winner.speculative)), {
+        "winner": winner.name, "measured_as": winner.name, "draft_length_by_level": _k_by_level(winner.speculative, levels),
+        "levels_behind_plain": [lv for lv in levels if behind_plain(rows.get(lv))],
+        "geomean_vs_plain": geomean([r for r in measured.values() if r is not None]), "confirm": why_skipped,
+        "vs_plain_by_level": measured}
 
 
 def ahead_over_range(vs_plain_by_level: dict) -> bool:
