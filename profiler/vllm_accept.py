@@ -168,14 +168,18 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
 def measure_method(engine, method: str, requests: Sequence[Request], s, draft_length: int = DEFAULT_DRAFT_LENGTH,
                    concurrency: int = 4, draft_model: str | Path | None = None,
                    timeout_s: float = REQUEST_TIMEOUT_S, say: Callable[[str], None] | None = None,
-                   server_kwargs: dict | None = None) -> dict:
-    """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record."""
+                   server_kwargs: dict | None = None, server=None, launch_next=None) -> dict:
+    """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record.
+    `server`: that server made (or launched) already; `launch_next`: a server launched once this one
+    is up, before its requests (measure_methods; the caller stops it)."""
     say = say or (lambda line: None)
     config = speculative_config(method, draft_length, draft_model)
     t0 = time.perf_counter()
-    say(f"{method}: starting vLLM ({config})")
-    with engine.server(speculative_config=config, **(server_kwargs or {})) as server:
+    say(f"{method}: {'waiting for' if server is not None else 'starting'} vLLM ({config})")
+    with server or engine.server(speculative_config=config, **(server_kwargs or {})) as server:
         started = time.perf_counter() - t0
+        if launch_next is not None:
+            launch_next.launch()
         before = fetch_spec_decode(server.url)
         say(f"{method}: {len(requests)} requests at concurrency {concurrency}")
         result = run_load(server.url, server.served_model_name, requests, concurrency, timeout_s)  # Ctrl-C: stops
@@ -187,7 +191,7 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
     if not counters.speculating:
         raise UserError(f"--method {method}: vLLM exposes no speculative-decoding counters (it did not speculate)")
     rec = acceptance_record(method, draft_length, counters, result, config, s, engine.model_name, engine.caps.name)
-    rec["vllm"]["server_start_s"] = started
+    rec["vllm"]["server_start_s"] = started  # the wait for it: less where it started during another load
     rec["wall_s"] = time.perf_counter() - t0
     v = rec["vllm"]
     say(f"{method}: accepted {v['accepted_tokens']:g} of {v['draft_tokens']:g} drafted over {v['steps']} steps "
@@ -204,11 +208,23 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
         raise UserError("no requests to measure acceptance on")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 1024:
         raise UserError(f"--concurrency: expected an integer in 1..1024, got {concurrency!r}")
-    for m in methods:
-        speculative_config(m, draft_length, draft_model)  # every setting checked before the first server
+    configs = {m: speculative_config(m, draft_length, draft_model) for m in methods}  # all checked first
     reqs = sampled_requests(requests, s, seed)
-    return {m: measure_method(engine, m, reqs, s, draft_length, concurrency, draft_model, timeout_s, say)
-            for m in methods}
+    out: dict[str, dict] = {}
+    ahead = None  # the next method's server, launched while this method's requests run
+    try:
+        for m, after in zip(methods, list(methods[1:]) + [None]):
+            server, ahead = ahead or engine.server(speculative_config=configs[m]), None
+            # a start is mostly imports on one core, and acceptance counts do not depend on timing, so the
+            # next server starts during this load; a drafter's load is timed (draft_costs), so it runs alone
+            if after is not None and DRAFT_PASSES[m] != "depth":
+                ahead = engine.server(speculative_config=configs[after])
+            out[m] = measure_method(engine, m, reqs, s, draft_length, concurrency, draft_model, timeout_s, say,
+                                    server=server, launch_next=ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+    return out
 
 
 def progress_line(line: str) -> None:

@@ -122,13 +122,24 @@ def test_settings_and_requests():
 # ---------------------------------------------------------------------------------------------- the command, faked
 
 class FakeServer:
+    """Records what happens to it in `events` as (what, its method)."""
     url, served_model_name = "http://127.0.0.1:9", "m"
 
+    def __init__(self, method, events):
+        self.method, self.events = method, events
+
+    def launch(self):
+        self.events.append(("launch", self.method))
+
+    def stop(self):
+        self.events.append(("stop", self.method))
+
     def __enter__(self):
+        self.events.append(("up", self.method))
         return self
 
     def __exit__(self, *exc):
-        pass
+        self.stop()
 
 
 @pytest.fixture
@@ -137,14 +148,14 @@ def fake(monkeypatch, tmp_path):
     BEFORE then AFTER, and the load is `state["level"]`."""
     from planner.engines import kind
 
-    state = {"configs": [], "requests": [], "level": level(record(0, 60, 30), record(1, 52, 25))}
+    state = {"configs": [], "requests": [], "events": [], "level": level(record(0, 60, 30), record(1, 52, 25))}
 
     class Engine:
         python, model_dir, model_name, caps = Path(sys.executable), tmp_path, "smollm2-135m", kind("vllm").caps
 
         def server(self, speculative_config=None, **kw):
             state["configs"].append(speculative_config)
-            return FakeServer()
+            return FakeServer(speculative_config["method"], state["events"])
 
     pages = iter([BEFORE, AFTER] * 10)
     monkeypatch.setattr("workflows.cli.engines.open_from_args", lambda args, spec, **kw: Engine())
@@ -152,6 +163,7 @@ def fake(monkeypatch, tmp_path):
 
     def run_load(url, model, requests, concurrency, timeout_s):
         state["requests"].append((list(requests), concurrency))
+        state["events"].append(("load", None))
         return state["level"]
 
     monkeypatch.setattr(va, "run_load", run_load)
@@ -179,6 +191,17 @@ def test_the_command_measures_each_method_in_its_own_server(fake, tmp_path):
     assert acc.accuracy[:, 0] == pytest.approx([0.5, 13 / 30, 5 / 13, 0.4])
     assert acc.source["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0}
     assert doc["draft_model"]["guesser"]["draft_passes"] == "depth" and "held-out" in doc["ngram"]["source"]
+    # the drafter's server starts while ngram's requests run (counts only); its own load, which is timed, alone
+    assert fake["events"] == [("up", "ngram"), ("launch", "draft_model"), ("load", None), ("stop", "ngram"),
+                              ("up", "draft_model"), ("load", None), ("stop", "draft_model")]
+
+
+def test_a_failure_stops_the_server_started_ahead(fake, tmp_path):
+    fake["level"] = level(record(0, 60, 30), record(1, 3, 3, error="HTTP 400: too long"))
+    assert main(["accept", "--engine", "vllm", "--method", "ngram,draft_model", "--draft-model", str(fake["draft"]),
+                 "--no-progress", "-o", str(tmp_path / "a.json")]) == 2
+    assert fake["events"] == [("up", "ngram"), ("launch", "draft_model"), ("load", None), ("stop", "ngram"),
+                              ("stop", "draft_model")]
 
 
 def test_one_method_writes_its_entry_and_a_workload_keeps_its_requests(fake, tmp_path):

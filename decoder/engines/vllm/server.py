@@ -87,8 +87,10 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self) -> VllmServer:
-        """Start the server and wait for /health; stop it again if anything fails (Ctrl-C included)."""
-        self.launch()
+        """Start the server (unless launched already) and wait for /health; stop it again if anything
+        fails (Ctrl-C included)."""
+        if self._proc is None:
+            self.launch()
         try:
             self.wait_healthy()
         except BaseException:
