@@ -175,7 +175,7 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
     say = say or (lambda line: None)
     config = speculative_config(method, draft_length, draft_model)
     t0 = time.perf_counter()
-    say(f"{method}: {'waiting for' if server is not None else 'starting'} vLLM ({config})")
+    say(f"{method}: vLLM with {config}")
     with server or engine.server(speculative_config=config, **(server_kwargs or {})) as server:
         started = time.perf_counter() - t0
         if launch_next is not None:
