@@ -16,7 +16,8 @@ Six named phases, each announced with the time left:
               answer must equal plain's; each level is decided by the paired rule (serving_race.py).
               (--budget: priced from plain's race, the planned schedule first, the rest while they fit)
   5 confirm   the decided config raced against plain at every level where no contender ran it as it is
-              (speculation switched off where it lost makes a new schedule), so its rows are measured
+              (speculation switched off where it lost makes a new schedule), so its rows are measured;
+              if that does not fit the budget, the winner as raced is the decision (or plain)
   6 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
 
 The paired rule and the one-config decision: workflows/mainjob/serving_race.py.
