@@ -50,8 +50,8 @@ from workflows.mainjob.serving_race import (
     decide_level,
     decision,
     distinct,
-    needs_confirming,
     predicted_seconds,
+    raced_as_is,
     race_all,
     race_order,
 )
@@ -242,7 +242,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     raced = [c for c in contenders if c.name not in failed and c.name not in skipped]
     chosen, why = decision(raced, levels_out, levels)
     phase(5, "confirm: the decision as it is written, raced against plain unless a contender already ran it")
-    if needs_confirming(chosen, raced):  # a new schedule: it races only if it fits what the budget has left
+    if chosen is not None and raced_as_is(chosen, raced) is None:  # a new config: raced only if it fits the budget
         eta = predicted_seconds(Contender(DECISION, chosen.speculative), timings[PLAIN], levels, s.rounds, plain_tps)
         left = budget - (time.time() - t0) - WRITE_S
         if eta > left:

@@ -87,10 +87,10 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                    results: dict, server_kwargs: dict | None = None) -> dict:
     """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
     short requests (WARMUP_TOKENS each) outside the race (so no contender's first pass at a batch size is
-    a cold one). One server for all, except for a proposer that learns from earlier answers: it gets a fresh server for every
-    pass, or it would draft a repeated request's answer from its own first pass. Returns where its time
-    went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up included]}}, which
-    prices the next contenders against the budget (predicted_seconds)."""
+    a cold one). One server for all, except for a proposer that learns from earlier answers: it gets a
+    fresh server for every pass, or it would draft a repeated request's answer from its own first pass.
+    Returns where its time went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up
+    included]}}, which prices the next contenders against the budget (predicted_seconds)."""
     from profiler.serving_level import measure_level
     from profiler.vllm_accept import sampled_requests
 
@@ -310,19 +310,20 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
     if chosen is None:
         say("      the decision is plain: nothing to confirm")
         return None
-    key = config_key(chosen.speculative)
-    same = [c for c in contenders if c.name not in failed and config_key(c.speculative) == key]
-    if same:
-        say(f"      the decision is {same[0].name}'s config, raced as it is")
-        return same[0]
+    same = raced_as_is(chosen, [c for c in contenders if c.name in results])  # raced: failed ones are popped
+    if same is not None:
+        say(f"      the decision is {same.name}'s config, raced as it is")
+        return same
     mine = Contender(DECISION, chosen.speculative)
     race_all(engine, [mine], race_reqs, warm, s, levels, say, results, failed)
     return None if DECISION in failed else mine
 
 
-def needs_confirming(chosen: Contender | None, raced: list[Contender]) -> bool:
-    """The decided config is one no raced contender ran as it is (speculation switched off where it lost)."""
-    return chosen is not None and all(config_key(c.speculative) != config_key(chosen.speculative) for c in raced)
+def raced_as_is(chosen: Contender, raced: list[Contender]) -> Contender | None:
+    """The raced contender that ran the decided config as it is; None: a new config (speculation switched
+    off where it lost), which confirm races."""
+    key = config_key(chosen.speculative)
+    return next((c for c in raced if config_key(c.speculative) == key), None)
 
 
 def as_raced(winner: Contender, levels_out: list[dict], levels, why_skipped: str) -> tuple[Contender | None, dict]:
@@ -337,7 +338,8 @@ def as_raced(winner: Contender, levels_out: list[dict], levels, why_skipped: str
                       "measured_decision": {"winner": winner.name, "vs_plain_by_level": measured}}
     rows = {x["level"]: x["contenders"].get(winner.name) for x in levels_out}
     return Contender(winner.name, dict(winner.speculative)), {
-        "winner": winner.name, "measured_as": winner.name, "draft_length_by_level": _k_by_level(winner.speculative, levels),
+        "winner": winner.name, "measured_as": winner.name,
+        "draft_length_by_level": _k_by_level(winner.speculative, levels),
         "levels_behind_plain": [lv for lv in levels if behind_plain(rows.get(lv))],
         "geomean_vs_plain": geomean([r for r in measured.values() if r is not None]), "confirm": why_skipped,
         "vs_plain_by_level": measured}
