@@ -6,7 +6,8 @@
 
 Two worker processes in vLLM's environment (decoder/engines/vllm/steps_worker.py, which says how a
 step is priced at any K without a real proposer): vLLM plain for K = 0, then one speculative engine
-for every K >= 1 (and, last, K = 0 in that engine: what a schedule's K = 0 range costs). Here their
+for every K >= 1 (and, last unless speculative_k0 is off, K = 0 in that engine: what a schedule's K = 0
+range costs). Here their
 lines are checked as they arrive, vLLM's draft counters included (K drafted tokens per draft, a
 draft per sequence per counted step), and assembled into the project's latency profile: one series
 per batch size, input length 1 + K, latency the median step (planner/profile.py's
@@ -68,6 +69,9 @@ class ServingProfileSpec:
     steps_per_repeat: int = 2
     seed: int = 0
     progress: bool = True
+    # K = 0 in the speculative engine too: what a schedule's K = 0 range costs (for the reader; the planner
+    # prices K = 0 on plain's points), so the serving main job, short of time, leaves it out
+    speculative_k0: bool = True
 
     @property
     def steps_needed(self) -> int:
@@ -312,7 +316,8 @@ def _plan(spec: ServingProfileSpec) -> list[tuple[bool, list[int], float]]:
     out = [(False, [0], 1.0 + PREFILL_WEIGHT)] if plain else []
     if drafts:
         # the cost of a point grows with the tokens it scores; K = 0 in this engine comes last
-        out.append((True, drafts + ([0] if plain else []), sum(1.0 + k / 4 for k in drafts) + plain + PREFILL_WEIGHT))
+        k0 = plain and spec.speculative_k0
+        out.append((True, drafts + ([0] if k0 else []), sum(1.0 + k / 4 for k in drafts) + k0 + PREFILL_WEIGHT))
     return out
 
 

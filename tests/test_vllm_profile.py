@@ -374,3 +374,13 @@ def test_in_vllm_the_step_grows_with_the_scored_tokens(tmp_path):
     step = {(p["draft_length"], p["batch_size"]): p["step_s"] for p in profile["points"]}
     assert step[(6, 2)] > step[(1, 1)]  # 14 scored tokens cost more than 2
     assert profile["versions"]["vllm"].startswith("0.")
+
+
+def test_the_serving_main_job_leaves_out_k0_in_the_speculative_engine():
+    """K = 0 in the speculative engine is for the reader (what a schedule's K = 0 costs); the planner prices
+    K = 0 on plain's points, so the main job, short of time, does not measure it."""
+    both = vllm_profile._plan(ServingProfileSpec(draft_lengths=(0, 2, 4, 8)))
+    short = vllm_profile._plan(ServingProfileSpec(draft_lengths=(0, 2, 4, 8), speculative_k0=False))
+    assert [ks for _, ks, _ in both] == [[0], [8, 2, 4, 0]]
+    assert [ks for _, ks, _ in short] == [[0], [8, 2, 4]]
+    assert short[1][2] == pytest.approx(both[1][2] - 1)  # its share of the budget without that point's weight
