@@ -358,7 +358,7 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     failed and left out of the decision; the other contenders still race and race.json is written."""
     calls = []
 
-    def fake_race(engine, c, race_reqs, warm, s, levels, say, results):
+    def fake_race(engine, c, race_reqs, warm, s, levels, say, results, sizes=None):
         calls.append(c.name)
         if c.speculative and c.speculative.get("num_speculative_tokens_per_batch_size"):
             raise sr.UserError("http://127.0.0.1:1/metrics: cannot read the server's metrics (Connection refused)")
@@ -426,7 +426,7 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: exported.append(chosen))  # checked by vLLM: slow
     raced = []
 
-    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results):
+    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
         raced.append(c.name)
         for lv in lvls:
             k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
@@ -525,7 +525,7 @@ def test_racing_a_contender_is_priced_from_plains_race():
     assert [c.name for c, _ in order] == ["planned", "n", "stock", "suffix"]
 
 
-def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain):
+def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requests=6, sizes_seen=None):
     """A serving autotune on a fake clock (every server start 50 s, every pass 40 s), the race faked with
     tokens/s = level x gain(k, level) at draft length k; (summary, raced names in order, race.json)."""
     from decoder.engines import registry
@@ -554,26 +554,29 @@ def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain):
     monkeypatch.setattr(sr, "time", clock)
     raced = []
 
-    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results):
+    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
         raced.append(c.name)
+        if sizes_seen is not None:
+            sizes_seen[c.name] = sizes
         timing = {"start_s": [], "level_s": {}}
         for lv in lvls:
             if lv == lvls[0] or sr.learns(c):
                 clock.now += 50.0
                 timing["start_s"].append(50.0)
-            clock.now += 40.0
-            timing["level_s"][lv] = [40.0]
+            n = (sizes or {}).get(lv, len(race_reqs))
+            clock.now += 40.0 * n / 6
+            timing["level_s"][lv] = [40.0 * n / 6]
             k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
             tps = lv * (gain(k, lv) if k else 1.0)
             recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
-                    for i in range(6)]
+                    for i in range(n)]
             results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 48 / tps, recs),
                                                    "counters": SpecDecodeCounters()}]
         return timing
 
     monkeypatch.setattr(sr, "race_contender", fake_race)
     s = sv.ServingSettings(concurrency=tuple(levels), methods=tuple(methods), out=str(tmp_path / "run"),
-                           quiet=True, race_requests=6, accept_requests=2, budget_minutes=budget_minutes)
+                           quiet=True, race_requests=race_requests, accept_requests=2, budget_minutes=budget_minutes)
     summary = sv.autotune_serving(s)
     return summary, raced, json.loads((tmp_path / "run" / "race.json").read_text())
 
@@ -645,3 +648,74 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     only = sv._planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, None, overhead, tmp_path,
                                   lambda line: None)
     assert [c.name for c in only if c.name.startswith("planned")] == ["planned ngram"]
+
+
+def test_after_the_confirmation_the_best_measured_config_behind_plain_nowhere_is_deployed():
+    """Replayed on the committed --budget 40 run: fixed ngram K = 8 won three levels, was switched off at 16
+    and confirmed at 1.16x over the levels; the planned schedule, behind plain nowhere, measured 1.18x as
+    raced. The decision is the better measured one; a config behind plain at a level is never picked."""
+    run = ROOT / "reports" / "main-job-vllm-cpu-smollm2-135m-budget40"
+    race = json.loads((run / "race.json").read_text())
+    levels = [lv["level"] for lv in race["levels"]]
+    cs = [sr.Contender(c["name"], c["config"]) for c in race["contenders"]]
+    chosen, why = sr.decision([c for c in cs if c.name != sr.DECISION], race["levels"], levels)
+    assert why["winner"] == "fixed ngram K=8" and why["levels_behind_plain"] == [16]
+    best, scores = sr.best_measured(cs, race["levels"], levels)
+    assert best.name == "planned ngram"
+    assert scores["planned ngram"] == pytest.approx(1.18, abs=0.005)
+    assert scores[sr.DECISION] == pytest.approx(1.16, abs=0.005)
+    assert set(scores) == {"planned ngram", sr.DECISION}  # the rest were behind plain at 8 or 16 requests
+    why = sr.measured_why(best, race["levels"], levels, scores, why)
+    assert why["levels_behind_plain"] == [] and why["draft_length_by_level"] == {1: 8, 2: 8, 4: 8, 8: 1, 16: 2}
+    assert why["decided_first"]["winner"] == "fixed ngram K=8"
+    # behind plain at one level (K = 0 by schedule measured 0.95x at 16): out, whatever its mean
+    lost = [dict(lv, contenders=dict(lv["contenders"])) for lv in race["levels"]]
+    lost[-1]["contenders"]["planned ngram"] = _row(0.95, lo=0.9) | {"paired": {"lo": 0.9, "mean": 0.95, "hi": 0.97}}
+    assert sr.best_measured(cs, lost, levels)[0].name == sr.DECISION
+    assert sr.best_measured([cs[0]], race["levels"], levels) is None  # plain is not a candidate
+
+
+def test_the_autotune_deploys_the_best_measured_config_not_the_one_that_won_most_levels(monkeypatch, tmp_path):
+    """Every ngram contender wins the low levels by a little (1.3x) and loses at 16 (0.8x); suffix is ahead
+    everywhere by a steady 1.25x. The decision rule takes the ngram config that won the most levels and
+    confirms it switched off at 16: 1.3 / 1.3 / 1.0x, a geometric mean of 1.19x, below suffix's as
+    raced, behind plain nowhere: suffix is written."""
+    summary, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), 60,
+                                        lambda k, lv: 1.25 if k > 8 else (1.3 if lv < 16 else 0.8))
+    chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
+    why = chosen["decision"]
+    assert raced[-1] == sr.DECISION and "ngram" in why["decided_first"]["winner"]
+    assert why["decided_first"]["vs_plain_by_level"]["16"] == pytest.approx(1.0)
+    assert why["winner"] == "suffix defaults" and why["levels_behind_plain"] == []
+    assert why["geomean_vs_plain"] == pytest.approx(1.25, rel=1e-6)
+    winner = next(c for c in race["contenders"] if c["name"] == why["winner"])
+    assert chosen["speculative_config"] == winner["config"] and "chosen_by" in why
+
+
+def test_race_sizes_cut_the_longest_levels_first_and_alike_for_every_contender():
+    """Two races (plain's and the first contender's) of 50 s fixed plus the levels' passes of 16 requests
+    (160 / 80 / 40 s at 1 / 2 / 4): cut at one request first (10 s a request there), in even counts,
+    never below 8 requests or the level; 16 requests at 16 cannot be cut."""
+    pass_s, levels = {1: 160.0, 2: 80.0, 4: 40.0}, [1, 2, 4]
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 1000.0, 2) == {1: 16, 2: 16, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 500.0, 2) == {1: 8, 2: 16, 4: 16}  # 2 x (50 + 80 + 80 + 40)
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 560.0, 2) == {1: 10, 2: 16, 4: 16}  # 11 would fit: even
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 440.0, 2) == {1: 8, 2: 10, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 420.0, 2) == {1: 8, 2: 8, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 10.0, 2) == {1: 8, 2: 8, 4: 8}  # as far as it goes
+    assert sr.race_sizes(pass_s, 50.0, 6, levels, 10.0, 2) == {1: 6, 2: 6, 4: 6}  # too few to cut
+    assert sr.race_sizes({3: 60.0, 16: 10.0}, 0.0, 16, [3, 16], 1.0, 1) == {3: 12, 16: 16}  # a multiple of 3, even
+
+
+def test_a_short_budget_races_every_contender_on_the_same_first_requests(monkeypatch, tmp_path):
+    """The budget left after acceptance cannot hold plain's race and the planned schedule's at 16 requests
+    a level: both race the first 8 at one request, the same cut, and the report says so."""
+    seen = {}
+    summary, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), 4.5, lambda k, lv: 1.2,
+                                        race_requests=16, sizes_seen=seen)
+    sizes = {int(k): v for k, v in race["requests_by_level"].items()}
+    assert sizes[1] < 16 and sizes[16] == 16 and sizes[1] % 2 == 0, sizes
+    assert seen[sr.PLAIN] == sizes and seen[raced[1]] == sizes
+    assert summary["race_requests"] == {"requests": 16, "by_level": sizes}
+    assert "Cut to fit the budget: every contender raced the first" in (tmp_path / "run" / "report.md").read_text()
+    assert all(len(lv["contenders"]) >= 2 for lv in race["levels"])

@@ -17,7 +17,9 @@ Six named phases, each announced with the time left:
               (--budget: priced from plain's race, the planned schedule first, the rest while they fit)
   5 confirm   the decided config raced against plain at every level where no contender ran it as it is
               (speculation switched off where it lost makes a new schedule), so its rows are measured;
-              if that does not fit the budget, the winner as raced is the decision (or plain)
+              if that does not fit the budget, the winner as raced is the decision (or plain); then the
+              decision is the config measured as written with the highest geometric mean over plain
+              among those behind plain at no level (serving_race.py best_measured), where there is one
   6 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
 
 The paired rule and the one-config decision: workflows/mainjob/serving_race.py.
@@ -27,6 +29,7 @@ atomically, so an interrupted run leaves none (or the previous run's, untouched,
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -42,18 +45,23 @@ from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_
 from workflows.mainjob.serving_race import (
     DECISION,
     PLAIN,
+    SERVED_STEP,
+    WARMUP_TOKENS,
     Contender,
     ahead_over_range,
     as_raced,
+    best_measured,
     by_level,
     confirm,
     decide_level,
     decision,
     distinct,
+    measured_why,
     predicted_seconds,
     raced_as_is,
     race_all,
     race_order,
+    race_sizes,
 )
 from workflows.mainjob.serving_race import sampling as _sampling
 
@@ -198,9 +206,16 @@ def autotune_serving(s: ServingSettings) -> dict:
     skipped: dict[str, str] = {}
     timings: dict = {}
     contenders = [Contender(PLAIN, None)]
+    # plain's race and the first contender's must fit what is left: if they cannot at full size, every
+    # contender races fewer requests at the levels where a request takes longest
+    sizes = _race_sizes(profiles, records, s, levels, budget - (time.time() - t0) - WRITE_S, len(race_reqs))
+    cut = {lv: n for lv, n in sizes.items() if n < len(race_reqs)}
+    if cut:
+        say(f"      to fit the budget, every contender races the first {', '.join(f'{n} at {lv}' for lv, n in cut.items())}"
+            f" of the {len(race_reqs)} requests")
     interrupted = False
     try:  # Ctrl-C in plain's pass or in the race: race.json keeps what was raced
-        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed, timings)
+        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
         plain_tps = {lv: decide_level(results, lv, False)["contenders"][PLAIN]["output_tokens_per_s"] for lv in levels}
         overhead = server_overhead(profiles, plain_tps, levels)
         summary["server_overhead_s"] = overhead
@@ -221,7 +236,7 @@ def autotune_serving(s: ServingSettings) -> dict:
                 say(f"      {c.name}: {skipped[c.name]}")
                 continue
             say(f"      {c.name}: predicted {eta:.0f} s")
-            race_all(engine, [c], race_reqs, accept_reqs, s, levels, say, results, failed, timings)
+            race_all(engine, [c], race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
@@ -230,7 +245,7 @@ def autotune_serving(s: ServingSettings) -> dict:
                   if PLAIN in results and lv in results[PLAIN]]
     race_doc = {"levels": levels_out, "contenders": [{"name": c.name, "config": c.speculative,
                                                       "predicted_tokens_per_s": c.predicted} for c in contenders],
-                "requests": len(race_reqs), "max_tokens": s.max_tokens, "rounds": s.rounds,
+                "requests": len(race_reqs), "requests_by_level": sizes, "max_tokens": s.max_tokens, "rounds": s.rounds,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
                 "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "skipped": skipped,
                 "interrupted": interrupted}
@@ -254,7 +269,7 @@ def autotune_serving(s: ServingSettings) -> dict:
             say(f"      so the decision is {why['winner']} as raced")
     shown_contenders = contenders
     try:
-        confirmed = confirm(engine, chosen, contenders, results, failed, race_reqs, accept_reqs, s, levels, say)
+        confirmed = confirm(engine, chosen, contenders, results, failed, race_reqs, accept_reqs, s, levels, say, sizes)
     except KeyboardInterrupt:
         say("interrupted: the server is stopped; race.json keeps the race (no chosen.json)")
         raise
@@ -274,13 +289,22 @@ def autotune_serving(s: ServingSettings) -> dict:
             say("      the decision as written is not ahead of plain over the levels: plain it is")
             chosen, why = None, {"winner": PLAIN, "why": "the decided config, raced as written, was not ahead of plain "
                                  "over the levels (geometric mean of its ratios below 1)", "measured_decision": why}
+    # every candidate is now measured as written: the best of them over the whole range is deployed
+    pool = [c for c in raced if c.name in results] + ([confirmed] if confirmed is not None and confirmed.name == DECISION
+                                                       else [])
+    best = best_measured(pool, levels_out, levels)
+    if best is not None and best[0].name != (why.get("measured_as") if chosen is not None else None):
+        c, scores = best
+        say(f"      {c.name} as raced: behind plain nowhere, the highest geometric mean over plain "
+            f"({scores[c.name]:.3f}x); it is the decision")
+        chosen, why = Contender(c.name, dict(c.speculative)), measured_why(c, levels_out, levels, scores, why)
     race_doc["failed"] = failed
     atomic_write_json(out / "race.json", race_doc)
     summary["phases"]["confirm_s"] = time.time() - t0
 
     phase(6, "write: the decision, exports, report")
     summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out),
-                    "skipped": skipped})
+                    "skipped": skipped, "race_requests": {"requests": len(race_reqs), "by_level": sizes}})
     _exports(chosen, out, draft_dir)
     summary["wall_s"] = time.time() - t0
     summary["budget"] = {"minutes": s.budget_minutes, "used_minutes": summary["wall_s"] / 60,
@@ -337,6 +361,21 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
     return distinct(contenders)
 
 
+def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_s: float, n: int) -> dict[int, int]:
+    """Race requests per level (serving_race.py race_sizes) for plain's race and the first contender's
+    within left_s, priced before either has run: a served step at SERVED_STEP times the profiled plain
+    step, a server start at the longest acceptance server's wait (the first of them started alone),
+    each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
+    from profiler.vllm_profile import START_GUESS_S
+
+    step = {lv: float(profiles[lv].latency(1)) * SERVED_STEP for lv in levels}
+    waits = [(r.get("vllm") or {}).get("server_start_s") for r in records.values()]
+    start = max([float(w) for w in waits if isinstance(w, (int, float)) and w > 0] or [START_GUESS_S])
+    fixed = start + s.rounds * sum(WARMUP_TOKENS * step[lv] for lv in levels)
+    pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
+    return race_sizes(pass_s, fixed, n, levels, left_s, races=2)
+
+
 def _prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
     """Per planned contender and level: predicted / measured output tokens/s - 1."""
     out = {}
@@ -356,7 +395,7 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
     from profiler.vllm_profile import ServingProfileSpec, profile_serving
 
     spec = ServingProfileSpec(draft_lengths=tuple(s.draft_lengths), batch_sizes=tuple(levels),
-                              time_budget_s=max(60.0, budget_s), progress=not s.quiet)
+                              time_budget_s=max(60.0, budget_s), progress=not s.quiet, speculative_k0=False)
     profile = profile_serving(engine, spec, say=lambda line: say(f"      {line}"))
     return atomic_write_json(out / "profile.json", profile)
 
@@ -456,6 +495,12 @@ def report(summary: dict, contenders: list[Contender]) -> str:
             star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
             cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    sizes = (summary.get("race_requests") or {}).get("by_level") or {}
+    full = (summary.get("race_requests") or {}).get("requests")
+    cut = [(lv, n) for lv, n in by_level(sizes) if n < full]
+    if cut:
+        lines += ["", f"Cut to fit the budget: every contender raced the first {', '.join(f'{n} at {lv}' for lv, n in cut)}"
+                  f" of the {full} requests (the levels where a request takes longest)"]
     skipped = summary.get("skipped") or {}
     if skipped:
         lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]

@@ -16,7 +16,10 @@ plain's; otherwise it ties. The decision is one config (an engine runs one propo
 that won the most levels (then is ahead at the most, then by geometric mean), with its draft length 0
 on every level where it was behind plain, so speculation is switched off exactly where it was measured
 to lose (not where it tied: a schedule's K = 0 is not plain in vLLM, see ahead_over_range); none ahead
-anywhere: plain. confirm races that config as it is written when no contender ran it.
+anywhere: plain. confirm races that config as it is written when no contender ran it; then every
+candidate is a config measured as it would be deployed, and best_measured picks the one to write: behind
+plain at no level, ahead somewhere, the highest geometric mean over plain across the levels. race_sizes
+cuts every contender's requests alike at the slowest levels when the budget cannot hold full passes.
 """
 from __future__ import annotations
 
@@ -84,11 +87,13 @@ LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' an
 
 
 def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels, say,
-                   results: dict, server_kwargs: dict | None = None) -> dict:
+                   results: dict, server_kwargs: dict | None = None, sizes: dict | None = None) -> dict:
     """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
     short requests (WARMUP_TOKENS each) outside the race (so no contender's first pass at a batch size is
-    a cold one). One server for all, except for a proposer that learns from earlier answers: it gets a
-    fresh server for every pass, or it would draft a repeated request's answer from its own first pass.
+    a cold one); at a level in `sizes` the first sizes[level] race requests only (race_sizes: the same for
+    every contender, so request i still pairs up). One server for all, except for a proposer that learns
+    from earlier answers: it gets a fresh server for every pass, or it would draft a repeated request's
+    answer from its own first pass.
     Returns where its time went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up
     included]}}, which prices the next contenders against the budget (predicted_seconds)."""
     from profiler.serving_level import measure_level
@@ -108,7 +113,8 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
             for level in group:
                 t_level = time.perf_counter()
                 wave = [warm[i % len(warm)] for i in range(level)]
-                run = measure_level(server.url, server.served_model_name, wave, [reqs], level, s.request_timeout_s)
+                mine = reqs[:(sizes or {}).get(level, len(reqs))]
+                run = measure_level(server.url, server.served_model_name, wave, [mine], level, s.request_timeout_s)
                 res = run.rounds[0]
                 if res.records and not any(r.ok for r in res.records):
                     # vLLM's worker can die mid-level (0.32 on CPU: seeded sampling with suffix decoding at
@@ -122,6 +128,36 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                 say(f"      {c.name} at {level}: {res.output_tokens_per_s:.1f} output tokens/s"
                     + (f", {res.timed_out} timed out" if res.timed_out else ""))
     return timing
+
+
+MIN_RACE_REQUESTS = 8  # a cut level keeps this many paired requests at least (5 are the fewest that can decide)
+SERVED_STEP = 1.7  # a served step over the profiled one, to size the race before plain's has run: 1.0-1.9
+#                    in the committed runs here (median 1.5), taken high so that a cut race fits
+
+
+def race_sizes(pass_s: dict[int, float], fixed_s: float, n: int, levels, left_s: float,
+               races: int) -> dict[int, int]:
+    """Race requests per level, the same for every contender: n at every level when `races` races (each
+    fixed_s of server start and warm-up waves plus pass_s[level], a pass of n requests) fit in left_s;
+    otherwise the levels where a request takes longest (the lowest: fewest requests at once) are cut first,
+    each to a multiple of its level (and even: a question's two turns stay together) but never below
+    MIN_RACE_REQUESTS or the level itself, until the races fit or nothing more can be cut. Every contender
+    then answers the same first requests, so they still pair up one to one."""
+    sizes = {lv: n for lv in levels}
+    per_request = {lv: pass_s[lv] / n for lv in levels}
+
+    def total() -> float:
+        return races * (fixed_s + sum(per_request[lv] * sizes[lv] for lv in levels))
+
+    for lv in sorted(levels, key=lambda x: -per_request[x]):
+        over = total() - left_s
+        if over <= 0:
+            break
+        step = lv if lv % 2 == 0 else 2 * lv
+        floor = min(n, -(-max(MIN_RACE_REQUESTS, lv) // step) * step)
+        fits = sizes[lv] - math.ceil(over / races / per_request[lv]) if per_request[lv] > 0 else sizes[lv]
+        sizes[lv] = min(sizes[lv], max(floor, fits // step * step))
+    return sizes
 
 
 def learns(c: Contender) -> bool:
@@ -160,7 +196,7 @@ def race_order(contenders: list[Contender], plain: dict, levels, rounds: int,
 
 def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s, levels, say,
              results: dict | None = None, failed: dict | None = None,
-             timings: dict | None = None) -> tuple[dict, dict]:
+             timings: dict | None = None, sizes: dict | None = None) -> tuple[dict, dict]:
     """Every contender in turn; (failed: name -> why its server stopped, results). A contender whose server
     dies (a config vLLM takes, then fails on) is out of the decision and the race goes on; plain's is
     fatal. The dicts passed in fill as it goes, so an interrupted race keeps what it measured; `timings`
@@ -171,7 +207,7 @@ def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s
     for c in contenders:
         t0 = time.perf_counter()
         try:
-            timing = race_contender(engine, c, race_reqs, warm, s, levels, say, results)
+            timing = race_contender(engine, c, race_reqs, warm, s, levels, say, results, sizes=sizes)
             timings[c.name] = {**(timing or {}), "wall_s": time.perf_counter() - t0}
         except UserError as e:
             if c.speculative is None:
@@ -302,7 +338,7 @@ _SUFFIX_CAP = 32  # vLLM's suffix method without num_speculative_tokens: its own
 
 
 def confirm(engine, chosen: Contender | None, contenders: list[Contender], results: dict, failed: dict,
-            race_reqs: list, warm: list, s, levels, say) -> Contender | None:
+            race_reqs: list, warm: list, s, levels, say, sizes: dict | None = None) -> Contender | None:
     """The decision's measured rows: a raced contender with the same config is the decision as written;
     otherwise (speculation switched off where it lost, a new schedule) it races now, on the race's
     requests, so every level of what the user deploys is measured against plain, not assembled from
@@ -315,7 +351,7 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], resul
         say(f"      the decision is {same.name}'s config, raced as it is")
         return same
     mine = Contender(DECISION, chosen.speculative)
-    race_all(engine, [mine], race_reqs, warm, s, levels, say, results, failed)
+    race_all(engine, [mine], race_reqs, warm, s, levels, say, results, failed, sizes=sizes)
     return None if DECISION in failed else mine
 
 
@@ -343,6 +379,40 @@ def as_raced(winner: Contender, levels_out: list[dict], levels, why_skipped: str
         "levels_behind_plain": [lv for lv in levels if behind_plain(rows.get(lv))],
         "geomean_vs_plain": geomean([r for r in measured.values() if r is not None]), "confirm": why_skipped,
         "vs_plain_by_level": measured}
+
+
+def best_measured(candidates: list[Contender], levels_out: list[dict], levels) -> tuple[Contender, dict] | None:
+    """The config to deploy among those measured as written at every level (the raced contenders and the
+    confirmed decision): behind plain at no level, ahead of it beyond the noise at one at least, and the
+    highest geometric mean of tokens/s over plain across the levels; (it, each eligible one's geometric
+    mean) or None. decision() picks the config to confirm by the levels it won, and one pass per server
+    decides a level within the spread between servers (+-8 % here): fixed K = 8 won three levels, was
+    switched off at 16 and confirmed at 1.16x, below the planned schedule's 1.18x as raced, behind plain
+    nowhere. Once every candidate is measured as it would be deployed, the whole range decides."""
+    at = {lv["level"]: lv["contenders"] for lv in levels_out}
+    scores = {}
+    for c in candidates:
+        rows = [at.get(lv, {}).get(c.name) for lv in levels]
+        if c.speculative is None or any(behind_plain(r) for r in rows) or not any(beats_plain(r) for r in rows):
+            continue
+        scores[c.name] = geomean([r["vs_plain"] for r in rows])
+    eligible = [c for c in candidates if scores.get(c.name, 0.0) > 1.0]
+    if not eligible:
+        return None
+    return max(eligible, key=lambda c: scores[c.name]), scores
+
+
+def measured_why(c: Contender, levels_out: list[dict], levels, scores: dict, decided: dict) -> dict:
+    """The decision's record when best_measured replaced the one decide() raced: what it measured."""
+    rows = {lv["level"]: lv["contenders"].get(c.name) or {} for lv in levels_out}
+    return {"winner": c.name, "measured_as": c.name, "draft_length_by_level": _k_by_level(c.speculative, levels),
+            "levels_ahead_of_plain": [lv for lv in levels if beats_plain(rows.get(lv, {}))],
+            "levels_behind_plain": [], "geomean_vs_plain": scores[c.name],
+            "vs_plain_by_level": {lv: rows.get(lv, {}).get("vs_plain") for lv in levels},
+            "chosen_by": "the highest geometric mean over plain among the configs measured as written and behind "
+                         "plain at no level: " + ", ".join(f"{n} {g:.3f}x" for n, g in
+                                                            sorted(scores.items(), key=lambda t: -t[1])),
+            "decided_first": decided}
 
 
 def ahead_over_range(vs_plain_by_level: dict) -> bool:
