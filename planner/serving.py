@@ -69,12 +69,15 @@ def server_overhead(profiles: dict, plain_tokens_per_s: dict[int, float], levels
 
 
 def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float],
-                schedulable: bool = True, overhead_s: dict[int, float] | None = None) -> dict:
+                schedulable: bool = True, overhead_s: dict[int, float] | None = None,
+                off_ratio: float = 1.0) -> dict:
     """The best draft length per level (every k in 0..max_k priced, the most tokens/s) and the best fixed
     one (geometric mean over the levels), with predictions. With every step drafting (rate 1) this is the
     chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py).
     schedulable=False: the engine's proposer takes one draft length, so the plan is the best fixed one.
-    overhead_s: the server's own seconds per step at each level (server_overhead), 0 where absent."""
+    overhead_s: the server's own seconds per step at each level (server_overhead), 0 where absent.
+    off_ratio: tokens/s of k = 0 inside a schedule over plain's (an engine that keeps its speculative path
+    there: EngineDefaults.schedule_off_ratio); a schedule predicted below plain over the levels is plain."""
     overhead_s = overhead_s or {}
     prefix, rate = drafting(record, f"accept-{method}")
     k_max = min(max_k, prefix.size)
@@ -84,15 +87,21 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
         return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
                                       overhead_s.get(b, 0.0))
 
-    per_level = {b: max(range(k_max + 1), key=lambda k, b=b: rate_at(b, k)) for b in levels}
-    predicted = {b: rate_at(b, per_level[b]) for b in levels}
+    def in_schedule(b: int, k: int) -> float:
+        return rate_at(b, k) if k else rate_at(b, 0) * off_ratio
+
+    plain = {b: rate_at(b, 0) for b in levels}
+    per_level = {b: max(range(k_max + 1), key=lambda k, b=b: in_schedule(b, k)) for b in levels}
+    predicted = {b: in_schedule(b, per_level[b]) for b in levels}
+    if not any(per_level.values()) or float(np.mean(np.log([predicted[b] / plain[b] for b in levels]))) <= 0:
+        per_level, predicted = {b: 0 for b in levels}, dict(plain)  # no speculative config at all: plain itself
     fixed = {k: [rate_at(b, k) for b in levels] for k in range(1, k_max + 1)}
     best_k = max(fixed, key=lambda k: float(np.mean(np.log(fixed[k]))))
     if not schedulable:
         per_level = {b: best_k for b in levels}
         predicted = {b: rate_at(b, best_k) for b in levels}
     return {"method": method, "per_level": per_level, "predicted": predicted,
-            "plain_predicted": {b: rate_at(b, 0) for b in levels}, "best_fixed": best_k,
+            "plain_predicted": plain, "best_fixed": best_k, "off_ratio": off_ratio,
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
             "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s,
             "schedulable": schedulable, "overhead_s": overhead_s}

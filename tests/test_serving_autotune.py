@@ -96,6 +96,33 @@ def test_a_costly_drafter_drafts_less_under_load():
     assert costly["per_level"][16] < cheap["per_level"][1]
 
 
+@pytest.mark.parametrize("acc, plan_at_1, plan_at_16", [
+    ([0.3, 0.2, 0.1, 0, 0, 0, 0, 0], 2, 1),  # K = 1 at 16 (0.935x plain) beats a schedule's K = 0 (0.92x)
+    ([0.1, 0, 0, 0, 0, 0, 0, 0], 0, 0),  # 1.059x at 1 cannot pay for 0.92x at 16: no speculative config
+])
+def test_a_schedules_k0_is_priced_at_the_engines_off_ratio(acc, plan_at_1, plan_at_16):
+    """vLLM keeps its speculative path where a schedule's K is 0 (0.81-1.07x plain measured here), so the
+    planner prices K = 0 inside a schedule at off_ratio x plain: a short draft that loses a little beats it,
+    and a schedule predicted below plain over the levels is plain itself. Checked against every length
+    priced by predicted_tokens_per_s."""
+    levels = [1, 16]
+    profiles = _profiles(levels)
+    rec = {"accuracy": [[x] for x in acc], "guesser": {"draft_passes": "one"}}
+    old = planning.plan_method("ngram", rec, profiles, levels, 8, {})
+    plan = planning.plan_method("ngram", rec, profiles, levels, 8, {}, off_ratio=0.92)
+    assert plan["per_level"] == {1: plan_at_1, 16: plan_at_16} and old["per_level"][16] == 0
+    prefix = np.cumprod(acc)
+    plain = {b: planning.predicted_tokens_per_s(prefix, profiles[b], b, 0) for b in levels}
+    for b in levels:
+        rates = [planning.predicted_tokens_per_s(prefix, profiles[b], b, k) for k in range(9)]
+        if plan_at_1:  # a schedule: each level its best length, K = 0 at 0.92x plain
+            assert plan["per_level"][b] == int(np.argmax([0.92 * rates[0]] + rates[1:]))
+            assert plan["predicted"][b] == pytest.approx(max([0.92 * rates[0]] + rates[1:]), rel=1e-9)
+        else:
+            assert plan["predicted"][b] == pytest.approx(plain[b], rel=1e-9)
+    assert not plan_at_1 or old["per_level"][1] == plan_at_1
+
+
 def test_schedule_ranges():
     assert planning.schedule_ranges({1: 4, 2: 4, 4: 2, 8: 0, 16: 0}, [1, 2, 4, 8, 16]) == \
         [[1, 3, 4], [4, 7, 2], [8, planning.MAX_CONCURRENCY, 0]]

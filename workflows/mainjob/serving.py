@@ -56,6 +56,7 @@ from workflows.mainjob.serving_race import (
     decide_level,
     decision,
     distinct,
+    geomean,
     measured_why,
     predicted_seconds,
     raced_as_is,
@@ -285,6 +286,8 @@ def autotune_serving(s: ServingSettings) -> dict:
                                            "predicted_tokens_per_s": {}})
         why["vs_plain_by_level"] = {lv["level"]: (lv["contenders"].get(confirmed.name) or {}).get("vs_plain")
                                     for lv in levels_out}
+        # the decision's own mean, as it is written (decision() gave the winner's as it raced)
+        why["geomean_vs_plain"] = geomean([r for r in why["vs_plain_by_level"].values() if r is not None])
         if not ahead_over_range(why["vs_plain_by_level"]):
             say("      the decision as written is not ahead of plain over the levels: plain it is")
             chosen, why = None, {"winner": PLAIN, "why": "the decided config, raced as written, was not ahead of plain "
@@ -332,7 +335,7 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
     for m, rec in records.items():
         costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
         plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
-                               overhead_s=overhead)
+                               overhead_s=overhead, off_ratio=engine_kind(s.engine).defaults.schedule_off_ratio)
         say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
 
     def score(p: dict) -> float:
