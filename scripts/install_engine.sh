@@ -11,6 +11,10 @@
 # wheel is kept in $TREE_PLANNER_CACHE/wheels (pip's own cache would hand back a wheel built with
 # other flags), so later environments on this machine install it in seconds. Skipped when an adequate
 # build is installed. The build's progress is printed; its whole log goes to a file, kept on failure.
+# AMX is compiled out (-mno-amx-*): on a 2-core Intel Xeon VM that lists amx_tile, amx_int8 and the
+# kernel's permission, ggml's AMX matmul died at its first tileloadd (SIGILL) on a prefill of a few
+# dozen tokens; AVX-512 stays. The cached wheel's name carries BUILD, so a wheel built otherwise is
+# never reused.
 # Idempotent; on failure it exits non-zero with one line saying what failed.
 # vLLM is not installed here: it lives in its own environment (scripts/setup_vllm.sh).
 set -euo pipefail
@@ -18,14 +22,17 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 ENGINES="hf, llama.cpp"
 LLAMA_VERSION=0.3.36
+BUILD=noamx  # the build's flags, in the cached wheel's folder name: llamafile off, AMX off
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 fail() { echo "install_engine.sh: $*" >&2; exit 1; }
 
-llama_cpp_ok() {  # the pinned version, built without llamafile
+llama_cpp_ok() {  # the pinned version, built without llamafile and without AMX
   "$PY" -c "
 import sys, llama_cpp
 llama_cpp.llama_backend_init()
-sys.exit(llama_cpp.__version__ != '$LLAMA_VERSION' or b'LLAMAFILE = 1' in llama_cpp.llama_print_system_info())
+info = llama_cpp.llama_print_system_info()
+sys.exit(llama_cpp.__version__ != '$LLAMA_VERSION' or b'LLAMAFILE = 1' in info or b'AMX' in info)
 " >/dev/null 2>&1
 }
 
@@ -35,7 +42,9 @@ build_llama_wheel() {  # pip wheel with the build's output in $log, its progress
   echo "install_engine.sh: building llama-cpp-python $LLAMA_VERSION from source (llamafile off) on $(nproc) cores;" \
        "about 8 minutes on 2 cores, once per machine (log: $log)" >&2
   set +e
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  # GCC keeps an explicit -mno-* whatever -march=native turns on
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PY" -m pip wheel -v --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$wheels" \
     "llama-cpp-python==$LLAMA_VERSION" 2>&1 | tee "$log" | awk -v start="$start" '
       function show(pct,   now) {  # a line every 10 % of the build
@@ -68,7 +77,7 @@ install_llama_cpp() {
     return
   fi
   local wheels wheel log
-  wheels="${TREE_PLANNER_CACHE:-$HOME/.cache/tree-planner}/wheels"
+  wheels="${TREE_PLANNER_CACHE:-$HOME/.cache/tree-planner}/wheels/$BUILD"
   mkdir -p "$wheels" || fail "cannot create $wheels"
   wheel=$(ls "$wheels"/llama_cpp_python-"$LLAMA_VERSION"-*.whl 2>/dev/null | head -1 || true)
   if [ -z "$wheel" ]; then
@@ -82,8 +91,8 @@ install_llama_cpp() {
   "$PY" -m pip install -q --force-reinstall --no-deps "$wheel" || fail "pip could not install $wheel"
   "$PY" -m pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0" \
     || fail "pip could not install llama-cpp-python's dependencies (diskcache, jinja2, typing-extensions)"
-  llama_cpp_ok || fail "llama-cpp-python $LLAMA_VERSION from $wheel does not import, or was built with llamafile on" \
-                       "(delete the wheel and rerun)"
+  llama_cpp_ok || fail "llama-cpp-python $LLAMA_VERSION from $wheel does not import, or was built with llamafile or" \
+                       "AMX on (delete the wheel and rerun)"
   echo "install_engine.sh: llama.cpp: llama-cpp-python $LLAMA_VERSION (llamafile off) installed" >&2
 }
 
