@@ -56,7 +56,7 @@ from workflows.mainjob.serving_race import (
     decide_level,
     decision,
     distinct,
-    geomean,
+    measured_record,
     measured_why,
     predicted_seconds,
     raced_as_is,
@@ -284,10 +284,9 @@ def autotune_serving(s: ServingSettings) -> dict:
             race_doc["levels"] = levels_out
             race_doc["contenders"].append({"name": DECISION, "config": confirmed.speculative,
                                            "predicted_tokens_per_s": {}})
-        why["vs_plain_by_level"] = {lv["level"]: (lv["contenders"].get(confirmed.name) or {}).get("vs_plain")
-                                    for lv in levels_out}
-        # the decision's own mean, as it is written (decision() gave the winner's as it raced)
-        why["geomean_vs_plain"] = geomean([r for r in why["vs_plain_by_level"].values() if r is not None])
+        # the decision's own ratios and mean, as it is written (decision() gave the winner's as it raced)
+        measured = measured_record(confirmed, levels_out, levels)
+        why.update({k: measured[k] for k in ("vs_plain_by_level", "geomean_vs_plain")})
         if not ahead_over_range(why["vs_plain_by_level"]):
             say("      the decision as written is not ahead of plain over the levels: plain it is")
             chosen, why = None, {"winner": PLAIN, "why": "the decided config, raced as written, was not ahead of plain "

@@ -362,23 +362,29 @@ def raced_as_is(chosen: Contender, raced: list[Contender]) -> Contender | None:
     return next((c for c in raced if config_key(c.speculative) == key), None)
 
 
+def measured_record(c: Contender, levels_out: list[dict], levels) -> dict:
+    """What `c`'s config measured as it raced, as the decision's record: its draft length, the levels
+    where it was ahead of and behind plain, its ratios to plain and their geometric mean."""
+    rows = {lv["level"]: lv["contenders"].get(c.name) for lv in levels_out}
+    measured = {lv: (row or {}).get("vs_plain") for lv, row in rows.items()}
+    return {"winner": c.name, "measured_as": c.name, "draft_length_by_level": _k_by_level(c.speculative, levels),
+            "levels_ahead_of_plain": [lv for lv in levels if beats_plain(rows.get(lv) or {})],
+            "levels_behind_plain": [lv for lv in levels if behind_plain(rows.get(lv))],
+            "geomean_vs_plain": geomean([r for r in measured.values() if r is not None]),
+            "vs_plain_by_level": measured}
+
+
 def as_raced(winner: Contender, levels_out: list[dict], levels, why_skipped: str) -> tuple[Contender | None, dict]:
     """The decision when its confirmation does not fit the budget: the winner's config as it was raced,
     every level measured, if that pays over the levels (ahead_over_range), else plain. The schedule the
     confirmation would have raced is named, not written: a user with more time runs it with a larger
     --budget."""
-    measured = {lv["level"]: (lv["contenders"].get(winner.name) or {}).get("vs_plain") for lv in levels_out}
-    if not ahead_over_range(measured):
+    record = measured_record(winner, levels_out, levels)
+    if not ahead_over_range(record["vs_plain_by_level"]):
         return None, {"winner": PLAIN, "why": f"{winner.name} as raced is not ahead of plain over the levels, and "
                       "switching it off where it lost was not confirmed in the budget", "confirm": why_skipped,
-                      "measured_decision": {"winner": winner.name, "vs_plain_by_level": measured}}
-    rows = {x["level"]: x["contenders"].get(winner.name) for x in levels_out}
-    return Contender(winner.name, dict(winner.speculative)), {
-        "winner": winner.name, "measured_as": winner.name,
-        "draft_length_by_level": _k_by_level(winner.speculative, levels),
-        "levels_behind_plain": [lv for lv in levels if behind_plain(rows.get(lv))],
-        "geomean_vs_plain": geomean([r for r in measured.values() if r is not None]), "confirm": why_skipped,
-        "vs_plain_by_level": measured}
+                      "measured_decision": {"winner": winner.name, "vs_plain_by_level": record["vs_plain_by_level"]}}
+    return Contender(winner.name, dict(winner.speculative)), {**record, "confirm": why_skipped}
 
 
 def best_measured(candidates: list[Contender], levels_out: list[dict], levels) -> tuple[Contender, dict] | None:
@@ -404,11 +410,7 @@ def best_measured(candidates: list[Contender], levels_out: list[dict], levels) -
 
 def measured_why(c: Contender, levels_out: list[dict], levels, scores: dict, decided: dict) -> dict:
     """The decision's record when best_measured replaced the one decide() raced: what it measured."""
-    rows = {lv["level"]: lv["contenders"].get(c.name) or {} for lv in levels_out}
-    return {"winner": c.name, "measured_as": c.name, "draft_length_by_level": _k_by_level(c.speculative, levels),
-            "levels_ahead_of_plain": [lv for lv in levels if beats_plain(rows.get(lv, {}))],
-            "levels_behind_plain": [], "geomean_vs_plain": scores[c.name],
-            "vs_plain_by_level": {lv: rows.get(lv, {}).get("vs_plain") for lv in levels},
+    return {**measured_record(c, levels_out, levels),
             "chosen_by": "the highest geometric mean over plain among the configs measured as written and behind "
                          "plain at no level: " + ", ".join(f"{n} {g:.3f}x" for n, g in
                                                             sorted(scores.items(), key=lambda t: -t[1])),
