@@ -9,11 +9,17 @@ costs the engine's measured step at (b, 1 + k) scored tokens per sequence plus t
 yields E[tau](k) = 1 + sum_d prod_{i<=d} a_i tokens per request (a_i: the acceptance at distance i
 given every earlier one accepted), so the level's output is b E[tau](k) / step(b, k) tokens/s. A
 lookup proposer drafts only in a share r of the steps (where the text matches), so its steps are
-priced as the mixture r step(b, 1 + k) + (1 - r) step(b, 1). Every k is priced (exact under the
-model); with r = 1 the choice is the project's chain planner's (planner/batch.py
-plan_chain_schedule), which tests/test_serving_autotune.py checks. Numpy only.
+priced as the mixture r step(b, 1 + k) + (1 - r) step(b, 1). Served, a request's time is its
+decoding steps plus everything else (its prefill, its first token, the ramp-up and the tail), and
+speculation shortens only the steps: plain's pass through the server measures both parts at every
+level (served_level), and a draft adds the profile's price for scoring it to plain's served step.
+Every k is priced (exact under the model); with r = 1 and no served costs the choice is the project's
+chain planner's (planner/batch.py plan_chain_schedule), which tests/test_serving_autotune.py checks.
+Numpy only.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,18 +48,57 @@ def drafting(record: dict, label: str = "acceptance") -> tuple[np.ndarray, float
     return np.cumprod(from_entry(record, label).accuracy[:, 0]), 1.0
 
 
-def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
-                           passes: str = "one", rate: float = 1.0, overhead_s: float = 0.0) -> float:
-    """Output tokens/s of `batch_size` running requests whose proposer drafts k tokens in a share `rate`
-    of the steps: b E[tau] / E[step], E[tau] = 1 + rate sum_{d<=k} prefix_d, a drafting step priced at
-    the profile's (b, 1 + k) plus the drafting, the others at (b, 1); every step also pays the server's
-    own cost beyond the profiled forward (`overhead_s`, server_overhead)."""
-    plain = float(profile.latency(1)) + overhead_s
+@dataclass(frozen=True)
+class ServedLevel:
+    """What plain's pass through the server measured at one concurrency level: a request's time splits
+    into its decoding steps and everything else (its prefill, its first token, the ramp-up and the tail
+    when fewer requests run), and speculation shortens only the first part."""
+
+    decode_step_s: float  # seconds per step of a decoding request (served_step_s): the served forward
+    request_s: float  # seconds per request outside its decoding steps, at this concurrency
+    decode_tokens: float  # output tokens per request after its first
+
+
+def served_level(batch_size: int, output_tokens_per_s: float, requests: int, output_tokens: int,
+                 step_s: float | None) -> ServedLevel | None:
+    """plain's ServedLevel from its pass: n requests at concurrency b take n / b waves of request_s plus
+    N - 1 decoding steps each (N output tokens per request, the first with the prefill), so
+    request_s = b N / tokens/s - (N - 1) step. `step_s`: the served step, the median gap between a
+    request's successive chunks (LoadResult.step_p50_s). None where the pass has no such step."""
+    if not step_s or step_s <= 0 or requests <= 0 or output_tokens <= requests or output_tokens_per_s <= 0:
+        return None
+    per_request = output_tokens / requests
+    return ServedLevel(decode_step_s=step_s, decode_tokens=per_request - 1,
+                       request_s=max(0.0, batch_size * per_request / output_tokens_per_s - (per_request - 1) * step_s))
+
+
+def priced_step(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0, passes: str = "one",
+                rate: float = 1.0, overhead_s: float = 0.0, served: ServedLevel | None = None) -> tuple[float, float]:
+    """(E[tau], E[step]) of one request at `batch_size` running: E[tau] = 1 + rate sum_{d<=k} prefix_d
+    tokens a step, the proposer drafting k tokens in a share `rate` of the steps. A drafting step costs
+    the plain step plus the profile's price for scoring k more tokens, (b, 1 + k) - (b, 1), plus the
+    drafting. The plain step: plain's served step where `served` is given, else the profile's plus the
+    server's cost per step (`overhead_s`, server_overhead)."""
+    step = served.decode_step_s if served is not None else float(profile.latency(1)) + overhead_s
     if k == 0:
-        return batch_size / plain
+        return 1.0, step
     tokens = 1.0 + rate * float(np.sum(np.asarray(prefix, dtype=np.float64)[:k]))
-    drafting_step = float(profile.latency(1 + k)) + overhead_s + draft_s * (k if passes == "depth" else 1)
-    return batch_size * tokens / ((1.0 - rate) * plain + rate * drafting_step)
+    scoring = float(profile.latency(1 + k)) - float(profile.latency(1)) + draft_s * (k if passes == "depth" else 1)
+    return tokens, step + rate * scoring
+
+
+def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
+                           passes: str = "one", rate: float = 1.0, overhead_s: float = 0.0,
+                           served: ServedLevel | None = None) -> float:
+    """Output tokens/s of `batch_size` running requests, each gaining E[tau] tokens per E[step]
+    (priced_step). With `served` (plain's pass at this level) each request also pays its request_s,
+    which speculation does not shorten: b (1 + D) / (request_s + D E[step] / E[tau]), D its tokens after
+    the first; without it, b E[tau] / E[step]."""
+    tokens, step = priced_step(prefix, profile, batch_size, k, draft_s, passes, rate, overhead_s, served)
+    if served is None:
+        return batch_size * tokens / step
+    d = served.decode_tokens
+    return batch_size * (1.0 + d) / (served.request_s + d * step / tokens)
 
 
 def server_overhead(profiles: dict, plain_tokens_per_s: dict[int, float], levels) -> dict[int, float]:
@@ -70,22 +115,28 @@ def server_overhead(profiles: dict, plain_tokens_per_s: dict[int, float], levels
 
 def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, draft_s: dict[int, float],
                 schedulable: bool = True, overhead_s: dict[int, float] | None = None,
-                off_ratio: float = 1.0) -> dict:
+                off_ratio: float = 1.0, served: dict | None = None) -> dict:
     """The best draft length per level (every k in 0..max_k priced, the most tokens/s) and the best fixed
     one (geometric mean over the levels), with predictions. With every step drafting (rate 1) this is the
     chain planner's choice (planner/batch.py plan_chain_schedule; tests/test_serving_autotune.py).
     schedulable=False: the engine's proposer takes one draft length, so the plan is the best fixed one.
     overhead_s: the server's own seconds per step at each level (server_overhead), 0 where absent.
     off_ratio: tokens/s of k = 0 inside a schedule over plain's (an engine that keeps its speculative path
-    there: EngineDefaults.schedule_off_ratio); a schedule predicted below plain over the levels is plain."""
-    overhead_s = overhead_s or {}
+    there: EngineDefaults.schedule_off_ratio); a schedule predicted below plain over the levels is plain.
+    served: level -> plain's ServedLevel there (served_level); where given it replaces overhead_s."""
+    overhead_s, served = overhead_s or {}, served or {}
     prefix, rate = drafting(record, f"accept-{method}")
     k_max = min(max_k, prefix.size)
     passes = record.get("guesser", {}).get("draft_passes", "one")
 
     def rate_at(b: int, k: int) -> float:
         return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
-                                      overhead_s.get(b, 0.0))
+                                      overhead_s.get(b, 0.0), served.get(b))
+
+    def priced(b: int, k: int) -> dict:
+        tokens, step = priced_step(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
+                                   overhead_s.get(b, 0.0), served.get(b))
+        return {"tokens_per_step": tokens, "step_s": step}
 
     def in_schedule(b: int, k: int) -> float:
         return rate_at(b, k) if k else rate_at(b, 0) * off_ratio
@@ -104,7 +155,10 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
             "plain_predicted": plain, "best_fixed": best_k, "off_ratio": off_ratio,
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
             "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s,
-            "schedulable": schedulable, "overhead_s": overhead_s}
+            "priced": {b: priced(b, per_level[b]) for b in levels},
+            "fixed_priced": {b: priced(b, best_k) for b in levels},
+            "schedulable": schedulable, "overhead_s": overhead_s,
+            "served": {b: vars(v) for b, v in served.items()}}
 
 
 def schedule_ranges(per_level: dict[int, int], levels) -> list[list[int]]:

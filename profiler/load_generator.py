@@ -99,6 +99,13 @@ class LoadResult:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def step_p50_s(self) -> float | None:
+        """The median gap between a request's successive token-carrying chunks, over every completed
+        request: the server's step while requests decode (a chunk per step, with every token the step
+        accepted). The median leaves out the steps stalled by another request's prefill."""
+        return percentile([g for r in self.completed for g in r.itl_s], 50)
+
+    @property
     def tpot_p50_s(self) -> float | None:
         return percentile([r.tpot_s for r in self.completed if r.tpot_s is not None], 50)
 
@@ -118,6 +125,7 @@ class LoadResult:
         return {"concurrency": self.concurrency, "requests": len(self.records), "completed": len(self.completed),
                 "timed_out": self.timed_out, "interrupted": self.interrupted, "wall_s": self.wall_s,
                 "output_tokens": self.output_tokens, "output_tokens_per_s": self.output_tokens_per_s,
+                "step_p50_s": self.step_p50_s,
                 "tpot_p50_s": self.tpot_p50_s, "tpot_p99_s": self.tpot_p99_s, "ttft_p50_s": self.ttft_p50_s}
 
 

@@ -746,3 +746,98 @@ def test_a_short_budget_races_every_contender_on_the_same_first_requests(monkeyp
     assert summary["race_requests"] == {"requests": 16, "by_level": sizes}
     assert "Cut to fit the budget: every contender raced the first" in (tmp_path / "run" / "report.md").read_text()
     assert all(len(lv["contenders"]) >= 2 for lv in race["levels"])
+
+
+# ---------------------------------------------------------------------------------------------- served levels
+
+def _waves(n: int, b: int, request_s: float, steps: int, step_s: float) -> float:
+    """Wall seconds of n requests at concurrency b, each request_s plus `steps` decoding steps of step_s:
+    simulated slot by slot (a request starts when a slot frees), independent of the closed form."""
+    free = [0.0] * b
+    for _ in range(n):
+        t = min(free)
+        free[free.index(t)] = t + request_s + steps * step_s
+    return max(free)
+
+
+@pytest.mark.parametrize("b, request_s", [(1, 0.3), (4, 0.6), (16, 2.3)])
+def test_plains_pass_splits_a_request_into_its_decoding_steps_and_the_rest(b, request_s):
+    """A request's time is its decoding steps plus the rest (its prefill, its first token, its share of the
+    ramp and tail), and speculation shortens only the steps. served_level recovers both parts from plain's
+    pass; predicted_tokens_per_s is then exact against a slot-by-slot simulation of the same server with a
+    proposer that accepts exactly one draft a step (tau = 2), and k = 0 is plain's measured tokens/s."""
+    n, out_tokens, step = 16, 30, 0.12
+    profile = _profiles([b])[b]
+    tps = n * (1 + out_tokens) / _waves(n, b, request_s, out_tokens, step)
+    v = planning.served_level(b, tps, n, n * (1 + out_tokens), step)
+    assert v.decode_step_s == pytest.approx(step) and v.request_s == pytest.approx(request_s) and n % b == 0
+    assert v.decode_tokens == out_tokens
+    prefix = np.array([1.0] + [0.0] * 7)  # the first draft always accepted, the rest never: 2 tokens a step
+    assert planning.predicted_tokens_per_s(prefix, profile, b, 0, served=v) == pytest.approx(tps)
+    for k in (1, 4):  # every step drafts and scores 1 + k tokens a request
+        spec_step = step + profile.latency(1 + k) - profile.latency(1)
+        sim = n * (1 + out_tokens) / _waves(n, b, request_s, out_tokens // 2, spec_step)
+        assert planning.predicted_tokens_per_s(prefix, profile, b, k, served=v) == pytest.approx(sim)
+        tokens, priced = planning.priced_step(prefix, profile, b, k, served=v)
+        assert (tokens, priced) == pytest.approx((2.0, spec_step))
+    # the per-step view (the same wall time charged to every step) credits speculation with shortening the
+    # rest too: here it predicts more than the served split (so whenever a draft costs less than (tau - 1) request_s)
+    per_step = planning.server_overhead({b: profile}, {b: tps}, [b])[b]
+    for k in (1, 4):
+        assert planning.predicted_tokens_per_s(prefix, profile, b, k, overhead_s=per_step) > \
+            planning.predicted_tokens_per_s(prefix, profile, b, k, served=v)
+    assert planning.served_level(b, tps, n, n, step) is None  # one token each: nothing decoded
+    assert planning.served_level(b, tps, n, n * (1 + out_tokens), None) is None  # no chunk gaps seen
+
+
+def test_the_autotune_plans_on_plains_served_split_and_reports_what_each_prediction_rested_on(monkeypatch, tmp_path):
+    """Where plain's streams are timed, phase 3 splits its pass into the served step and each request's
+    time outside it, and every prediction is priced on that split (plan_method with served); the report
+    shows plain's split and, per planned contender and level, the tokens per step and the step it was
+    priced on beside the race's own."""
+    from decoder.engines import registry
+    import planner.profile as pp
+
+    levels = [1, 4]
+    profiles = _profiles(levels, per_token_s=0.004)
+    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
+    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
+    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
+    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
+    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
+    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec})
+    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: None)
+    step = {1: 0.11, 4: 0.13}  # plain's served step; 0.5 s more per request outside its 7 decoding steps
+
+    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
+        for lv in lvls:
+            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            gap = step[lv] if k == 0 else step[lv] * 1.5  # a speculative step: fewer gaps, each longer
+            chunks = 7 if k == 0 else 4
+            times = [0.5 + gap * i for i in range(chunks + 1)]
+            recs = [RequestRecord(i, 0.0, ttft_s=0.5, token_times_s=times, latency_s=times[-1], output_tokens=8,
+                                  token_ids=list(range(8))) for i in range(8)]
+            counters = SpecDecodeCounters(drafts=8 * chunks, draft_tokens=8 * chunks * max(k, 1),
+                                          accepted_tokens=8 * (7 - chunks)) if k else SpecDecodeCounters()
+            results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 8 / lv * times[-1], recs),
+                                                   "counters": counters}]
+
+    monkeypatch.setattr(sr, "race_contender", fake_race)
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",), out=str(tmp_path / "run"), quiet=True,
+                           race_requests=8, accept_requests=2)
+    summary = sv.autotune_serving(s)
+    served = {lv: planning.ServedLevel(**v) for lv, v in summary["served"].items()}
+    assert {lv: v.decode_step_s for lv, v in served.items()} == pytest.approx(step)
+    assert {lv: v.request_s for lv, v in served.items()} == pytest.approx({1: 0.5, 4: 0.5})
+    expect = planning.plan_method("ngram", rec, profiles, levels, max(s.draft_lengths), {}, served=served)
+    race = json.loads((tmp_path / "run" / "race.json").read_text())
+    fixed = next(c for c in race["contenders"] if c["name"].startswith("fixed"))
+    assert {int(k): v for k, v in fixed["predicted_tokens_per_s"].items()} == pytest.approx(expect["fixed_predicted"])
+    parts = summary["prediction_parts"][fixed["name"]]
+    for lv in levels:
+        (tp, tm), (sp, sm) = parts[lv]["tokens_per_step"], parts[lv]["step_s"]
+        assert tp == pytest.approx(expect["fixed_priced"][lv]["tokens_per_step"]) and tm == pytest.approx(7 / 4)
+        assert sp == pytest.approx(expect["fixed_priced"][lv]["step_s"]) and sm == pytest.approx(step[lv] * 1.5)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "vLLM plain's pass, split (ms): the served step / each request's time outside" in report
+    assert "1: 110 / 500, 4: 130 / 500" in report and "What each prediction rested on" in report

@@ -6,11 +6,12 @@
 Six named phases, each announced with the time left:
   1 profile   the server's own step time by batch size and draft length       profiler/vllm_profile.py
   2 accept    each proposer's acceptance per draft position, in the server     profiler/vllm_accept.py
-  3 plan      vLLM plain through the server at every level (the first contender of the race), whose
-              tokens/s give the server's own cost per step beyond the profiled forward (scheduling,
-              streaming, detokenising on the same cores: planner/serving.py server_overhead); then per
-              proposer the draft length per level with the most output tokens/s on the profile plus
-              that cost (planner/serving.py plan_method), and its best fixed length
+  3 plan      vLLM plain through the server at every level (the first contender of the race): its
+              streams split a request's time into served steps and the rest (prefill, first token,
+              ramp and tail), which speculation does not shorten (planner/serving.py served_level);
+              then per proposer the draft length per level with the most output tokens/s, a draft
+              priced at the profile's cost of scoring it on plain's served step (plan_method), and
+              its best fixed length
   4 race      one real server per contender and real concurrent clients at every level: the
               stock suffix and ngram settings, the best fixed length, the planned schedule; every greedy
               answer must equal plain's; each level is decided by the paired rule (serving_race.py).
@@ -41,7 +42,15 @@ from planner.engines import kind as engine_kind
 from planner.errors import UserError
 from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
-from planner.serving import MAX_CONCURRENCY, draft_costs, plan_method, schedule_ranges, server_overhead
+from planner.serving import (
+    MAX_CONCURRENCY,
+    ServedLevel,
+    draft_costs,
+    plan_method,
+    schedule_ranges,
+    served_level,
+    server_overhead,
+)
 from workflows.mainjob.serving_race import (
     DECISION,
     PLAIN,
@@ -217,12 +226,18 @@ def autotune_serving(s: ServingSettings) -> dict:
     interrupted = False
     try:  # Ctrl-C in plain's pass or in the race: race.json keeps what was raced
         race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
-        plain_tps = {lv: decide_level(results, lv, False)["contenders"][PLAIN]["output_tokens_per_s"] for lv in levels}
+        plain_rows = {lv: decide_level(results, lv, False)["contenders"][PLAIN] for lv in levels}
+        plain_tps = {lv: row["output_tokens_per_s"] for lv, row in plain_rows.items()}
         overhead = server_overhead(profiles, plain_tps, levels)
         summary["server_overhead_s"] = overhead
+        served = _served(plain_rows)
+        summary["served"] = {lv: vars(v) for lv, v in served.items()}
         say("      the server's own cost per step (ms) by level: "
             + ", ".join(f"{lv}: {overhead[lv] * 1e3:.0f}" for lv in levels))
-        contenders = _planned_contenders(records, profiles, levels, s, draft_dir, overhead, out, say)
+        if served:
+            say("      plain's served step / time per request outside it (ms) by level: "
+                + ", ".join(f"{lv}: {v.decode_step_s * 1e3:.0f} / {v.request_s * 1e3:.0f}" for lv, v in served.items()))
+        contenders = _planned_contenders(records, profiles, levels, s, draft_dir, overhead, out, say, served)
         summary["phases"]["plan_s"] = time.time() - t0
 
         phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
@@ -245,7 +260,8 @@ def autotune_serving(s: ServingSettings) -> dict:
     levels_out = [decide_level(results, lv, greedy) for lv in levels
                   if PLAIN in results and lv in results[PLAIN]]
     race_doc = {"levels": levels_out, "contenders": [{"name": c.name, "config": c.speculative,
-                                                      "predicted_tokens_per_s": c.predicted} for c in contenders],
+                                                      "predicted_tokens_per_s": c.predicted, "priced": c.priced}
+                                                     for c in contenders],
                 "requests": len(race_reqs), "requests_by_level": sizes, "max_tokens": s.max_tokens, "rounds": s.rounds,
                 "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
                 "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "skipped": skipped,
@@ -306,6 +322,7 @@ def autotune_serving(s: ServingSettings) -> dict:
 
     phase(6, "write: the decision, exports, report")
     summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out),
+                    "prediction_parts": _prediction_parts(contenders, levels_out),
                     "skipped": skipped, "race_requests": {"requests": len(race_reqs), "by_level": sizes}})
     _exports(chosen, out, draft_dir)
     summary["wall_s"] = time.time() - t0
@@ -325,16 +342,31 @@ def autotune_serving(s: ServingSettings) -> dict:
     return summary
 
 
+def _served(plain_rows: dict[int, dict]) -> dict[int, ServedLevel]:
+    """level -> plain's ServedLevel from its race rows, where the pass decoded (its streams' times)."""
+    out = {}
+    for lv, row in plain_rows.items():
+        v = served_level(lv, row["output_tokens_per_s"], row.get("requests", 0), row.get("output_tokens", 0),
+                         row.get("step_p50_s"))
+        if v is not None:
+            out[lv] = v
+    return out
+
+
 def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSettings, draft_dir: str | None,
-                        overhead: dict[int, float], out: Path, say) -> list[Contender]:
+                        overhead: dict[int, float], out: Path, say,
+                        served: dict[int, ServedLevel] | None = None) -> list[Contender]:
     """Plain, the stock settings, the best proposer's best fixed length and its planned schedule, each
-    priced on the profile plus the server's measured cost per step; plans.json records every proposer's."""
+    priced on the profile and plain's served levels (else the server's cost per step); plans.json
+    records every proposer's."""
     max_k = max(s.draft_lengths)
+    served = served or {}
     plans = {}
     for m, rec in records.items():
         costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
         plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
-                               overhead_s=overhead, off_ratio=engine_kind(s.engine).defaults.schedule_off_ratio)
+                               overhead_s=overhead, off_ratio=engine_kind(s.engine).defaults.schedule_off_ratio,
+                               served=served)
         say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
 
     def score(p: dict) -> float:
@@ -345,7 +377,7 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
     contenders += [Contender(n, dict(c)) for n, c in STOCK.items()]
     fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
     contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
-                                dict(best["fixed_predicted"])))
+                                dict(best["fixed_predicted"]), dict(best["fixed_priced"])))
     # a proposer vLLM runs at one length is the decision only if ahead at every level, and its prediction
     # misses its own cost under load (the profile drafts with a stub: suffix measured up to 87 % below it
     # here); so the best proposer that can be switched off by batch size races its schedule too
@@ -356,10 +388,11 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
         planned_ranges = schedule_ranges(plan["per_level"], levels)
         if any(k for *_, k in planned_ranges):
             cfg = method_config(plan["method"], max(k for *_, k in planned_ranges), draft_dir, planned_ranges)
-            contenders.append(Contender(f"planned {plan['method']}", cfg, dict(plan["predicted"])))
+            contenders.append(Contender(f"planned {plan['method']}", cfg, dict(plan["predicted"]), dict(plan["priced"])))
     atomic_write_json(out / "plans.json", {"plans": _jsonable(plans), "chosen_method": best["method"],
                                            "planned_methods": [p["method"] for p in planned],
-                                           "server_overhead_s": _jsonable(overhead)})
+                                           "server_overhead_s": _jsonable(overhead),
+                                           "served": _jsonable({lv: vars(v) for lv, v in served.items()})})
     return distinct(contenders)
 
 
@@ -386,6 +419,24 @@ def _prediction_error(contenders: list[Contender], levels_out: list[dict]) -> di
             row = lv["contenders"].get(c.name)
             if c.predicted and row and row["output_tokens_per_s"] > 0:
                 out.setdefault(c.name, {})[lv["level"]] = c.predicted[lv["level"]] / row["output_tokens_per_s"] - 1
+    return out
+
+
+def _prediction_parts(contenders: list[Contender], levels_out: list[dict]) -> dict:
+    """Per planned contender and level, what a prediction rested on beside what the race measured: tokens a
+    request gained per decoding step (the acceptance) and the served step (the cost), so a miss shows which
+    of the two it came from."""
+    out = {}
+    for c in contenders:
+        for lv in levels_out:
+            row, priced = lv["contenders"].get(c.name), c.priced.get(lv["level"])
+            if not (row and priced and row.get("requests")):
+                continue
+            decoded = row["output_tokens"] - row["requests"]  # each request's first token comes with its prefill
+            steps = decoded - row["accepted"]
+            out.setdefault(c.name, {})[lv["level"]] = {
+                "tokens_per_step": [priced["tokens_per_step"], decoded / steps if steps > 0 else None],
+                "step_s": [priced["step_s"], row.get("step_p50_s")]}
     return out
 
 
@@ -520,13 +571,30 @@ def report(summary: dict, contenders: list[Contender]) -> str:
         lines += ["", "Predicted / measured output tokens/s - 1:", ""]
         lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in by_level(v))
                   for name, v in err.items()]
+    parts = summary.get("prediction_parts") or {}
+    if parts:
+        lines += ["", "What each prediction rested on, predicted / raced: tokens per decoding step (acceptance) and "
+                  "the served step in ms (cost; the median gap between a request's chunks):", ""]
+        for name, v in parts.items():
+            cells = []
+            for lv, p in by_level(v):
+                (tp, tm), (sp, sm) = p["tokens_per_step"], p["step_s"]
+                cells.append(f"{lv}: {tp:.2f} / " + (f"{tm:.2f}" if tm else "-") + f", {sp * 1e3:.0f} / "
+                             + (f"{sm * 1e3:.0f}" if sm else "-"))
+            lines.append(f"- {name}: " + "; ".join(cells))
     budget = summary.get("budget") or {}
     if budget:
         lines += ["", f"Time: {budget['used_minutes']:.1f} min of a {budget['minutes']:g}-minute budget; per contender "
                   "(server starts and every level): " + ", ".join(f"{n} {v:.0f} s" for n, v in
                                                                    budget["seconds_by_contender"].items())]
+    served = summary.get("served") or {}
     overhead = summary.get("server_overhead_s") or {}
-    if overhead:
+    if served:
+        lines += ["", "vLLM plain's pass, split (ms): the served step / each request's time outside its decoding "
+                  "steps (prefill, first token, ramp and tail; speculation does not shorten it): "
+                  + ", ".join(f"{lv}: {v['decode_step_s'] * 1e3:.0f} / {v['request_s'] * 1e3:.0f}"
+                              for lv, v in by_level(served))]
+    elif overhead:
         lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
                   "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
                                                             by_level(overhead))]

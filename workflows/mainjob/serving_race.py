@@ -43,6 +43,7 @@ class Contender:
     name: str
     speculative: dict | None  # the speculative config (None: plain)
     predicted: dict = field(default_factory=dict)  # level -> predicted output tokens/s (planned contenders)
+    priced: dict = field(default_factory=dict)  # level -> {"tokens_per_step", "step_s"} behind the prediction
 
 
 def sampling(s):
@@ -76,7 +77,7 @@ def distinct(contenders: list[Contender]) -> list[Contender]:
         if key not in seen:
             seen[key] = c
         elif not seen[key].predicted and c.predicted:
-            seen[key].predicted = dict(c.predicted)
+            seen[key].predicted, seen[key].priced = dict(c.predicted), dict(c.priced)
     return list(seen.values())
 
 
@@ -236,6 +237,11 @@ def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
     return sum(1 for x, y in zip(a, b) if x.ok and y.ok and x.token_ids is not None and x.token_ids != y.token_ids)
 
 
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.median(xs)) if xs else None
+
+
 def decide_level(results: dict, level: int, greedy: bool) -> dict:
     """Each contender against plain at one level (the paired rule), and the level's winner."""
     from workflows.mainjob.signflip import interval
@@ -249,10 +255,13 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
         res = [r["result"] for r in rounds]
         tps = float(np.median([r.output_tokens_per_s for r in res]))
         counters = rounds[0]["counters"]
+        # how a request's time splits between decoding steps and the rest (planner/serving.py served_level)
         row = {"output_tokens_per_s": tps, "tpot_p50_s": res[0].tpot_p50_s, "tpot_p99_s": res[0].tpot_p99_s,
                "ttft_p50_s": res[0].ttft_p50_s, "timed_out": sum(r.timed_out for r in res),
-               "accepted": counters.accepted_tokens, "drafted": counters.draft_tokens,
-               "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None}
+               "accepted": counters.accepted_tokens, "drafted": counters.draft_tokens, "drafts": counters.drafts,
+               "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None,
+               "requests": sum(len(r.completed) for r in res), "output_tokens": sum(r.output_tokens for r in res),
+               "step_p50_s": _median([r.step_p50_s for r in res])}
         if name != PLAIN:
             mine = per_request_s(rounds)
             x = [math.log(p / m) for p, m in zip(plain_s, mine) if p and m]
