@@ -43,6 +43,24 @@ def _profiles(levels, fixed_s=0.1, per_token_s=0.004):
     return {b: LatencyProfile(ns, fixed_s + per_token_s * b * ns, {"file": "fake"}) for b in levels}
 
 
+def _faked_inputs(monkeypatch, tmp_path, levels, methods, exported: list | None = None):
+    """The serving autotune's engine, profile, acceptance and exports faked (the race is each test's own):
+    (profiles by level, the acceptance record every method gets); `exported` collects what is exported."""
+    from decoder.engines import registry
+    import planner.profile as pp
+
+    profiles = _profiles(levels, per_token_s=0.004)
+    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
+    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
+    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
+    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
+    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
+    monkeypatch.setattr(sv, "_acceptance", lambda *a: {m: rec for m in methods})
+    sink = [] if exported is None else exported
+    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: sink.append(chosen))
+    return profiles, rec
+
+
 @pytest.mark.parametrize("acc", [[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2], [0.3, 0.1, 0.05, 0.01, 0, 0, 0, 0],
                                  [0.99] * 8])
 def test_planned_draft_length_is_the_best_of_every_length_and_the_chain_planners(acc):
@@ -437,20 +455,10 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     """Phase 3 runs vLLM plain through the server before planning: the plan (and every prediction in
     race.json) is priced on the profile plus the cost per step plain's pass measured, and the other
     contenders race after it. A planned length equal to a stock setting races once, with its prediction."""
-    from decoder.engines import registry
-    import planner.profile as pp
-
     levels = [1, 4, 16]
-    profiles = _profiles(levels, per_token_s=0.004)
     true = {1: 0.03, 4: 0.05, 16: 0.4}
-    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
-    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
-    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
-    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
-    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
-    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec})
-    exported = []
-    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: exported.append(chosen))  # checked by vLLM: slow
+    exported = []  # the exports are checked by vLLM (slow): collected instead
+    profiles, rec = _faked_inputs(monkeypatch, tmp_path, levels, ("ngram",), exported)
     raced = []
 
     def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
@@ -555,18 +563,8 @@ def test_racing_a_contender_is_priced_from_plains_race():
 def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requests=6, sizes_seen=None):
     """A serving autotune on a fake clock (every server start 50 s, every pass 40 s), the race faked with
     tokens/s = level x gain(k, level) at draft length k; (summary, raced names in order, race.json)."""
-    from decoder.engines import registry
-    import planner.profile as pp
-
     levels = [1, 4, 16]
-    profiles = _profiles(levels, per_token_s=0.004)
-    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
-    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
-    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
-    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
-    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
-    monkeypatch.setattr(sv, "_acceptance", lambda *a: {m: rec for m in methods})
-    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: None)
+    profiles, rec = _faked_inputs(monkeypatch, tmp_path, levels, methods)
 
     class Clock:
         now = 1000.0
@@ -795,18 +793,8 @@ def test_the_autotune_plans_on_plains_served_split_and_reports_what_each_predict
     time outside it, and every prediction is priced on that split (plan_method with served); the report
     shows plain's split and, per planned contender and level, the tokens per step and the step it was
     priced on beside the race's own."""
-    from decoder.engines import registry
-    import planner.profile as pp
-
     levels = [1, 4]
-    profiles = _profiles(levels, per_token_s=0.004)
-    rec = {"accuracy": [[x] for x in [0.7, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
-    engine = type("E", (), {"caps": type("C", (), {"name": "vllm"})(), "model_name": "m"})()
-    monkeypatch.setattr(registry, "open_engine", lambda name, req: engine)
-    monkeypatch.setattr(pp, "load_batch_profiles", lambda path: profiles)
-    monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
-    monkeypatch.setattr(sv, "_acceptance", lambda *a: {"ngram": rec})
-    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: None)
+    profiles, rec = _faked_inputs(monkeypatch, tmp_path, levels, ("ngram",))
     step = {1: 0.11, 4: 0.13}  # plain's served step; 0.5 s more per request outside its 7 decoding steps
 
     def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
