@@ -60,7 +60,6 @@ from workflows.mainjob.serving_race import (
     ahead_over_range,
     as_raced,
     best_measured,
-    by_level,
     confirm,
     decide_level,
     decision,
@@ -74,6 +73,7 @@ from workflows.mainjob.serving_race import (
     race_sizes,
 )
 from workflows.mainjob.serving_race import sampling as _sampling
+from workflows.mainjob.serving_report import prediction_error, prediction_parts, report
 
 PHASES = 6
 _DEFAULTS = engine_kind("vllm").defaults  # planner/engines.py: every engine's defaults in one place
@@ -321,8 +321,8 @@ def autotune_serving(s: ServingSettings) -> dict:
     summary["phases"]["confirm_s"] = time.time() - t0
 
     phase(6, "write: the decision, exports, report")
-    summary.update({"decision": why, "levels": levels_out, "prediction_error": _prediction_error(contenders, levels_out),
-                    "prediction_parts": _prediction_parts(contenders, levels_out),
+    summary.update({"decision": why, "levels": levels_out, "prediction_error": prediction_error(contenders, levels_out),
+                    "prediction_parts": prediction_parts(contenders, levels_out),
                     "skipped": skipped, "race_requests": {"requests": len(race_reqs), "by_level": sizes}})
     _exports(chosen, out, draft_dir)
     summary["wall_s"] = time.time() - t0
@@ -411,35 +411,6 @@ def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_
     return race_sizes(pass_s, fixed, n, levels, left_s, races=2)
 
 
-def _prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
-    """Per planned contender and level: predicted / measured output tokens/s - 1."""
-    out = {}
-    for c in contenders:
-        for lv in levels_out:
-            row = lv["contenders"].get(c.name)
-            if c.predicted and row and row["output_tokens_per_s"] > 0:
-                out.setdefault(c.name, {})[lv["level"]] = c.predicted[lv["level"]] / row["output_tokens_per_s"] - 1
-    return out
-
-
-def _prediction_parts(contenders: list[Contender], levels_out: list[dict]) -> dict:
-    """Per planned contender and level, what a prediction rested on beside what the race measured: tokens a
-    request gained per decoding step (the acceptance) and the served step (the cost), so a miss shows which
-    of the two it came from."""
-    out = {}
-    for c in contenders:
-        for lv in levels_out:
-            row, priced = lv["contenders"].get(c.name), c.priced.get(lv["level"])
-            if not (row and priced and row.get("requests")):
-                continue
-            decoded = row["output_tokens"] - row["requests"]  # each request's first token comes with its prefill
-            steps = decoded - row["accepted"]
-            out.setdefault(c.name, {})[lv["level"]] = {
-                "tokens_per_step": [priced["tokens_per_step"], decoded / steps if steps > 0 else None],
-                "step_s": [priced["step_s"], row.get("step_p50_s")]}
-    return out
-
-
 def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:
     if s.profile:
         if not Path(s.profile).is_file():
@@ -520,85 +491,6 @@ def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d
     opts = ExportOptions(engine, method, draft_dir if method == "draft_model" else None,
                          adaptive_config_path=str(d / f"{engine}.adaptive.json"))
     return build(chain, ranges, opts, {"source": "planner autotune --engine vllm, the raced schedule"}, [])
-
-
-def report(summary: dict, contenders: list[Contender]) -> str:
-    levels = summary["concurrency"]
-    lines = [f"# Serving autotune: {summary['model']} on {summary['engine']}", "",
-             f"Decision: **{summary['decision']['winner']}**"
-             + (f", draft length by level {summary['decision'].get('draft_length_by_level')}"
-                if summary['decision'].get('draft_length_by_level') else ""), ""]
-    measured = summary["decision"].get("vs_plain_by_level") or {}
-    if measured:
-        lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
-                  + ", ".join(f"{lv}: {v:.2f}x" if v is not None else f"{lv}: -"
-                              for lv, v in by_level(measured)), ""]
-    if summary["decision"].get("confirm"):
-        lines += [f"Confirmation: {summary['decision']['confirm']}", ""]
-    lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
-              "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
-    at_level = {lv["level"]: lv for lv in summary["levels"]}
-    for c in contenders:
-        cells = []
-        for lv in levels:
-            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
-            if row is None:
-                cells.append("-")
-                continue
-            star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
-            cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
-        lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
-    sizes = (summary.get("race_requests") or {}).get("by_level") or {}
-    full = (summary.get("race_requests") or {}).get("requests")
-    cut = [(lv, n) for lv, n in by_level(sizes) if n < full]
-    if cut:
-        lines += ["", f"Cut to fit the budget: every contender raced the first {', '.join(f'{n} at {lv}' for lv, n in cut)}"
-                  f" of the {full} requests (the levels where a request takes longest)"]
-    skipped = summary.get("skipped") or {}
-    if skipped:
-        lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
-    lines += ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
-              "|---" * (len(levels) + 1) + "|"]
-    for c in contenders:
-        cells = []
-        for lv in levels:
-            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
-            ok = row and row["tpot_p50_s"] is not None and row["tpot_p99_s"] is not None
-            cells.append(f"{row['tpot_p50_s'] * 1e3:.0f} / {row['tpot_p99_s'] * 1e3:.0f}" if ok else "-")
-        lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
-    err = summary.get("prediction_error") or {}
-    if err:
-        lines += ["", "Predicted / measured output tokens/s - 1:", ""]
-        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in by_level(v))
-                  for name, v in err.items()]
-    parts = summary.get("prediction_parts") or {}
-    if parts:
-        lines += ["", "What each prediction rested on, predicted / raced: tokens per decoding step (acceptance) and "
-                  "the served step in ms (cost; the median gap between a request's chunks):", ""]
-        for name, v in parts.items():
-            cells = []
-            for lv, p in by_level(v):
-                (tp, tm), (sp, sm) = p["tokens_per_step"], p["step_s"]
-                cells.append(f"{lv}: {tp:.2f} / " + (f"{tm:.2f}" if tm else "-") + f", {sp * 1e3:.0f} / "
-                             + (f"{sm * 1e3:.0f}" if sm else "-"))
-            lines.append(f"- {name}: " + "; ".join(cells))
-    budget = summary.get("budget") or {}
-    if budget:
-        lines += ["", f"Time: {budget['used_minutes']:.1f} min of a {budget['minutes']:g}-minute budget; per contender "
-                  "(server starts and every level): " + ", ".join(f"{n} {v:.0f} s" for n, v in
-                                                                   budget["seconds_by_contender"].items())]
-    served = summary.get("served") or {}
-    overhead = summary.get("server_overhead_s") or {}
-    if served:
-        lines += ["", "vLLM plain's pass, split (ms): the served step / each request's time outside its decoding "
-                  "steps (prefill, first token, ramp and tail; speculation does not shorten it): "
-                  + ", ".join(f"{lv}: {v['decode_step_s'] * 1e3:.0f} / {v['request_s'] * 1e3:.0f}"
-                              for lv, v in by_level(served))]
-    elif overhead:
-        lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
-                  "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
-                                                            by_level(overhead))]
-    return "\n".join(lines) + "\n"
 
 
 def _jsonable(x):

@@ -1,0 +1,117 @@
+"""The serving main job's report and its prediction checks (workflows/mainjob/serving.py writes them):
+what each contender measured against vLLM plain per level, and how far each prediction was off and why.
+
+    from workflows.mainjob.serving_report import report, prediction_error, prediction_parts
+    text = report(summary, contenders)   # report.md
+"""
+from __future__ import annotations
+
+from workflows.mainjob.serving_race import PLAIN, Contender, by_level
+
+
+def prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
+    """Per planned contender and level: predicted / measured output tokens/s - 1."""
+    out = {}
+    for c in contenders:
+        for lv in levels_out:
+            row = lv["contenders"].get(c.name)
+            if c.predicted and row and row["output_tokens_per_s"] > 0:
+                out.setdefault(c.name, {})[lv["level"]] = c.predicted[lv["level"]] / row["output_tokens_per_s"] - 1
+    return out
+
+
+def prediction_parts(contenders: list[Contender], levels_out: list[dict]) -> dict:
+    """Per planned contender and level, what a prediction rested on beside what the race measured: tokens a
+    request gained per decoding step (the acceptance) and the served step (the cost), so a miss shows which
+    of the two it came from."""
+    out = {}
+    for c in contenders:
+        for lv in levels_out:
+            row, priced = lv["contenders"].get(c.name), c.priced.get(lv["level"])
+            if not (row and priced and row.get("requests")):
+                continue
+            decoded = row["output_tokens"] - row["requests"]  # each request's first token comes with its prefill
+            steps = decoded - row["accepted"]
+            out.setdefault(c.name, {})[lv["level"]] = {
+                "tokens_per_step": [priced["tokens_per_step"], decoded / steps if steps > 0 else None],
+                "step_s": [priced["step_s"], row.get("step_p50_s")]}
+    return out
+
+
+def report(summary: dict, contenders: list[Contender]) -> str:
+    levels = summary["concurrency"]
+    lines = [f"# Serving autotune: {summary['model']} on {summary['engine']}", "",
+             f"Decision: **{summary['decision']['winner']}**"
+             + (f", draft length by level {summary['decision'].get('draft_length_by_level')}"
+                if summary['decision'].get('draft_length_by_level') else ""), ""]
+    measured = summary["decision"].get("vs_plain_by_level") or {}
+    if measured:
+        lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
+                  + ", ".join(f"{lv}: {v:.2f}x" if v is not None else f"{lv}: -"
+                              for lv, v in by_level(measured)), ""]
+    if summary["decision"].get("confirm"):
+        lines += [f"Confirmation: {summary['decision']['confirm']}", ""]
+    lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
+              "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
+    at_level = {lv["level"]: lv for lv in summary["levels"]}
+    for c in contenders:
+        cells = []
+        for lv in levels:
+            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
+            if row is None:
+                cells.append("-")
+                continue
+            star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
+            cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
+        lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    sizes = (summary.get("race_requests") or {}).get("by_level") or {}
+    full = (summary.get("race_requests") or {}).get("requests")
+    cut = [(lv, n) for lv, n in by_level(sizes) if n < full]
+    if cut:
+        lines += ["", f"Cut to fit the budget: every contender raced the first {', '.join(f'{n} at {lv}' for lv, n in cut)}"
+                  f" of the {full} requests (the levels where a request takes longest)"]
+    skipped = summary.get("skipped") or {}
+    if skipped:
+        lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
+    lines += ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
+              "|---" * (len(levels) + 1) + "|"]
+    for c in contenders:
+        cells = []
+        for lv in levels:
+            row = at_level.get(lv, {}).get("contenders", {}).get(c.name)
+            ok = row and row["tpot_p50_s"] is not None and row["tpot_p99_s"] is not None
+            cells.append(f"{row['tpot_p50_s'] * 1e3:.0f} / {row['tpot_p99_s'] * 1e3:.0f}" if ok else "-")
+        lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    err = summary.get("prediction_error") or {}
+    if err:
+        lines += ["", "Predicted / measured output tokens/s - 1:", ""]
+        lines += [f"- {name}: " + ", ".join(f"{lv}: {e:+.0%}" for lv, e in by_level(v))
+                  for name, v in err.items()]
+    parts = summary.get("prediction_parts") or {}
+    if parts:
+        lines += ["", "What each prediction rested on, predicted / raced: tokens per decoding step (acceptance) and "
+                  "the served step in ms (cost; the median gap between a request's chunks):", ""]
+        for name, v in parts.items():
+            cells = []
+            for lv, p in by_level(v):
+                (tp, tm), (sp, sm) = p["tokens_per_step"], p["step_s"]
+                cells.append(f"{lv}: {tp:.2f} / " + (f"{tm:.2f}" if tm else "-") + f", {sp * 1e3:.0f} / "
+                             + (f"{sm * 1e3:.0f}" if sm else "-"))
+            lines.append(f"- {name}: " + "; ".join(cells))
+    budget = summary.get("budget") or {}
+    if budget:
+        lines += ["", f"Time: {budget['used_minutes']:.1f} min of a {budget['minutes']:g}-minute budget; per contender "
+                  "(server starts and every level): " + ", ".join(f"{n} {v:.0f} s" for n, v in
+                                                                   budget["seconds_by_contender"].items())]
+    served = summary.get("served") or {}
+    overhead = summary.get("server_overhead_s") or {}
+    if served:
+        lines += ["", "vLLM plain's pass, split (ms): the served step / each request's time outside its decoding "
+                  "steps (prefill, first token, ramp and tail; speculation does not shorten it): "
+                  + ", ".join(f"{lv}: {v['decode_step_s'] * 1e3:.0f} / {v['request_s'] * 1e3:.0f}"
+                              for lv, v in by_level(served))]
+    elif overhead:
+        lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
+                  "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
+                                                            by_level(overhead))]
+    return "\n".join(lines) + "\n"
