@@ -209,8 +209,8 @@ def autotune_serving(s: ServingSettings) -> dict:
     records = _acceptance(engine, s, accept_reqs, draft_dir, out, say)
     summary["phases"]["accept_s"] = time.time() - t0
 
-    phase(3, "plan: vLLM plain through the server at every level (its cost per step beyond the profile), "
-             "then the draft length per level, per proposer")
+    phase(3, "plan: vLLM plain through the server at every level (its served step and the rest of each "
+             "request's time), then the draft length per level, per proposer")
     results: dict = {}
     failed: dict[str, str] = {}
     skipped: dict[str, str] = {}
