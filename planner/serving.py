@@ -175,17 +175,26 @@ def schedule_ranges(per_level: dict[int, int], levels) -> list[list[int]]:
     return out
 
 
-def draft_costs(record: dict, profiles: dict, levels) -> dict[int, float]:
-    """Seconds per draft pass of a drafter model at each level, from its acceptance run: the engine's
-    mean step there (the load's wall time over its decoding steps, every slot busy) less the profile's
-    step at that batch and draft length, per drafted position; the same at every level [D: a draft
-    pass grows with the batch like the target's fixed cost does not; measured at one level only]."""
+def draft_costs(record: dict, profiles: dict, levels, served: dict | None = None) -> dict[int, float]:
+    """Seconds per draft pass of a drafter model at each level, from its acceptance run (which runs alone),
+    the same at every level [D: a draft pass grows with the batch like the target's fixed cost does not;
+    measured at one level only]. Where the run timed its streams and plain's served levels are given: its
+    served step (LoadResult.step_p50_s) less plain's served step at its concurrency (interpolated between
+    the levels) less the profile's price for scoring its k drafts, per pass; so the per-request time plain's
+    split already prices is not charged again. Otherwise the load's wall time over its decoding steps less
+    the profile's step at that batch and draft length, per pass."""
     v = record.get("vllm") or {}
     c, k = int(v.get("concurrency") or 1), int(v.get("draft_length") or 1)
     steps, wall = float(v.get("steps") or 0), float(v.get("load_wall_s") or 0)
-    b = min(profiles, key=lambda x: abs(x - c))
+    profile = profiles[min(profiles, key=lambda x: abs(x - c))]
+    spec = v.get("step_p50_s")
+    if spec and served:
+        lv = sorted(served)
+        plain = float(np.interp(c, lv, [served[b].decode_step_s for b in lv]))
+        scoring = float(profile.latency(1 + k)) - float(profile.latency(1))
+        return {b: max(0.0, (float(spec) - plain - scoring) / k) for b in levels}
     if steps <= 0 or wall <= 0:
-        return {lv: 0.0 for lv in levels}
+        return {b: 0.0 for b in levels}
     step = wall * min(c, int(v.get("requests") or c)) / steps
-    per_pass = max(0.0, (step - float(profiles[b].latency(1 + k))) / k)
-    return {lv: per_pass for lv in levels}
+    per_pass = max(0.0, (step - float(profile.latency(1 + k))) / k)
+    return {b: per_pass for b in levels}

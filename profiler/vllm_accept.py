@@ -158,7 +158,7 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
             "mean_acceptance_length": counters.mean_acceptance_length,
             "tokens_per_step": 1 + counters.accepted_tokens / steps["steps"],
             "requests": len(result.records), "output_tokens": result.output_tokens, "load_wall_s": result.wall_s,
-            "output_tokens_per_s": result.output_tokens_per_s,
+            "output_tokens_per_s": result.output_tokens_per_s, "step_p50_s": result.step_p50_s,
         },
     }
 

@@ -829,3 +829,25 @@ def test_the_autotune_plans_on_plains_served_split_and_reports_what_each_predict
     report = (tmp_path / "run" / "report.md").read_text()
     assert "vLLM plain's pass, split (ms): the served step / each request's time outside" in report
     assert "1: 110 / 500, 4: 130 / 500" in report and "What each prediction rested on" in report
+
+
+def test_a_drafters_pass_is_priced_from_its_served_step_beside_plains():
+    """A drafter's acceptance load (run alone) prices its draft pass: its served step less plain's at the
+    same concurrency (between two levels: interpolated) less the profile's price for scoring its k drafts,
+    per pass; without timed streams or plain's split, the load's wall time over its steps, as before."""
+    levels = [1, 2, 8]
+    profiles = _profiles(levels)
+    served = {b: planning.ServedLevel(decode_step_s=0.1 + 0.01 * b, request_s=0.3, decode_tokens=31) for b in levels}
+    k, per_pass = 4, 0.012
+    plain_at_4 = 0.1 + 0.01 * 4  # linear in b here, so the interpolation is exact
+    scoring = profiles[2].latency(1 + k) - profiles[2].latency(1)  # the profiled batch nearest 4
+    spec = plain_at_4 + scoring + k * per_pass
+    rec = {"vllm": {"concurrency": 4, "draft_length": k, "step_p50_s": spec, "steps": 100, "load_wall_s": 60.0,
+                    "requests": 8}}
+    got = planning.draft_costs(rec, profiles, levels, served)
+    assert got == pytest.approx({b: per_pass for b in levels})
+    wall = planning.draft_costs(rec, profiles, levels)  # no plain split: the wall time, which also holds the
+    assert wall[1] == pytest.approx((60.0 * 4 / 100 - profiles[2].latency(1 + k)) / k)  # per-request time
+    assert wall[1] > got[1]
+    cheap = dict(rec["vllm"], step_p50_s=plain_at_4)  # faster than plain plus scoring: never a negative pass
+    assert planning.draft_costs({"vllm": cheap}, profiles, levels, served) == {b: 0.0 for b in levels}

@@ -363,7 +363,7 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
     served = served or {}
     plans = {}
     for m, rec in records.items():
-        costs = draft_costs(rec, profiles, levels) if rec["guesser"].get("draft_passes") == "depth" else {}
+        costs = draft_costs(rec, profiles, levels, served) if rec["guesser"].get("draft_passes") == "depth" else {}
         plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
                                overhead_s=overhead, off_ratio=engine_kind(s.engine).defaults.schedule_off_ratio,
                                served=served)
