@@ -54,7 +54,7 @@ class ServedLevel:
     into its decoding steps and everything else (its prefill, its first token, the ramp-up and the tail
     when fewer requests run), and speculation shortens only the first part."""
 
-    decode_step_s: float  # seconds per step of a decoding request (served_step_s): the served forward
+    decode_step_s: float  # seconds per step of a decoding request (LoadResult.step_p50_s): the served forward
     request_s: float  # seconds per request outside its decoding steps, at this concurrency
     decode_tokens: float  # output tokens per request after its first
 
@@ -151,12 +151,12 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
     if not schedulable:
         per_level = {b: best_k for b in levels}
         predicted = {b: rate_at(b, best_k) for b in levels}
+    priced_levels = {b: priced(b, per_level[b]) for b in levels}
     return {"method": method, "per_level": per_level, "predicted": predicted,
             "plain_predicted": plain, "best_fixed": best_k, "off_ratio": off_ratio,
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
-            "tokens_per_step": {b: 1.0 + rate * float(prefix[:per_level[b]].sum()) for b in levels}, "draft_s": draft_s,
-            "priced": {b: priced(b, per_level[b]) for b in levels},
-            "fixed_priced": {b: priced(b, best_k) for b in levels},
+            "tokens_per_step": {b: p["tokens_per_step"] for b, p in priced_levels.items()}, "draft_s": draft_s,
+            "priced": priced_levels, "fixed_priced": {b: priced(b, best_k) for b in levels},
             "schedulable": schedulable, "overhead_s": overhead_s,
             "served": {b: vars(v) for b, v in served.items()}}
 

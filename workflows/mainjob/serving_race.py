@@ -33,6 +33,7 @@ import numpy as np
 from planner.errors import UserError
 from planner.export import SCHEDULE_METHODS
 from planner.serving import schedule_ranges
+from profiler.load_generator import percentile
 
 PLAIN = "plain"
 DECISION = "decision (as written)"  # phase 5's contender: the decided config where no contender ran it
@@ -237,11 +238,6 @@ def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
     return sum(1 for x, y in zip(a, b) if x.ok and y.ok and x.token_ids is not None and x.token_ids != y.token_ids)
 
 
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return float(np.median(xs)) if xs else None
-
-
 def decide_level(results: dict, level: int, greedy: bool) -> dict:
     """Each contender against plain at one level (the paired rule), and the level's winner."""
     from workflows.mainjob.signflip import interval
@@ -261,7 +257,7 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
                "accepted": counters.accepted_tokens, "drafted": counters.draft_tokens, "drafts": counters.drafts,
                "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None,
                "requests": sum(len(r.completed) for r in res), "output_tokens": sum(r.output_tokens for r in res),
-               "step_p50_s": _median([r.step_p50_s for r in res])}
+               "step_p50_s": percentile([r.step_p50_s for r in res if r.step_p50_s is not None], 50)}
         if name != PLAIN:
             mine = per_request_s(rounds)
             x = [math.log(p / m) for p, m in zip(plain_s, mine) if p and m]
