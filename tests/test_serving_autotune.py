@@ -319,15 +319,20 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     import profiler.serving_metrics as sm
     from profiler.workload import Request
 
-    starts = []
+    starts, sent, lengths = [], [], []
+
+    class Server:
+        url, served_model_name = "http://127.0.0.1:1", "m"
+
+        def reset_prefix_cache(self):
+            sent.append("fresh")
 
     class Engine:
         @contextlib.contextmanager
         def server(self, speculative_config=None):
             starts.append(speculative_config)
-            yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m"})()
+            yield Server()
 
-    sent, lengths = [], []
     monkeypatch.setattr(lg, "run_load", lambda url, m, reqs, c, t: sent.append((c, len(reqs))) or
                         lengths.append({r.max_tokens for r in reqs}) or
                         LoadResult(c, 1.0, [RequestRecord(i, 0.0, output_tokens=2) for i in range(len(reqs))]))
@@ -341,9 +346,10 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
         sr.race_contender(Engine(), sr.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
-    # every pass: a warm-up wave of `level` short requests outside the race, then the 3 race requests
-    assert sent[-12:] == [(1, 1), (1, 3), (1, 1), (1, 3), (4, 4), (4, 3), (4, 4), (4, 3), (16, 16), (16, 3),
-                          (16, 16), (16, 3)]
+    # every pass: an empty prefix cache (a pass repeats the race's prompts), a warm-up wave of `level`
+    # short requests outside the race, then the 3 race requests
+    assert sent[-18:] == ["fresh", (1, 1), (1, 3), "fresh", (1, 1), (1, 3), "fresh", (4, 4), (4, 3), "fresh", (4, 4),
+                          (4, 3), "fresh", (16, 16), (16, 3), "fresh", (16, 16), (16, 3)]
     assert lengths[-12:] == [{sr.WARMUP_TOKENS}, {32}] * 6  # the warm-up's answers short, the race's whole
 
 

@@ -46,6 +46,13 @@ def test_the_warmup_is_outside_the_counters_and_the_rounds_run_in_order(monkeypa
     assert run.spec.speculating
 
 
+def test_the_server_empties_its_prefix_cache_before_the_warmup(monkeypatch):
+    log = _fake(monkeypatch)
+    measure_level("http://127.0.0.1:1", "m", [TokenRequest([1], 3)], [[TokenRequest([1], 5)]] * 2, 1, 30.0,
+                  fresh=lambda: log.append(("fresh",)))
+    assert log[:2] == [("fresh",), ("load", 1, [3])] and log.count(("fresh",)) == 1
+
+
 def test_unreadable_metrics_give_no_counters_and_the_race_fails_the_contender(monkeypatch):
     _fake(monkeypatch, metrics_fail=True)
     run = measure_level("http://127.0.0.1:1", "m", [TokenRequest([1], 2)], [[TokenRequest([1], 2)]], 1, 30.0)

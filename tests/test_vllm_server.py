@@ -11,8 +11,8 @@ TREE_PLANNER_REQUIRE_VLLM=1): four server starts in all, 30-60 s each on a 2-cor
 at once. SmolLM2 plain, with the project's ngram chain export and with the main job's suffix export
 (`planner export --engine vllm`) serve the same concurrent greedy requests (token ids and a chat
 request), which must decode the same tokens; the ngram server's metrics must show drafts at every
-position of the export, the suffix server's accepted drafts; a config vLLM rejects must be one line
-with vLLM's own reason.
+position of the export, the suffix server's accepted drafts; a repeated prompt must hit plain's prefix
+cache, and miss it after a reset; a config vLLM rejects must be one line with vLLM's own reason.
 """
 from __future__ import annotations
 
@@ -63,10 +63,24 @@ for _ in range(2):
 if mode == "hang":
     time.sleep(3600)
 
+refusals = [int(os.environ.get("FAKE_VLLM_REFUSE", "0"))]  # resets answered {"success": false} first
+
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
+    def do_POST(self):  # vLLM offers /reset_prefix_cache in its development mode only
+        if self.path != "/reset_prefix_cache" or os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
+            self.send_response(404)
+            self.end_headers()
+            return
+        ok, refusals[0] = refusals[0] <= 0, refusals[0] - 1
+        body = b'{"success": %s}' % (b"true" if ok else b"false")
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        print("reset", ok, flush=True)
     def log_message(self, *a):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
@@ -93,8 +107,8 @@ def fake_vllm(tmp_path, monkeypatch) -> dict[str, str]:
     return {"PYTHONPATH": str(tmp_path / "fake"), "model": str(model), "log": str(tmp_path / "server.log")}
 
 
-def _server(fake: dict[str, str], mode: str, **kw) -> VllmServer:
-    env = {"PYTHONPATH": fake["PYTHONPATH"], "FAKE_VLLM": mode, "FAKE_VLLM_LOG": REJECT_LOG}
+def _server(fake: dict[str, str], mode: str, env: dict | None = None, **kw) -> VllmServer:
+    env = {"PYTHONPATH": fake["PYTHONPATH"], "FAKE_VLLM": mode, "FAKE_VLLM_LOG": REJECT_LOG, **(env or {})}
     server = VllmServer(fake["model"], env=env, startup_timeout_s=kw.pop("startup_timeout_s", 60), log_path=fake["log"],
                         **kw)
     server.stop_grace_s = 1.0
@@ -222,6 +236,30 @@ def test_interpreter_exit_stops_the_group(fake_vllm, tmp_path):
     assert group_members(int(r.stdout.strip())) == []
 
 
+def test_the_prefix_cache_reset_retries_a_refusal_and_fails_in_one_line(fake_vllm, monkeypatch):
+    """The server runs in vLLM's development mode (the reset's endpoint exists only there); a refusal
+    while blocks are held is retried, a refusal that lasts and a missing endpoint are one line each."""
+    import decoder.engines.vllm.server as srv
+
+    monkeypatch.setattr(srv, "POLL_S", 0.05)
+    with _server(fake_vllm, "serve", env={"FAKE_VLLM_REFUSE": "2"}) as server:
+        server.reset_prefix_cache()  # refused twice, then done
+        server.reset_prefix_cache()
+    assert server.log_path.read_text().count("reset False") == 2
+    assert server.log_path.read_text().count("reset True") == 2
+    monkeypatch.setattr(srv, "RESET_TIMEOUT_S", 0.3)
+    with _server(fake_vllm, "serve", env={"FAKE_VLLM_REFUSE": "1000"}) as server:
+        with pytest.raises(UserError) as e:
+            server.reset_prefix_cache()
+    assert _one_line(e).endswith("/reset_prefix_cache: vLLM kept refusing for 0.3 s (a request still holds cache "
+                                 "blocks); the prefix cache was not emptied")
+    with _server(fake_vllm, "serve", env={"VLLM_SERVER_DEV_MODE": "0"}) as server:
+        with pytest.raises(UserError) as e:
+            server.reset_prefix_cache()
+    assert _one_line(e).endswith("vLLM answered HTTP 404, the prefix cache was not emptied (the endpoint needs "
+                                 "vLLM's development mode, VLLM_SERVER_DEV_MODE=1)")
+
+
 def test_failure_reason_reads_vllms_log(tmp_path):
     log = tmp_path / "log"
     log.write_text("\x1b[1;36m(EngineCore_DP0 pid=9)\x1b[0m ERROR 11-27 07:36:04 [core.py:1] EngineCore failed\n"
@@ -315,6 +353,15 @@ def served(smollm2, ngram_export, suffix_export, tmp_path_factory) -> dict:
             before = fetch_spec_decode(server.url)
             result = run_load(server.url, server.served_model_name, requests, concurrency=3, timeout_s=300)
             out[name] = {"result": result, "spec": fetch_spec_decode(server.url) - before, "pgid": server.pgid}
+        plain = servers["plain"]  # a prompt served again hits the prefix cache; after a reset it does not
+        long = Request([{"role": "user", "content": "Summarise: " + " ".join(questions * 40)}], 2, greedy)  # full blocks
+        hits = []
+        for reset in (False, False, True):
+            if reset:
+                plain.reset_prefix_cache()
+            run_load(plain.url, plain.served_model_name, [long], concurrency=1, timeout_s=300)
+            hits.append(_prefix_cache_hits(plain.url))
+        out["prefix_cache_hits"] = hits
     out["k"] = ngram_export["num_speculative_tokens"]
     return out
 
@@ -346,6 +393,20 @@ def test_the_suffix_export_decodes_plains_tokens_under_concurrent_load(served):
     assert [r.token_ids for r in suffix.records] == [r.token_ids for r in plain.records]  # greedy, fp32
     spec = served["suffix"]["spec"]
     assert spec.speculating and spec.draft_tokens > 0 and 0 < spec.accepted_tokens <= spec.draft_tokens
+
+
+def _prefix_cache_hits(url: str) -> float:
+    from profiler.serving_metrics import fetch_metrics, parse_samples
+
+    return sum(v for name, _, v in parse_samples(fetch_metrics(url)) if name == "vllm:prefix_cache_hits_total")
+
+
+def test_a_reset_empties_the_prefix_cache(served):
+    """What the race relies on (profiler/serving_level.py): a repeated prompt prefills from the cache, and
+    after reset_prefix_cache it prefills again."""
+    before, repeated, after_reset = served["prefix_cache_hits"]  # hit tokens after the first, second, third
+    assert repeated > before  # the repeated prompt's blocks came from the cache
+    assert after_reset == repeated  # none did after the reset
 
 
 def test_no_server_process_is_left(served):

@@ -5,7 +5,9 @@ phases 4 and 5: workflows/mainjob/serving.py).
     failed, results = race_all(engine, [Contender("plain", None), Contender("ngram", cfg)], reqs, warm, s, [1, 4], say)
     levels_out = [decide_level(results, lv, greedy=True) for lv in (1, 4)]
 
-One server per contender (started, driven at every level, stopped), every level after a warm-up wave.
+One server per contender (started, driven at every level, stopped), every pass from an empty prefix
+cache (the passes repeat the race's requests; distinct traffic would not find them cached) and after a
+warm-up wave.
 The paired rule, per level: request i of the race is sent to every contender (the same messages,
 the same length), so its end-to-end seconds per output token pair up; a contender is ahead of plain at
 a level when the sign-flip interval of log(plain / contender) over the requests
@@ -90,12 +92,13 @@ LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' an
 
 def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels, say,
                    results: dict, server_kwargs: dict | None = None, sizes: dict | None = None) -> dict:
-    """`c` at every level (results[c.name][level] = its rounds), each pass after a warm-up wave of `level`
-    short requests (WARMUP_TOKENS each) outside the race (so no contender's first pass at a batch size is
-    a cold one); at a level in `sizes` the first sizes[level] race requests only (race_sizes: the same for
-    every contender, so request i still pairs up). One server for all, except for a proposer that learns
-    from earlier answers: it gets a fresh server for every pass, or it would draft a repeated request's
-    answer from its own first pass.
+    """`c` at every level (results[c.name][level] = its rounds), each pass from an empty prefix cache (where
+    the server can empty it: reset_prefix_cache), so that no pass prefills from an earlier pass's copy of
+    its prompts, and after a warm-up wave of `level` short requests (WARMUP_TOKENS each) outside the race
+    (so no contender's first pass at a batch size is a cold one); at a level in `sizes` the first
+    sizes[level] race requests only (race_sizes: the same for every contender, so request i still pairs up).
+    One server for all, except for a proposer that learns from earlier answers: it gets a fresh server for
+    every pass, or it would draft a repeated request's answer from its own first pass.
     Returns where its time went, {"start_s": [each server's start], "level_s": {level: [each pass, warm-up
     included]}}, which prices the next contenders against the budget (predicted_seconds)."""
     from profiler.serving_level import measure_level
@@ -116,7 +119,9 @@ def race_contender(engine, c: Contender, race_reqs: list, warm: list, s, levels,
                 t_level = time.perf_counter()
                 wave = [warm[i % len(warm)] for i in range(level)]
                 mine = reqs[:(sizes or {}).get(level, len(reqs))]
-                run = measure_level(server.url, server.served_model_name, wave, [mine], level, s.request_timeout_s)
+                # a pass repeats the race's requests: each starts from an empty prefix cache, as distinct traffic
+                run = measure_level(server.url, server.served_model_name, wave, [mine], level, s.request_timeout_s,
+                                    fresh=getattr(server, "reset_prefix_cache", None))
                 res = run.rounds[0]
                 if res.records and not any(r.ok for r in res.records):
                     # vLLM's worker can die mid-level (0.32 on CPU: seeded sampling with suffix decoding at
