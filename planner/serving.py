@@ -83,8 +83,23 @@ def priced_step(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0, 
     if k == 0:
         return 1.0, step
     tokens = 1.0 + rate * float(np.sum(np.asarray(prefix, dtype=np.float64)[:k]))
-    scoring = float(profile.latency(1 + k)) - float(profile.latency(1)) + draft_s * (k if passes == "depth" else 1)
+    plain = served.decode_step_s if served is not None else None
+    scoring = scoring_price(profile, k, plain) + draft_s * (k if passes == "depth" else 1)
     return tokens, step + rate * scoring
+
+
+def scoring_price(profile, k: int, served_step_s: float | None = None) -> float:
+    """The profile's price for scoring k more tokens a sequence, L(b, 1 + k) - L(b, 1), never below 0.
+    L(b, 1) comes from vLLM's plain engine and L(b, 1 + k) from its speculative one, measured one after
+    the other. A server's step carries the engine's and more, so plain's served step (`served_step_s`)
+    below the profiled plain step means the plain engine ran in a slow spell (served / profiled was
+    1.01-1.30 in one run here, 0.71-0.81 in the next, whose plain engine measured 97 ms a step at one
+    request against 54 before while its speculative engine matched the earlier run's); the served step
+    then stands in for L(b, 1), or every short draft would be priced at nothing."""
+    plain = float(profile.latency(1))
+    if served_step_s is not None and 0 < served_step_s < plain:
+        plain = served_step_s
+    return max(0.0, float(profile.latency(1 + k)) - plain)
 
 
 def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
@@ -191,8 +206,7 @@ def draft_costs(record: dict, profiles: dict, levels, served: dict | None = None
     if spec and served:
         lv = sorted(served)
         plain = float(np.interp(c, lv, [served[b].decode_step_s for b in lv]))
-        scoring = float(profile.latency(1 + k)) - float(profile.latency(1))
-        return {b: max(0.0, (float(spec) - plain - scoring) / k) for b in levels}
+        return {b: max(0.0, (float(spec) - plain - scoring_price(profile, k, plain)) / k) for b in levels}
     if steps <= 0 or wall <= 0:
         return {b: 0.0 for b in levels}
     step = wall * min(c, int(v.get("requests") or c)) / steps
