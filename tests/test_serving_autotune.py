@@ -857,3 +857,52 @@ def test_a_drafters_pass_is_priced_from_its_served_step_beside_plains():
     assert wall[1] > got[1]
     cheap = dict(rec["vllm"], step_p50_s=plain_at_4)  # faster than plain plus scoring: never a negative pass
     assert planning.draft_costs({"vllm": cheap}, profiles, levels, served) == {b: 0.0 for b in levels}
+
+
+def test_a_profiled_plain_step_above_plains_served_one_does_not_price_drafts_at_nothing():
+    """vLLM's plain engine and its speculative one are profiled one after the other; when the plain one ran
+    in a slow spell its step is above the server's own (which carries the engine's and more), and the
+    profile's L(b, 1 + k) - L(b, 1) prices short drafts at nothing. Plain's served step stands in there."""
+    ns = np.arange(1, 10)
+    healthy = LatencyProfile(ns, 0.05 + 0.004 * ns, {"file": "fake"})
+    slow_plain = LatencyProfile(ns, np.maximum(0.05 + 0.004 * ns, 0.07), {"file": "fake"})  # L(1) 0.07, flat to K=4
+    assert slow_plain.latency(1) == pytest.approx(slow_plain.latency(5))
+    fast_served = planning.ServedLevel(decode_step_s=0.055, request_s=0.3, decode_tokens=31)
+    slow_served = planning.ServedLevel(decode_step_s=0.08, request_s=0.3, decode_tokens=31)
+    # the served step below the profiled plain one: the price is measured from the served step
+    assert planning.scoring_price(slow_plain, 4, 0.055) == pytest.approx(0.07 - 0.055)
+    assert planning.scoring_price(slow_plain, 4) == 0.0  # the profile alone: free
+    # a served step above the profiled one (the usual case) changes nothing
+    assert planning.scoring_price(healthy, 4, 0.08) == pytest.approx(0.004 * 4)
+    assert planning.scoring_price(healthy, 4, None) == pytest.approx(0.004 * 4)
+    prefix = np.array([0.3, 0.2, 0.1, 0.05])
+    _, step = planning.priced_step(prefix, slow_plain, 1, 4, served=fast_served)
+    assert step == pytest.approx(0.055 + (0.07 - 0.055))
+    _, step = planning.priced_step(prefix, healthy, 1, 4, served=slow_served)
+    assert step == pytest.approx(0.08 + 0.004 * 4)
+
+
+def test_the_vllm_main_job_measures_acceptance_on_every_category_the_race_covers():
+    """The default acceptance requests are the acceptance half's 16 prompts: one question per MT-bench
+    category, as the race's 16 are (the first 8 would leave out coding and extraction)."""
+    import argparse
+
+    from workflows.cli import cmd_autotune
+    from workflows.cli.inputs import DEFAULT_QUESTIONS
+
+    p = argparse.ArgumentParser()
+    cmd_autotune.add_arguments(p)
+    assert p.parse_args([]).accept_prompts is None  # each engine's own default
+    category = {}
+    for line in Path(DEFAULT_QUESTIONS).read_text().splitlines():
+        q = json.loads(line)
+        category[q["turns"][0].strip()] = q["category"]
+
+    def categories(reqs):
+        return sorted(category[r.messages[0]["content"]] for r in reqs)
+
+    s = sv.ServingSettings()
+    accept, race = sv.requests(s)
+    assert len(accept) == s.accept_requests == 16 and len(race) == 16
+    assert categories(accept) == categories(race) and len(set(categories(race))) == 8  # each category's 2 turns
+    assert len(set(categories(accept[:8]))) == 4  # what 8 took

@@ -30,7 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"])
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/<date>-<device>-<model>)")
     p.add_argument("--questions", default=d.questions, help="MT-bench style questions JSONL (held-out ones are used)")
-    p.add_argument("--accept-prompts", type=int, default=d.accept_prompts)
+    from workflows.mainjob.serving import ServingSettings
+
+    p.add_argument("--accept-prompts", type=int, default=None,
+                   help=f"held-out prompts to measure acceptance on (default {d.accept_prompts}; "
+                        f"{ServingSettings.accept_requests} with --engine vllm, every question of its half)")
     p.add_argument("--decode-prompts", type=int, default=None,
                    help=f"held-out prompts the plans race on (default {hf.decode_prompts}; {ll.decode_prompts} with --engine "
                         "llama.cpp)")
@@ -128,7 +132,8 @@ def _settings(args) -> AutotuneSettings:
         engine=engine, model=args.model,
         guessers=tuple(g.strip() for g in args.guessers.split(",") if g.strip()), guesser_dirs=dirs,
         device=args.device, dtype=args.dtype, out=args.out, questions=args.questions,
-        accept_prompts=args.accept_prompts, decode_prompts=args.decode_prompts, turns=args.turns,
+        accept_prompts=AutotuneSettings.accept_prompts if args.accept_prompts is None else args.accept_prompts,
+        decode_prompts=args.decode_prompts, turns=args.turns,
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         neighbours=args.neighbours, sweep=args.sweep, finalists=args.finalists, budget_minutes=args.budget,
@@ -175,7 +180,8 @@ def _serving(args) -> int:
     d = ServingSettings()
     s = ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload, methods=methods,
                         max_tokens=args.decode_tokens or d.max_tokens, race_requests=args.decode_prompts or d.race_requests,
-                        accept_requests=args.accept_prompts, rounds=args.rounds or d.rounds,
+                        accept_requests=d.accept_requests if args.accept_prompts is None else args.accept_prompts,
+                        rounds=args.rounds or d.rounds,
                         budget_minutes=args.budget or d.budget_minutes, profile=args.profile,
                         accept=tuple(a for a in (args.accept or "").split(",") if a), draft=args.draft,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, quiet=args.quiet)

@@ -96,7 +96,9 @@ class ServingSettings:
     methods: tuple[str, ...] = ("ngram", "suffix", "draft_model")
     max_tokens: int = _DEFAULTS.decode_tokens  # per request, acceptance and race
     race_requests: int = _DEFAULTS.decode_prompts  # requests per level (the held-out race questions' two turns)
-    accept_requests: int = 12
+    # the acceptance half's 16 prompts: its 8 questions' two turns, one question per MT-bench category as in
+    # the race's 16 (8 took 4 categories, none of coding and extraction, where lookup accepts most)
+    accept_requests: int = 16
     rounds: int = _DEFAULTS.rounds  # passes over a level's requests per contender; the median seconds per token counts
     budget_minutes: float = _DEFAULTS.budget_minutes  # the whole run: contenders it cannot fit are not raced
     draft_lengths: tuple[int, ...] = RACE_DRAFT_LENGTHS
@@ -378,9 +380,9 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
     fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
     contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
                                 dict(best["fixed_predicted"]), dict(best["fixed_priced"])))
-    # a proposer vLLM runs at one length is the decision only if ahead at every level, and its prediction
-    # misses its own cost under load (the profile drafts with a stub: suffix measured up to 87 % below it
-    # here); so the best proposer that can be switched off by batch size races its schedule too
+    # a proposer vLLM runs at one length is the decision only if ahead at every level, and its own work is
+    # not in the profile (it drafts with a stub); so the best proposer a schedule can switch off by batch
+    # size races its schedule too
     switchable = [p for m, p in plans.items() if m in SCHEDULE_METHODS["vllm"]]
     planned = [best] + ([max(switchable, key=score)] if best["method"] not in SCHEDULE_METHODS["vllm"]
                         and switchable else [])
