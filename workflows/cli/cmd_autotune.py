@@ -30,11 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"])
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/<date>-<device>-<model>)")
     p.add_argument("--questions", default=d.questions, help="MT-bench style questions JSONL (held-out ones are used)")
-    from workflows.mainjob.serving import ServingSettings
-
     p.add_argument("--accept-prompts", type=int, default=None,
-                   help=f"held-out prompts to measure acceptance on (default {d.accept_prompts}; "
-                        f"{ServingSettings.accept_requests} with --engine vllm, every question of its half)")
+                   help=f"held-out prompts to measure acceptance on (default {hf.accept_prompts}; "
+                        f"{vl.accept_prompts} with --engine vllm, every question of its half)")
     p.add_argument("--decode-prompts", type=int, default=None,
                    help=f"held-out prompts the plans race on (default {hf.decode_prompts}; {ll.decode_prompts} with --engine "
                         "llama.cpp)")
@@ -132,7 +130,7 @@ def _settings(args) -> AutotuneSettings:
         engine=engine, model=args.model,
         guessers=tuple(g.strip() for g in args.guessers.split(",") if g.strip()), guesser_dirs=dirs,
         device=args.device, dtype=args.dtype, out=args.out, questions=args.questions,
-        accept_prompts=AutotuneSettings.accept_prompts if args.accept_prompts is None else args.accept_prompts,
+        accept_prompts=engine_kind(engine).defaults.accept_prompts if args.accept_prompts is None else args.accept_prompts,
         decode_prompts=args.decode_prompts, turns=args.turns,
         accept_tokens=args.accept_tokens, decode_tokens=args.decode_tokens, max_input_length=args.max_input_length,
         context_length=args.context_length, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),

@@ -56,7 +56,7 @@ class AutotuneSettings:
     dtype: str | None = None
     out: str | None = None  # run folder; default runs/<date>-<device>-<model>
     questions: str = str(DEFAULT_QUESTIONS)
-    accept_prompts: int = 8  # held-out prompts to measure acceptance on
+    accept_prompts: int = engine_kind(DEFAULT).defaults.accept_prompts  # held-out prompts to measure acceptance on
     decode_prompts: int | None = None  # other held-out prompts the plans race on (None: the engine's default)
     turns: int | None = None  # prompts per held-out question: its first turn, then its follow-up after an answer
     accept_tokens: int = 64  # greedy tokens per prompt when measuring acceptance

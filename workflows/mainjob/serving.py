@@ -96,9 +96,7 @@ class ServingSettings:
     methods: tuple[str, ...] = ("ngram", "suffix", "draft_model")
     max_tokens: int = _DEFAULTS.decode_tokens  # per request, acceptance and race
     race_requests: int = _DEFAULTS.decode_prompts  # requests per level (the held-out race questions' two turns)
-    # the acceptance half's 16 prompts: its 8 questions' two turns, one question per MT-bench category as in
-    # the race's 16 (8 took 4 categories, none of coding and extraction, where lookup accepts most)
-    accept_requests: int = 16
+    accept_requests: int = _DEFAULTS.accept_prompts  # the acceptance half's requests measured
     rounds: int = _DEFAULTS.rounds  # passes over a level's requests per contender; the median seconds per token counts
     budget_minutes: float = _DEFAULTS.budget_minutes  # the whole run: contenders it cannot fit are not raced
     draft_lengths: tuple[int, ...] = RACE_DRAFT_LENGTHS
