@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decoder.engines.vllm.server import failure_reason, stop_group
+from decoder.engines.vllm.server import failure_reason, stop_group, watch_group
 from planner.errors import UserError
 from planner.order import coarse_to_fine
 from profiler.fit import fit_latency
@@ -245,6 +245,7 @@ def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str],
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(python), str(worker), str(req_path), str(out_path)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    watchdog = watch_group(proc.pid, 10.0)
     seen, t0 = 0, time.time()
     try:
         while True:
@@ -264,7 +265,7 @@ def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str],
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
-        stop_group(proc, grace_s=10.0)  # after "done" vLLM's own shutdown adds nothing worth waiting for
+        stop_group(proc, 10.0, watchdog)  # after "done" vLLM's own shutdown adds nothing worth waiting for
     if result.error:
         result.error += f" (log: {log_path})"
     else:

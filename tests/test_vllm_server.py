@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,8 @@ def test_the_group_is_gone_after_a_normal_exit_and_an_exception(fake_vllm):
         pgid = server.pgid
         assert len(group_members(pgid)) == 3 and server.alive()  # the server and its two children
         assert server.url.startswith("http://127.0.0.1:")
-    assert group_members(pgid) == [] and not server.alive()
+        assert _watchdogs(pgid)  # beside the group while it runs
+    assert group_members(pgid) == [] and not server.alive() and _watchdogs(pgid) == []
     with pytest.raises(RuntimeError, match="boom"):
         with _server(fake_vllm, "serve") as server:
             pgid = server.pgid
@@ -234,6 +236,83 @@ def test_interpreter_exit_stops_the_group(fake_vllm, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert group_members(int(r.stdout.strip())) == []
+
+
+def _watchdogs(pgid: int) -> list[int]:
+    """Live watchdogs (server.py watch_group) of the group `pgid`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 3 and argv[1].endswith(b"watchdog.py") and argv[3] == str(pgid).encode():
+            out.append(int(d.name))
+    return out
+
+
+def _gone_within(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while group_members(pgid) or _watchdogs(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_a_killed_program_leaves_no_server(fake_vllm):
+    """A program killed outright (SIGKILL: no atexit, no finally) leaves nothing: the watchdog stops the
+    group, and SIGKILLs the children that ignore SIGTERM after the grace time."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from decoder.engines.vllm.server import VllmServer
+        env = {{"PYTHONPATH": {fake_vllm['PYTHONPATH']!r}, "FAKE_VLLM": "hang"}}
+        s = VllmServer({fake_vllm['model']!r}, env=env, log_path={fake_vllm['log']!r})
+        s.stop_grace_s = 1.0
+        s.launch()
+        print(s.pgid, flush=True)
+        import time; time.sleep(1.5)  # its children are up
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    pgid = int(r.stdout.strip())
+    assert _gone_within(pgid, 20.0), group_members(pgid)
+
+
+FAKE_COMMAND = """
+import os, signal, time
+from decoder.engines.vllm.server import VllmServer
+def add_arguments(p):
+    p.add_argument("--model")
+    p.add_argument("--fake-path")
+    p.add_argument("--log")
+def run(args):
+    env = {"PYTHONPATH": args.fake_path, "FAKE_VLLM": "serve"}
+    with VllmServer(args.model, env=env, log_path=args.log) as s:
+        print(s.pgid, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` or a job scheduler sends
+        time.sleep(60)
+    return 0
+"""
+
+
+def test_sigterm_stops_the_command_as_ctrl_c_does(fake_vllm, tmp_path):
+    """`planner` under SIGTERM: its servers are stopped (the with block unwinds), one line, exit 128 + 15."""
+    (tmp_path / "fake_command.py").write_text(FAKE_COMMAND)
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from workflows.cli import main as cli
+        cli.SUBCOMMANDS["fake"] = ("fake_command", "a command that starts a server")
+        sys.exit(cli.main(["fake", "--model", {fake_vllm['model']!r}, "--fake-path", {fake_vllm['PYTHONPATH']!r},
+                           "--log", {fake_vllm['log']!r}]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert r.stderr.strip() == "planner fake: stopped by SIGTERM"
+    pgid = int(r.stdout.strip())
+    assert group_members(pgid) == [] and _watchdogs(pgid) == []  # stopped before the command returned
 
 
 def test_the_prefix_cache_reset_retries_a_refusal_and_fails_in_one_line(fake_vllm, monkeypatch):

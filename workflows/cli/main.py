@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from planner.errors import UserError
 
@@ -39,14 +41,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a job scheduler's stop, `timeout`, a closed terminal): the command stops as on
+    Ctrl-C, so its servers are stopped and what it finished is kept."""
+
+
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+_received: list[int] = []  # the terminating signal, also where a command caught the interrupt itself
+
+
+def _terminate(signum, frame):
+    for sig in TERMINATING:  # once: a second signal must not cut short the stopping of servers
+        signal.signal(sig, signal.SIG_IGN)
+    _received.append(signum)
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        return _run(args)
+    _received.clear()
+    before = {sig: signal.signal(sig, _terminate) for sig in TERMINATING}
+    try:
+        rc = _run(args)
+        return 128 + _received[0] if _received else rc
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run(args) -> int:
     try:
         return int(args._run(args) or 0)
+    except Terminated as e:
+        signum = int(e.args[0])
+        print(f"planner {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except UserError as e:
         print(f"planner {args.command}: error: {e}", file=sys.stderr)
         return 2

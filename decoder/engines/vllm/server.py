@@ -16,7 +16,9 @@ temporary file unless given) for diagnosis.
 The server starts an engine-core and a worker process. It runs in a session and process group of
 its own, so Ctrl-C in the terminal reaches only this process, and stopping signals the whole group:
 SIGTERM, then SIGKILL after `STOP_GRACE_S`. Stopping happens on leaving the `with` block (normally,
-on an exception or on KeyboardInterrupt), when `start` fails, and at interpreter exit.
+on an exception or on KeyboardInterrupt), when `start` fails, and at interpreter exit: and, should
+this program die without stopping it (SIGKILL, the out-of-memory killer), a watchdog beside the group
+(watchdog.py) stops it then.
 
 `reset_prefix_cache()` empties the server's prefix cache, so that a measured pass that repeats an earlier
 pass's prompts prefills them again as distinct traffic would: at 16 concurrent requests a repeated pass
@@ -34,6 +36,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -69,6 +72,7 @@ class VllmServer:
         self.log_path: Path | None = Path(log_path) if log_path is not None else None
         self.stop_grace_s = STOP_GRACE_S
         self._proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None  # stops the group if this program dies first (watchdog.py)
         self._pgid: int | None = None
         self._launched = 0.0  # time.monotonic() at launch: startup_timeout_s counts from there
 
@@ -130,6 +134,7 @@ class VllmServer:
             self._proc = subprocess.Popen(self.command(python, self.port), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._pgid = self._proc.pid
+        self._watchdog = watch_group(self._pgid, self.stop_grace_s)
         self._launched = time.monotonic()
         atexit.register(self.stop)
 
@@ -139,7 +144,7 @@ class VllmServer:
         if proc is None:
             return
         atexit.unregister(self.stop)
-        stop_group(proc, self.stop_grace_s)
+        stop_group(proc, self.stop_grace_s, self._watchdog)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -284,8 +289,21 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM the group led by `proc`, SIGKILL whatever is left after grace_s, reap the leader."""
+WATCHDOG = Path(__file__).with_name("watchdog.py")
+
+
+def watch_group(pgid: int, grace_s: float) -> subprocess.Popen:
+    """A watchdog (watchdog.py) that stops the group if this program dies without stopping it (SIGKILL,
+    the out-of-memory killer); it exits by itself once the group is gone. A session of its own: the
+    terminal's Ctrl-C is for this program."""
+    return subprocess.Popen([sys.executable, str(WATCHDOG), str(os.getpid()), str(pgid), str(grace_s)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S, watchdog: subprocess.Popen | None = None) -> None:
+    """SIGTERM the group led by `proc`, SIGKILL whatever is left after grace_s, reap the leader (and the
+    group's watchdog, which leaves once the group is gone)."""
     pgid = proc.pid
     try:
         _signal_group(pgid, signal.SIGTERM)
@@ -296,6 +314,16 @@ def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
         if group_members(pgid):  # interrupted while waiting: nothing may be left running
             _signal_group(pgid, signal.SIGKILL)
         proc.wait()
+        if watchdog is not None:
+            _reap(watchdog)
+
+
+def _reap(watchdog: subprocess.Popen) -> None:
+    try:
+        watchdog.wait(timeout=5.0)  # it polls every 0.5 s
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
