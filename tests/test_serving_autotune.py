@@ -427,6 +427,38 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     assert sorted(results) == ["ngram defaults", sr.PLAIN]
 
 
+def test_plain_closes_the_race_and_each_ratio_is_to_the_median_of_its_two_servers(monkeypatch):
+    """Plain runs again after the contenders: its rounds join the first server's, a contender's ratio and
+    paired interval are taken against the median of the two, and the drift between them is recorded;
+    a closing server that fails leaves the first one's rows as they were."""
+    n, toks = 8, [[1, 2, 3, 4]] * 8
+    results = {sr.PLAIN: {1: _level(1, [2.0] * n, toks)}, "spec": {1: _level(1, [1.25] * n, toks)}}
+
+    def closing(engine, c, race_reqs, warm, s, levels, say, mine, sizes=None):
+        assert c.name == sr.CLOSING and c.speculative is None
+        mine.setdefault(c.name, {})[1] = _level(1, [1.0] * n, toks)  # the machine sped up during the race
+
+    monkeypatch.setattr(sr, "race_contender", closing)
+    failed, timings = {}, {}
+    sr.close_plain(None, [], [], sv.ServingSettings(), [1], lambda line: None, results, failed, timings)
+    assert not failed and len(results[sr.PLAIN][1]) == 2 and results[sr.PLAIN][1][1]["closing"]
+    lv = sr.decide_level(results, 1, greedy=True)
+    plain, spec = lv["contenders"][sr.PLAIN], lv["contenders"]["spec"]
+    assert plain["drift"] == pytest.approx(2.0)  # tokens/s: the second server's over the first's
+    assert plain["output_tokens_per_s"] == pytest.approx((16 + 32) / 2)  # 32 tokens in 2.0 s and in 1.0 s
+    assert spec["vs_plain"] == pytest.approx(25.6 / 24)  # against the median of the two, not the first alone
+    assert spec["paired"]["mean"] == pytest.approx(1.5 / 1.25)  # per request: the two servers' median
+    before = [dict(r) for r in results[sr.PLAIN][1]]
+
+    def dies(engine, c, race_reqs, warm, s, levels, say, mine, sizes=None):
+        raise sr.UserError("no request completed at concurrency 1: the worker died")
+
+    monkeypatch.setattr(sr, "race_contender", dies)
+    sr.close_plain(None, [], [], sv.ServingSettings(), [1], lambda line: None, results, failed, timings)
+    assert "the worker died" in failed[sr.CLOSING] and results[sr.PLAIN][1] == before
+    assert sr.plain_drift(_level(1, [1.0] * n, toks)) is None  # one server: no drift to speak of
+
+
 def test_the_servers_own_cost_per_step_is_recovered_from_plain_and_priced_into_every_step():
     """vLLM plain through the server runs one token per request per step, so b / its tokens/s is the
     server's step: the profile's plus the server's own cost (server_overhead recovers a known one).
@@ -616,14 +648,14 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     """--budget bounds the serving run: after plain's race every contender is priced from it and races
     only if it fits the time left, less plain's time kept for confirming the decision and writing; the
     planned schedule races first, and what is skipped is said in race.json, the summary and the report."""
-    # plain 170 s; kept for confirming and writing 185 s; room for two more contenders of about 170 s
-    # (the planned and the fixed length), not for the stock settings after them
-    budget = (170 + 2 * 175 + 185) / 60
+    # plain 170 s; kept for plain's closing server, confirming and writing 355 s; room for two more
+    # contenders of about 170 s (the planned and the fixed length), not for the stock settings after them
+    budget = (170 + 2 * 175 + 355) / 60
     summary, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram", "suffix"), budget, lambda k, lv: 1.2)
     names = [c["name"] for c in race["contenders"]]
     planned = [n for n in names if n.startswith("planned")]
-    assert raced[0] == sr.PLAIN and raced[1] == planned[0], raced
-    assert len(raced) == 3 and set(race["skipped"]) == {"ngram defaults", "suffix defaults"}  # the stock last
+    assert raced[0] == sr.PLAIN and raced[1] == planned[0] and raced[-1] == sr.CLOSING, raced
+    assert len(raced) == 4 and set(race["skipped"]) == {"ngram defaults", "suffix defaults"}  # the stock last
     assert "suffix defaults" in race["skipped"] and "suffix defaults" not in raced
     assert race["skipped"]["suffix defaults"].startswith("not raced: predicted 270 s")  # a server per level
     assert set(race["skipped"]) | set(raced) >= set(names) - {sr.DECISION}
@@ -641,7 +673,7 @@ def test_a_confirmation_the_budget_cannot_fit_leaves_the_winner_as_raced_or_plai
     over the levels, else plain, and the schedule it would have confirmed is named, not written."""
     _, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), (170 + 175 + 30) / 60,
                                   lambda k, lv: 1.2 if lv < 16 else loss)
-    assert sr.DECISION not in raced and len(raced) == 2, raced
+    assert sr.DECISION not in raced and raced[-1] == sr.CLOSING and len(raced) == 3, raced
     chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
     why = chosen["decision"]
     assert why["confirm"].startswith("not raced: predicted 170 s") and '[16, 256, 0]' in why["confirm"]

@@ -60,12 +60,14 @@ from workflows.mainjob.serving_race import (
     ahead_over_range,
     as_raced,
     best_measured,
+    close_plain,
     confirm,
     decide_level,
     decision,
     distinct,
     measured_record,
     measured_why,
+    plain_drift,
     predicted_seconds,
     raced_as_is,
     race_all,
@@ -216,7 +218,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     skipped: dict[str, str] = {}
     timings: dict = {}
     contenders = [Contender(PLAIN, None)]
-    # plain's race and the first contender's must fit what is left: if they cannot at full size, every
+    # plain's two servers and the first contender's must fit what is left: if they cannot at full size, every
     # contender races fewer requests at the levels where a request takes longest
     sizes = _race_sizes(profiles, records, s, levels, budget - (time.time() - t0) - WRITE_S, len(race_reqs))
     cut = {lv: n for lv, n in sizes.items() if n < len(race_reqs)}
@@ -242,8 +244,9 @@ def autotune_serving(s: ServingSettings) -> dict:
 
         phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
                  f"{len(race_reqs)} requests each, as the budget allows")
-        # the decision may be a config no contender ran (confirm): plain's time is kept for it, and for writing
-        reserve = timings[PLAIN]["wall_s"] + WRITE_S
+        # plain's closing server (close_plain) and the decision, which may be a config no contender ran
+        # (confirm): plain's time is kept for each, and for writing
+        reserve = 2 * timings[PLAIN]["wall_s"] + WRITE_S
         for i, (c, eta) in enumerate(race_order(contenders[1:], timings[PLAIN], levels, s.rounds, plain_tps)):
             left = budget - (time.time() - t0) - reserve
             if i and eta > left:  # the first always races: a race of plain alone decides nothing
@@ -253,6 +256,12 @@ def autotune_serving(s: ServingSettings) -> dict:
                 continue
             say(f"      {c.name}: predicted {eta:.0f} s")
             race_all(engine, [c], race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
+        if any(name != PLAIN for name in results):
+            say("      plain again, on a fresh server: each level's plain is the median over a server before the "
+                "contenders and one after them")
+            close_plain(engine, race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
+            say("      plain's drift over the race (closing / first server's tokens/s): " + ", ".join(
+                f"{lv}: {d:.2f}" for lv in levels if (d := plain_drift(results[PLAIN].get(lv) or [])) is not None))
     except KeyboardInterrupt:
         interrupted = True
         say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
@@ -397,7 +406,7 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
 
 
 def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_s: float, n: int) -> dict[int, int]:
-    """Race requests per level (serving_race.py race_sizes) for plain's race and the first contender's
+    """Race requests per level (serving_race.py race_sizes) for plain's two servers and the first contender's
     within left_s, priced before either has run: a served step at SERVED_STEP times the profiled plain
     step, a server start at the longest acceptance server's wait (the first of them started alone),
     each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
@@ -408,7 +417,7 @@ def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_
     start = max([float(w) for w in waits if isinstance(w, (int, float)) and w > 0] or [START_GUESS_S])
     fixed = start + s.rounds * sum(WARMUP_TOKENS * step[lv] for lv in levels)
     pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
-    return race_sizes(pass_s, fixed, n, levels, left_s, races=2)
+    return race_sizes(pass_s, fixed, n, levels, left_s, races=3)
 
 
 def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:

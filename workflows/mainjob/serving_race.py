@@ -7,7 +7,8 @@ phases 4 and 5: workflows/mainjob/serving.py).
 
 One server per contender (started, driven at every level, stopped), every pass from an empty prefix
 cache (the passes repeat the race's requests; distinct traffic would not find them cached) and after a
-warm-up wave.
+warm-up wave. Plain runs twice, first (its pass prices the plan) and again after the contenders
+(close_plain): each level's plain is the median over the two servers, and their drift is on record.
 The paired rule, per level: request i of the race is sent to every contender (the same messages,
 the same length), so its end-to-end seconds per output token pair up; a contender is ahead of plain at
 a level when the sign-flip interval of log(plain / contender) over the requests
@@ -38,6 +39,7 @@ from planner.serving import schedule_ranges
 from profiler.load_generator import percentile
 
 PLAIN = "plain"
+CLOSING = "plain (closing)"  # plain's second server, after the contenders: its rounds join plain's (close_plain)
 DECISION = "decision (as written)"  # phase 5's contender: the decided config where no contender ran it
 
 
@@ -225,6 +227,37 @@ def race_all(engine, contenders: list[Contender], race_reqs: list, warm: list, s
     return failed, results
 
 
+def close_plain(engine, race_reqs: list, warm: list, s, levels, say, results: dict, failed: dict,
+                timings: dict, sizes: dict | None = None) -> None:
+    """Plain again, on a server of its own, after the contenders: its rounds join the first server's in
+    results[PLAIN], marked "closing", so plain at each level is the median over a server before the
+    contenders and one after them. This VM drifts by 10-20 % over a race, and plain measured only at the
+    start was compared with contenders measured up to 15 minutes later; now drift that is steady over the
+    race cancels to first order, and each level records how far plain moved (plain_drift). A closing
+    server that fails leaves plain's first one as it was (failed[CLOSING]); Ctrl-C keeps what it measured."""
+    mine: dict = {}
+    t0 = time.perf_counter()
+    try:
+        timing = race_contender(engine, Contender(CLOSING, None), race_reqs, warm, s, levels, say, mine, sizes=sizes)
+        timings[CLOSING] = {**(timing or {}), "wall_s": time.perf_counter() - t0}
+    except UserError as e:
+        failed[CLOSING] = str(e)
+        say(f"      {CLOSING}: failed; plain is its first server alone ({e})")
+    finally:
+        for level, rounds in mine.get(CLOSING, {}).items():
+            results[PLAIN].setdefault(level, []).extend({**r, "closing": True} for r in rounds)
+
+
+def plain_drift(rounds: list[dict]) -> float | None:
+    """Plain's closing server over its first one at a level (output tokens/s, median over each server's
+    rounds); None without a closing server there."""
+    first = [r["result"].output_tokens_per_s for r in rounds if not r.get("closing")]
+    last = [r["result"].output_tokens_per_s for r in rounds if r.get("closing")]
+    if not first or not last or float(np.median(first)) <= 0:
+        return None
+    return float(np.median(last)) / float(np.median(first))
+
+
 def per_request_s(rounds: list[dict]) -> list[float | None]:
     """Per request: median over rounds of end-to-end seconds per output token (None: failed)."""
     n = len(rounds[0]["result"].records)
@@ -263,7 +296,9 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
                "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None,
                "requests": sum(len(r.completed) for r in res), "output_tokens": sum(r.output_tokens for r in res),
                "step_p50_s": percentile([r.step_p50_s for r in res if r.step_p50_s is not None], 50)}
-        if name != PLAIN:
+        if name == PLAIN:
+            row["drift"] = plain_drift(rounds)
+        else:
             mine = per_request_s(rounds)
             x = [math.log(p / m) for p, m in zip(plain_s, mine) if p and m]
             iv = interval(x)

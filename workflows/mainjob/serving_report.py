@@ -64,6 +64,12 @@ def report(summary: dict, contenders: list[Contender]) -> str:
             star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
             cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    drift = {lv: at_level[lv]["contenders"].get(PLAIN, {}).get("drift") for lv in levels if lv in at_level}
+    if any(d is not None for d in drift.values()):
+        lines += ["", "vLLM plain ran on a server before the contenders and on another after them; each ratio is to "
+                  "the median of the two. Plain's drift over the race (the second server's tokens/s over the "
+                  "first's): " + ", ".join(f"{lv}: {d:.2f}" if d is not None else f"{lv}: -"
+                                           for lv, d in drift.items())]
     sizes = (summary.get("race_requests") or {}).get("by_level") or {}
     full = (summary.get("race_requests") or {}).get("requests")
     cut = [(lv, n) for lv, n in by_level(sizes) if n < full]
