@@ -663,6 +663,8 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     assert set(summary["budget"]["seconds_by_contender"]) == set(raced)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "- suffix defaults: not raced" in report and "min of a" in report
+    assert "Plain's drift over the race (the second server's tokens/s over the first's): 1: 1.00, 4: 1.00, 16: 1.00" \
+        in report
     assert (tmp_path / "run" / "chosen.json").is_file()
 
 

@@ -251,7 +251,7 @@ def autotune_serving(s: ServingSettings) -> dict:
             left = budget - (time.time() - t0) - reserve
             if i and eta > left:  # the first always races: a race of plain alone decides nothing
                 skipped[c.name] = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s "
-                                   f"after keeping {reserve:.0f} s to confirm and write")
+                                   f"after keeping {reserve:.0f} s for plain again, the confirmation and writing")
                 say(f"      {c.name}: {skipped[c.name]}")
                 continue
             say(f"      {c.name}: predicted {eta:.0f} s")
