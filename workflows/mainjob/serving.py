@@ -218,7 +218,7 @@ def autotune_serving(s: ServingSettings) -> dict:
     skipped: dict[str, str] = {}
     timings: dict = {}
     contenders = [Contender(PLAIN, None)]
-    # plain's two servers and the first contender's must fit what is left: if they cannot at full size, every
+    # plain's two servers, the first contender and the confirmation must fit what is left: if not at full size, every
     # contender races fewer requests at the levels where a request takes longest
     sizes = _race_sizes(profiles, records, s, levels, budget - (time.time() - t0) - WRITE_S, len(race_reqs))
     cut = {lv: n for lv, n in sizes.items() if n < len(race_reqs)}
@@ -406,8 +406,8 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
 
 
 def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_s: float, n: int) -> dict[int, int]:
-    """Race requests per level (serving_race.py race_sizes) for plain's two servers and the first contender's
-    within left_s, priced before either has run: a served step at SERVED_STEP times the profiled plain
+    """Race requests per level (serving_race.py race_sizes) for plain's two servers, the first contender's and
+    the confirmation's (the decision as written, which switches speculation off where it lost) within left_s, priced before either has run: a served step at SERVED_STEP times the profiled plain
     step, a server start at the longest acceptance server's wait (the first of them started alone),
     each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
     from profiler.vllm_profile import START_GUESS_S
@@ -417,7 +417,7 @@ def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_
     start = max([float(w) for w in waits if isinstance(w, (int, float)) and w > 0] or [START_GUESS_S])
     fixed = start + s.rounds * sum(WARMUP_TOKENS * step[lv] for lv in levels)
     pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
-    return race_sizes(pass_s, fixed, n, levels, left_s, races=3)
+    return race_sizes(pass_s, fixed, n, levels, left_s, races=4)
 
 
 def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:
