@@ -113,7 +113,11 @@ def sampled_requests(requests: Sequence[Request], s, seed: int = 0) -> list[Requ
 def decode_steps(result: LoadResult, counters: SpecDecodeCounters) -> dict:
     """Verification steps of the completed requests (see the module docstring): both lower bounds
     and the larger, never fewer than the steps vLLM counted a draft in."""
-    done = result.completed
+    return steps_of(result.completed, counters)
+
+
+def steps_of(done: Sequence, counters: SpecDecodeCounters) -> dict:
+    """decode_steps over completed request records (several passes' under one counter reading)."""
     by_tokens = sum(r.output_tokens for r in done) - len(done) - int(counters.accepted_tokens)
     by_chunks = sum(max(len(set(r.token_times_s)) - 1, 0) for r in done)
     return {"steps": int(max(by_tokens, by_chunks, counters.drafts)), "steps_by_tokens": int(by_tokens),

@@ -459,6 +459,25 @@ def test_plain_closes_the_race_and_each_ratio_is_to_the_median_of_its_two_server
     assert sr.plain_drift(_level(1, [1.0] * n, toks)) is None  # one server: no drift to speak of
 
 
+def test_raced_tokens_per_step_count_steps_as_the_acceptance_records_do():
+    """A request's last step may accept drafts past max_tokens, which vLLM counts and then cuts, so decoded -
+    accepted undercounts the steps; the streamed chunks bound them too, and the race's tokens per step
+    (beside the price in the report) takes the larger bound, as the acceptance records do. Measured on the
+    race half of the held-out questions, ngram K = 8: 2.20 tokens per step counted so, 2.41 by tokens alone."""
+    n, toks = 4, list(range(8))
+    recs = [RequestRecord(i, 0.0, ttft_s=0.01, token_times_s=[0.01, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5], latency_s=0.5,
+                          output_tokens=8, token_ids=toks) for i in range(n)]  # 6 chunks: 5 steps after the prefill
+    spec = SpecDecodeCounters(drafts=20, draft_tokens=60, accepted_tokens=12, speculating=True)
+    results = {sr.PLAIN: {4: _level(4, [1.0] * n, [toks] * n)},
+               "spec": {4: [{"result": LoadResult(4, 0.5, recs), "counters": spec}]}}
+    row = sr.decide_level(results, 4, greedy=True)["contenders"]["spec"]
+    assert row["steps"] == 20  # chunks: 4 x 5; by tokens only 4 x 7 - 12 = 16
+    c = sr.Contender("spec", {"method": "ngram", "num_speculative_tokens": 8}, {4: 1.0},
+                     {4: {"tokens_per_step": 1.5, "step_s": 0.1}})
+    parts = sv.prediction_parts([c], [{"level": 4, "contenders": {"spec": row}}])
+    assert parts["spec"][4]["tokens_per_step"] == [1.5, pytest.approx(28 / 20)]
+
+
 def test_the_servers_own_cost_per_step_is_recovered_from_plain_and_priced_into_every_step():
     """vLLM plain through the server runs one token per request per step, so b / its tokens/s is the
     server's step: the profile's plus the server's own cost (server_overhead recovers a known one).

@@ -278,6 +278,7 @@ def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
 
 def decide_level(results: dict, level: int, greedy: bool) -> dict:
     """Each contender against plain at one level (the paired rule), and the level's winner."""
+    from profiler.vllm_accept import steps_of
     from workflows.mainjob.signflip import interval
 
     plain_s = per_request_s(results[PLAIN][level])
@@ -295,7 +296,9 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
                "accepted": counters.accepted_tokens, "drafted": counters.draft_tokens, "drafts": counters.drafts,
                "mean_acceptance_length": counters.mean_acceptance_length if counters.speculating else None,
                "requests": sum(len(r.completed) for r in res), "output_tokens": sum(r.output_tokens for r in res),
-               "step_p50_s": percentile([r.step_p50_s for r in res if r.step_p50_s is not None], 50)}
+               "step_p50_s": percentile([r.step_p50_s for r in res if r.step_p50_s is not None], 50),
+               # verification steps counted as the acceptance records count them (the larger lower bound)
+               "steps": steps_of([x for r in res for x in r.completed], counters)["steps"]}
         if name == PLAIN:
             row["drift"] = plain_drift(rounds)
         else:
