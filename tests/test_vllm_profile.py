@@ -347,7 +347,12 @@ def _vllm_or_skip() -> None:
         pytest.skip(f"no vLLM environment at {vllm_env.venv_dir()} (scripts/setup_vllm.sh makes it)")
 
 
-def test_in_vllm_the_step_grows_with_the_scored_tokens(tmp_path):
+def test_in_vllm_every_point_is_measured_and_agrees_with_vllms_counters(tmp_path):
+    """One engine start in vLLM itself: every (K, batch size) point is timed over the steps asked for, and
+    vLLM's own counters agree that each step drafted K tokens per sequence. How the step grows with the
+    scored tokens is measured (planner profile --engine vllm), not asserted: here, on a ~100 ms step that
+    is mostly fixed cost, 14 scored tokens against 2 differ by a few ms, less than a busy machine's noise
+    (CI once saw 103.1 ms against 103.8)."""
     _vllm_or_skip()
     from decoder.engines.models import DEFAULT_MODEL
     from decoder.engines.registry import EngineRequest
@@ -371,8 +376,7 @@ def test_in_vllm_the_step_grows_with_the_scored_tokens(tmp_path):
     for p in profile["points"]:  # vLLM's counters agreed: K tokens in each draft, a draft per sequence and step
         assert p["steps"] == 4 and 0.001 < p["step_s"] < 5.0 and p["context_mean"] >= 65
         assert p["drafted"] == p["draft_length"] * p["drafts"] >= p["draft_length"] * p["batch_size"] * 5
-    step = {(p["draft_length"], p["batch_size"]): p["step_s"] for p in profile["points"]}
-    assert step[(6, 2)] > step[(1, 1)]  # 14 scored tokens cost more than 2
+    assert {(p["draft_length"], p["batch_size"]) for p in profile["points"]} == {(1, 1), (1, 2), (6, 1), (6, 2)}
     assert profile["versions"]["vllm"].startswith("0.")
 
 
