@@ -232,6 +232,9 @@ def _request(engine, spec: ServingProfileSpec, speculative: bool, ks: list[int],
             "deadline": deadline, "seed": spec.seed, "max_model_len": MAX_MODEL_LEN}
 
 
+WORKER_GRACE_S = 10.0  # SIGTERM to SIGKILL: after "done" vLLM's own shutdown adds nothing worth waiting for
+
+
 def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str], None],
                worker: Path = WORKER) -> WorkerResult:
     """Run one worker to its end (or `kill_at`, a time.time()); its process group never outlives this
@@ -245,7 +248,7 @@ def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str],
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(python), str(worker), str(req_path), str(out_path)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    watchdog = watch_group(proc.pid, 10.0)
+    watchdog = watch_group(proc.pid, WORKER_GRACE_S)
     seen, t0 = 0, time.time()
     try:
         while True:
@@ -265,7 +268,7 @@ def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str],
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
-        stop_group(proc, 10.0, watchdog)  # after "done" vLLM's own shutdown adds nothing worth waiting for
+        stop_group(proc, WORKER_GRACE_S, watchdog)
     if result.error:
         result.error += f" (log: {log_path})"
     else:

@@ -218,8 +218,8 @@ def autotune_serving(s: ServingSettings) -> dict:
     skipped: dict[str, str] = {}
     timings: dict = {}
     contenders = [Contender(PLAIN, None)]
-    # plain's two servers, the first contender and the confirmation must fit what is left: if not at full size, every
-    # contender races fewer requests at the levels where a request takes longest
+    # plain's two servers, the first contender and the confirmation must fit what is left: if not at full
+    # size, every contender races fewer requests at the levels where a request takes longest
     sizes = _race_sizes(profiles, records, s, levels, budget - (time.time() - t0) - WRITE_S, len(race_reqs))
     cut = {lv: n for lv, n in sizes.items() if n < len(race_reqs)}
     if cut:
@@ -406,10 +406,11 @@ def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSetting
 
 
 def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_s: float, n: int) -> dict[int, int]:
-    """Race requests per level (serving_race.py race_sizes) for plain's two servers, the first contender's and
-    the confirmation's (the decision as written, which switches speculation off where it lost) within left_s, priced before either has run: a served step at SERVED_STEP times the profiled plain
-    step, a server start at the longest acceptance server's wait (the first of them started alone),
-    each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
+    """Race requests per level (serving_race.py race_sizes) for four races within left_s: plain's two
+    servers, the first contender's and the confirmation's (the decision as written, which switches
+    speculation off where it lost). Priced before any has run: a served step at SERVED_STEP times the
+    profiled plain step, a server start at the longest acceptance server's wait (the first of them
+    started alone), each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
     from profiler.vllm_profile import START_GUESS_S
 
     step = {lv: float(profiles[lv].latency(1)) * SERVED_STEP for lv in levels}
