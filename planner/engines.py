@@ -160,7 +160,8 @@ register(EngineKind(
     # acceptance, plain and the planned schedule (vLLM server starts are about 45 s each); a fresh run with
     # every stock contender raced took 36 min (--budget 40)
     # vLLM 0.32 keeps its speculative path where a schedule's K is 0: 14 such rows raced here against
-    # plain on another server measured 0.81-1.07x, median 0.92 (docs/results.md), so the planner prices it so;
+    # plain on another server measured 0.81-1.07x, median 0.92 (docs/results.md), so the planner prices it so
+    # (py-spy: sampled, its rejection sampler's recovery draw is 8.5 % of the worker; greedy, 1.4 %);
     # acceptance on the acceptance half's 16 prompts: its 8 questions' two turns, one per MT-bench category as
     # in the race's 16 (8 took 4 categories, none of coding and extraction, where lookup accepts most)
     EngineDefaults(decode_tokens=32, rounds=1, budget_minutes=15.0, decode_prompts=16, accept_prompts=16, turns=2,
