@@ -45,7 +45,7 @@ from pathlib import Path
 
 from planner.errors import UserError
 from planner.sampling import record as sampling_record
-from profiler.load_generator import LoadResult, run_load
+from profiler.load_generator import LoadResult, RequestRecord, run_load
 from profiler.serving_metrics import SpecDecodeCounters, fetch_spec_decode
 from profiler.workload import Request
 
@@ -110,14 +110,10 @@ def sampled_requests(requests: Sequence[Request], s, seed: int = 0) -> list[Requ
 
 # ---------------------------------------------------------------------------------------------- counts -> acceptance
 
-def decode_steps(result: LoadResult, counters: SpecDecodeCounters) -> dict:
-    """Verification steps of the completed requests (see the module docstring): both lower bounds
-    and the larger, never fewer than the steps vLLM counted a draft in."""
-    return steps_of(result.completed, counters)
-
-
-def steps_of(done: Sequence, counters: SpecDecodeCounters) -> dict:
-    """decode_steps over completed request records (several passes' under one counter reading)."""
+def decode_steps(done: Sequence[RequestRecord], counters: SpecDecodeCounters) -> dict:
+    """Verification steps of completed requests (see the module docstring; one pass's or several under
+    one counter reading): both lower bounds and the larger, never fewer than the steps vLLM counted a
+    draft in."""
     by_tokens = sum(r.output_tokens for r in done) - len(done) - int(counters.accepted_tokens)
     by_chunks = sum(max(len(set(r.token_times_s)) - 1, 0) for r in done)
     return {"steps": int(max(by_tokens, by_chunks, counters.drafts)), "steps_by_tokens": int(by_tokens),
@@ -140,7 +136,7 @@ def chain_rows(accepted_per_position: Sequence[float], steps: float, k: int) -> 
 def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result: LoadResult, config: dict,
                       s, model: str, engine: str) -> dict:
     """The acceptance record (planner/accept.py format) of one method from one level's counters."""
-    steps = decode_steps(result, counters)
+    steps = decode_steps(result.completed, counters)
     if steps["steps"] <= 0:
         raise UserError(f"--method {method}: no decoding step was measured (every answer ended at its first "
                         "token); raise --max-new-tokens")

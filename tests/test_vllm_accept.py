@@ -89,11 +89,12 @@ def test_counts_become_the_chains_conditional_rows_by_hand():
 def test_steps_take_the_larger_lower_bound_and_never_fewer_than_drafts():
     counters = spec_decode_counters(AFTER) - spec_decode_counters(BEFORE)  # 50 accepted, 40 drafts
     # last steps accepted past the end: tokens say 70 - 1 - 50 = 19, the stream's 45 chunks say 44
-    assert va.decode_steps(level(record(0, 70, 45)), counters) == {"steps": 44, "steps_by_tokens": 19,
-                                                                   "steps_by_chunks": 44}
-    assert va.decode_steps(level(record(0, 60, 10)), counters)["steps"] == 40  # the drafts vLLM counted
+    assert va.decode_steps(level(record(0, 70, 45)).completed, counters) == {
+        "steps": 44, "steps_by_tokens": 19, "steps_by_chunks": 44}
+    assert va.decode_steps(level(record(0, 60, 10)).completed, counters)["steps"] == 40  # the drafts vLLM counted
     # a failed request counts for nothing
-    assert va.decode_steps(level(record(0, 60, 30), record(1, 52, 25, error="timeout")), counters)["steps_by_tokens"] == 9
+    timed_out = level(record(0, 60, 30), record(1, 52, 25, error="timeout"))
+    assert va.decode_steps(timed_out.completed, counters)["steps_by_tokens"] == 9
 
 
 def test_rows_past_what_was_reached_are_zero_and_bad_counters_refused():

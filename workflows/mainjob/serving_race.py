@@ -278,7 +278,7 @@ def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
 
 def decide_level(results: dict, level: int, greedy: bool) -> dict:
     """Each contender against plain at one level (the paired rule), and the level's winner."""
-    from profiler.vllm_accept import steps_of
+    from profiler.vllm_accept import decode_steps
     from workflows.mainjob.signflip import interval
 
     plain_s = per_request_s(results[PLAIN][level])
@@ -298,7 +298,7 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
                "requests": sum(len(r.completed) for r in res), "output_tokens": sum(r.output_tokens for r in res),
                "step_p50_s": percentile([r.step_p50_s for r in res if r.step_p50_s is not None], 50),
                # verification steps counted as the acceptance records count them (the larger lower bound)
-               "steps": steps_of([x for r in res for x in r.completed], counters)["steps"]}
+               "steps": decode_steps([x for r in res for x in r.completed], counters)["steps"]}
         if name == PLAIN:
             row["drift"] = plain_drift(rounds)
         else:

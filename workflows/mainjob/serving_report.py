@@ -31,9 +31,10 @@ def prediction_parts(contenders: list[Contender], levels_out: list[dict]) -> dic
             if not (row and priced and row.get("requests")):
                 continue
             decoded = row["output_tokens"] - row["requests"]  # each request's first token comes with its prefill
-            # counted as the acceptance records count steps (profiler/vllm_accept.py steps_of): decoded - accepted
-            # alone undercounts where a last step's accepted drafts ran past max_tokens (vLLM counts, then cuts them)
-            steps = row.get("steps") or decoded - row["accepted"]
+            # counted as the acceptance records count steps (profiler/vllm_accept.py decode_steps): decoded -
+            # accepted alone undercounts where a last step's accepted drafts ran past max_tokens (vLLM counts,
+            # then cuts them)
+            steps = row["steps"]
             out.setdefault(c.name, {})[lv["level"]] = {
                 "tokens_per_step": [priced["tokens_per_step"], decoded / steps if steps > 0 else None],
                 "step_s": [priced["step_s"], row.get("step_p50_s")]}
