@@ -40,10 +40,10 @@ LLAMA_125M = ROOT / "bench" / "data" / "llama-125m.json"  # 12 layers, hidden 76
 def plain_forward_time(engine, context: torch.Tensor, n: int, repeats: int) -> float:
     """Median time of the torch model's own forward of n new tokens over a cache of len(context), its
     default causal mask (no mask given): the baseline a decoding step is set against. The engine's own
-    forward functions (decoder/engines/hf/forward.py) on its torch model: a step's parts are what this
+    forward functions (decoder/torch_ops/forward.py) on its torch model: a step's parts are what this
     benchmark measures."""
-    from decoder.engines.hf.cache import crop_cache
-    from decoder.engines.hf.forward import prefill, tree_forward
+    from decoder.torch_ops.cache import crop_cache
+    from decoder.torch_ops.forward import prefill, tree_forward
 
     model = engine.torch_model()
     cache = prefill(model, context[None]).cache

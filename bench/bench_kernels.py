@@ -118,7 +118,8 @@ def bench_tree_attention(cfg, measure, use_flex: bool, progress):
     import torch
     import torch.nn.functional as F
 
-    from decoder.engines.hf.forward import ancestor_matrix, tree_attention_mask
+    from decoder.torch_ops.forward import tree_attention_mask
+    from planner.tree import ancestor_matrix
     from kernels import tree_attention, tree_attention_ref, tree_mask
 
     dev, dtype, H, H_kv, D = cfg["device"], cfg["dtype"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -232,15 +233,9 @@ def bench_step(cfg, measure_many, progress):
 
     from common import open_hf
     from decoder.engines.hf.attention import enable_tree_attention, prepare_tree
-    from decoder.engines.hf.cache import compact_cache
-    from decoder.engines.hf.forward import (
-        ancestor_matrix,
-        prefill,
-        step_mask,
-        tree_attention_mask,
-        tree_depths,
-        tree_forward,
-    )
+    from decoder.torch_ops.cache import compact_cache
+    from decoder.torch_ops.forward import prefill, step_mask, tree_attention_mask, tree_forward
+    from planner.tree import ancestor_matrix, tree_depths
 
     dev = cfg["device"]
     engine = open_hf(cfg["step_model"], cfg["step_dtype"], device=dev)
@@ -263,7 +258,7 @@ def bench_step(cfg, measure_many, progress):
             ids = torch.randint(0, vocab, (1, n), generator=g).to(dev)
             depths = tree_depths(parents)
             pos = (C + torch.tensor(depths))[None].to(dev)  # [1, n]
-            anc = ancestor_matrix(parents)  # [n, n]
+            anc = torch.from_numpy(ancestor_matrix(parents))  # [n, n]
             block = tree_attention_mask(anc, 0, dtype, dev)[0, 0]  # [n, n] additive
             tm = prepare_tree(parents, dev)  # once per plan in the decoder
             deepest = max(range(n), key=depths.__getitem__)

@@ -197,11 +197,11 @@ def _timings(engine, draft, ids, widths, n_max: int, cfg) -> tuple[dict, dict]:
     """L(n): the target's forward over n tokens, n = 1..n_max; t_d(W): one beam step of the drafter
     at W rows as the decoder runs it (reorder the W cache rows, forward one token per row, warp,
     Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass: the two sides' torch
-    models through the hf engine's own forward functions (decoder/engines/hf/forward.py)."""
+    models through the hf engine's own forward functions (decoder/torch_ops/forward.py)."""
     import torch
 
-    from decoder.engines.hf.cache import crop_cache
-    from decoder.engines.hf.forward import prefill, tree_forward
+    from decoder.torch_ops.cache import crop_cache
+    from decoder.torch_ops.forward import prefill, tree_forward
     from decoder.guessers.mtad import beam_step, draft_logprobs
     from decoder.verify import Sampling
 

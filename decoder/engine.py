@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from decoder.verify import Verdict
 
 
+# The target features a drafter reads, which the engine returns beside the logits: False (none), True (the
+# last hidden state, after the final norm: ParallelSpec's and EAGLE-1's input), or a tuple of layer ids (the
+# residual streams entering those layers, concatenated in that order: EAGLE-3's three layers).
+Features = bool | tuple[int, ...]
+
+
 @dataclass
 class StepInput:
     """One scored forward: the root and the proposal's candidates, in the step layout's order."""
@@ -39,12 +45,12 @@ class StepInput:
     tokens: torch.Tensor  # [num_tree] long, root first, on the engine's device
     layout: StepLayout  # parents, depths (position offsets), the [n, n] visibility block, paths
     extra_embeds: torch.Tensor | None = None  # [n - num_tree, hidden] non-token inputs after the tree (PPD)
-    hidden: bool = False  # also return the last hidden state of every input
+    hidden: Features = False  # also return these features of every input
 
 
 class Scored(NamedTuple):
     logits: torch.Tensor  # [n, V] one row per input (root first); n = layout.input_length
-    hidden: torch.Tensor | None  # [n, hidden] when asked and the engine has them
+    hidden: torch.Tensor | None  # [n, F] the features asked for, when the engine has them
 
 
 class Sequence(Protocol):
@@ -127,10 +133,10 @@ class Engine(Protocol):
         """The libraries the engine computes with, and their versions (profiles record them)."""
         ...
 
-    def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
+    def start(self, prompt_ids: torch.Tensor, hidden: Features = False,
               pad_to: dict[int, int] | None = None) -> tuple[Sequence, torch.Tensor | None]:
         """Prefill every prompt token but the last, which becomes the first root. Returns the sequence
-        and, with hidden=True, the last hidden state over the prefilled tokens [T-1, hidden].
+        and, with `hidden`, those features over the prefilled tokens [T-1, F].
         pad_to {n: m}: run n-input steps at m inputs where the profile measured m cheaper (inputs
         nothing reads; planner.profile's padding, which a plan records); an engine may ignore it."""
         ...
@@ -140,8 +146,8 @@ class Engine(Protocol):
         (the model's positions, a sliding window, a context size)."""
         ...
 
-    def teacher_forced(self, ids: torch.Tensor, hidden: bool = False) -> Scored:
-        """Logits [T, V] (and hidden states) at every position of a token sequence [T] in one pass,
+    def teacher_forced(self, ids: torch.Tensor, hidden: Features = False) -> Scored:
+        """Logits [T, V] (and the features asked for) at every position of a token sequence [T] in one pass,
         no cache kept: the acceptance pass reads what the target predicts along a known text."""
         ...
 

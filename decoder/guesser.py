@@ -4,9 +4,9 @@ One decoding step (decoder/loop.py) has four parts, each in one place:
   1. propose  the guesser's session puts a tree before the target: a `Proposal` (a layout from
               decoder/layout.py, the candidate tokens, for sampled drafts the distribution q each
               node's children were drawn from, for PPD the prompt-token input embeddings);
-  2. score    the target runs root + tree in one forward pass (decoder/engines/hf/forward.py);
+  2. score    the target runs root + tree in one forward pass (decoder/torch_ops/forward.py);
   3. verify   a rule picks the accepted path and the target's own next token (decoder/verify.py);
-  4. commit   the target cache keeps the path (decoder/engines/hf/cache.py) and the session commits the
+  4. commit   the target cache keeps the path (decoder/torch_ops/cache.py) and the session commits the
               `StepOutcome` to its own state: PPD reads its next guesses from the prompt tokens'
               logits, a draft model's cache follows the path, a lookup table grows.
 

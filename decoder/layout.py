@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.engines.hf.forward import ancestor_matrix, tree_depths
+from planner.tree import ancestor_matrix, tree_depths
 from planner.tree import PPD, Tree
 
 
@@ -97,7 +97,7 @@ def _visibility(parents: list[int], prompt_count: list[int], E: int, n_slots: in
     [num_tree, max(k), E] of slot (u, j, e) in the input (0 where j >= k_u)."""
     n_tree = len(parents)
     n = n_tree + n_slots
-    anc = ancestor_matrix(parents)  # [n_tree, n_tree]
+    anc = torch.from_numpy(ancestor_matrix(parents))  # [n_tree, n_tree]
     visible = torch.zeros(n, n, dtype=torch.bool)
     visible[:n_tree, :n_tree] = anc
     slot_index = torch.zeros(n_tree, max(max(prompt_count), 1), max(E, 1), dtype=torch.long)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json, read_json
 from planner.plan_settings import engines, plan_settings
@@ -43,6 +45,46 @@ MAX_DEPTH = 64
 MAX_BATCH_SIZE = 1 << 20  # a bound on what a schedule range may name
 LAYOUTS = ("packed", "padded")  # batched decoding without padding (EMS-SD) or padded to the longest
 
+
+
+# ---------------------------------------------------------------------------------------------- tree maths
+
+
+def tree_depths(parents) -> list[int]:
+    """Depth of each tree token below the cache: a token with parent -1 has depth 0. parents[i] < i."""
+    depth: list[int] = []
+    for p in (int(x) for x in parents):
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def ancestor_matrix(parents) -> np.ndarray:
+    """[n, n] bool, True where column j is row i itself or one of its ancestors.
+
+    parents[i] is the index of token i's parent within the tree, -1 for a token hanging directly
+    off the cache; tokens are in topological order (parent index < own index). Built once per tree
+    shape, so the loop over nodes is off the decoder's hot path."""
+    parents = [int(p) for p in parents]
+    n = len(parents)
+    anc = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"parents[{i}] = {p}: tree tokens must follow their parent")
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
+
+
+def path_parents(nodes) -> list[int]:
+    """Tree indices of each rank path's parent, root (index 0) first with parent -1: nodes are rank
+    paths, parents listed before children, the root implicit."""
+    index = {(): 0}
+    parents = [-1]
+    for i, p in enumerate(nodes):
+        parents.append(index[tuple(p[:-1])])
+        index[tuple(p)] = i + 1
+    return parents
 
 @dataclass
 class TreeState:

@@ -10,8 +10,8 @@ from decoder import (
     generate_plain,
     prompt_block_mask,
 )
-from decoder.engines.hf.cache import compact_cache
-from decoder.engines.hf.forward import prefill, step_mask, tree_forward
+from decoder.torch_ops.cache import compact_cache
+from decoder.torch_ops.forward import prefill, step_mask, tree_forward
 from decoder.verify import verify_greedy
 from planner.errors import UserError
 

@@ -5,7 +5,7 @@ import torch
 from test_decoder_utils import V, reference, static_tree, tiny_model
 
 from decoder import generate
-from decoder.engines.hf.forward import prefill
+from decoder.torch_ops.forward import prefill
 from decoder.guessers.draft import DraftModelGuesser, DraftSession
 from decoder.guessers.lookup import PromptLookupGuesser, find_continuation
 from planner.errors import UserError
@@ -51,8 +51,8 @@ def test_drafter_cache_equals_a_prefill_of_the_accepted_text(monkeypatch):
         text = torch.cat([ids, torch.tensor(emitted)])  # everything accepted so far, the new root last
         seen = text[: text.numel() - 1 - len(self.unseen)]  # all but the root and the tokens still unseen
         want = prefill(draft, seen[None]).cache
-        assert self.cache.get_seq_length() == seen.numel()
-        for got, ref in zip(self.cache.layers, want.layers):
+        assert self.state.cache.get_seq_length() == seen.numel()
+        for got, ref in zip(self.state.cache.layers, want.layers):
             torch.testing.assert_close(got.keys, ref.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.values, ref.values, atol=1e-5, rtol=1e-5)
         checks.append(len(self.unseen))

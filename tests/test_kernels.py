@@ -354,13 +354,8 @@ BACKENDS = ["sdpa", "reference", pytest.param("triton", marks=needs_triton)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
-    from decoder.engines.hf.forward import (
-        ancestor_matrix,
-        prefill,
-        tree_attention_mask,
-        tree_depths,
-        tree_forward,
-    )
+    from decoder.torch_ops.forward import prefill, tree_attention_mask, tree_forward
+    from planner.tree import ancestor_matrix, tree_depths
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 101, (1, 23), generator=gen)
@@ -389,7 +384,7 @@ def test_hf_tree_step_logits_equal_dense_mask_path(tiny_llama, backend):
 
 def test_hf_chunk_after_cache_is_causal(tiny_llama):
     """A plain block of tokens after a cache (no tree, no mask) gets causal attention with the offset."""
-    from decoder.engines.hf.forward import kv, prefill
+    from decoder.torch_ops.forward import kv, prefill
 
     ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(2))
     want = tiny_llama(input_ids=ids).logits
@@ -401,7 +396,7 @@ def test_hf_chunk_after_cache_is_causal(tiny_llama):
 
 
 def _plain_greedy(model, prompt, steps):
-    from decoder.engines.hf.forward import kv, prefill
+    from decoder.torch_ops.forward import kv, prefill
 
     logits, _, cache = prefill(model, prompt)
     out = [int(logits[0, -1].argmax())]
@@ -415,14 +410,9 @@ def _plain_greedy(model, prompt, steps):
 def _tree_greedy(model, prompt, steps, parents, oracle, gen, kernel_path):
     """Greedy tree decoding at the tree_forward level; node tokens are the oracle's with prob. 0.7."""
     from decoder.engines.hf.attention import prepare_tree
-    from decoder.engines.hf.cache import crop_cache
-    from decoder.engines.hf.forward import (
-        ancestor_matrix,
-        prefill,
-        tree_attention_mask,
-        tree_depths,
-        tree_forward,
-    )
+    from decoder.torch_ops.cache import crop_cache
+    from decoder.torch_ops.forward import prefill, tree_attention_mask, tree_forward
+    from planner.tree import ancestor_matrix, tree_depths
 
     depths = tree_depths(parents)
     children = [[j for j, p in enumerate(parents) if p == i] for i in range(len(parents))]
@@ -529,7 +519,7 @@ def test_decoder_generate_through_kernels_is_token_identical(monkeypatch, family
     out = generate(model, ids, plan=tree, guesser=oracle, max_new_tokens=n, attention="kernels")
     assert out.tokens.tolist() == ref
     # every step compacts with the kernel, except one whose accepted path is the step input's own
-    # prefix (0, 1, .., a): that only cuts the cache (decoder.engines.hf.cache.compact_cache), nothing moves
+    # prefix (0, 1, .., a): that only cuts the cache (decoder.torch_ops.cache.compact_cache), nothing moves
     assert 1 <= calls["compact"] <= out.steps
     assert calls["tree"] >= out.steps  # the tree form reached the attention path every step (and per layer)
     assert out.steps <= n // 2  # the oracle's trees were accepted: compaction really moved rows

@@ -16,7 +16,7 @@ from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import V, reference, tiny_model
 
 from decoder import generate
-from decoder.engines.hf.forward import prefill
+from decoder.torch_ops.forward import prefill
 from decoder.guessers.mtad import (
     MTADGuesser,
     MTADSession,

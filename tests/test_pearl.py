@@ -21,7 +21,7 @@ from test_decoder_sampling import _chi2, _exact_joint
 from test_decoder_utils import reference, tiny_model
 
 import decoder.guessers.pearl as pearl
-from decoder.engines.hf.forward import prefill
+from decoder.torch_ops.forward import prefill
 from decoder.guessers.pearl import generate_pearl, split_threads
 from planner.accept import from_entry
 from planner.errors import UserError

@@ -421,7 +421,7 @@ def test_oom_in_later_rounds_keeps_samples(small_model, monkeypatch):
 
 
 def test_runner_resets_to_the_prefix(small_model):
-    from decoder.engines.hf.forward import prefill
+    from decoder.torch_ops.forward import prefill
 
     cache = prefill(small_model.model, torch.arange(8)[None]).cache
     runner = hf_timer.Runner(small_model.model, cache, cuda_graphs=False)

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from decoder.engine import vocab_size
-from decoder.engines.hf.forward import tree_depths
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.guessers.draft_cache import DraftCache
 from decoder.guessers.draft_source import DraftSource, SampledDraftSource
+from decoder.torch_ops.draft import HFDraft
 from decoder.layout import layout_for
 from decoder.verify import Sampling, draw_children, probabilities
 from planner.dynamic import DynamicSpec, GuesserModel
 from planner.errors import UserError
-from planner.tree import PPD, Tree
+from planner.tree import PPD, Tree, path_parents, tree_depths
 
 
 def chain_nodes(depth: int) -> tuple[tuple[int, ...], ...]:
@@ -74,11 +74,7 @@ class TreeShape:
 
     @classmethod
     def of(cls, nodes) -> "TreeShape":
-        index = {(): 0}
-        parents = [-1]
-        for i, p in enumerate(nodes):
-            parents.append(index[p[:-1]])
-            index[p] = i + 1
+        parents = path_parents(nodes)
         children: list[list[int]] = [[] for _ in parents]
         for i in sorted(range(1, len(parents)), key=lambda i: nodes[i - 1][-1]):
             children[parents[i]].append(i)
@@ -116,17 +112,21 @@ def fill_children(logits: torch.Tensor, have: torch.Tensor, n: int) -> torch.Ten
 
 
 class DraftModelGuesser:
-    """A draft LM (any Hugging Face causal LM with the target's vocabulary) that proposes trees.
+    """A drafter that proposes trees: a draft LM (any Hugging Face causal LM with the target's vocabulary)
+    or any decoder/drafter.py `DraftModel` (EAGLE heads, decoder/guessers/eagle.py).
 
     top_k: ranks a plan may use per node; depth: the chain length when no plan is given.
+    `draft_model` is the transformers LM itself when the drafter is one (PEARL, MTAD and the
+    teacher-forced acceptance pass run it directly), else None.
     """
 
-    needs_hidden = False
-
-    def __init__(self, draft_model, top_k: int = 8, depth: int = 4, label: str = "draft model"):
+    def __init__(self, draft, top_k: int = 8, depth: int = 4, label: str = "draft model"):
         if top_k < 1 or depth < 1:
             raise UserError(f"{label}: top_k and depth must be at least 1")
-        self.draft_model = draft_model.eval()
+        lm = isinstance(draft, torch.nn.Module)
+        self.draft_model = draft.eval() if lm else None
+        self.drafter = HFDraft(draft, label) if lm else draft
+        self.needs_hidden = self.drafter.features  # the target features it reads (decoder/engine.py Features)
         self.top_k = top_k
         self.depth = depth
         self.label = label
@@ -148,29 +148,29 @@ class DraftModelGuesser:
         if sampled and not contiguous(nodes):
             raise UserError(f"{ctx.label}: lossless sampling with a draft model needs contiguous sibling ranks "
                             "(a sequoia tree): a child is the next draw without replacement")
-        return DraftSession(self.draft_model, nodes, prompt_ids, ctx, sampled)
+        return DraftSession(self.drafter, nodes, prompt_ids, ctx, sampled)
 
     def dynamic_source(self, gm: GuesserModel, spec: DynamicSpec, target, prompt_ids: torch.Tensor,
                        ctx: DecodeContext, sampled: bool) -> "DraftSource":
         self._check_vocab(target)
         if sampled:  # children counted from rank-level acceptance before they are drawn (decoder/guessers/draft_source.py)
             gm = GuesserModel(gm.kind, gm.prior, None, gm.draft_s, gm.draft_passes)
-            return SampledDraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
-        return DraftSource(gm, self.draft_model, self.top_k, spec, prompt_ids, ctx, sampled)
+            return SampledDraftSource(gm, self.drafter, self.top_k, spec, prompt_ids, ctx, sampled)
+        return DraftSource(gm, self.drafter, self.top_k, spec, prompt_ids, ctx, sampled)
 
     def _check_vocab(self, target) -> None:
         vocab = vocab_size(target)
-        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
-                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        if self.drafter.vocab_size != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.drafter.vocab_size} tokens, the target has {vocab}: "
+                            "a drafter must share the target's tokenizer")
 
 
 class DraftSession(DraftCache):
     """A static tree (the plan's, or a chain) drafted level by level: a node's children are its
     rank-ordered guesses, top-k or drawn without replacement (`draft_children`)."""
 
-    def __init__(self, draft_model, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
-        super().__init__(draft_model, prompt_ids)
+    def __init__(self, drafter, nodes, prompt_ids: torch.Tensor, ctx: DecodeContext, sampled: bool):
+        super().__init__(drafter, prompt_ids, ctx.prompt_hidden)
         self.ctx, self.sampled = ctx, sampled
         self.shape = TreeShape.of(nodes)
         self.layout = layout_for(nodes, max(r for p in nodes for r in p) + 1, ctx.dtype, ctx.device)
@@ -179,7 +179,7 @@ class DraftSession(DraftCache):
     @torch.inference_mode()
     def propose(self, root: torch.Tensor) -> Proposal:
         sh = self.shape
-        V = self.model.get_input_embeddings().weight.shape[0]
+        V = self.drafter.vocab_size
         tokens = torch.zeros(len(sh.parents), dtype=torch.long, device=root.device)  # [num_tree], root first
         tokens[0] = root[0]
         q_all = torch.zeros(len(sh.parents), V, device=root.device) if self.sampled else None  # [num_tree, V]
@@ -204,7 +204,7 @@ class DraftSession(DraftCache):
 
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
-        self.keep_accepted(outcome.verdict.nodes[1:], outcome.verdict.emitted)
+        self.keep_outcome(outcome.verdict.nodes[1:], outcome)
 
 
 # ---------------------------------------------------------------------------------------------- a draft LM on the target's embedding

@@ -1,30 +1,39 @@
-"""The drafter's KV cache over the accepted text, fed one tree level per pass: the one drafting
-mechanic behind a draft LM's static trees (decoder/guessers/draft.py `DraftSession`) and its per-step pools
-(decoder/guessers/draft_source.py)."""
+"""The drafter's cache over the accepted text, fed one tree level per pass: the one drafting mechanic
+behind a drafter's static trees (decoder/guessers/draft.py `DraftSession`) and its per-step pools
+(decoder/guessers/draft_source.py), for every drafter of decoder/drafter.py (a draft LM, EAGLE heads)."""
 from __future__ import annotations
 
 import torch
 
-from decoder.engines.hf.cache import compact_cache
-from decoder.engines.hf.forward import kv, prefill
+from decoder.drafter import DraftModel
 
 
 class DraftCache:
-    """The drafter's KV cache over the accepted text, fed one tree level per pass; the one drafting
-    mechanic behind static trees (`DraftSession`) and per-step pools (`DraftSource`).
+    """Between steps the drafter's cache equals a prefill of the accepted text but the tokens in `unseen`
+    and the root. A step: `first_pass` feeds the unseen tokens and the root; `level_pass` feeds nodes of
+    one level, each seeing the context and its fed ancestors (a tree mask); `keep_accepted` keeps the
+    accepted nodes it fed (KV compaction, as the target's) and queues the rest as unseen. Nodes are the
+    caller's ids (tree indices, pool indices) with their parents; the root is never one of them.
 
-    Between steps the cache equals a prefill of the accepted text but the tokens in `unseen` and the
-    root. A step: `first_pass` feeds the unseen tokens and the root; `level_pass` feeds nodes of one
-    level, each seeing the context and its fed ancestors (a tree mask); `keep_accepted` keeps the
-    accepted nodes it fed (KV compaction, as the target's) and queues the rest as unseen. Nodes are
-    the caller's ids (tree indices, pool indices) with their parents; the root is never one of them."""
+    Drafters that read the target's features (EAGLE) are fed, beside token x_p, the target's feature at
+    p - 1: the unseen tokens wait with theirs (`unseen_features`), a tree node is fed its parent's
+    predicted feature, and since those are predictions, no fed node is kept: the accepted tokens are fed
+    again next step with the target's own features."""
 
-    def __init__(self, draft_model, prompt_ids: torch.Tensor):
-        self.model = draft_model
+    def __init__(self, drafter: DraftModel, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None = None):
+        self.drafter = drafter
         ids = prompt_ids.reshape(-1)
-        self.cache = prefill(draft_model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(draft_model)
+        self.reads = bool(drafter.features)
+        if self.reads and prompt_features is None:
+            raise ValueError(f"{drafter.label}: reads the target's features; the prompt's are missing")
+        self.state = drafter.open(ids, prompt_features)
+        self.position = ids.numel() - 1  # the root's absolute position
         self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
+        # per unseen token and then the root: the target's feature at the position before it
+        self.unseen_features: list[torch.Tensor] = [prompt_features[-1]] if self.reads and ids.numel() > 1 else []
         self.slots: dict[int, int] = {}  # fed node -> its row in the drafter's cache, this step
+        self.hidden: dict[int, torch.Tensor] = {}  # fed node -> its predicted feature, this step (feature readers)
+        self.root_hidden: torch.Tensor | None = None  # the root's predicted feature, this step
         self.base = 0  # cache length after the step's first pass (context + unseen + root)
         self.passed = False  # this step's first pass ran
 
@@ -34,22 +43,23 @@ class DraftCache:
 
     def first_pass(self, root: torch.Tensor) -> torch.Tensor:
         """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
-        C = self.cache.get_seq_length()
-        ids = torch.tensor(self.unseen, dtype=torch.long, device=root.device)
-        ids = torch.cat([ids, root])[None]  # [1, m]
-        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
-        self.unseen = []
-        self.base = self.cache.get_seq_length()
-        self.slots = {}
+        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])  # [m]
+        first = self.position - len(self.unseen)
+        pos = torch.arange(first, first + ids.numel(), device=root.device)
+        feats = torch.stack(self.unseen_features) if self.reads else None  # [m, F]
+        out = self.state.forward(ids, pos, None, feats, last_only=True)
+        self.unseen, self.unseen_features = [], []
+        self.base = self.state.length
+        self.slots, self.hidden = {}, {}
+        self.root_hidden = None if out.hidden is None else out.hidden[-1]
         self.passed = True
-        return out.logits[0, -1]
+        return out.logits[-1]
 
     def level_pass(self, fed: list[int], parent, tokens: torch.Tensor, depth: list[int]) -> torch.Tensor:
         """One pass over the nodes `fed` of one level (tokens [len(fed)], depth beyond the root each),
-        each seeing the context and its fed ancestors (parent[u]: u's parent id) -> logits [len(fed), V]."""
-        L = self.cache.get_seq_length()
-        dev = tokens.device
+        each seeing the context and its fed ancestors (parent[u]: u's parent id, -1 the root)
+        -> logits [len(fed), V]."""
+        L = self.state.length
         visible = torch.zeros(len(fed), L + len(fed), dtype=torch.bool)
         visible[:, : self.base] = True  # context, unseen tokens and the root
         for i, u in enumerate(fed):
@@ -58,40 +68,43 @@ class DraftCache:
                 visible[i, self.slots[a]] = True
                 a = parent[a]
             visible[i, L + i] = True
-        dtype = self.model.get_input_embeddings().weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        pos = torch.tensor([[self.base - 1 + d for d in depth]], device=dev)
-        out = self.model(input_ids=tokens[None], position_ids=pos, attention_mask=mask[None, None].to(dev),
-                         **kv(self.cache), use_cache=True)
+        pos = torch.tensor([self.position + d for d in depth], device=tokens.device)
+        # a fed node's parent was fed this step, or is the root
+        feats = torch.stack([self.hidden.get(parent[u], self.root_hidden) for u in fed]) if self.reads else None
+        out = self.state.forward(tokens, pos, visible, feats)
         for i, u in enumerate(fed):
             self.slots[u] = L + i
-        return out.logits[0]
+            if out.hidden is not None:
+                self.hidden[u] = out.hidden[i]
+        return out.logits
 
-    def keep_accepted(self, accepted: list[int], emitted: list[int]) -> None:
-        """accepted: the path's nodes (root excluded), emitted: their tokens and the new root. Keep the
-        accepted nodes fed this step (a prefix of the path); the rest wait as unseen."""
+    def keep_outcome(self, accepted: list[int], outcome) -> None:
+        """`keep_accepted` after a step (decoder.guesser.StepOutcome): the target's features at the root and
+        the accepted nodes are the outcome's rows on the verified path."""
+        feats = outcome.hidden[outcome.verdict.path] if self.reads else None
+        self.keep_accepted(accepted, outcome.verdict.emitted, feats)
+
+    def keep_accepted(self, accepted: list[int], emitted: list[int], features: torch.Tensor | None = None) -> None:
+        """accepted: the path's nodes (root excluded), emitted: their tokens and the new root; features
+        [len(accepted) + 1, F]: the target's at the root and each accepted node (drafters that read them).
+        Keep the accepted nodes fed this step (a prefix of the path, none for feature readers); the rest
+        wait as unseen."""
+        self.position += len(emitted)
+        if self.reads:
+            if features is None:
+                raise ValueError(f"{self.drafter.label}: the step's features are missing")
+            self.unseen_features.extend(features)  # the root's feature pairs with the first accepted token, ...
         if not self.passed:
             self.unseen.extend(emitted[:-1])
             return
         fed = []
-        for u in accepted:
-            if u not in self.slots:
-                break
-            fed.append(u)
-        keep = torch.tensor([self.slots[u] - self.base for u in fed], dtype=torch.long)
-        compact_cache(self.cache, self.base, keep.to(_cache_device(self.cache)))
+        if self.drafter.reuse_tree_kv:
+            for u in accepted:
+                if u not in self.slots:
+                    break
+                fed.append(u)
+        self.state.keep(self.base, [self.slots[u] - self.base for u in fed])
         self.unseen = list(emitted[len(fed):-1])
+        if self.reads:
+            self.unseen_features = self.unseen_features[len(self.unseen_features) - len(self.unseen) - 1:]
         self.passed = False
-
-
-def _empty_cache(draft_model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=draft_model.config)
-
-
-def _cache_device(cache):
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.numel():
-            return layer.keys.device
-    return torch.device("cpu")

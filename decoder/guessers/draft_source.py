@@ -43,10 +43,10 @@ class DraftSource(Source):
 
     kind = "draft"
 
-    def __init__(self, gm: GuesserModel, draft_model, top_k: int, spec: DynamicSpec, prompt_ids: torch.Tensor,
+    def __init__(self, gm: GuesserModel, drafter, top_k: int, spec: DynamicSpec, prompt_ids: torch.Tensor,
                  ctx: DecodeContext, sampled: bool):
         super().__init__(gm)
-        self.drafter = DraftCache(draft_model, prompt_ids)
+        self.drafter = DraftCache(drafter, prompt_ids, ctx.prompt_hidden)
         self.ctx, self.sampled, self.spec = ctx, sampled, spec
         self.width = min(POOL_WIDTH, top_k)
 
@@ -104,7 +104,7 @@ class DraftSource(Source):
 
     def commit(self, outcome: StepOutcome, pool: Pool, accepted: list[int]) -> None:
         """Keep the accepted nodes the drafter fed (a prefix of the path); the rest wait as unseen."""
-        self.drafter.keep_accepted(accepted, outcome.verdict.emitted)
+        self.drafter.keep_outcome(accepted, outcome)
 
 
 @dataclass

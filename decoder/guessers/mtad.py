@@ -56,9 +56,9 @@ import torch
 
 from decoder.config import DecodeConfig, decode_config
 from decoder.engine import vocab_size
-from decoder.engines.hf.cache import crop_cache
+from decoder.torch_ops.cache import crop_cache
 from decoder.engines.hf.engine import select_attention
-from decoder.engines.hf.forward import kv, prefill
+from decoder.torch_ops.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.guessers.draft import chain_nodes
 from decoder.layout import layout_for

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from decoder.engine import torch_model
-from decoder.engines.hf.cache import crop_cache
-from decoder.engines.hf.forward import kv
+from decoder.torch_ops.cache import crop_cache
+from decoder.torch_ops.forward import kv
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from decoder.layout import layout_for

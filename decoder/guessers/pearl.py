@@ -39,8 +39,8 @@ import torch
 
 from decoder.config import DecodeConfig, decode_config
 from decoder.engine import StepInput, vocab_size
-from decoder.engines.hf.cache import crop_cache
-from decoder.engines.hf.forward import kv
+from decoder.torch_ops.cache import crop_cache
+from decoder.torch_ops.forward import kv
 from decoder.engines.registry import as_engine
 from decoder.guessers.draft import draft_children
 from decoder.layout import layout_for

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoder.engines.hf.forward import kv
+from decoder.torch_ops.forward import kv, pick_features
 
 PACKED_ATTENTION = "packed_sdpa"
 
@@ -66,13 +66,13 @@ class _Packed:
         segments = PackedSegments([self.spans[s.index] for s in live], n, [p.layout.mask_block for p in proposals],
                                   self.cache.get_seq_length())
         out = self.model(inputs_embeds=torch.cat(xs)[None], position_ids=pos, **kv(self.cache), use_cache=True,
-                         packed_segments=segments, output_hidden_states=self.want_hidden)
+                         packed_segments=segments, output_hidden_states=bool(self.want_hidden))
         stats.input_tokens.append(sum(n))
         stats.padded_inputs.append(0)
         stats.cache_holes.append(0)
         self.n = n
         logits = out.logits[0].split(n)
-        hidden = out.hidden_states[-1][0].split(n) if self.want_hidden else [None] * len(n)
+        hidden = pick_features(out.hidden_states, self.want_hidden)[0].split(n) if self.want_hidden else [None] * len(n)
         return logits, hidden
 
     def commit(self, live, proposals, verdicts, stats) -> None:
@@ -216,12 +216,13 @@ class _Padded:
             vis[r, :m, L: L + m] = p.layout.mask_block.cpu() == 0
         mask = torch.zeros(vis.shape, dtype=x.dtype).masked_fill_(~vis, torch.finfo(x.dtype).min)[:, None].to(x.device)
         out = self.model(inputs_embeds=x, position_ids=pos, attention_mask=mask, **kv(self.cache),
-                         use_cache=True, output_hidden_states=True)
+                         use_cache=True, output_hidden_states=bool(self.want_hidden))
         stats.input_tokens.append(len(self.rows) * N)
         stats.padded_inputs.append(len(self.rows) * N - sum(n))
         self.N = N
         logits = [out.logits[r, :m] for r, m in zip(rows, n)]
-        hidden = [out.hidden_states[-1][r, :m] for r, m in zip(rows, n)]
+        feats = pick_features(out.hidden_states, self.want_hidden)
+        hidden = [None if feats is None else feats[r, :m] for r, m in zip(rows, n)]
         return logits, hidden
 
     def commit(self, live, proposals, verdicts, stats) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from decoder.engines.hf.cache import crop_cache
-from decoder.engines.hf.forward import kv, prefill
+from decoder.torch_ops.cache import crop_cache
+from decoder.torch_ops.forward import kv, prefill
 
 
 class ContextForwards:

@@ -7,7 +7,7 @@
 
 A tree step is one forward of n tokens after a KV cache of C tokens, with explicit position ids
 and a 4D additive mask [1, 1, n, C + n] that lets a token see the cache and its own ancestors
-(decoder/engines/hf/forward.py); on CUDA with the tree kernels switched on (decoder/engines/hf/attention.py) the tree
+(decoder/torch_ops/forward.py); on CUDA with the tree kernels switched on (decoder/engines/hf/attention.py) the tree
 goes in as parents instead. A step whose profile found a longer forward cheaper is padded to it
 (tokens nothing reads). The CPU's per-shape matmul paths (decoder/engines/hf/cpu_paths.py) stay installed on
 the model's Linears, so every call through the engine runs them.
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from decoder.engine import Scored, StepInput
-from decoder.engines.hf.cache import compact_cache, crop_cache
-from decoder.engines.hf.forward import prefill, step_mask, tree_forward
+from decoder.engine import Features, Scored, StepInput
+from decoder.torch_ops.cache import compact_cache, crop_cache
+from decoder.torch_ops.forward import pick_features, prefill, step_mask, tree_forward
 from planner.errors import UserError
 
 
@@ -159,7 +159,7 @@ class HFEngine:
     def eos_ids(self) -> set[int]:
         return model_eos_ids(self.model)
 
-    def start(self, prompt_ids: torch.Tensor, hidden: bool = False,
+    def start(self, prompt_ids: torch.Tensor, hidden: Features = False,
               pad_to: dict[int, int] | None = None) -> tuple["HFSequence", torch.Tensor | None]:
         from transformers import DynamicCache
 
@@ -168,7 +168,7 @@ class HFEngine:
         if ids.numel() > 1:
             out = prefill(self.model, ids[None, :-1], hidden=hidden)
             cache = out.cache
-            prompt_hidden = None if out.hidden is None else out.hidden[0]  # [T-1, hidden]
+            prompt_hidden = None if out.hidden is None else out.hidden[0]  # [T-1, F]
         else:
             cache = DynamicCache(config=self.model.config)
         pad_to = {} if self.kernel_path or not pad_to else {int(k): int(v) for k, v in pad_to.items()}
@@ -190,10 +190,11 @@ class HFEngine:
         return batch_runner(self.model, layout, seqs, caches, want_hidden)
 
     @torch.inference_mode()
-    def teacher_forced(self, ids: torch.Tensor, hidden: bool = False) -> Scored:
-        """Logits (and the last hidden state) at every position of a token sequence [T], no cache."""
-        out = self.model(input_ids=ids.reshape(1, -1).to(self.device), output_hidden_states=hidden, use_cache=False)
-        return Scored(out.logits[0], out.hidden_states[-1][0] if hidden else None)
+    def teacher_forced(self, ids: torch.Tensor, hidden: Features = False) -> Scored:
+        """Logits (and the features asked for) at every position of a token sequence [T], no cache."""
+        out = self.model(input_ids=ids.reshape(1, -1).to(self.device), output_hidden_states=bool(hidden), use_cache=False)
+        feats = pick_features(out.hidden_states, hidden)
+        return Scored(out.logits[0], None if feats is None else feats[0])
 
     def check_room(self, seq: "HFSequence", max_new_tokens: int, step_input: int) -> None:
         """The whole run must fit the model's positions (and a sliding window, which compaction cannot cross)."""

@@ -32,7 +32,7 @@ from decoder.engines.hf.cpu_paths import (
     remove_paths,
     set_paths_enabled,
 )
-from decoder.engines.hf.forward import kv
+from decoder.torch_ops.forward import kv
 from planner.matmul_paths import MATMUL_PATHS, MatmulPathTable, matmul_paths_from_json
 from planner.order import coarse_to_fine
 
@@ -44,7 +44,8 @@ TOLERANCE = 0.03
 
 def tree_input(n: int, context_length: int, vocab: int, dtype, gen) -> dict:
     """The profiler's forward inputs at n tokens (its stand-in tree after a context), batch 1, CPU."""
-    from decoder.engines.hf.forward import ancestor_matrix, tree_attention_mask, tree_depths
+    from decoder.torch_ops.forward import tree_attention_mask
+    from planner.tree import ancestor_matrix, tree_depths
 
     parents = [-1] + [(i - 1) // STAND_IN_BRANCHING for i in range(1, n)]
     depth = torch.tensor(tree_depths(parents), dtype=torch.long)
@@ -159,7 +160,7 @@ def _forward_once(model, cache, prefix, x) -> float:
 def validate_whole_model(model, rows: list[int], context_length: int, deadline: float, repeats: int, seed: int,
                          tick=None) -> dict:
     """Whole forward at n = M tokens after `context_length`, F.linear vs the installed paths, interleaved."""
-    from decoder.engines.hf.forward import prefill
+    from decoder.torch_ops.forward import prefill
     p = next(model.parameters())
     vocab = model.get_input_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from decoder.engine import is_oom
-from decoder.engines.hf.forward import ancestor_matrix, kv, prefill, tree_attention_mask, tree_depths, tree_forward
+from decoder.torch_ops.forward import kv, prefill, tree_attention_mask, tree_forward
+from planner.tree import ancestor_matrix, tree_depths
 from planner.errors import UserError
 
 TREE_BRANCHING = 4  # stand-in tree shape: node i hangs under node (i-1)//4

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from decoder.engines.hf.forward import kv
+from decoder.torch_ops.forward import kv
 from decoder.engines.hf.load import config_hash
 
 

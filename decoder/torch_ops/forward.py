@@ -7,44 +7,18 @@ change to model code.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 
-def ancestor_matrix(parents: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """[n, n] bool, True where column j is row i itself or one of its ancestors.
-
-    parents[i] is the index of token i's parent within the tree, -1 for a token hanging
-    directly off the cache; tokens are in topological order (parent index < own index).
-    Built once per tree shape, so the loop over nodes is off the hot path.
-    """
-    parents = [int(p) for p in (parents.tolist() if isinstance(parents, torch.Tensor) else parents)]
-    n = len(parents)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= i:
-            raise ValueError(f"parents[{i}] = {p}: tree tokens must follow their parent")
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    return anc
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of each tree token below the cache: a token with parent -1 has depth 0."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
-
-
 def tree_attention_mask(
-    ancestors: torch.Tensor, prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ancestors, prefix_len: int, dtype: torch.dtype, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """Additive 4D mask [1, 1, n, prefix_len + n]: 0 where visible, the dtype's minimum elsewhere."""
-    block = torch.zeros(ancestors.shape, dtype=dtype).masked_fill_(~ancestors.cpu(), torch.finfo(dtype).min)
+    """Additive 4D mask [1, 1, n, prefix_len + n] from the [n, n] bool ancestor matrix
+    (planner.tree.ancestor_matrix; numpy or torch): 0 where visible, the dtype's minimum elsewhere."""
+    visible = torch.as_tensor(ancestors).cpu()
+    block = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return step_mask(block.to(device), prefix_len)
 
 
@@ -79,12 +53,24 @@ def kv(cache) -> dict:
 
 class ForwardOut(NamedTuple):
     logits: torch.Tensor  # [B, n, V] (prefill: [B, 1, V], the last position only)
-    hidden: torch.Tensor | None  # [B, n, hidden] last hidden state (after the final norm), when asked
+    hidden: torch.Tensor | None  # [B, n, F] the features asked for (decoder.engine.Features), when asked
     cache: object  # the transformers cache the pass extended
 
 
+def pick_features(hidden_states: tuple, features) -> torch.Tensor | None:
+    """The features a drafter reads (decoder.engine.Features) from transformers' `hidden_states`, which hold
+    the embeddings' output, then each layer's output: entry i < L is the residual stream entering layer i,
+    entry L the last layer's output after the final norm. True: that last entry [..., H]; layer ids: the
+    streams entering those layers, concatenated in the order given [..., k H] (EAGLE-3's fc input)."""
+    if not features:
+        return None
+    if features is True:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in features], dim=-1)
+
+
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, hidden: bool = False) -> ForwardOut:
+def prefill(model, input_ids: torch.Tensor, hidden=False) -> ForwardOut:
     """Run the prompt [B, T] through the model into a new cache.
 
     Only the last position's logits are computed: the decoder needs no others, and [T, V] logits
@@ -93,15 +79,15 @@ def prefill(model, input_ids: torch.Tensor, hidden: bool = False) -> ForwardOut:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, **kv(cache), use_cache=True, logits_to_keep=1, output_hidden_states=hidden)
-    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, cache)
+    out = model(input_ids=input_ids, **kv(cache), use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden))
+    return ForwardOut(out.logits, pick_features(out.hidden_states, hidden), cache)
 
 
 @torch.inference_mode()
 def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache, inputs_embeds: torch.Tensor | None = None, tree=None, hidden: bool = False) -> ForwardOut:
-    """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V] (and the last
-    hidden state [B, n, hidden] with hidden=True, for drafters that read the target's features).
+                 cache, inputs_embeds: torch.Tensor | None = None, tree=None, hidden=False) -> ForwardOut:
+    """One forward pass of n tree tokens [B, n] over `cache`; returns logits [B, n, V] (and, with `hidden`
+    a decoder.engine.Features spec, the features [B, n, F] drafters read of the target).
 
     Pass `inputs_embeds` [B, n, hidden] (and input_ids=None) when some inputs are not vocabulary
     tokens (PPD prompt tokens). The cache grows by n entries; the caller keeps the accepted ones
@@ -119,7 +105,7 @@ def tree_forward(model, input_ids: torch.Tensor | None, position_ids: torch.Tens
         attention_mask=attention_mask,
         **kv(cache),
         use_cache=True,
-        output_hidden_states=hidden,
+        output_hidden_states=bool(hidden),
         **extra,
     )
-    return ForwardOut(out.logits, out.hidden_states[-1] if hidden else None, cache)
+    return ForwardOut(out.logits, pick_features(out.hidden_states, hidden), cache)
