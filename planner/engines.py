@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from planner.errors import UserError
 
 
+STEP, SERVING = "step", "serving"  # the two engine protocols (EngineKind.protocol)
+
+
 @dataclass(frozen=True)
 class EngineCaps:
     """What an engine can do; guessers and workflows ask these instead of comparing engine names."""
@@ -80,6 +83,13 @@ class EngineKind:
 
     def why_not(self, option: str) -> str | None:
         return dict(self.refuses).get(option)
+
+    @property
+    def protocol(self) -> str:
+        """How the main job and the commands drive this engine, read once from its caps: STEP (decoder/engine.py's
+        Engine, stepped in this process) or SERVING (decoder/serving.py's ServingEngine: a server per config,
+        measured through its HTTP API). workflows/mainjob/phases.py picks each phase's implementation by it."""
+        return SERVING if self.caps.server else STEP
 
 
 _KINDS: dict[str, EngineKind] = {}

@@ -24,6 +24,30 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_CONCURRENCY = 256  # the schedule's last range ends here (vLLM takes the last range beyond it anyway)
+# The project's vLLM plugin (vllm_plugin/) is switched on by this variable in the server's environment:
+# then a step whose scheduled K is 0 for every running request is vLLM's plain path (no rejection sampler,
+# no draft fetch), and suffix and medusa take a per-batch-size schedule.
+PLUGIN_ENV = "TREE_PLANNER_VLLM_PLUGIN"
+PLUGIN_SCHEDULES = ("suffix", "medusa")  # proposers that assert one draft length in vLLM 0.32: a schedule with the plugin
+
+
+def schedulable(method: str | None, plugin: bool = False) -> bool:
+    """The proposer takes a per-batch-size schedule in vLLM: ngram and draft_model always (planner/export.py
+    SCHEDULE_METHODS), suffix and medusa only with the plugin (without it they assert one draft length, and
+    the worker died at the first batch size whose K differed)."""
+    from planner.export import SCHEDULE_METHODS
+
+    return method in SCHEDULE_METHODS["vllm"] or (plugin and method in PLUGIN_SCHEDULES)
+
+
+def check_levels(levels, flag: str) -> None:
+    """Concurrency levels: increasing integers in 1..MAX_CONCURRENCY, or a one-line error naming the flag."""
+    from planner.errors import UserError
+
+    if not levels or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONCURRENCY
+                         for c in levels) or list(levels) != sorted(set(levels)):
+        raise UserError(f"{flag}: expected increasing integers in 1..{MAX_CONCURRENCY}, got "
+                        f"{','.join(map(str, levels))}")
 
 
 def chain_rate(accuracy: np.ndarray, k: int) -> float:

@@ -169,7 +169,8 @@ def test_a_busy_machine_is_measured_on_its_free_cores(monkeypatch):
 
     import profiler.load as load
     import profiler.machine as machine
-    from workflows.mainjob.pipeline import AutotuneSettings, _pearl_fits, _threads
+    from workflows.mainjob.pipeline import AutotuneSettings
+    from workflows.mainjob.step import _pearl_fits, _threads
 
     said = []
     lends = SimpleNamespace(caps=SimpleNamespace(torch_modules=True))

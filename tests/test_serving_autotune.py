@@ -19,6 +19,9 @@ from planner.profile import LatencyProfile
 from profiler.load_generator import LoadResult, RequestRecord
 from profiler.serving_metrics import SpecDecodeCounters
 from workflows.mainjob import serving as sv
+from workflows.mainjob.pipeline import autotune
+from workflows.mainjob import serving_decision as sd
+from workflows.mainjob import serving_plan as sp
 from workflows.mainjob import serving_race as sr
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +199,7 @@ def test_the_decision_keeps_speculation_where_it_beat_plain_though_another_won()
     out = [{"level": 1, "winner": "suffix defaults", "contenders": {"suffix defaults": _row(1.58), "ngram defaults": _row(1.32)}},
            {"level": 4, "winner": "ngram defaults", "contenders": {"suffix defaults": _row(0.87), "ngram defaults": _row(1.23)}},
            {"level": 16, "winner": sr.PLAIN, "contenders": {"suffix defaults": _row(0.6), "ngram defaults": _row(0.85, 1.005)}}]
-    chosen, why = sr.decision(cs, out, levels)
+    chosen, why = sd.decision(cs, out, levels)
     assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 0}
     assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 15, 4], [16, 256, 0]]
 
@@ -210,12 +213,12 @@ def test_the_decision_switches_speculation_off_where_it_lost():
         return {"level": level, "winner": winner, "contenders": {sr.PLAIN: {"vs_plain": 1.0},
                                                                   "planned ngram": _row(ratio)}}
 
-    chosen, why = sr.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sr.PLAIN, 0.95)],
+    chosen, why = sd.decision(cs, [lv(1, "planned ngram", 1.3), lv(4, "planned ngram", 1.1), lv(16, sr.PLAIN, 0.95)],
                               levels)
     assert why["levels_ahead_of_plain"] == [1, 4] and why["draft_length_by_level"] == {1: 4, 4: 2, 16: 0}
     assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
     assert chosen.speculative["num_speculative_tokens"] == 4
-    none, why = sr.decision(cs, [lv(x, sr.PLAIN, 0.9) for x in levels], levels)
+    none, why = sd.decision(cs, [lv(x, sr.PLAIN, 0.9) for x in levels], levels)
     assert none is None and why["winner"] == sr.PLAIN
 
 
@@ -231,14 +234,14 @@ def test_a_tie_keeps_the_draft_length_and_only_a_loss_switches_it_off():
 
     tie = _row(0.99, lo=0.95)  # interval 0.95..1.02 and 0.99x tokens/s: neither ahead nor behind
     assert not sr.beats_plain(tie) and not sr.behind_plain(tie)
-    chosen, why = sr.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
+    chosen, why = sd.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
                                    lv(16, sr.PLAIN, tie)], levels)
     assert chosen.speculative == raced and why["levels_behind_plain"] == []
     assert why["draft_length_by_level"] == {1: 4, 4: 2, 16: 2}
     for lost in (_row(0.97, lo=0.95), _row(0.99, lo=0.9) | {"paired": {"lo": 0.9, "mean": 0.95, "hi": 0.99}},
                  _row(1.1, mismatches=1), None):
         assert sr.behind_plain(lost)
-        chosen, why = sr.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
+        chosen, why = sd.decision(cs, [lv(1, "planned ngram", _row(1.3)), lv(4, "planned ngram", _row(1.1)),
                                        lv(16, sr.PLAIN, lost)], levels)
         assert why["levels_behind_plain"] == [16]
         assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 15, 2], [16, 256, 0]]
@@ -246,7 +249,7 @@ def test_a_tie_keeps_the_draft_length_and_only_a_loss_switches_it_off():
     suffix = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"})]
     out = [{"level": x, "winner": w, "contenders": {sr.PLAIN: {"vs_plain": 1.0}, "suffix defaults": r}}
            for x, w, r in ((1, "suffix defaults", _row(1.4)), (4, sr.PLAIN, tie), (16, "suffix defaults", _row(1.1)))]
-    chosen, why = sr.decision(suffix, out, levels)
+    chosen, why = sd.decision(suffix, out, levels)
     assert chosen.speculative == {"method": "suffix"} and why["winner"] == "suffix defaults"
 
 
@@ -329,7 +332,7 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
 
     class Engine:
         @contextlib.contextmanager
-        def server(self, speculative_config=None):
+        def server(self, speculative_config=None, plugin=False):
             starts.append(speculative_config)
             yield Server()
 
@@ -342,8 +345,10 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     s = sv.ServingSettings(rounds=2)
     for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
         starts.clear()
-        results: dict = {}
-        sr.race_contender(Engine(), sr.Contender("c", cfg), reqs, warm, s, [1, 4, 16], lambda line: None, results)
+        traffic = sr.same_requests(reqs, sr.warm_requests(warm, s.sampling, 0), [1, 4, 16], s.rounds, None, 60.0)
+        race = sr.Race(traffic, [1, 4, 16], lambda line: None)
+        results = race.results
+        sr.race_contender(Engine(), sr.Contender("c", cfg), race)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
     # every pass: an empty prefix cache (a pass repeats the race's prompts), a warm-up wave of `level`
@@ -378,15 +383,15 @@ def test_a_proposer_vllm_runs_at_one_length_is_planned_and_chosen_as_one_length(
 
     # suffix wins at 1 and 4, ngram only at 16: suffix cannot be switched off at 16, so ngram is chosen
     out = [lv(1, "suffix defaults", (1.5, 1.2)), lv(4, "suffix defaults", (1.2, 1.1)), lv(16, "ngram defaults", (0.8, 1.05))]
-    chosen, why = sr.decision(cs, out, [1, 4, 16])
+    chosen, why = sd.decision(cs, out, [1, 4, 16])
     assert why["winner"] == "ngram defaults" and why["draft_length_by_level"] == {1: 4, 4: 4, 16: 4}
     assert "num_speculative_tokens_per_batch_size" not in chosen.speculative
     # suffix everywhere: chosen as it is, one length
     out = [lv(x, "suffix defaults", (1.3, 1.1)) for x in (1, 4, 16)]
-    chosen, why = sr.decision(cs, out, [1, 4, 16])
+    chosen, why = sd.decision(cs, out, [1, 4, 16])
     assert why["winner"] == "suffix defaults" and "num_speculative_tokens_per_batch_size" not in chosen.speculative
     # suffix alone, winning some levels only: plain
-    chosen, why = sr.decision(cs[:2], [lv(1, "suffix defaults", (1.3, 0.9)), lv(4, sr.PLAIN, (0.9, 0.9))], [1, 4])
+    chosen, why = sd.decision(cs[:2], [lv(1, "suffix defaults", (1.3, 0.9)), lv(4, sr.PLAIN, (0.9, 0.9))], [1, 4])
     assert chosen is None and why["winner"] == sr.PLAIN
 
 
@@ -409,7 +414,8 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     failed and left out of the decision; the other contenders still race and race.json is written."""
     calls = []
 
-    def fake_race(engine, c, race_reqs, warm, s, levels, say, results, sizes=None):
+    def fake_race(engine, c, race, levels=None, into=None):
+        results, levels = race.results, list(levels or race.levels)
         calls.append(c.name)
         if c.speculative and c.speculative.get("num_speculative_tokens_per_batch_size"):
             raise sr.UserError("http://127.0.0.1:1/metrics: cannot read the server's metrics (Connection refused)")
@@ -421,7 +427,7 @@ def test_a_contender_whose_server_dies_is_out_and_the_race_goes_on(monkeypatch, 
     cs = [sr.Contender(sr.PLAIN, None), sr.Contender("planned ngram", {
         "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 256, 0]]}),
         sr.Contender("ngram defaults", {"method": "ngram", "num_speculative_tokens": 4})]
-    failed, results = sr.race_all(None, cs, [], [], sv.ServingSettings(), [1, 4], lambda line: None)
+    failed, results = sr.race_all(None, cs, sr.Race(sr.Traffic({}, []), [1, 4], lambda line: None))
     assert calls == [sr.PLAIN, "planned ngram", "ngram defaults"]
     assert list(failed) == ["planned ngram"] and "Connection refused" in failed["planned ngram"]
     assert sorted(results) == ["ngram defaults", sr.PLAIN]
@@ -434,13 +440,14 @@ def test_plain_closes_the_race_and_each_ratio_is_to_the_median_of_its_two_server
     n, toks = 8, [[1, 2, 3, 4]] * 8
     results = {sr.PLAIN: {1: _level(1, [2.0] * n, toks)}, "spec": {1: _level(1, [1.25] * n, toks)}}
 
-    def closing(engine, c, race_reqs, warm, s, levels, say, mine, sizes=None):
+    def closing(engine, c, race, levels=None, into=None):
         assert c.name == sr.CLOSING and c.speculative is None
-        mine.setdefault(c.name, {})[1] = _level(1, [1.0] * n, toks)  # the machine sped up during the race
+        race.results.setdefault(c.name, {})[1] = _level(1, [1.0] * n, toks)  # the machine sped up during the race
 
     monkeypatch.setattr(sr, "race_contender", closing)
-    failed, timings = {}, {}
-    sr.close_plain(None, [], [], sv.ServingSettings(), [1], lambda line: None, results, failed, timings)
+    race = sr.Race(sr.Traffic({}, []), [1], lambda line: None, results=results)
+    failed = race.failed
+    sr.close_plain(None, race)
     assert not failed and len(results[sr.PLAIN][1]) == 2 and results[sr.PLAIN][1][1]["closing"]
     lv = sr.decide_level(results, 1, greedy=True)
     plain, spec = lv["contenders"][sr.PLAIN], lv["contenders"]["spec"]
@@ -450,11 +457,11 @@ def test_plain_closes_the_race_and_each_ratio_is_to_the_median_of_its_two_server
     assert spec["paired"]["mean"] == pytest.approx(1.5 / 1.25)  # per request: the two servers' median
     before = [dict(r) for r in results[sr.PLAIN][1]]
 
-    def dies(engine, c, race_reqs, warm, s, levels, say, mine, sizes=None):
+    def dies(engine, c, race, levels=None, into=None):
         raise sr.UserError("no request completed at concurrency 1: the worker died")
 
     monkeypatch.setattr(sr, "race_contender", dies)
-    sr.close_plain(None, [], [], sv.ServingSettings(), [1], lambda line: None, results, failed, timings)
+    sr.close_plain(None, race)
     assert "the worker died" in failed[sr.CLOSING] and results[sr.PLAIN][1] == before
     assert sr.plain_drift(_level(1, [1.0] * n, toks)) is None  # one server: no drift to speak of
 
@@ -518,10 +525,12 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     profiles, rec = _faked_inputs(monkeypatch, tmp_path, levels, ("ngram",), exported)
     raced = []
 
-    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
+    def fake_race(engine, c, race, lvls=None, into=None):
+        results, lvls = race.results, list(lvls or race.levels)
+        sizes = {lv: len(race.traffic.requests[(lv, 0)]) for lv in lvls}
         raced.append(c.name)
         for lv in lvls:
-            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            k = 0 if c.speculative is None else sd.k_by_level(c.speculative, [lv])[lv]
             gain = 1.0 if k == 0 else (1.1 if lv < 16 else 0.8)  # speculation loses at 16
             tps = lv / (profiles[lv].latency(1) + true[lv]) * gain
             recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
@@ -532,7 +541,7 @@ def test_the_autotune_races_plain_first_and_plans_on_the_servers_measured_cost(m
     monkeypatch.setattr(sr, "race_contender", fake_race)
     s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",), out=str(tmp_path / "run"), quiet=True,
                            race_requests=6, accept_requests=2)
-    sv.autotune_serving(s)
+    autotune(s)
     assert raced[0] == sr.PLAIN and raced.count(sr.PLAIN) == 1 and len(raced) >= 3
     plans = json.loads((tmp_path / "run" / "plans.json").read_text())
     assert {int(k): v for k, v in plans["server_overhead_s"].items()} == pytest.approx(true, rel=1e-6)
@@ -568,7 +577,7 @@ def test_a_level_where_no_request_completes_fails_the_contender_with_vllms_reaso
 
     class Engine:
         @contextlib.contextmanager
-        def server(self, speculative_config=None):
+        def server(self, speculative_config=None, plugin=False):
             yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m",
                                  "why_stopped": lambda self: "RuntimeError: CPU Generator does not use offset"})()
 
@@ -583,17 +592,21 @@ def test_a_level_where_no_request_completes_fails_the_contender_with_vllms_reaso
     reqs = [Request([{"role": "user", "content": f"q{i}"}], 4) for i in range(3)]
     cs = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix defaults", {"method": "suffix"})]
     with pytest.raises(sr.UserError, match="no request completed at concurrency 16: RuntimeError: CPU Generator"):
-        sr.race_all(Engine(), cs[:1], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
-    failed, results = sr.race_all(Engine(), cs[1:], reqs, reqs[:1], sv.ServingSettings(), [1, 16], lambda line: None)
+        sr.race_all(Engine(), cs[:1], _race(reqs, [1, 16]))
+    failed, results = sr.race_all(Engine(), cs[1:], _race(reqs, [1, 16]))
     assert "CPU Generator does not use offset" in failed["suffix defaults"] and "suffix defaults" not in results
+
+
+def _race(reqs, levels):
+    return sr.Race(sr.same_requests(reqs, reqs[:1], levels, 1, None, 60.0), levels, lambda line: None)
 
 
 def test_a_confirmed_decision_that_is_not_ahead_over_the_levels_falls_back_to_plain():
     """Measured on sampled traffic here: ngram at one request only, K = 0 by schedule elsewhere, which
     vLLM still runs as speculation: 1.06 / 0.92 / 0.96 / 0.90 / 0.88x, so plain is the better config."""
-    assert not sv.ahead_over_range({1: 1.06, 2: 0.92, 4: 0.96, 8: 0.90, 16: 0.88})
-    assert sv.ahead_over_range({1: 1.36, 2: 1.39, 4: 1.17, 8: 0.91, 16: 1.07})
-    assert not sv.ahead_over_range({1: None, 2: None}) and not sv.ahead_over_range({1: 0.0, 2: 3.0})
+    assert not sd.ahead_over_range({1: 1.06, 2: 0.92, 4: 0.96, 8: 0.90, 16: 0.88})
+    assert sd.ahead_over_range({1: 1.36, 2: 1.39, 4: 1.17, 8: 0.91, 16: 1.07})
+    assert not sd.ahead_over_range({1: None, 2: None}) and not sd.ahead_over_range({1: 0.0, 2: 3.0})
 
 
 def test_racing_a_contender_is_priced_from_plains_race():
@@ -617,7 +630,8 @@ def test_racing_a_contender_is_priced_from_plains_race():
     assert [c.name for c, _ in order] == ["planned", "n", "stock", "suffix"]
 
 
-def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requests=6, sizes_seen=None):
+def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requests=6, sizes_seen=None,
+                 plugin=None):
     """A serving autotune on a fake clock (every server start 50 s, every pass 40 s), the race faked with
     tokens/s = level x gain(k, level) at draft length k; (summary, raced names in order, race.json)."""
     levels = [1, 4, 16]
@@ -636,7 +650,9 @@ def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requ
     monkeypatch.setattr(sr, "time", clock)
     raced = []
 
-    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
+    def fake_race(engine, c, race, lvls=None, into=None):
+        results, lvls = race.results, list(lvls or race.levels)
+        sizes = {lv: len(race.traffic.requests[(lv, 0)]) for lv in lvls}
         raced.append(c.name)
         if sizes_seen is not None:
             sizes_seen[c.name] = sizes
@@ -645,10 +661,10 @@ def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requ
             if lv == lvls[0] or sr.learns(c):
                 clock.now += 50.0
                 timing["start_s"].append(50.0)
-            n = (sizes or {}).get(lv, len(race_reqs))
+            n = sizes[lv]
             clock.now += 40.0 * n / 6
             timing["level_s"][lv] = [40.0 * n / 6]
-            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            k = 0 if c.speculative is None else sd.k_by_level(c.speculative, [lv])[lv]
             tps = lv * (gain(k, lv) if k else 1.0)
             recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
                     for i in range(n)]
@@ -658,8 +674,9 @@ def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requ
 
     monkeypatch.setattr(sr, "race_contender", fake_race)
     s = sv.ServingSettings(concurrency=tuple(levels), methods=tuple(methods), out=str(tmp_path / "run"),
-                           quiet=True, race_requests=race_requests, accept_requests=2, budget_minutes=budget_minutes)
-    summary = sv.autotune_serving(s)
+                           quiet=True, race_requests=race_requests, accept_requests=2, budget_minutes=budget_minutes,
+                           plugin=plugin)
+    summary = autotune(s)
     return summary, raced, json.loads((tmp_path / "run" / "race.json").read_text())
 
 
@@ -687,24 +704,25 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     assert (tmp_path / "run" / "chosen.json").is_file()
 
 
-@pytest.mark.parametrize("loss", [0.8, 0.5])
-def test_a_confirmation_the_budget_cannot_fit_leaves_the_winner_as_raced_or_plain(monkeypatch, tmp_path, loss):
-    """Speculation loses at 16, so the decision would switch it off there, a config no contender ran; with
-    no time left to race it, the decision is the winner as it raced (every level measured) when that pays
-    over the levels, else plain, and the schedule it would have confirmed is named, not written."""
+@pytest.mark.parametrize("plugin", [False, True])
+def test_a_confirmation_the_budget_cannot_fit_never_writes_a_level_measured_behind_plain(monkeypatch, tmp_path, plugin):
+    """Speculation loses at 16, so the decision switches it off there, a config no contender ran, and no time is
+    left to race it. The losing setting is never written: without the plugin (K = 0 there would not be plain)
+    the decision is a raced config behind plain nowhere, else plain; with it, the switched-off schedule as
+    written is measured-safe (K = 0 is vLLM's plain path at 16, the winner's own rows elsewhere)."""
     _, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), (170 + 175 + 30) / 60,
-                                  lambda k, lv: 1.2 if lv < 16 else loss)
+                                  lambda k, lv: 1.2 if lv < 16 else 0.8, plugin=plugin)
     assert sr.DECISION not in raced and raced[-1] == sr.CLOSING and len(raced) == 3, raced
     chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
     why = chosen["decision"]
     assert why["confirm"].startswith("not raced: predicted 170 s") and '[16, 256, 0]' in why["confirm"]
-    if loss * 1.2 * 1.2 > 1:  # geometric mean over 1, 4, 16 above 1: the raced config as it is
-        assert why["winner"] == raced[1] and why["measured_as"] == raced[1] and why["levels_behind_plain"] == [16]
-        winner = next(c for c in race["contenders"] if c["name"] == raced[1])
-        assert chosen["speculative_config"] == winner["config"]
-        assert why["vs_plain_by_level"]["16"] == pytest.approx(loss)
+    if plugin:
+        assert why["winner"] == raced[1] and chosen["plugin"] is True
+        assert chosen["speculative_config"]["num_speculative_tokens_per_batch_size"][-1] == [16, 256, 0]
+        assert why["vs_plain_by_level"]["16"] == 1.0 and why["vs_plain_by_level"]["1"] == pytest.approx(1.2)
     else:
-        assert why["winner"] == sr.PLAIN and chosen["speculative_config"] is None
+        assert why["winner"] == sr.PLAIN and chosen["speculative_config"] is None and chosen["plugin"] is False
+        assert why["measured_decision"]["levels_behind_plain"] == [16]
     assert "Confirmation: not raced" in (tmp_path / "run" / "report.md").read_text()
 
 
@@ -720,7 +738,7 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     records = {m: json.loads((run / f"accept-{m}.json").read_text()) for m in ("ngram", "suffix", "draft_model")}
     overhead = {int(k): v for k, v in json.loads((run / "plans.json").read_text())["server_overhead_s"].items()}
     s = sv.ServingSettings()
-    cs = sv._planned_contenders(records, profiles, levels, s, "draft-dir", overhead, tmp_path, lambda line: None)
+    cs = sp.planned_contenders(records, profiles, levels, s, "draft-dir", overhead, tmp_path, lambda line: None)
     by_name = {c.name: c for c in cs}
     plans = json.loads((tmp_path / "plans.json").read_text())
     assert plans["chosen_method"] == "suffix" and plans["planned_methods"] == ["suffix", "ngram"]
@@ -729,7 +747,7 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     expect = planning.schedule_ranges({int(k): v for k, v in plans["plans"]["ngram"]["per_level"].items()}, levels)
     assert ngram.speculative["num_speculative_tokens_per_batch_size"] == expect and ngram.predicted
     # a schedulable best proposer races alone, as before
-    only = sv._planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, None, overhead, tmp_path,
+    only = sp.planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, None, overhead, tmp_path,
                                   lambda line: None)
     assert [c.name for c in only if c.name.startswith("planned")] == ["planned ngram"]
 
@@ -742,21 +760,21 @@ def test_after_the_confirmation_the_best_measured_config_behind_plain_nowhere_is
     race = json.loads((run / "race.json").read_text())
     levels = [lv["level"] for lv in race["levels"]]
     cs = [sr.Contender(c["name"], c["config"]) for c in race["contenders"]]
-    chosen, why = sr.decision([c for c in cs if c.name != sr.DECISION], race["levels"], levels)
+    chosen, why = sd.decision([c for c in cs if c.name != sr.DECISION], race["levels"], levels)
     assert why["winner"] == "fixed ngram K=8" and why["levels_behind_plain"] == [16]
-    best, scores = sr.best_measured(cs, race["levels"], levels)
+    best, scores = sd.best_measured(cs, race["levels"], levels)
     assert best.name == "planned ngram"
     assert scores["planned ngram"] == pytest.approx(1.18, abs=0.005)
     assert scores[sr.DECISION] == pytest.approx(1.16, abs=0.005)
     assert set(scores) == {"planned ngram", sr.DECISION}  # the rest were behind plain at 8 or 16 requests
-    why = sr.measured_why(best, race["levels"], levels, scores, why)
+    why = sd.measured_why(best, race["levels"], levels, scores, why)
     assert why["levels_behind_plain"] == [] and why["draft_length_by_level"] == {1: 8, 2: 8, 4: 8, 8: 1, 16: 2}
     assert why["decided_first"]["winner"] == "fixed ngram K=8"
     # behind plain at one level (K = 0 by schedule measured 0.95x at 16): out, whatever its mean
     lost = [dict(lv, contenders=dict(lv["contenders"])) for lv in race["levels"]]
     lost[-1]["contenders"]["planned ngram"] = _row(0.95, lo=0.9) | {"paired": {"lo": 0.9, "mean": 0.95, "hi": 0.97}}
-    assert sr.best_measured(cs, lost, levels)[0].name == sr.DECISION
-    assert sr.best_measured([cs[0]], race["levels"], levels) is None  # plain is not a candidate
+    assert sd.best_measured(cs, lost, levels)[0].name == sr.DECISION
+    assert sd.best_measured([cs[0]], race["levels"], levels) is None  # plain is not a candidate
 
 
 def test_the_autotune_deploys_the_best_measured_config_not_the_one_that_won_most_levels(monkeypatch, tmp_path):
@@ -856,9 +874,11 @@ def test_the_autotune_plans_on_plains_served_split_and_reports_what_each_predict
     profiles, rec = _faked_inputs(monkeypatch, tmp_path, levels, ("ngram",))
     step = {1: 0.11, 4: 0.13}  # plain's served step; 0.5 s more per request outside its 7 decoding steps
 
-    def fake_race(engine, c, race_reqs, warm, s, lvls, say, results, sizes=None):
+    def fake_race(engine, c, race, lvls=None, into=None):
+        results, lvls = race.results, list(lvls or race.levels)
+        sizes = {lv: len(race.traffic.requests[(lv, 0)]) for lv in lvls}
         for lv in lvls:
-            k = 0 if c.speculative is None else sr._k_by_level(c.speculative, [lv])[lv]
+            k = 0 if c.speculative is None else sd.k_by_level(c.speculative, [lv])[lv]
             gap = step[lv] if k == 0 else step[lv] * 1.5  # a speculative step: fewer gaps, each longer
             chunks = 7 if k == 0 else 4
             times = [0.5 + gap * i for i in range(chunks + 1)]
@@ -872,7 +892,7 @@ def test_the_autotune_plans_on_plains_served_split_and_reports_what_each_predict
     monkeypatch.setattr(sr, "race_contender", fake_race)
     s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",), out=str(tmp_path / "run"), quiet=True,
                            race_requests=8, accept_requests=2)
-    summary = sv.autotune_serving(s)
+    summary = autotune(s)
     served = {lv: planning.ServedLevel(**v) for lv, v in summary["served"].items()}
     assert {lv: v.decode_step_s for lv, v in served.items()} == pytest.approx(step)
     assert {lv: v.request_s for lv, v in served.items()} == pytest.approx({1: 0.5, 4: 0.5})

@@ -60,15 +60,14 @@ def test_unreadable_metrics_give_no_counters_and_the_race_fails_the_contender(mo
 
     import contextlib
 
-    import workflows.mainjob.serving as sv
     import workflows.mainjob.serving_race as sr
 
     class Engine:
         @contextlib.contextmanager
-        def server(self, speculative_config=None):
+        def server(self, speculative_config=None, plugin=False):
             yield type("S", (), {"url": "http://127.0.0.1:1", "served_model_name": "m"})()
 
     reqs = [TokenRequest([1], 2)] * 5
     with pytest.raises(UserError, match=r"/metrics: the server's counters could not be read at concurrency 2"):
-        sr.race_contender(Engine(), sr.Contender("c", {"method": "ngram"}), reqs, reqs[:1], sv.ServingSettings(), [2],
-                          lambda line: None, {})
+        sr.race_contender(Engine(), sr.Contender("c", {"method": "ngram"}),
+                          sr.Race(sr.same_requests(reqs, reqs[:1], [2], 1, None, 30.0), [2], lambda line: None))

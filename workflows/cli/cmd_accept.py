@@ -72,7 +72,7 @@ def _serving_given(args) -> dict[str, bool]:
 
 
 def _served(args, s, spec) -> int:
-    """caps.server engines: vLLM's own proposers in its server (profiler/vllm_accept.py), one entry per method."""
+    """Serving engines: vLLM's own proposers in its server (profiler/vllm_accept.py), one entry per method."""
     from planner.accept import from_entry
     from planner.jsonio import atomic_write_json, writable_target
     from planner.sampling import describe, record
@@ -186,19 +186,26 @@ def _check(args, s) -> None:
 
 
 def run(args) -> int:
-    from planner.engines import kinds
-    from planner.jsonio import writable_target
-    from planner.tree import load_tree
-    from workflows.cli.engines import engine_kind, refuse_options
+    from planner.engines import SERVING, STEP
+    from workflows.cli.engines import engine_kind
 
     s = sampling_from_args(args)
     spec = engine_kind(args)
-    if spec.caps.server:
-        return _served(args, s, spec)
+    return {STEP: _stepped, SERVING: _served}[spec.protocol](args, s, spec)
+
+
+def _stepped(args, s, spec) -> int:
+    """A step engine: a guesser's acceptance along the target's own decoding, in this process."""
+    from planner.engines import SERVING, kinds
+    from planner.jsonio import writable_target
+    from planner.tree import load_tree
+    from workflows.cli.engines import refuse_options
+
     _check(args, s)
     given = [f for f, on in _serving_given(args).items() if on]
     if given:
-        raise UserError(f"{given[0]}: only with a serving engine (--engine {', '.join(k.name for k in kinds() if k.caps.server)})")
+        raise UserError(f"{given[0]}: only with a serving engine (--engine "
+                        f"{', '.join(k.name for k in kinds() if k.protocol == SERVING)})")
     tree = load_tree(args.plan) if args.plan else None
     refuse_options(spec, {"--device": args.device is not None, "--dtype": args.dtype is not None,
                           "--n-ctx": args.n_ctx is not None})

@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="concurrent requests to plan and race for (default 1,2,4,8,16); --guessers picks vLLM's "
                         "proposers (auto: ngram,suffix,draft_model), --decode-prompts / --decode-tokens the race's "
                         "requests and their length, --accept a reused acceptance record per proposer (comma list)")
+    g.add_argument("--plugin", default="auto", choices=["auto", "on", "off"],
+                   help="the project's vLLM plugin in the race's planned servers (auto: where scripts/setup_vllm.sh "
+                        "installed it): a batch size scheduled at K = 0 then runs vLLM's plain path, and suffix takes a "
+                        "schedule; off races and writes what vLLM does without it")
     g.add_argument("--workload", default=None, metavar="FILE",
                    help="the requests to serve: OpenAI chat-completions JSON lines, or ShareGPT JSON (default: the "
                         "held-out questions); even lines measure acceptance, odd lines race")
@@ -157,11 +161,13 @@ def _refuse(args, s: AutotuneSettings) -> None:
                         f"{spec.name} cannot run")
 
 
-def _serving(args) -> int:
-    """--engine ENGINE whose caps.server: the serving main job (a draft length per concurrency, raced under load)."""
+def _serving(args):
+    """--engine ENGINE whose protocol is SERVING: the serving phases' settings (a draft length per concurrency,
+    raced under load)."""
     from planner.errors import UserError
     from workflows.cli.engines import refuse_options
-    from workflows.mainjob.serving import CONCURRENCY, ServingSettings, autotune_serving
+    from workflows.mainjob.serving import ServingSettings
+    from workflows.mainjob.serving_plan import CONCURRENCY
 
     refuse_options(engine_kind(args.engine), {"--device": args.device is not None, "--n-ctx": args.n_ctx is not None})
     for flag, given in (("--prompt-tokens", args.prompt_tokens), ("--parallelspec", args.parallelspec),
@@ -176,24 +182,28 @@ def _serving(args) -> int:
     methods = ("ngram", "suffix", "draft_model") if args.guessers == "auto" else \
         tuple(m.strip() for m in args.guessers.split(",") if m.strip())
     d = ServingSettings()
-    s = ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload, methods=methods,
-                        max_tokens=args.decode_tokens or d.max_tokens, race_requests=args.decode_prompts or d.race_requests,
-                        accept_requests=d.accept_requests if args.accept_prompts is None else args.accept_prompts,
-                        rounds=args.rounds or d.rounds,
-                        budget_minutes=args.budget or d.budget_minutes, profile=args.profile,
-                        accept=tuple(a for a in (args.accept or "").split(",") if a), draft=args.draft,
-                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, quiet=args.quiet)
-    autotune_serving(s)
-    return 0
+    return ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload,
+                           methods=methods, max_tokens=args.decode_tokens or d.max_tokens,
+                           race_requests=args.decode_prompts or d.race_requests,
+                           accept_requests=d.accept_requests if args.accept_prompts is None else args.accept_prompts,
+                           rounds=args.rounds or d.rounds, budget_minutes=args.budget or d.budget_minutes,
+                           profile=args.profile, accept=tuple(a for a in (args.accept or "").split(",") if a),
+                           draft=args.draft, plugin={"auto": None, "on": True, "off": False}[args.plugin],
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, quiet=args.quiet)
 
 
-def run(args) -> int:
-    from workflows.mainjob.pipeline import autotune
-
-    if args.engine and engine_kind(args.engine).caps.server:
-        return _serving(args)
+def _step(args) -> AutotuneSettings:
+    """--engine ENGINE whose protocol is STEP: the settings, checked, and what the engine cannot use refused."""
     s = _settings(args)
     _check(args, s)
     _refuse(args, s)
-    summary = autotune(s)
-    return 0 if summary["identical_to_greedy"] is not False else 1
+    return s
+
+
+def run(args) -> int:
+    from planner.engines import SERVING, STEP
+    from workflows.mainjob.pipeline import autotune
+
+    kind = engine_kind(args.engine or AutotuneSettings.engine)
+    summary = autotune({STEP: _step, SERVING: _serving}[kind.protocol](args))
+    return 0 if summary.get("identical_to_greedy") is not False else 1

@@ -155,8 +155,15 @@ def run(args) -> int:
 
     spec = engine_kind(args)
     refuse_options(spec, _given(args))
-    if spec.caps.server:
-        return _serving(args, spec)
+    from planner.engines import SERVING, STEP
+
+    return {STEP: _stepped, SERVING: _serving}[spec.protocol](args, spec)
+
+
+def _stepped(args, spec) -> int:
+    """A step engine's L(n), timed in this process through its forward timer."""
+    from decoder.engines.models import default_model_spec
+
     profile_spec, out = _spec(args, spec), _output(args)
     for opt, path in (("-o", out), ("--plot", args.plot)):
         _check_writable(opt, Path(path) if path else Path("profiles") / "x")
@@ -254,7 +261,7 @@ SERVING_UNUSED = (("dtype", None, "it runs fp32, as the server and the race do")
 
 
 def _serving(args, spec) -> int:
-    """caps.server: the engine's own step time per batch size and draft length, measured in its own
+    """A serving engine: its own step time per batch size and draft length, measured in its own
     environment (profiler/vllm_profile.py); --input-lengths are 1 + K."""
     from profiler.vllm_profile import ServingProfileSpec, check_spec, profile_serving, table_lines
     from workflows.cli.engines import open_from_args

@@ -50,10 +50,11 @@ def open_from_args(args, spec: EngineKind, context: int | None = None, weights: 
     busy (default: the kind's spinning_threads): on a machine busier than its cores and without
     threads, one thread, said in a note once the engine is open (a refusal comes first, alone);
     say: where the note goes (default stderr; a caller with checks of its own collects it).
-    server_ok: the command has a path for engines that serve (caps.server); others refuse them here."""
+    server_ok: the command has a path for serving engines (EngineKind.protocol SERVING); others refuse them here."""
     from decoder.engines.registry import EngineRequest, open_engine
+    from planner.engines import SERVING
 
-    if spec.caps.server and not server_ok:
+    if spec.protocol == SERVING and not server_ok:
         command = getattr(args, "command", None) or "this command"
         raise UserError(f"--engine {spec.name}: planner {command} steps a model in this process, and {spec.name} is a "
                         "server; it is profiled, measured and raced by planner profile, accept and autotune")

@@ -1,96 +1,83 @@
-"""The main job on an engine that serves (caps.server: vLLM): a draft length per concurrency, raced under load.
+"""The main job's serving phases (an engine whose protocol is SERVING: vLLM): a draft length per concurrency
+level, raced under load through a real server. workflows/mainjob/pipeline.py runs them in order:
 
-    from workflows.mainjob.serving import ServingSettings, autotune_serving
-    summary = autotune_serving(ServingSettings(concurrency=(1, 2, 4, 8, 16)))
+    from workflows.mainjob.pipeline import autotune
+    summary = autotune(ServingSettings(concurrency=(1, 2, 4, 8, 16)))
 
-Six named phases, each announced with the time left:
-  1 profile   the server's own step time by batch size and draft length       profiler/vllm_profile.py
-  2 accept    each proposer's acceptance per draft position, in the server     profiler/vllm_accept.py
-  3 plan      vLLM plain through the server at every level (the first contender of the race): its
-              streams split a request's time into served steps and the rest (prefill, first token,
-              ramp and tail), which speculation does not shorten (planner/serving.py served_level);
-              then per proposer the draft length per level with the most output tokens/s, a draft
-              priced at the profile's cost of scoring it on plain's served step (plan_method), and
-              its best fixed length
-  4 race      one real server per contender and real concurrent clients at every level: the
-              stock suffix and ngram settings, the best fixed length, the planned schedule; every greedy
-              answer must equal plain's; each level is decided by the paired rule (serving_race.py).
-              (--budget: priced from plain's race, the planned schedule first, the rest while they fit)
-  5 confirm   the decided config raced against plain at every level where no contender ran it as it is
-              (speculation switched off where it lost makes a new schedule), so its rows are measured;
-              if that does not fit the budget, the winner as raced is the decision (or plain); then the
-              decision is the config measured as written with the highest geometric mean over plain
-              among those behind plain at no level (serving_race.py best_measured), where there is one
-  6 write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
+  profile   the server's own step time by batch size and draft length       profiler/vllm_profile.py
+  accept    each proposer's acceptance per draft position, in the server     profiler/vllm_accept.py
+  plan      vLLM plain through the server at every level (the race's first contender): its streams split
+            a request's time into served steps and the rest (prefill, first token, ramp and tail), which
+            speculation does not shorten (planner/serving.py served_level); then per proposer the draft
+            length per level with the most output tokens/s and its best fixed length (plan_method). With
+            the project's plugin a schedule's K = 0 is vLLM's plain path, priced as plain, and every
+            proposer, suffix included, can be switched off at load
+  race      one real server per contender and real concurrent clients at every level: the planned
+            schedule first, then the best fixed length and the stock settings while the budget holds them,
+            plain again last, then further passes at the levels still unresolved (serving_race.py)
+  confirm   the decision (serving_decision.py) raced as written where no contender ran it; where the
+            budget cannot hold that, a decision measured-safe (K = 0 with the plugin where not ahead) or
+            a config raced behind plain nowhere, never a level at a setting measured behind plain
+  write     chosen.json (the decision as the engine takes it), exports, race.json, summary, report
 
-The paired rule and the one-config decision: workflows/mainjob/serving_race.py.
 Ctrl-C stops the server in use and keeps every file already written; chosen.json is written last,
-atomically, so an interrupted run leaves none (or the previous run's, untouched, in another folder).
+atomically, so an interrupted run leaves none.
 """
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from planner.engines import kind as engine_kind
 from planner.errors import UserError
-from planner.export import SCHEDULE_METHODS, DraftRange
 from planner.jsonio import atomic_write_bytes, atomic_write_json
-from planner.serving import (
-    MAX_CONCURRENCY,
-    ServedLevel,
-    draft_costs,
-    plan_method,
-    schedule_ranges,
-    served_level,
-    server_overhead,
-)
-from workflows.mainjob.serving_race import (
-    DECISION,
-    PLAIN,
-    SERVED_STEP,
-    WARMUP_TOKENS,
-    Contender,
+from planner.serving import MAX_CONCURRENCY, server_overhead
+from workflows.mainjob.serving_decision import (
     ahead_over_range,
-    as_raced,
     best_measured,
-    close_plain,
     confirm,
-    decide_level,
     decision,
-    distinct,
     measured_record,
     measured_why,
+    raced_as_is,
+    unconfirmed,
+)
+from workflows.mainjob.serving_plan import (
+    CONCURRENCY,
+    RACE_DRAFT_LENGTHS,
+    jsonable,
+    planned_contenders,
+    race_size_for_budget,
+    served_split,
+)
+from workflows.mainjob.serving_race import (
+    CLOSING,
+    DECISION,
+    PLAIN,
+    Contender,
+    Race,
+    close_plain,
     plain_drift,
     predicted_seconds,
-    raced_as_is,
     race_all,
     race_order,
-    race_sizes,
+    resolve,
+    same_requests,
+    warm_requests,
 )
-from workflows.mainjob.serving_race import sampling as _sampling
-from workflows.mainjob.serving_report import prediction_error, prediction_parts, report
+from workflows.mainjob.serving_report import exports, prediction_error, prediction_parts, report
 
-PHASES = 6
 _DEFAULTS = engine_kind("vllm").defaults  # planner/engines.py: every engine's defaults in one place
-CONCURRENCY = (1, 2, 4, 8, 16)
 WRITE_S = 15.0  # decide, write the exports and the report: kept from the budget with the confirmation
-RACE_DRAFT_LENGTHS = (0, 2, 4, 8)  # profiled K: the ends and the middle; the planner interpolates between
-STOCK = {  # vLLM's documented defaults a user would otherwise run
-    "suffix defaults": {"method": "suffix"},
-    "ngram defaults": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-}
+PHASES = ("profile", "accept", "plan", "race", "confirm", "write")
 
 
 @dataclass
 class ServingSettings:
-    engine: str = "vllm"  # a registered engine whose caps.server
+    engine: str = "vllm"  # a registered engine whose protocol is SERVING
     model: str = "smollm2-135m"
     out: str | None = None  # run folder; default runs/<date>-cpu-vllm-<model>
     concurrency: tuple[int, ...] = CONCURRENCY
@@ -99,12 +86,13 @@ class ServingSettings:
     max_tokens: int = _DEFAULTS.decode_tokens  # per request, acceptance and race
     race_requests: int = _DEFAULTS.decode_prompts  # requests per level (the held-out race questions' two turns)
     accept_requests: int = _DEFAULTS.accept_prompts  # the acceptance half's requests measured
-    rounds: int = _DEFAULTS.rounds  # passes over a level's requests per contender; the median seconds per token counts
+    rounds: int = _DEFAULTS.rounds  # passes over a level's requests per server; the median seconds per token counts
     budget_minutes: float = _DEFAULTS.budget_minutes  # the whole run: contenders it cannot fit are not raced
     draft_lengths: tuple[int, ...] = RACE_DRAFT_LENGTHS
     profile: str | None = None  # reuse a vLLM profile instead of measuring
     accept: tuple[str, ...] = ()  # reuse acceptance records (planner accept --engine vllm) instead of measuring
     draft: str | None = None  # the project's draft LM (default: shipped for the model)
+    plugin: bool | None = None  # the project's vLLM plugin: None = on where it is installed (serving_plan.py)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -112,16 +100,64 @@ class ServingSettings:
     request_timeout_s: float = 600.0
     quiet: bool = False
 
+    @property
+    def kind(self):
+        return engine_kind(self.engine)
+
+    @property
+    def sampling(self):
+        from planner.sampling import Sampling
+
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclass
+class ServingRun:
+    """One serving run: what every phase reads and what it leaves for the next."""
+
+    s: ServingSettings
+    engine: object  # decoder/serving.py's ServingEngine
+    out: Path
+    say: object
+    accept_reqs: list
+    race_reqs: list
+    plugin: bool
+    t0: float = field(default_factory=lambda: time.time())  # late-bound: a test clock replaces `time`
+    summary: dict = field(default_factory=dict)
+    profile_path: Path | None = None
+    profiles: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)
+    draft_dir: str | None = None
+    race: Race | None = None
+    contenders: list = field(default_factory=list)
+    sizes: dict = field(default_factory=dict)
+    plain_tps: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)
+    levels_out: list = field(default_factory=list)
+    chosen: Contender | None = None
+    why: dict = field(default_factory=dict)
+    shown_contenders: list = field(default_factory=list)
+
+    @property
+    def levels(self) -> list[int]:
+        return list(self.s.concurrency)
+
+    def left(self) -> float:
+        return self.s.budget_minutes * 60 - (time.time() - self.t0)
+
+    def phase(self, name: str, text: str) -> None:
+        self.say(f"[{PHASES.index(name) + 1}/{len(PHASES)}] {name}: {text}  ({time.time() - self.t0:.0f} s in, "
+                 f"budget {self.s.budget_minutes:g} min)")
+        self.summary["phases"][f"{name}_s"] = time.time() - self.t0
+
 
 # ---------------------------------------------------------------------------------------------- settings
 
 
 def check(s: ServingSettings) -> None:
-    levels = s.concurrency
-    if not levels or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_CONCURRENCY
-                         for c in levels) or list(levels) != sorted(set(levels)):
-        raise UserError(f"--concurrency: expected increasing integers in 1..{MAX_CONCURRENCY}, got "
-                        f"{','.join(map(str, levels))}")
+    from planner.serving import check_levels
+
+    check_levels(s.concurrency, "--concurrency")
     # 5 paired requests are the fewest whose sign-flip interval can exclude 1 (2^5 ALPHA >= 1)
     for name, v, lo, hi in (("--decode-tokens", s.max_tokens, 2, 4096), ("--decode-prompts", s.race_requests, 5, 4096),
                             ("--accept-prompts", s.accept_requests, 1, 4096), ("--rounds", s.rounds, 1, 20)):
@@ -161,264 +197,233 @@ def requests(s: ServingSettings) -> tuple[list, list]:
     return [req(p) for p in a[:s.accept_requests]], [req(p) for p in r[:s.race_requests]]
 
 
-def method_config(method: str, k: int, draft_dir: str | None, ranges: list[list[int]] | None = None) -> dict:
-    from profiler.vllm_accept import speculative_config
-
-    cfg = speculative_config(method, k, draft_dir)
-    if ranges and len(ranges) > 1:
-        cfg["num_speculative_tokens_per_batch_size"] = ranges
-    return cfg
+# ---------------------------------------------------------------------------------------------- the phases
 
 
-# ---------------------------------------------------------------------------------------------- the pipeline
-
-
-def autotune_serving(s: ServingSettings) -> dict:
+def open_run(s: ServingSettings) -> ServingRun:
+    """Checks, the requests (a bad workload is refused before anything starts), the engine and the run folder."""
     from decoder.engines.registry import EngineRequest, open_engine
-    from workflows.mainjob.runs import default_out, shown
+    from workflows.mainjob.serving_plan import plugin_on
+    from workflows.mainjob.runs import default_out
 
     check(s)
     say = (lambda line: None) if s.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    t0, budget = time.time(), s.budget_minutes * 60
-
-    def phase(k: int, text: str) -> None:
-        say(f"[{k}/{PHASES}] {text}  ({time.time() - t0:.0f} s in, budget {s.budget_minutes:g} min)")
-
-    accept_reqs, race_reqs = requests(s)  # a bad workload is refused before anything starts
+    accept_reqs, race_reqs = requests(s)
     engine = open_engine(s.engine, EngineRequest(model=s.model))
     out = Path(s.out) if s.out else default_out("cpu", engine.model_name, engine.caps.name)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    levels = list(s.concurrency)
-    summary: dict = {"engine": engine.caps.name, "model": engine.model_name, "concurrency": levels,
-                     "settings": {k: v for k, v in asdict(s).items() if k != "quiet"}, "phases": {}}
+    plugin = plugin_on(engine, s.plugin, say)
+    summary = {"engine": engine.caps.name, "model": engine.model_name, "concurrency": list(s.concurrency),
+               "settings": {k: v for k, v in asdict(s).items() if k != "quiet"}, "plugin": plugin, "phases": {}}
+    return ServingRun(s, engine, out, say, accept_reqs, race_reqs, plugin, summary=summary)
 
-    phase(1, "profile: vLLM's step time by batch size and draft length")
-    profile_path = _profile(engine, s, levels, out, budget * 0.3, say)
+
+def profile(run: ServingRun) -> None:
     from planner.profile import load_batch_profiles
 
-    profiles = load_batch_profiles(str(profile_path))
-    missing = [c for c in levels if c not in profiles]
+    run.phase("profile", "vLLM's step time by batch size and draft length")
+    run.profile_path = _profile(run.engine, run.s, run.levels, run.out, run.s.budget_minutes * 60 * 0.3, run.say)
+    run.profiles = load_batch_profiles(str(run.profile_path))
+    missing = [c for c in run.levels if c not in run.profiles]
     if missing:
-        raise UserError(f"{profile_path}: no series at batch size {', '.join(map(str, missing))} (profile every "
+        raise UserError(f"{run.profile_path}: no series at batch size {', '.join(map(str, missing))} (profile every "
                         "--concurrency level)")
-    summary["phases"]["profile_s"] = time.time() - t0
 
+
+def accept(run: ServingRun) -> None:
+    s = run.s
     reused = f" ({len(s.accept)} reused)" if s.accept else ""
-    phase(2, f"accept: {', '.join(s.methods)} on {len(accept_reqs)} requests{reused}")
-    draft_dir = _draft_dir(engine, s) if "draft_model" in s.methods else None
-    records = _acceptance(engine, s, accept_reqs, draft_dir, out, say)
-    summary["phases"]["accept_s"] = time.time() - t0
+    run.phase("accept", f"{', '.join(s.methods)} on {len(run.accept_reqs)} requests{reused}")
+    run.draft_dir = _draft_dir(run.engine, s) if "draft_model" in s.methods else None
+    run.records = _acceptance(run.engine, s, run.accept_reqs, run.draft_dir, run.out, run.say)
 
-    phase(3, "plan: vLLM plain through the server at every level (its served step and the rest of each "
-             "request's time), then the draft length per level, per proposer")
-    results: dict = {}
-    failed: dict[str, str] = {}
-    skipped: dict[str, str] = {}
-    timings: dict = {}
-    contenders = [Contender(PLAIN, None)]
+
+def plan(run: ServingRun) -> None:
+    """Plain through the server at every level, its served split, and the planned contenders."""
+    s = run.s
+    run.phase("plan", "vLLM plain through the server at every level (its served step and the rest of each "
+                      "request's time), then the draft length per level, per proposer")
     # plain's two servers, the first contender and the confirmation must fit what is left: if not at full
     # size, every contender races fewer requests at the levels where a request takes longest
-    sizes = _race_sizes(profiles, records, s, levels, budget - (time.time() - t0) - WRITE_S, len(race_reqs))
-    cut = {lv: n for lv, n in sizes.items() if n < len(race_reqs)}
+    run.sizes = race_size_for_budget(run.profiles, run.records, s, run.levels, run.left() - WRITE_S,
+                                     len(run.race_reqs))
+    cut = {lv: n for lv, n in run.sizes.items() if n < len(run.race_reqs)}
     if cut:
-        say(f"      to fit the budget, every contender races the first {', '.join(f'{n} at {lv}' for lv, n in cut.items())}"
-            f" of the {len(race_reqs)} requests")
-    interrupted = False
-    try:  # Ctrl-C in plain's pass or in the race: race.json keeps what was raced
-        race_all(engine, contenders, race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
-        plain_rows = {lv: decide_level(results, lv, False)["contenders"][PLAIN] for lv in levels}
-        plain_tps = {lv: row["output_tokens_per_s"] for lv, row in plain_rows.items()}
-        overhead = server_overhead(profiles, plain_tps, levels)
-        summary["server_overhead_s"] = overhead
-        served = _served(plain_rows)
-        summary["served"] = {lv: vars(v) for lv, v in served.items()}
-        say("      the server's own cost per step (ms) by level: "
-            + ", ".join(f"{lv}: {overhead[lv] * 1e3:.0f}" for lv in levels))
-        if served:
-            say("      plain's served step / time per request outside it (ms) by level: "
-                + ", ".join(f"{lv}: {v.decode_step_s * 1e3:.0f} / {v.request_s * 1e3:.0f}" for lv, v in served.items()))
-        contenders = _planned_contenders(records, profiles, levels, s, draft_dir, overhead, out, say, served)
-        summary["phases"]["plan_s"] = time.time() - t0
+        run.say(f"      to fit the budget, every contender races the first "
+                f"{', '.join(f'{n} at {lv}' for lv, n in cut.items())} of the {len(run.race_reqs)} requests")
+    reqs = _sampled(run.race_reqs, s)
+    traffic = same_requests(reqs, warm_requests(run.accept_reqs, s.sampling, s.seed + len(reqs)), run.levels,
+                            s.rounds, run.sizes, s.request_timeout_s)
+    run.race = Race(traffic, run.levels, run.say, greedy=s.temperature <= 0)
+    run.contenders = [Contender(PLAIN, None)]
+    with _keeping_the_race(run):
+        race_all(run.engine, run.contenders, run.race)
+        plain_rows = {lv["level"]: lv["contenders"][PLAIN] for lv in run.race.rows()}
+        run.plain_tps = {lv: row["output_tokens_per_s"] for lv, row in plain_rows.items()}
+        overhead = server_overhead(run.profiles, run.plain_tps, run.levels)
+        served = served_split(plain_rows)
+        run.summary.update({"server_overhead_s": overhead, "served": {lv: vars(v) for lv, v in served.items()}})
+        run.say("      plain's served step / time per request outside it (ms) by level: " + ", ".join(
+            f"{lv}: {v.decode_step_s * 1e3:.0f} / {v.request_s * 1e3:.0f}" for lv, v in served.items()))
+        run.contenders = planned_contenders(run.records, run.profiles, run.levels, s, run.draft_dir, overhead, run.out,
+                                            run.say, served, run.plugin)
 
-        phase(4, f"race: {len(contenders) - 1} contenders against plain x levels {','.join(map(str, levels))}, "
-                 f"{len(race_reqs)} requests each, as the budget allows")
-        # plain's closing server (close_plain) and the decision, which may be a config no contender ran
-        # (confirm): plain's time is kept for each, and for writing
-        reserve = 2 * timings[PLAIN]["wall_s"] + WRITE_S
-        for i, (c, eta) in enumerate(race_order(contenders[1:], timings[PLAIN], levels, s.rounds, plain_tps)):
-            left = budget - (time.time() - t0) - reserve
+
+def race(run: ServingRun) -> None:
+    """The contenders in the budget's order, plain again on a fresh server, then the resolving passes."""
+    s, r = run.s, run.race
+    run.phase("race", f"{len(run.contenders) - 1} contenders against plain x levels {','.join(map(str, run.levels))}, "
+                      f"{len(run.race_reqs)} requests each, as the budget allows")
+    # plain's closing server and the decision, which may be a config no contender ran (confirm): plain's
+    # time is kept for each, and for writing
+    reserve = 2 * r.timings[PLAIN]["wall_s"] + WRITE_S
+    with _keeping_the_race(run):
+        for i, (c, eta) in enumerate(race_order(run.contenders[1:], r.timings[PLAIN], run.levels, s.rounds,
+                                                run.plain_tps)):
+            left = run.left() - reserve
             if i and eta > left:  # the first always races: a race of plain alone decides nothing
-                skipped[c.name] = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s "
-                                   f"after keeping {reserve:.0f} s for plain again, the confirmation and writing")
-                say(f"      {c.name}: {skipped[c.name]}")
+                run.skipped[c.name] = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s "
+                                       f"after keeping {reserve:.0f} s for plain again, the confirmation and writing")
+                run.say(f"      {c.name}: {run.skipped[c.name]}")
                 continue
-            say(f"      {c.name}: predicted {eta:.0f} s")
-            race_all(engine, [c], race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
-        if any(name != PLAIN for name in results):
-            say("      plain again, on a fresh server: each level's plain is the median over a server before the "
-                "contenders and one after them")
-            close_plain(engine, race_reqs, accept_reqs, s, levels, say, results, failed, timings, sizes)
-            say("      plain's drift over the race (closing / first server's tokens/s): " + ", ".join(
-                f"{lv}: {d:.2f}" for lv in levels if (d := plain_drift(results[PLAIN].get(lv) or [])) is not None))
-    except KeyboardInterrupt:
-        interrupted = True
-        say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
-    greedy = s.temperature <= 0
-    levels_out = [decide_level(results, lv, greedy) for lv in levels
-                  if PLAIN in results and lv in results[PLAIN]]
-    race_doc = {"levels": levels_out, "contenders": [{"name": c.name, "config": c.speculative,
-                                                      "predicted_tokens_per_s": c.predicted, "priced": c.priced}
-                                                     for c in contenders],
-                "requests": len(race_reqs), "requests_by_level": sizes, "max_tokens": s.max_tokens, "rounds": s.rounds,
-                "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
-                "server_overhead_s": summary.get("server_overhead_s"), "failed": failed, "skipped": skipped,
-                "interrupted": interrupted}
-    atomic_write_json(out / "race.json", race_doc)
-    summary["phases"]["race_s"] = time.time() - t0
-    if interrupted:
-        raise KeyboardInterrupt
+            run.say(f"      {c.name}: predicted {eta:.0f} s")
+            race_all(run.engine, [c], r)
+        if any(name != PLAIN for name in r.results):
+            run.say("      plain again, on a fresh server: each level's plain is the median over its servers")
+            close_plain(run.engine, r)
+            run.say("      plain's drift over the race (closing / first server's tokens/s): " + ", ".join(
+                f"{lv}: {d:.2f}" for lv in run.levels if (d := plain_drift(r.results[PLAIN].get(lv) or [])) is not None))
+        raced = _raced(run)
+        chosen, why = decision(raced, r.rows(), run.levels, run.plugin)
+        if chosen is not None:  # its open levels race again while the budget keeps the confirmation
+            resolve(run.engine, r, [c for c in raced if c.name == why["winner"]],
+                    lambda: run.left() - r.timings[PLAIN]["wall_s"] - WRITE_S, run.plain_tps)
+    run.levels_out = r.rows()
+    _write_race(run)
 
-    raced = [c for c in contenders if c.name not in failed and c.name not in skipped]
-    chosen, why = decision(raced, levels_out, levels)
-    phase(5, "confirm: the decision as it is written, raced against plain unless a contender already ran it")
+
+def confirm_phase(run: ServingRun) -> None:
+    """The decision, its confirmation as written (or what the budget allows), then the best measured config."""
+    r = run.race
+    raced = _raced(run)
+    chosen, why = decision(raced, run.levels_out, run.levels, run.plugin)
+    run.phase("confirm", "the decision as it is written, raced against plain unless a contender already ran it")
     if chosen is not None and raced_as_is(chosen, raced) is None:  # a new config: raced only if it fits the budget
-        eta = predicted_seconds(Contender(DECISION, chosen.speculative), timings[PLAIN], levels, s.rounds, plain_tps)
-        left = budget - (time.time() - t0) - WRITE_S
-        if eta > left:
-            skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s; the schedule it would "
-                    f"have confirmed: {json.dumps(chosen.speculative)}")
-            say(f"      the decision as written: {skip}")
-            winner = next(c for c in raced if c.name == why["winner"])
-            chosen, why = as_raced(winner, levels_out, levels, skip)
-            say(f"      so the decision is {why['winner']} as raced")
-    shown_contenders = contenders
-    try:
-        confirmed = confirm(engine, chosen, contenders, results, failed, race_reqs, accept_reqs, s, levels, say, sizes)
-    except KeyboardInterrupt:
-        say("interrupted: the server is stopped; race.json keeps the race (no chosen.json)")
-        raise
+        eta = predicted_seconds(Contender(DECISION, chosen.speculative), r.timings[PLAIN], run.levels, run.s.rounds,
+                                run.plain_tps)
+        if eta > run.left() - WRITE_S:
+            skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(run.left() - WRITE_S, 0):.0f} s; the "
+                    f"schedule it would have confirmed: {json.dumps(chosen.speculative)}")
+            run.say(f"      the decision as written: {skip}")
+            chosen, why = unconfirmed(chosen, why, raced, run.levels_out, run.levels, skip)
+            run.say(f"      so the decision is {why['winner']} ({why.get('measured_as', 'plain')})")
+            run.chosen, run.why, run.shown_contenders = chosen, why, run.contenders
+            return
+    run.shown_contenders = run.contenders
+    with _keeping_the_race(run):
+        confirmed = confirm(run.engine, chosen, run.contenders, r)
     if confirmed is not None:
-        why["measured_as"] = confirmed.name
-        if confirmed.name == DECISION:
-            shown_contenders = contenders + [confirmed]
-            for lv in levels_out:  # the decision's own rows beside the race's, which decided the winners
-                if confirmed.name in results and lv["level"] in results[confirmed.name]:
-                    lv["contenders"][DECISION] = decide_level(results, lv["level"], greedy)["contenders"][DECISION]
-            race_doc["levels"] = levels_out
-            race_doc["contenders"].append({"name": DECISION, "config": confirmed.speculative,
-                                           "predicted_tokens_per_s": {}})
-        # the decision's own ratios and mean, as it is written (decision() gave the winner's as it raced)
-        measured = measured_record(confirmed, levels_out, levels)
-        why.update({k: measured[k] for k in ("vs_plain_by_level", "geomean_vs_plain")})
-        if not ahead_over_range(why["vs_plain_by_level"]):
-            say("      the decision as written is not ahead of plain over the levels: plain it is")
-            chosen, why = None, {"winner": PLAIN, "why": "the decided config, raced as written, was not ahead of plain "
-                                 "over the levels (geometric mean of its ratios below 1)", "measured_decision": why}
-    # every candidate is now measured as written: the best of them over the whole range is deployed
-    pool = [c for c in raced if c.name in results] + ([confirmed] if confirmed is not None and confirmed.name == DECISION
-                                                       else [])
-    best = best_measured(pool, levels_out, levels)
+        chosen, why = _confirmed(run, chosen, why, confirmed)
+    pool = raced + ([confirmed] if confirmed is not None and confirmed.name == DECISION else [])
+    best = best_measured([c for c in pool if c.name in r.results], run.levels_out, run.levels)
     if best is not None and best[0].name != (why.get("measured_as") if chosen is not None else None):
         c, scores = best
-        say(f"      {c.name} as raced: behind plain nowhere, the highest geometric mean over plain "
-            f"({scores[c.name]:.3f}x); it is the decision")
-        chosen, why = Contender(c.name, dict(c.speculative)), measured_why(c, levels_out, levels, scores, why)
-    race_doc["failed"] = failed
-    atomic_write_json(out / "race.json", race_doc)
-    summary["phases"]["confirm_s"] = time.time() - t0
+        run.say(f"      {c.name} as raced: behind plain nowhere, the highest geometric mean over plain "
+                f"({scores[c.name]:.3f}x); it is the decision")
+        chosen, why = Contender(c.name, dict(c.speculative), plugin=c.plugin), measured_why(c, run.levels_out,
+                                                                                            run.levels, scores, why)
+    run.chosen, run.why = chosen, why
+    _write_race(run)
 
-    phase(6, "write: the decision, exports, report")
-    summary.update({"decision": why, "levels": levels_out, "prediction_error": prediction_error(contenders, levels_out),
-                    "prediction_parts": prediction_parts(contenders, levels_out),
-                    "skipped": skipped, "race_requests": {"requests": len(race_reqs), "by_level": sizes}})
-    _exports(chosen, out, draft_dir)
-    summary["wall_s"] = time.time() - t0
-    summary["budget"] = {"minutes": s.budget_minutes, "used_minutes": summary["wall_s"] / 60,
-                         "seconds_by_contender": {n: round(v["wall_s"], 1) for n, v in timings.items()}}
-    atomic_write_bytes(out / "report.md", report(summary, shown_contenders).encode())
-    atomic_write_json(out / "summary.json", _jsonable(summary))
-    doc = {"format": "tree-planner/serving-decision", "engine": engine.caps.name, "model": engine.model_name,
-           "speculative_config": None if chosen is None else chosen.speculative, "decision": why,
-           "concurrency": levels, "race": "race.json", "profile": shown(profile_path)}
-    atomic_write_json(out / "chosen.json", doc)  # last: a run without it did not finish
-    say(f"decision: {why['winner']}" + ("" if chosen is None else f" {json.dumps(chosen.speculative)}"))
-    if summary["wall_s"] > budget:
-        say(f"the run took {summary['wall_s'] / 60:.1f} min of its {s.budget_minutes:g}-minute budget (the first "
-            "contender and the confirmation race whatever is left)")
-    say(f"wrote {shown(out)}/ (chosen.json, race.json, plans.json, exports/, report.md, summary.json)")
+
+def write(run: ServingRun) -> dict:
+    from workflows.mainjob.runs import shown
+
+    run.phase("write", "the decision, exports, report")
+    summary, chosen, why = run.summary, run.chosen, run.why
+    summary.update({"decision": why, "levels": run.levels_out, "unresolved": run.race.resolving,
+                    "prediction_error": prediction_error(run.contenders, run.levels_out),
+                    "prediction_parts": prediction_parts(run.contenders, run.levels_out), "skipped": run.skipped,
+                    "race_requests": {"requests": len(run.race_reqs), "by_level": run.sizes}})
+    _exports(chosen, run.out, run.draft_dir)
+    summary["wall_s"] = time.time() - run.t0
+    summary["budget"] = {"minutes": run.s.budget_minutes, "used_minutes": summary["wall_s"] / 60,
+                         "seconds_by_contender": {n: round(v["wall_s"], 1) for n, v in run.race.timings.items()}}
+    atomic_write_bytes(run.out / "report.md", report(summary, run.shown_contenders).encode())
+    atomic_write_json(run.out / "summary.json", jsonable(summary))
+    doc = {"format": "tree-planner/serving-decision", "engine": run.engine.caps.name, "model": run.engine.model_name,
+           "speculative_config": None if chosen is None else chosen.speculative,
+           "plugin": bool(chosen is not None and chosen.plugin), "decision": why, "concurrency": run.levels,
+           "race": "race.json", "profile": shown(run.profile_path)}
+    atomic_write_json(run.out / "chosen.json", jsonable(doc))  # last: a run without it did not finish
+    run.say(f"decision: {why['winner']}" + ("" if chosen is None else f" {json.dumps(chosen.speculative)}")
+            + (" with the plugin" if doc["plugin"] else ""))
+    if summary["wall_s"] > run.s.budget_minutes * 60:
+        run.say(f"the run took {summary['wall_s'] / 60:.1f} min of its {run.s.budget_minutes:g}-minute budget (the "
+                "first contender and the confirmation race whatever is left)")
+    run.say(f"wrote {shown(run.out)}/ (chosen.json, race.json, plans.json, exports/, report.md, summary.json)")
     return summary
 
 
-def _served(plain_rows: dict[int, dict]) -> dict[int, ServedLevel]:
-    """level -> plain's ServedLevel from its race rows, where the pass decoded (its streams' times)."""
-    out = {}
-    for lv, row in plain_rows.items():
-        v = served_level(lv, row["output_tokens_per_s"], row.get("requests", 0), row.get("output_tokens", 0),
-                         row.get("step_p50_s"))
-        if v is not None:
-            out[lv] = v
-    return out
+# ---------------------------------------------------------------------------------------------- the phases' parts
 
 
-def _planned_contenders(records: dict, profiles: dict, levels, s: ServingSettings, draft_dir: str | None,
-                        overhead: dict[int, float], out: Path, say,
-                        served: dict[int, ServedLevel] | None = None) -> list[Contender]:
-    """Plain, the stock settings, the best proposer's best fixed length and its planned schedule, each
-    priced on the profile and plain's served levels (else the server's cost per step); plans.json
-    records every proposer's."""
-    max_k = max(s.draft_lengths)
-    served = served or {}
-    plans = {}
-    for m, rec in records.items():
-        costs = draft_costs(rec, profiles, levels, served) if rec["guesser"].get("draft_passes") == "depth" else {}
-        plans[m] = plan_method(m, rec, profiles, levels, max_k, costs, schedulable=m in SCHEDULE_METHODS["vllm"],
-                               overhead_s=overhead, off_ratio=engine_kind(s.engine).defaults.schedule_off_ratio,
-                               served=served)
-        say(f"      {m}: draft length by level {plans[m]['per_level']}, best fixed {plans[m]['best_fixed']}")
-
-    def score(p: dict) -> float:
-        return float(np.mean(np.log([p["predicted"][b] for b in levels])))
-
-    best = max(plans.values(), key=score)
-    contenders = [Contender(PLAIN, None)]
-    contenders += [Contender(n, dict(c)) for n, c in STOCK.items()]
-    fixed_cfg = method_config(best["method"], best["best_fixed"], draft_dir)
-    contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}", fixed_cfg,
-                                dict(best["fixed_predicted"]), dict(best["fixed_priced"])))
-    # a proposer vLLM runs at one length is the decision only if ahead at every level, and its own work is
-    # not in the profile (it drafts with a stub); so the best proposer a schedule can switch off by batch
-    # size races its schedule too
-    switchable = [p for m, p in plans.items() if m in SCHEDULE_METHODS["vllm"]]
-    planned = [best] + ([max(switchable, key=score)] if best["method"] not in SCHEDULE_METHODS["vllm"]
-                        and switchable else [])
-    for plan in planned:
-        planned_ranges = schedule_ranges(plan["per_level"], levels)
-        if any(k for *_, k in planned_ranges):
-            cfg = method_config(plan["method"], max(k for *_, k in planned_ranges), draft_dir, planned_ranges)
-            contenders.append(Contender(f"planned {plan['method']}", cfg, dict(plan["predicted"]), dict(plan["priced"])))
-    atomic_write_json(out / "plans.json", {"plans": _jsonable(plans), "chosen_method": best["method"],
-                                           "planned_methods": [p["method"] for p in planned],
-                                           "server_overhead_s": _jsonable(overhead),
-                                           "served": _jsonable({lv: vars(v) for lv, v in served.items()})})
-    return distinct(contenders)
+def _raced(run: ServingRun) -> list[Contender]:
+    return [c for c in run.contenders if c.name not in run.race.failed and c.name not in run.skipped]
 
 
-def _race_sizes(profiles: dict, records: dict, s: ServingSettings, levels, left_s: float, n: int) -> dict[int, int]:
-    """Race requests per level (serving_race.py race_sizes) for four races within left_s: plain's two
-    servers, the first contender's and the confirmation's (the decision as written, which switches
-    speculation off where it lost). Priced before any has run: a served step at SERVED_STEP times the
-    profiled plain step, a server start at the longest acceptance server's wait (the first of them
-    started alone), each level's warm-up wave of WARMUP_TOKENS and its passes of n requests."""
-    from profiler.vllm_profile import START_GUESS_S
+def _confirmed(run: ServingRun, chosen: Contender, why: dict, confirmed: Contender) -> tuple:
+    """The decision's record from its confirmed rows; plain when they are not ahead over the levels."""
+    why["measured_as"] = confirmed.name
+    if confirmed.name == DECISION:
+        run.shown_contenders = run.contenders + [confirmed]
+        run.levels_out = run.race.rows()
+    measured = measured_record(confirmed, run.levels_out, run.levels)
+    why.update({k: measured[k] for k in ("vs_plain_by_level", "geomean_vs_plain")})
+    if not ahead_over_range(why["vs_plain_by_level"]):
+        run.say("      the decision as written is not ahead of plain over the levels: plain it is")
+        return None, {"winner": PLAIN, "why": "the decided config, raced as written, was not ahead of plain "
+                      "over the levels (geometric mean of its ratios below 1)", "measured_decision": why}
+    return chosen, why
 
-    step = {lv: float(profiles[lv].latency(1)) * SERVED_STEP for lv in levels}
-    waits = [(r.get("vllm") or {}).get("server_start_s") for r in records.values()]
-    start = max([float(w) for w in waits if isinstance(w, (int, float)) and w > 0] or [START_GUESS_S])
-    fixed = start + s.rounds * sum(WARMUP_TOKENS * step[lv] for lv in levels)
-    pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
-    return race_sizes(pass_s, fixed, n, levels, left_s, races=4)
+
+class _keeping_the_race:
+    """Ctrl-C in a pass: the server is stopped (its own `with`), race.json keeps what was raced, no chosen.json."""
+
+    def __init__(self, run: ServingRun):
+        self.run = run
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            self.run.say("interrupted: the server is stopped; writing what was raced (no chosen.json)")
+            self.run.levels_out = self.run.race.rows() if self.run.race else []
+            _write_race(self.run, interrupted=True)
+        return False
+
+
+def _write_race(run: ServingRun, interrupted: bool = False) -> None:
+    s, r = run.s, run.race
+    shown = run.shown_contenders or run.contenders
+    doc = {"levels": run.levels_out, "contenders": [{"name": c.name, "config": c.speculative, "plugin": c.plugin,
+                                                     "predicted_tokens_per_s": c.predicted, "priced": c.priced}
+                                                    for c in shown],
+           "requests": len(run.race_reqs), "requests_by_level": run.sizes, "max_tokens": s.max_tokens,
+           "rounds": s.rounds, "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+           "server_overhead_s": run.summary.get("server_overhead_s"), "failed": r.failed if r else {},
+           "skipped": run.skipped, "unresolved": r.resolving if r else {}, "plugin": run.plugin,
+           "servers": r.servers if r else 0, "interrupted": interrupted}
+    atomic_write_json(run.out / "race.json", jsonable(doc))
+
+
+def _sampled(reqs: list, s: ServingSettings) -> list:
+    from profiler.vllm_accept import sampled_requests
+
+    return sampled_requests(reqs, s.sampling, s.seed)  # request i seeded seed + i, the same for every contender
 
 
 def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:
@@ -457,7 +462,7 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | 
     if todo:
         from profiler.vllm_accept import measure_methods
 
-        found = measure_methods(engine, todo, accept_reqs, _sampling(s), seed=s.seed, draft_length=max(s.draft_lengths),
+        found = measure_methods(engine, todo, accept_reqs, s.sampling, seed=s.seed, draft_length=max(s.draft_lengths),
                                 concurrency=4, draft_model=draft_dir, timeout_s=s.request_timeout_s,
                                 say=lambda line: say(f"      {line}"))
         for m, rec in found.items():
@@ -467,47 +472,7 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | 
 
 
 def _exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
-    """The decision for each engine that takes a per-batch-size schedule: vLLM's config as it was raced;
-    TensorRT-LLM's draft_len_schedule and SGLang's flags from the same ranges where they express them."""
-    d = out / "exports"
-    d.mkdir(exist_ok=True)
-    if chosen is None:
-        atomic_write_json(d / "vllm.json", {"speculative_config": None, "notes": ["plain decoding: no speculation"]})
-        return
-    cfg = chosen.speculative
-    atomic_write_json(d / "vllm.json", {"speculative_config": cfg, "command_line": "--speculative-config "
-                                        + json.dumps(cfg, separators=(",", ":"))})
-    ranges = cfg.get("num_speculative_tokens_per_batch_size") or [[1, MAX_CONCURRENCY, cfg.get("num_speculative_tokens")]]
-    notes = []
-    for engine in ("trtllm", "sglang"):  # planner/export.py's builders: each engine's own constraints and notes
-        try:
-            export = _export_for(engine, cfg["method"], [DraftRange(*r) for r in ranges], draft_dir, d)
-        except UserError as e:
-            notes.append(f"{engine}: {e}")
-            continue
-        atomic_write_json(d / f"{engine}.json", export.to_json())
-    atomic_write_json(d / "notes.json", {"notes": notes})
+    exports(chosen, out, draft_dir)
 
 
-def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d: Path):
-    """The same ranges as another engine's settings (a chain plan as deep as the longest draft)."""
-    from planner.export import ENGINE_METHODS, ExportOptions, build
-    from planner.tree import Tree, TreeState
-
-    if method not in ENGINE_METHODS[engine]:
-        raise UserError(f"no {method} proposer (it has {', '.join(ENGINE_METHODS[engine])})")
-    depth = max(r.k for r in ranges) or 1
-    chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
-    opts = ExportOptions(engine, method, draft_dir if method == "draft_model" else None,
-                         adaptive_config_path=str(d / f"{engine}.adaptive.json"))
-    return build(chain, ranges, opts, {"source": "planner autotune --engine vllm, the raced schedule"}, [])
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    return x
+__all__ = ["CLOSING", "MAX_CONCURRENCY", "ServingSettings", "ServingRun"]

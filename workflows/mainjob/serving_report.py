@@ -1,11 +1,18 @@
-"""The serving main job's report and its prediction checks (workflows/mainjob/serving.py writes them):
-what each contender measured against vLLM plain per level, and how far each prediction was off and why.
+"""The serving main job's report, its prediction checks and its exports (workflows/mainjob/serving.py
+writes them): what each contender measured against vLLM plain per level, how far each prediction was off
+and why, and the decision in each engine's own settings.
 
-    from workflows.mainjob.serving_report import report, prediction_error, prediction_parts
+    from workflows.mainjob.serving_report import report, prediction_error, prediction_parts, exports
     text = report(summary, contenders)   # report.md
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from planner.errors import UserError
+from planner.jsonio import atomic_write_json
+from planner.serving import MAX_CONCURRENCY, PLUGIN_ENV
 from workflows.mainjob.serving_race import PLAIN, Contender, by_level
 
 
@@ -46,7 +53,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     lines = [f"# Serving autotune: {summary['model']} on {summary['engine']}", "",
              f"Decision: **{summary['decision']['winner']}**"
              + (f", draft length by level {summary['decision'].get('draft_length_by_level')}"
-                if summary['decision'].get('draft_length_by_level') else ""), ""]
+                if summary['decision'].get('draft_length_by_level') else "")
+             + (" (with the plugin: K = 0 is vLLM's plain path)" if summary['decision'].get('plugin') else ""), ""]
     measured = summary["decision"].get("vs_plain_by_level") or {}
     if measured:
         lines += [f"The decision as written, measured against plain (row {summary['decision']['measured_as']!r}): "
@@ -79,6 +87,10 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     if cut:
         lines += ["", f"Cut to fit the budget: every contender raced the first {', '.join(f'{n} at {lv}' for lv, n in cut)}"
                   f" of the {full} requests (the levels where a request takes longest)"]
+    unresolved = summary.get("unresolved") or {}
+    if unresolved:
+        lines += ["", "Unresolved after every pass the budget held (the paired interval still holds 1: neither ahead of "
+                  "nor behind plain): " + "; ".join(f"{n} at {', '.join(map(str, lvs))}" for n, lvs in unresolved.items())]
     skipped = summary.get("skipped") or {}
     if skipped:
         lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
@@ -124,3 +136,49 @@ def report(summary: dict, contenders: list[Contender]) -> str:
                   "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
                                                             by_level(overhead))]
     return "\n".join(lines) + "\n"
+
+
+def exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
+    """The decision for each engine that takes a per-batch-size schedule: vLLM's config as it was raced (and
+    the plugin's switch where its K = 0 ranges need it); TensorRT-LLM's draft_len_schedule (max_concurrency
+    where the last range is off) and SGLang's flags from the same ranges where they express them."""
+    from planner.export import DraftRange
+
+    d = out / "exports"
+    d.mkdir(exist_ok=True)
+    if chosen is None:
+        atomic_write_json(d / "vllm.json", {"speculative_config": None, "notes": ["plain decoding: no speculation"]})
+        return
+    cfg = chosen.speculative
+    doc = {"speculative_config": cfg, "command_line": "--speculative-config " + json.dumps(cfg, separators=(",", ":"))}
+    if chosen.plugin:
+        doc.update({"env": {PLUGIN_ENV: "1"}, "notes": [
+            f"serve with {PLUGIN_ENV}=1 and the project's vLLM plugin installed (bash scripts/setup_vllm.sh): a "
+            "batch size scheduled at K = 0 then runs vLLM's plain path; without it vLLM keeps its speculative path "
+            "there (0.81-1.07x plain measured), and suffix or medusa with a schedule stop at the first batch size "
+            "whose K differs"]})
+    atomic_write_json(d / "vllm.json", doc)
+    ranges = cfg.get("num_speculative_tokens_per_batch_size") or [[1, MAX_CONCURRENCY, cfg.get("num_speculative_tokens")]]
+    notes = []
+    for engine in ("trtllm", "sglang"):  # planner/export.py's builders: each engine's own constraints and notes
+        try:
+            export = _export_for(engine, cfg["method"], [DraftRange(*r) for r in ranges], draft_dir, d)
+        except UserError as e:
+            notes.append(f"{engine}: {e}")
+            continue
+        atomic_write_json(d / f"{engine}.json", export.to_json())
+    atomic_write_json(d / "notes.json", {"notes": notes})
+
+
+def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d: Path):
+    """The same ranges as another engine's settings (a chain plan as deep as the longest draft)."""
+    from planner.export import ENGINE_METHODS, ExportOptions, build
+    from planner.tree import Tree, TreeState
+
+    if method not in ENGINE_METHODS[engine]:
+        raise UserError(f"no {method} proposer (it has {', '.join(ENGINE_METHODS[engine])})")
+    depth = max(r.k for r in ranges) or 1
+    chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
+    opts = ExportOptions(engine, method, draft_dir if method == "draft_model" else None,
+                         adaptive_config_path=str(d / f"{engine}.adaptive.json"))
+    return build(chain, ranges, opts, {"source": "planner autotune --engine vllm, the raced schedule"}, [])

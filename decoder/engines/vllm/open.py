@@ -18,11 +18,13 @@ from decoder.engines.vllm.env import require_python
 from decoder.engines.vllm.server import VllmServer
 from planner.engines import EngineCaps, kind
 from planner.errors import UserError
+from planner.serving import PLUGIN_ENV
 
 
 @dataclass
 class VllmEngine:
-    """vLLM's interpreter and the model folder it serves; servers are started from it, one per config."""
+    """vLLM's interpreter and the model folder it serves; servers are started from it, one per config
+    (decoder/serving.py's ServingEngine protocol)."""
 
     python: Path
     model_dir: Path
@@ -30,8 +32,12 @@ class VllmEngine:
     caps: EngineCaps
     threads: int | None = None
 
-    def server(self, speculative_config: dict | None = None, **kwargs) -> VllmServer:
-        """A server of this model (not started: use it as a context manager), with `speculative_config`."""
+    def server(self, speculative_config: dict | None = None, plugin: bool = False, **kwargs) -> VllmServer:
+        """A server of this model (not started: use it as a context manager), with `speculative_config`;
+        `plugin`: the project's vLLM plugin switched on in the server's environment (planner/serving.py
+        PLUGIN_ENV), so a step whose scheduled K is 0 for every request runs vLLM's plain path."""
+        if plugin:
+            kwargs["env"] = {**(kwargs.get("env") or {}), PLUGIN_ENV: "1"}
         return VllmServer(self.model_dir, speculative_config=speculative_config, **kwargs)
 
 
