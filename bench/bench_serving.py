@@ -1,55 +1,48 @@
-"""vLLM's OpenAI server under concurrent load: vLLM plain against its own speculation and planned
-configs, at several concurrency levels, on requests no tuning step reads.
+"""vLLM's OpenAI server under concurrent load: vLLM plain against its own speculation and the main job's
+decision, at several concurrency levels, greedy and sampled, on prompts no tuning step reads and none of
+which a server is sent twice. The race is the main job's (workflows/mainjob/serving_race.py).
 
-    python bench/bench_serving.py                                   # levels 1,2,4,8,16, greedy
-    python bench/bench_serving.py --concurrency 1,4,16 --requests 12 --max-tokens 32 --repeats 1
+    python bench/bench_serving.py --decision runs/RUN/chosen.json --sampling greedy,sampled --budget 120
+    python bench/bench_serving.py --concurrency 1,4,16 --requests 12 --max-tokens 32
     python bench/bench_serving.py --config planned=vllm.json        # a `planner export --engine vllm` file
-    python bench/bench_serving.py --sampling greedy,sampled
     python bench/bench_serving.py --skip suffix,ngram --draft-lengths 1,2,4   # the project draft LM in vLLM
     python bench/bench_serving.py --smoke                           # a fake server in this process, seconds
 
-Requests: training.splits.bench_prompts' "chat" (first turns of the hand-written chats) and
-"repeat" (input-repeating requests) groups, alternating, through the model's chat template, sent as
-token ids to /v1/completions (profiler/load_generator.py: streamed, every token timed). Every round
-of every level gets its own slice of the pool, the same slice for every contender, so no server sees
-a prompt twice (suffix decoding's cross-request cache would otherwise hold the answer: an oracle);
-when the 24 chat prompts run out they are reused, and the result says how often. A warm-up wave of
-`level` requests on prompts outside the measured slices comes first at every level.
+Requests: training.splits.bench_prompts' "chat" (the hand-written chats' first turns) and "repeat"
+(input-repeating requests) groups, alternating while both last, through the model's chat template, sent as
+token ids to /v1/completions (profiler/load_generator.py: streamed, every token timed). Each level sends
+max(--requests, level) requests a round, every (level, round) its own prompts, the same for every
+contender; a run that would need a prompt twice on one server is refused before anything starts (suffix
+decoding's cross-request cache would hold its answer: an oracle). A warm-up wave of `level` short requests
+on prompts outside the measured ones comes first at every level.
 
-Contenders: vLLM plain (no speculative config: the baseline), vLLM's suffix defaults
-`{"method": "suffix"}`, ngram k=4 with lookup 1-3, and every `--config NAME=JSON_OR_FILE` (a file
-holding {"speculative_config": {...}}, as `planner export --engine vllm` writes, or the config itself).
+Contenders: vLLM plain (the baseline), vLLM's suffix defaults `{"method": "suffix"}`, ngram k=4 with lookup
+1-3, --decision FILE (the main job's chosen.json, or its exports/vllm.json: with the project's plugin and,
+where it uses it, without), and every --config NAME=JSON_OR_FILE (a file holding {"speculative_config":
+{...}}, as `planner export --engine vllm` writes, with "env" naming the plugin's switch where it needs it,
+or the config itself).
 
-Schedule, contender by contender: one vLLM server holds about 4-6 GB (the API server, the engine
-core, a 2 GiB KV cache) and wants a core of the two while it decodes, so the servers are not kept up
-side by side; restarting a server per round would cost 30-60 s each. So each contender gets one
-server, started once and run through every sampling mode, level and round, then stopped. vLLM plain
-runs first and last (with --plain-between also between every two contenders); a contender's speedup
-per round is its tokens/s over the geometric mean of the nearest plain runs before and after it on
-the same requests, the median over rounds; the plain runs' last/first ratio is reported as drift.
+The race per sampling mode, as the main job runs it: one server per contender through every level and
+round; plain first and again last on a fresh server (each level's plain is the median over its servers;
+their drift is reported); per level the paired interval of log(plain / contender) seconds per output token
+over the requests (sign-flip, 90 %) beside output tokens/s, TPOT p50/p99, TTFT p50, accepted/drafted and mean
+acceptance length. With --budget MINUTES, further passes (each contender and plain on fresh servers) run at
+the levels where a contender is neither ahead of plain nor behind it, until each resolves or the budget
+ends; the report says which stayed unresolved. In greedy mode every response's token ids are compared with
+plain's first answer to the same request; a mismatch makes the exit code 1.
 
-Per contender and level: output tokens/s (median over rounds), its ratio to plain, time per output
-token p50/p99 and time to first token p50 (over every completed request of the level's rounds),
-accepted/drafted and mean acceptance length (vLLM's /metrics, profiler/serving_metrics.py, read
-before and after the level's measured rounds). Greedy (temperature 0) and sampled (temperature 0.7,
-top-p 0.9, a seed per request) modes. In greedy mode every response's token ids are compared with
-the first plain run's on the same request; any mismatch makes the exit code 1.
-
-Faults: a config vLLM rejects is one line with vLLM's reason on stderr and a row saying so; the
-other contenders are still measured and the exit code is 1. A request that times out (--timeout) is
-counted and reported (exit code 1), never waited on past its limit. A server that dies mid-run ends
-that contender. Ctrl-C stops the running server and writes the finished levels (exit code 130).
-Progress goes to stderr; writes OUT.json and OUT.md (default bench/results/serving).
+Faults: a config vLLM rejects is one line with vLLM's reason on stderr and a row saying so; the other
+contenders are still measured and the exit code is 1. A request past --timeout is counted (exit code 1). A
+server that dies mid-run ends that contender. Ctrl-C stops the running server and writes the finished
+levels (exit code 130). Progress goes to stderr; writes OUT.json and OUT.md (default bench/results/serving),
+with the machine and the load.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import math
 import os
-import re
-import statistics
 import sys
 import threading
 import time
@@ -60,26 +53,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # bench/common.py: the machine, the load watch, bench_main
 
-from common import Results, bench_main, machine, sample_load  # noqa: E402
+from common import Results, bench_main, load_record, machine, sample_load  # noqa: E402
 
 from planner.errors import UserError  # noqa: E402
-from profiler import serving_level  # noqa: E402
-from profiler.load_generator import LoadInterrupted, TokenRequest, percentile  # noqa: E402
-from profiler.serving_metrics import SpecDecodeCounters  # noqa: E402
+from planner.serving import PLUGIN_ENV  # noqa: E402
+from profiler.load_generator import LoadInterrupted, TokenRequest  # noqa: E402
+from workflows.mainjob import serving_race as sr  # noqa: E402
 
-PLAIN = "vLLM plain"
-DEFAULT_CONTENDERS = {  # --skip key -> (name, vLLM's speculative config)
+PLAIN_LABEL = "vLLM plain"  # the race's sr.PLAIN, as the report names it
+STOCK = {  # --skip key -> (name, vLLM's speculative config)
     "suffix": ("vLLM suffix (defaults)", {"method": "suffix"}),
     "ngram": ("vLLM ngram (k=4, lookup 1-3)", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                                                "prompt_lookup_min": 1}),
 }
 PROJECT_DRAFT = "<the project's draft LM>"  # resolved to its vLLM folder when a server starts
 MODES = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
-WARMUP_TOKENS = 16
+LEVELS = (1, 2, 4, 8, 16, 32)
 
 
 def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def label(name: str) -> str:
+    return PLAIN_LABEL if name == sr.PLAIN else name
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -89,70 +86,97 @@ def progress(text: str) -> None:
 class Settings:
     levels: tuple[int, ...]
     modes: tuple[str, ...]
-    requests: int
+    requests: int  # per round at a level: max(requests, level)
     max_tokens: int
-    repeats: int
+    rounds: int  # rounds per level on one server, each with its own prompts
     timeout_s: float
-    plain_between: bool
+    budget_s: float | None  # further passes at unresolved levels while this holds them (None: one pass)
     smoke: bool
+
+    def sent(self, level: int) -> int:
+        return max(self.requests, level)
 
 
 def settings(a) -> Settings:
     small = a.smoke  # a smoke run's defaults: a few short requests on the fake server
     pick = (lambda v, full, smoke: v if v is not None else (smoke if small else full))
     try:
-        levels = tuple(int(x) for x in pick(a.concurrency, "1,2,4,8,16", "1,2,4").split(",") if x.strip())
+        levels = tuple(int(x) for x in pick(a.concurrency, ",".join(map(str, LEVELS)), "1,2,4").split(",") if x.strip())
     except ValueError:
         raise UserError(f"--concurrency {a.concurrency}: expected positive integers separated by commas") from None
-    modes = tuple(x.strip() for x in a.sampling.split(",") if x.strip())
-    s = Settings(levels, modes, pick(a.requests, 16, 6), pick(a.max_tokens, 64, 8), pick(a.repeats, 3, 2),
-                 pick(a.timeout, 300.0, 2.0), a.plain_between, a.smoke)
-    if not levels or any(c < 1 or c > 256 for c in levels) or len(set(levels)) != len(levels):
-        raise UserError(f"--concurrency {a.concurrency}: expected distinct levels in 1..256")
-    if not modes or any(m not in MODES for m in modes):
+    modes = tuple(x.strip() for x in pick(a.sampling, "greedy,sampled", "greedy").split(",") if x.strip())
+    budget = None if a.budget is None else a.budget * 60.0
+    s = Settings(levels, modes, pick(a.requests, 16, 6), pick(a.max_tokens, 32, 8), pick(a.rounds, 1, 2),
+                 pick(a.timeout, 300.0, 2.0), budget, a.smoke)
+    if not levels or any(c < 1 or c > 256 for c in levels) or list(levels) != sorted(set(levels)):
+        raise UserError(f"--concurrency {a.concurrency}: expected increasing levels in 1..256")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
         raise UserError(f"--sampling {a.sampling}: expected one or both of {', '.join(MODES)}")
-    if not (1 <= s.requests <= 256 and 1 <= s.max_tokens <= 2048 and 1 <= s.repeats <= 20 and s.timeout_s > 0):
-        raise UserError("--requests 1..256, --max-tokens 1..2048, --repeats 1..20, --timeout above 0")
+    if not (5 <= s.requests <= 256 and 1 <= s.max_tokens <= 2048 and 1 <= s.rounds <= 20 and s.timeout_s > 0):
+        raise UserError("--requests 5..256 (5 paired requests are the fewest that can decide), --max-tokens 1..2048, "
+                        "--rounds 1..20, --timeout above 0")
+    if budget is not None and not 0.05 <= a.budget <= 24 * 60:
+        raise UserError(f"--budget {a.budget:g}: expected minutes in 0.05..1440")
     return s
 
 
-@dataclass
-class Contender:
-    name: str
-    spec: dict | None  # vLLM's speculative config; None: plain
-    source: str = "built in"
-    notes: list = field(default_factory=list)
+# ---------------------------------------------------------------------------------------------- contenders
 
 
-def parse_config(spec: str) -> Contender:
-    """NAME=JSON or NAME=FILE; a file's {"speculative_config": ...} (planner export) or the config itself."""
+def parse_config(spec: str) -> sr.Contender:
+    """NAME=JSON or NAME=FILE; a file's {"speculative_config": ...} (planner export; its "env" naming the
+    plugin's switch serves it with the plugin) or the config itself."""
     name, sep, value = spec.partition("=")
     name, value = name.strip(), value.strip()
     if not sep or not name or not value:
         raise UserError(f"--config {spec!r}: expected NAME=JSON or NAME=FILE")
-    if name == PLAIN or name in {n for n, _ in DEFAULT_CONTENDERS.values()}:
+    if name in (sr.PLAIN, PLAIN_LABEL) or name in {n for n, _ in STOCK.values()}:
         raise UserError(f"--config {name}: that name is a built-in contender's; choose another")
-    source, notes = "command line", []
+    doc, source = _json_arg(f"--config {name}", value)
+    notes, plugin = [], False
+    if isinstance(doc, dict) and isinstance(doc.get("speculative_config"), dict):
+        notes, plugin = list(doc.get("notes") or []), _plugin_of(doc)
+        doc = doc["speculative_config"]
+    if not isinstance(doc, dict) or not doc:
+        raise UserError(f"--config {name}: expected a JSON object (vLLM's speculative config) in {source}")
+    return sr.Contender(name, doc, plugin=plugin, source=source, notes=notes)
+
+
+def _json_arg(flag: str, value: str) -> tuple[object, str]:
     if value.startswith("{"):
-        text = value
+        text, source = value, "command line"
     else:
         try:
             text, source = Path(value).read_text(), value
         except OSError as e:
-            raise UserError(f"--config {name}: cannot read {value} ({e.strerror})") from None
+            raise UserError(f"{flag}: cannot read {value} ({e.strerror})") from None
     try:
-        doc = json.loads(text)
+        return json.loads(text), source
     except json.JSONDecodeError as e:
-        raise UserError(f"--config {name}: {source} is not JSON ({e.msg} at line {e.lineno})") from None
-    if isinstance(doc, dict) and isinstance(doc.get("speculative_config"), dict):
-        notes = list(doc.get("notes") or [])
-        doc = doc["speculative_config"]
-    if not isinstance(doc, dict) or not doc:
-        raise UserError(f"--config {name}: expected a JSON object (vLLM's speculative config) in {source}")
-    return Contender(name, doc, source, notes)
+        raise UserError(f"{flag}: {source} is not JSON ({e.msg} at line {e.lineno})") from None
 
 
-def draft_contenders(lengths: str | None) -> list[Contender]:
+def _plugin_of(doc: dict) -> bool:
+    return bool(doc.get("plugin")) or (doc.get("env") or {}).get(PLUGIN_ENV) == "1"
+
+
+def decision_contenders(path: str | None) -> list[sr.Contender]:
+    """--decision FILE: the main job's decision (chosen.json or exports/vllm.json), with the plugin and, where
+    it uses it, without (what vLLM does with the same config when the plugin is not installed)."""
+    if not path:
+        return []
+    doc, _ = _json_arg("--decision", path)
+    cfg = doc.get("speculative_config") if isinstance(doc, dict) else None
+    if not isinstance(cfg, dict) or not cfg:
+        raise UserError(f"--decision {path}: expected a serving decision with a speculative_config (a plain decision "
+                        "is vLLM plain itself)")
+    if not _plugin_of(doc):
+        return [sr.Contender("main job's decision", cfg, source=path)]
+    return [sr.Contender("main job's decision (plugin)", cfg, plugin=True, source=path),
+            sr.Contender("main job's decision (no plugin)", cfg, source=path)]
+
+
+def draft_contenders(lengths: str | None) -> list[sr.Contender]:
     """--draft-lengths 1,2,4: vLLM's draft_model method on the project's draft LM, one fixed length each."""
     if not lengths:
         return []
@@ -162,33 +186,22 @@ def draft_contenders(lengths: str | None) -> list[Contender]:
         raise UserError(f"--draft-lengths {lengths}: expected positive integers separated by commas") from None
     if not ks or any(k < 1 or k > 16 for k in ks) or len(set(ks)) != len(ks):
         raise UserError(f"--draft-lengths {lengths}: expected distinct lengths in 1..16")
-    return [Contender(f"vLLM draft_model (k={k})", {"method": "draft_model", "num_speculative_tokens": k,
-                                                     "model": PROJECT_DRAFT}) for k in ks]
+    return [sr.Contender(f"vLLM draft_model (k={k})", {"method": "draft_model", "num_speculative_tokens": k,
+                                                        "model": PROJECT_DRAFT}) for k in ks]
 
 
-def contenders(specs: list[str], skip: str, draft_lengths: str | None = None) -> list[Contender]:
+def contenders(specs: list[str], skip: str, draft_lengths: str | None = None, decision: str | None = None
+               ) -> list[sr.Contender]:
+    """Every contender but plain, in the order they race."""
     left_out = {x.strip() for x in skip.split(",") if x.strip()}
-    unknown = left_out - set(DEFAULT_CONTENDERS)
+    unknown = left_out - set(STOCK)
     if unknown:
-        raise UserError(f"--skip {', '.join(sorted(unknown))}: not a built-in contender ({', '.join(DEFAULT_CONTENDERS)})")
-    out = [Contender(*v) for k, v in DEFAULT_CONTENDERS.items() if k not in left_out]
+        raise UserError(f"--skip {', '.join(sorted(unknown))}: not a built-in contender ({', '.join(STOCK)})")
+    out = decision_contenders(decision) + [sr.Contender(n, dict(c)) for k, (n, c) in STOCK.items() if k not in left_out]
     out += draft_contenders(draft_lengths) + [parse_config(s) for s in specs]
     names = [c.name for c in out]
     if len(set(names)) != len(names):
         raise UserError(f"--config: two contenders named the same ({names})")
-    return out
-
-
-def schedule(others: list[Contender], plain_between: bool) -> list[Contender]:
-    """Plain first and last (and between every two contenders with plain_between)."""
-    plain = Contender(PLAIN, None)
-    if not others:
-        return [plain]
-    out = [plain]
-    for i, c in enumerate(others):
-        out.append(c)
-        if plain_between or i == len(others) - 1:
-            out.append(plain)
     return out
 
 
@@ -204,119 +217,286 @@ class Prompt:
 
 @dataclass
 class Workload:
-    """The requests of every (mode, level, round) slot, the same for every contender, and the warm-up's."""
+    """The prompts of every (level, round) slot, the same for every contender and mode, and the warm-up's."""
 
-    slots: dict  # (mode, level, round) -> [Prompt]
+    slots: dict  # (level, round) -> [Prompt]
     warmup: list
-    reused: dict = field(default_factory=dict)  # group -> prompt sends beyond the pool (the pool has too few)
-
-
-def repeat_pool(n: int) -> list:
-    """The first n input-repeating prompts, or all there are when fewer."""
-    from training.splits import bench_prompts
-
-    try:
-        return bench_prompts("repeat", n)
-    except UserError as e:
-        m = re.search(r"(\d+) repeat prompts available", str(e))
-        if m is None or int(m[1]) < 1:
-            raise
-        return bench_prompts("repeat", int(m[1]))
 
 
 def workload(s: Settings, encode) -> Workload:
-    """Disjoint slices of the chat and repeat pools per slot (wrapping round when a pool runs out),
-    alternating chat and repeat; the warm-up's prompts are the repeat pool's first, never measured.
-    `encode` turns [text] into [token ids]."""
+    """Distinct prompts for every slot, chat and repeat alternating while both last; the warm-up's are the
+    repeat pool's first, never measured. `encode` turns [text] into [token ids]. A run that needs more
+    prompts than the pools hold is refused: no server is sent a prompt twice."""
     from training.splits import bench_prompts
 
-    n_slots = len(s.modes) * len(s.levels) * s.repeats
-    n_chat = (s.requests + 1) // 2
-    n_rep = s.requests - n_chat
     n_warm = max(s.levels)
-    chat = bench_prompts("chat", 24)
-    rep = repeat_pool(n_warm + n_slots * n_rep)
-    if len(rep) <= n_warm and n_rep:
-        raise UserError(f"{len(rep)} input-repeating prompts: too few for a warm-up of {n_warm} and measured ones")
-    ids = encode([p.turns[0] for p in chat] + [p.turns[0] for p in rep])
+    need = sum(s.sent(lv) for lv in s.levels) * s.rounds
+    chat, rep = _pool("chat", bench_prompts), _pool("repeat", bench_prompts)
+    if need + n_warm > len(chat) + len(rep):
+        raise UserError(f"{need} measured prompts and {n_warm} warm-up ones needed ({'+'.join(str(s.sent(lv)) for lv in s.levels)}"
+                        f" x {s.rounds} round(s)), {len(chat) + len(rep)} distinct ones exist (training/splits.py "
+                        "bench_prompts): fewer --requests, --rounds or levels")
+    ids = encode([p.turns[0] for p in chat + rep])
     pool_chat = [Prompt(p.id, "chat", tuple(t)) for p, t in zip(chat, ids[:len(chat)])]
-    pool_all = [Prompt(p.id, "repeat", tuple(t)) for p, t in zip(rep, ids[len(chat):])]
-    warm, pool_rep = pool_all[:n_warm], pool_all[n_warm:] or pool_all
-    slots, k = {}, 0
-    for mode in s.modes:
-        for level in s.levels:
-            for r in range(s.repeats):
-                cs = [pool_chat[(k * n_chat + j) % len(pool_chat)] for j in range(n_chat)]
-                rs = [pool_rep[(k * n_rep + j) % len(pool_rep)] for j in range(n_rep)]
-                slots[(mode, level, r)] = [x for pair in zip(cs, rs) for x in pair] + cs[len(rs):]
-                k += 1
-    reused = {"chat": max(0, n_slots * n_chat - len(pool_chat)), "repeat": max(0, n_slots * n_rep - len(pool_rep))}
-    return Workload(slots, (warm * n_warm)[:n_warm], {g: n for g, n in reused.items() if n})
+    pool_rep = [Prompt(p.id, "repeat", tuple(t)) for p, t in zip(rep, ids[len(chat):])]
+    warm, pool_rep = pool_rep[:n_warm], pool_rep[n_warm:]
+    slots = {}
+    for lv in s.levels:
+        for r in range(s.rounds):
+            take = []
+            while len(take) < s.sent(lv):
+                pool = pool_chat if (len(take) % 2 == 0 and pool_chat) or not pool_rep else pool_rep
+                take.append(pool.pop(0))
+            slots[(lv, r)] = take
+    return Workload(slots, warm)
 
 
-def token_requests(prompts: list[Prompt], mode: str, max_tokens: int, seed0: int) -> list[TokenRequest]:
-    extras = dict(MODES[mode])
-    return [TokenRequest(list(p.ids), max_tokens, extras | ({"seed": seed0 + j} if mode != "greedy" else {}))
-            for j, p in enumerate(prompts)]
+def _pool(group: str, bench_prompts) -> list:
+    """Every prompt of a benchmark group (bench_prompts says how many there are when asked for too many)."""
+    import re
+
+    try:
+        return bench_prompts(group, 10_000)
+    except UserError as e:
+        m = re.search(r"(\d+) (?:chat|repeat) prompts", str(e))
+        if m is None:
+            raise
+        return bench_prompts(group, int(m[1]))
 
 
-# ---------------------------------------------------------------------------------------------- one contender's run
+def traffic(w: Workload, s: Settings, mode: str) -> sr.Traffic:
+    """The race's traffic for a sampling mode: slot (level, round) as its own requests (seeded per request)."""
+    def reqs(prompts: list[Prompt], tokens: int, seed0: int) -> list[TokenRequest]:
+        extras = dict(MODES[mode])
+        return [TokenRequest(list(p.ids), tokens, extras | ({"seed": seed0 + j} if mode != "greedy" else {}))
+                for j, p in enumerate(prompts)]
+
+    requests = {key: reqs(ps, s.max_tokens, 1000 * key[1]) for key, ps in w.slots.items()}
+    return sr.Traffic(requests, reqs(w.warmup, sr.WARMUP_TOKENS, 10_000), rounds=s.rounds, repeats=False,
+                      timeout_s=s.timeout_s)
 
 
-@dataclass
-class Cell:
-    """One contender run's measurements at one (mode, level)."""
-
-    contender: str
-    run: int  # position in the schedule
-    mode: str
-    level: int
-    rounds: list = field(default_factory=list)  # LoadResult per round
-    spec: SpecDecodeCounters | None = None
+# ---------------------------------------------------------------------------------------------- the race
 
 
 @dataclass
 class State:
     """Everything measured so far: a Ctrl-C writes it."""
 
-    cells: list = field(default_factory=list)
+    races: dict = field(default_factory=dict)  # mode -> sr.Race
     errors: dict = field(default_factory=dict)  # contender name -> one line
-    warnings: list = field(default_factory=list)
     interrupted: bool = False
 
 
-def run_contender(c: Contender, run: int, backend, s: Settings, w: Workload, state: State) -> None:
-    """Start c's server, measure every mode and level on it, stop it. A refused config is recorded
-    (plain's is fatal: no baseline); Ctrl-C propagates after the server is stopped."""
-    progress(f"[{run + 1}] {c.name}: starting the server ...")
-    t0, children0 = time.perf_counter(), children_s()
-    server = backend.server(c.spec)
+def race_mode(backend, others: list[sr.Contender], s: Settings, w: Workload, mode: str, state: State) -> None:
+    """Plain, every contender, plain again, then (with --budget) further passes at the unresolved levels."""
+    race = sr.Race(traffic(w, s, mode), list(s.levels), progress, greedy=mode == "greedy")
+    state.races[mode] = race
+    progress(f"bench_serving: {mode}")
+    sr.race_all(backend, [sr.Contender(sr.PLAIN, None)], race)
+    for c in others:
+        if c.name in state.errors:
+            continue
+        sr.race_all(backend, [c], race)
+        if c.name in race.failed:
+            state.errors[c.name] = race.failed[c.name]
+            progress(f"bench_serving: {c.name}: {race.failed[c.name]}")
+    sr.close_plain(backend, race)
+    if s.budget_s is not None:
+        ends = backend.t0 + s.budget_s
+        sr.resolve(backend, race, [c for c in others if c.name in race.results], lambda: ends - time.time())
+
+
+def run(a) -> Results:
+    s = settings(a)
+    others = contenders(a.configs, a.skip, a.draft_lengths, a.decision)
+    backend = FakeBackend() if s.smoke else VllmBackend(a.model, a.startup_timeout)
+    w = workload(s, backend.encode)
+    state = State()
     try:
-        server.start()
-    except UserError as e:
-        if c.spec is None:
-            raise
-        state.errors[c.name] = f"refused: {e}"
-        progress(f"bench_serving: {c.name}: {e}")
-        return
-    try:
-        progress(f"[{run + 1}] {c.name}: up in {time.perf_counter() - t0:.0f} s")
         for mode in s.modes:
-            for level in s.levels:
-                cell = measure_level(c, run, server, s, w, mode, level, state)
-                state.cells.append(cell)
-                if not server.alive():
-                    raise UserError(f"the server stopped during {mode} at concurrency {level}")
-    except UserError as e:
-        if c.spec is None and run == 0:
-            raise
-        state.errors[c.name] = str(e)
-        progress(f"bench_serving: {c.name}: {e}")
-    finally:
-        used = group_cpu_s(getattr(server, "pgid", None))
-        server.stop()
-        credit_own_cpu(used - (children_s() - children0))
-        sample_load()  # the server's CPU counts as this run's own, not as another process's
+            race_mode(backend, others, s, w, mode, state)
+    except KeyboardInterrupt:  # LoadInterrupted too: a level cut short; the finished ones are kept
+        state.interrupted = True
+        progress("bench_serving: interrupted; writing the finished levels")
+    doc = report(state, s, w, others, backend, time.time() - backend.t0)
+    md = markdown(doc)
+    failed = doc["mismatches"] or state.errors or any(r["timed_out"] or r["failed"] for r in doc["rows"])
+    files = {Path(a.out).with_suffix(".json"): doc, Path(a.out).with_suffix(".md"): md} if doc["rows"] else {}
+    return Results(files, md, 130 if state.interrupted else 1 if failed else 0)
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+
+def report(state: State, s: Settings, w: Workload, others: list[sr.Contender], backend, wall_s: float) -> dict:
+    rows, mism, compared, modes = [], [], 0, {}
+    for mode, race in state.races.items():
+        levels = race.rows()
+        modes[mode] = {"unresolved": race.resolving, "servers": race.servers,
+                       "drift": {str(lv["level"]): lv["contenders"][sr.PLAIN].get("drift") for lv in levels}}
+        for lv in levels:
+            for name, row in lv["contenders"].items():
+                rows.append({"contender": label(name), "mode": mode, "level": lv["level"],
+                             "ahead": sr.beats_plain(row) if name != sr.PLAIN else None,
+                             "behind": sr.behind_plain(row) if name != sr.PLAIN else None, **_json_row(row)})
+        if mode == "greedy":
+            plain = race.results.get(sr.PLAIN, {})
+            for name, by_level in race.results.items():
+                for lv, rounds in by_level.items():
+                    if name != sr.PLAIN and lv in plain:
+                        compared += sr.compared(plain[lv], rounds)
+                        mism += [{"contender": name, "level": lv, "prompt": w.slots[(lv, d["slot"])][d["request"]].id,
+                                  **d} for d in sr.differences(plain[lv], rounds)]
+    listed = {c.name: c for c in others}
+    return {"bench": "serving", "model": backend.model_name, "vllm": backend.version, "machine": machine(),
+            "settings": {"levels": list(s.levels), "modes": list(s.modes), "requests": s.requests,
+                         "max_tokens": s.max_tokens, "rounds": s.rounds, "timeout_s": s.timeout_s,
+                         "budget_s": s.budget_s, "smoke": s.smoke, "sampled": MODES["sampled"]},
+            "contenders": {k: {"config": c.speculative, "plugin": c.plugin, "source": c.source, "notes": c.notes,
+                               "error": state.errors.get(k)} for k, c in listed.items()},
+            "prompts": {"warmup": [p.id for p in w.warmup],
+                        "slots": {f"c={lv}/round {r + 1}": [p.id for p in ps] for (lv, r), ps in w.slots.items()}},
+            "modes": modes, "rows": rows, "mismatches": mism, "greedy_compared": compared, "wall_s": wall_s,
+            "interrupted": state.interrupted, "load": load_record()}
+
+
+def _json_row(row: dict) -> dict:
+    ms = (lambda x: None if x is None else round(1000 * x, 2))
+    return {"tokens_per_s": row["output_tokens_per_s"], "tokens_per_s_rounds": row["tokens_per_s_rounds"],
+            "vs_plain": row.get("vs_plain"), "paired": row.get("paired"), "resolved": row.get("resolved"),
+            "tpot_p50_ms": ms(row["tpot_p50_s"]), "tpot_p99_ms": ms(row["tpot_p99_s"]),
+            "ttft_p50_ms": ms(row["ttft_p50_s"]), "accepted": row["accepted"], "drafted": row["drafted"],
+            "mean_acceptance_length": row["mean_acceptance_length"], "completed": row["requests"],
+            "requests": row["sent"], "timed_out": row["timed_out"], "failed": row["failed"], "servers": row["servers"],
+            "drift": row.get("drift")}
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def markdown(doc: dict) -> str:
+    m, st = doc["machine"], doc["settings"]
+    load = doc.get("load") or {}
+    others = load.get("other_cores") or []
+    lines = [f"# vLLM serving under load ({doc['model']}, {doc['vllm']}, {m['cpu']}, {m['cores']} cores)", "",
+             f"max({st['requests']}, level) requests per round at each level (chat and input-repeating; prompts no "
+             f"tuning step reads, none sent twice to one server), {st['max_tokens']} new tokens, {st['rounds']} round(s) "
+             "per server after a warm-up wave; one server per contender, vLLM plain first and last on fresh servers "
+             "(the median over its servers); * ahead of plain (paired interval above 1 and more tokens/s), ! behind "
+             f"(interval below 1 or under {sr.TIE}x tokens/s), ? unresolved. Wall time {doc['wall_s']:.0f} s; 1-minute "
+             f"load average at the start {_f(load.get('load_avg_1m_start'), '.2f')}, other processes' cores per "
+             f"sample at most {_f(max(others, default=None), '.2f')}."
+             + (" **Interrupted: finished levels only.**" if doc["interrupted"] else ""), ""]
+    for mode, info in doc["modes"].items():
+        lines += _mode_lines(doc, mode, info)
+    n_mism = len(doc["mismatches"])
+    if "greedy" in doc["modes"]:
+        lines.append(f"Greedy responses identical to vLLM plain's: {doc['greedy_compared'] - n_mism} of "
+                     f"{doc['greedy_compared']} compared." + (f" **{n_mism} differ:** " + "; ".join(
+                         f"{x['contender']} c={x['level']} {x['prompt']} at token {x['first_difference']}"
+                         for x in doc["mismatches"][:10]) if n_mism else ""))
+        lines.append("")
+    configs = [f"{k}: `{json.dumps(v['config'], separators=(',', ':'))}`" + (" with the plugin" if v["plugin"] else "")
+               + (f" ({v['error']})" if v.get("error") else "") for k, v in doc["contenders"].items()]
+    lines += ["Configs: " + "; ".join(configs) + "." if configs else ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _mode_lines(doc: dict, mode: str, info: dict) -> list[str]:
+    levels = doc["settings"]["levels"]
+    rows = [r for r in doc["rows"] if r["mode"] == mode]
+    mark = (lambda r: "*" if r["ahead"] else "!" if r["behind"] else "?" if r["ahead"] is not None else "")
+    lines = [f"## {mode}", "", "Output tokens/s (ratio to vLLM plain):", "",
+             "| contender | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name in dict.fromkeys(r["contender"] for r in rows):
+        by = {r["level"]: r for r in rows if r["contender"] == name}
+        lines.append(f"| {name} | " + " | ".join(f"{by[c]['tokens_per_s']:.1f} ({_f(by[c]['vs_plain'], '.2f')}x){mark(by[c])}"
+                                                 if c in by else "-" for c in levels) + " |")
+    lines += ["", "| contender | c | tokens/s | vs plain | paired interval | TPOT p50 / p99 ms | TTFT p50 ms | "
+                  "accepted / drafted | mean acceptance length | completed | servers |", "|---|" + "---|" * 10]
+    for r in rows:
+        p = r["paired"] or {}
+        iv = f"{p['mean']:.2f} [{_f(p.get('lo'), '.2f')}, {_f(p.get('hi'), '.2f')}]" if p else "-"
+        acc = f"{r['accepted']:.0f} / {r['drafted']:.0f}" if r["drafted"] else "-"
+        lines.append(f"| {r['contender']} | {r['level']} | {r['tokens_per_s']:.1f} | {_f(r['vs_plain'], '.2f')}x | {iv} | "
+                     f"{_f(r['tpot_p50_ms'], '.0f')} / {_f(r['tpot_p99_ms'], '.0f')} | {_f(r['ttft_p50_ms'], '.0f')} | "
+                     f"{acc} | {_f(r['mean_acceptance_length'], '.2f')} | {r['completed']} / {r['requests']}"
+                     + (f", {r['timed_out']} timed out" if r["timed_out"] else "") + f" | {r['servers']} |")
+    drift = {k: v for k, v in info["drift"].items() if v is not None}
+    if drift:
+        lines += ["", "vLLM plain's drift (its later servers' tokens/s over its first's): "
+                  + ", ".join(f"c={k} {v:.2f}" for k, v in drift.items()) + "."]
+    if info["unresolved"]:
+        lines += ["", "Unresolved (the paired interval still holds 1 after every pass the budget held): "
+                  + "; ".join(f"{n} at {', '.join(map(str, lvs))}" for n, lvs in info["unresolved"].items()) + "."]
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+
+class VllmBackend:
+    """Real servers through the vllm engine (decoder/engines/vllm/open.py); each server's CPU is credited to
+    this run's load watch when it stops."""
+
+    def __init__(self, model: str, startup_timeout_s: float):
+        from decoder.engines.registry import EngineRequest, open_engine
+        from decoder.engines.vllm.env import STAMP, venv_dir
+
+        self.t0 = time.time()
+        self.engine = open_engine("vllm", EngineRequest(model=model))
+        self.startup_timeout_s = startup_timeout_s
+        stamp = venv_dir() / STAMP
+        self.version = stamp.read_text().split()[0] if stamp.is_file() and stamp.read_text().split() else "vLLM"
+        self.model_name = self.engine.model_name
+
+    def server(self, speculative_config: dict | None = None, plugin: bool = False):
+        if speculative_config and speculative_config.get("model") == PROJECT_DRAFT:
+            speculative_config = {**speculative_config, "model": self.draft_dir()}
+        return Credited(self.engine.server(speculative_config=speculative_config, plugin=plugin,
+                                           startup_timeout_s=self.startup_timeout_s))
+
+    def draft_dir(self) -> str:
+        from decoder.engines.vllm.draft_folder import draft_for
+
+        folder = draft_for(self.engine.model_name, self.engine.model_dir)
+        if folder is None:
+            raise UserError(f"--draft-lengths: no draft LM ships for {self.engine.model_name}")
+        return str(folder)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        from decoder.engines.hf.tokenizer import load_tokenizer
+        from workflows.cli.inputs import encode_prompts
+
+        return [t.tolist() for t in encode_prompts(load_tokenizer(self.engine.model_dir, local_only=True), texts)]
+
+
+class Credited:
+    """A server whose processes' CPU counts as this run's own in the load watch: stopping signals its whole
+    group at once, so its engine core and worker may end after their parent and are then never reaped into
+    this process's children's time (about 40 % of a server's CPU, measured); without the credit the watch
+    would count a quiet machine's vLLM as another process."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+    def __enter__(self):
+        self.children0 = children_s()
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        used = group_cpu_s(getattr(self.server, "pgid", None))
+        try:
+            self.server.__exit__(*exc)
+        finally:
+            credit_own_cpu(used - (children_s() - self.children0))
+            sample_load()
 
 
 def children_s() -> float:
@@ -342,11 +522,7 @@ def group_cpu_s(pgid: int | None) -> float:
 
 
 def credit_own_cpu(seconds: float) -> None:
-    """Count `seconds` of CPU as this run's own in the load watch. Stopping the server signals its whole
-    group at once, so its engine core and worker may end after their parent and are then never reaped
-    into this process's children's time (about 40 % of a server's CPU, measured): without this credit
-    the watch would count a quiet machine's vLLM as another process. (bench/common.py has no public
-    call for it yet: this moves the watch's children mark.)"""
+    """Count `seconds` of CPU as this run's own in the load watch (moves the watch's children mark)."""
     import common
 
     meter = getattr(common._WATCH[0], "meter", None)
@@ -354,250 +530,16 @@ def credit_own_cpu(seconds: float) -> None:
         meter.children0 -= seconds
 
 
-def measure_level(c: Contender, run: int, server, s: Settings, w: Workload, mode: str, level: int,
-                  state: State) -> Cell:
-    def said(r: int, res) -> None:
-        bad = [x for x in res.records if not x.ok]
-        note = f", {len(bad)} failed ({bad[0].error})" if bad else ""
-        progress(f"  {c.name} {mode} c={level} round {r + 1}/{s.repeats}: {res.output_tokens_per_s:.1f} tokens/s, "
-                 f"{res.output_tokens} tokens in {res.wall_s:.1f} s{note}")
-
-    warm = token_requests(w.warmup[:level], mode, WARMUP_TOKENS, 10_000)
-    rounds = [token_requests(w.slots[(mode, level, r)], mode, s.max_tokens, 1000 * r) for r in range(s.repeats)]
-    lv = serving_level.measure_level(server.url, server.served_model_name, warm, rounds, level, s.timeout_s, said)
-    if len(lv.warmup.completed) < len(lv.warmup.records):
-        state.warnings.append(f"{c.name}: {len(lv.warmup.records) - len(lv.warmup.completed)} warm-up request(s) "
-                              f"failed at {mode} concurrency {level}: "
-                              f"{next(r.error for r in lv.warmup.records if not r.ok)}")
-    return Cell(c.name, run, mode, level, rounds=lv.rounds, spec=lv.spec)
-
-
-# ---------------------------------------------------------------------------------------------- summary
-
-
-def geo(xs) -> float:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
-
-
-def _ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 2)
-
-
-def neighbours(cells: list[Cell], run: int, mode: str, level: int) -> list[Cell]:
-    """The nearest plain runs before and after schedule position `run` at (mode, level)."""
-    plain = [c for c in cells if c.contender == PLAIN and c.mode == mode and c.level == level]
-    before = [c for c in plain if c.run < run]
-    after = [c for c in plain if c.run > run]
-    return ([max(before, key=lambda c: c.run)] if before else []) + ([min(after, key=lambda c: c.run)] if after else [])
-
-
-def ratios(cell: Cell, cells: list[Cell]) -> list[float]:
-    """Per round: tokens/s over the geometric mean of the neighbouring plain runs' on the same requests."""
-    if cell.contender == PLAIN:
-        return [1.0] * len(cell.rounds)
-    base = neighbours(cells, cell.run, cell.mode, cell.level)
-    out = []
-    for r, res in enumerate(cell.rounds):
-        b = geo(p.rounds[r].output_tokens_per_s for p in base if r < len(p.rounds))
-        if not math.isnan(b) and res.output_tokens_per_s > 0:
-            out.append(res.output_tokens_per_s / b)
-    return out
-
-
-def row(name: str, mode: str, level: int, cells: list[Cell], all_cells: list[Cell]) -> dict:
-    """One contender at one (mode, level), over its runs (plain: every run)."""
-    rounds = [res for c in cells for res in c.rounds]
-    done = [rec for res in rounds for rec in res.completed]
-    rs = [x for c in cells for x in ratios(c, all_cells)]
-    spec = [c.spec for c in cells if c.spec is not None]
-    acc = None
-    if spec and any(x.speculating for x in spec):
-        total = spec[0]
-        for x in spec[1:]:
-            total = SpecDecodeCounters(total.drafts + x.drafts, total.draft_tokens + x.draft_tokens,
-                                       total.accepted_tokens + x.accepted_tokens, (), True)
-        acc = {"drafts": total.drafts, "drafted": total.draft_tokens, "accepted": total.accepted_tokens,
-               "acceptance_rate": total.acceptance_rate, "mean_acceptance_length": total.mean_acceptance_length,
-               "acceptance_per_position": list(spec[0].acceptance_per_position) if len(spec) == 1 else None}
-    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-    return {"contender": name, "mode": mode, "level": level, "runs": [c.run for c in cells],
-            "rounds": len(rounds), "requests": sum(len(r.records) for r in rounds), "completed": len(done),
-            "timed_out": sum(r.timed_out for r in rounds),
-            "failed": sum(len(r.records) - len(r.completed) for r in rounds),
-            "tokens_per_s": statistics.median(r.output_tokens_per_s for r in rounds) if rounds else None,
-            "tokens_per_s_rounds": [round(r.output_tokens_per_s, 3) for r in rounds],
-            "vs_plain": statistics.median(rs) if rs else None, "vs_plain_rounds": [round(x, 4) for x in rs],
-            "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
-            "ttft_p50_ms": _ms(percentile([r.ttft_s for r in done if r.ttft_s is not None], 50)),
-            "acceptance": acc}
-
-
-def identity(cells: list[Cell], w: Workload) -> tuple[list[dict], list[dict], int]:
-    """Greedy token ids against the first plain run's on the same request: (contender mismatches,
-    later plain runs' mismatches with the first, responses compared)."""
-    ref = {}
-    first_plain = min((c.run for c in cells if c.contender == PLAIN), default=None)
-    for c in cells:
-        if c.contender == PLAIN and c.run == first_plain and c.mode == "greedy":
-            for r, res in enumerate(c.rounds):
-                for rec in res.records:
-                    if rec.ok and rec.token_ids is not None:
-                        ref[(c.level, r, rec.index)] = rec.token_ids
-    mism, plain_mism, compared = [], [], 0
-    for c in cells:
-        if c.mode != "greedy" or (c.contender == PLAIN and c.run == first_plain):
-            continue
-        for r, res in enumerate(c.rounds):
-            for rec in res.records:
-                want = ref.get((c.level, r, rec.index))
-                if want is None or not rec.ok or rec.token_ids is None:
-                    continue
-                compared += c.contender != PLAIN
-                if rec.token_ids != want:
-                    at = next((i for i, (a, b) in enumerate(zip(rec.token_ids, want)) if a != b),
-                              min(len(want), len(rec.token_ids)))
-                    (plain_mism if c.contender == PLAIN else mism).append(
-                        {"contender": c.contender, "run": c.run, "level": c.level, "round": r,
-                         "prompt": w.slots[("greedy", c.level, r)][rec.index].id, "first_difference": at,
-                         "plain_tokens": len(want), "tokens": len(rec.token_ids)})
-    return mism, plain_mism, compared
-
-
-def drift(cells: list[Cell], s: Settings) -> dict:
-    """Per mode and level: the last plain run's median tokens/s over the first's."""
-    out = {}
-    for mode in s.modes:
-        for level in s.levels:
-            plain = sorted((c for c in cells if c.contender == PLAIN and c.mode == mode and c.level == level),
-                           key=lambda c: c.run)
-            if len(plain) >= 2 and plain[0].rounds and plain[-1].rounds:
-                a = statistics.median(r.output_tokens_per_s for r in plain[0].rounds)
-                b = statistics.median(r.output_tokens_per_s for r in plain[-1].rounds)
-                out.setdefault(mode, {})[str(level)] = round(b / a, 4) if a > 0 else None
-    return out
-
-
-def summarise(state: State, s: Settings, w: Workload, order: list[Contender]) -> dict:
-    names = list(dict.fromkeys(c.name for c in order))
-    rows = []
-    for mode in s.modes:
-        for name in names:
-            for level in s.levels:
-                cells = [c for c in state.cells if c.contender == name and c.mode == mode and c.level == level]
-                if cells:
-                    rows.append(row(name, mode, level, cells, state.cells))
-    mism, plain_mism, compared = identity(state.cells, w)
-    return {"rows": rows, "mismatches": mism, "plain_self_mismatches": plain_mism, "greedy_compared": compared,
-            "drift": drift(state.cells, s)}
-
-
-# ---------------------------------------------------------------------------------------------- the report
-
-
-def _f(x, fmt: str, none: str = "-") -> str:
-    return none if x is None else format(x, fmt)
-
-
-def markdown(doc: dict) -> str:
-    m, st = doc["machine"], doc["settings"]
-    lines = [f"# vLLM serving under load ({doc['model']}, {doc['vllm']}, {m['cpu']}, {m['cores']} cores)", "",
-             f"{st['requests']} requests per round (chat and input-repeating, alternating; prompts no tuning step "
-             f"reads), {st['max_tokens']} new tokens, median of {st['repeats']} round(s) per level after a warm-up "
-             f"wave; one server per contender, run contender by contender with vLLM plain "
-             f"{'between every two contenders and ' if st['plain_between'] else ''}at both ends; speedups are per "
-             f"round against the neighbouring plain runs on the same requests. Wall time {doc['wall_s']:.0f} s."
-             + (" **Interrupted: finished levels only.**" if doc["interrupted"] else ""), ""]
-    if doc["prompts"]["reused"]:
-        lines += [(f"Prompts sent again in a later round (the pools ran out): {doc['prompts']['reused']}; a stateful "
-                   "proposer (suffix decoding's cross-request cache) may have seen their answers."), ""]
-    small = [c for c in st["levels"] if c > st["requests"]]
-    if small:
-        lines += [f"At concurrency {', '.join(map(str, small))} only {st['requests']} requests are in flight.", ""]
-    levels = st["levels"]
-    for mode in st["modes"]:
-        rows = [r for r in doc["rows"] if r["mode"] == mode]
-        lines += [f"## {mode}", "", "Output tokens/s (ratio to vLLM plain):", "",
-                  "| contender | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
-        for name in dict.fromkeys(r["contender"] for r in rows):
-            by = {r["level"]: r for r in rows if r["contender"] == name}
-            lines.append(f"| {name} | " + " | ".join(
-                f"{by[c]['tokens_per_s']:.1f} ({_f(by[c]['vs_plain'], '.2f')}x)" if c in by and by[c]["tokens_per_s"]
-                is not None else "-" for c in levels) + " |")
-        lines += ["", ("| contender | c | tokens/s | vs plain | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accepted / "
-                       "drafted | mean acceptance length | completed |"), "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            a = r["acceptance"]
-            acc = f"{a['accepted']:.0f} / {a['drafted']:.0f} ({_f(a['acceptance_rate'], '.2f')})" if a else "-"
-            mal = _f(a["mean_acceptance_length"], ".2f") if a else "-"
-            lines.append(f"| {r['contender']} | {r['level']} | {_f(r['tokens_per_s'], '.1f')} | "
-                         f"{_f(r['vs_plain'], '.2f')}x | {_f(r['tpot_p50_ms'], '.1f')} | {_f(r['tpot_p99_ms'], '.1f')} | "
-                         f"{_f(r['ttft_p50_ms'], '.0f')} | {acc} | {mal} | {r['completed']} / {r['requests']}"
-                         + (f", {r['timed_out']} timed out" if r["timed_out"] else "") + " |")
-        if doc["drift"].get(mode):
-            lines += ["", "vLLM plain drift (last plain run's tokens/s over the first's): " + ", ".join(
-                f"c={k} {v:.2f}" for k, v in doc["drift"][mode].items() if v is not None) + "."]
-        lines.append("")
-    n_mism = len(doc["mismatches"])
-    if "greedy" in st["modes"]:
-        lines.append(f"Greedy responses identical to vLLM plain's: {doc['greedy_compared'] - n_mism} of "
-                     f"{doc['greedy_compared']} compared." + (f" **{n_mism} differ:** " + "; ".join(
-                         f"{x['contender']} c={x['level']} {x['prompt']} at token {x['first_difference']}"
-                         for x in doc["mismatches"][:10]) if n_mism else ""))
-        if doc["plain_self_mismatches"]:
-            lines.append(f"vLLM plain's own later runs differ from its first on {len(doc['plain_self_mismatches'])} "
-                         "response(s): the engine is not deterministic here.")
-        lines.append("")
-    configs = [f"{k}: `{json.dumps(v['config'], separators=(',', ':'))}`" + (f" ({v['error']})" if v.get("error") else "")
-               for k, v in doc["contenders"].items() if v["config"] is not None or v.get("error")]
-    lines += ["Configs: " + "; ".join(configs) + "." if configs else ""]
-    lines += [f"Warning: {x}" for x in doc["warnings"]]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-# ---------------------------------------------------------------------------------------------- backends
-
-
-class VllmBackend:
-    """Real servers: VllmServer through the vllm engine (decoder/engines/vllm/open.py)."""
-
-    def __init__(self, model: str, startup_timeout_s: float):
-        from decoder.engines.registry import EngineRequest, open_engine
-        from decoder.engines.vllm.env import STAMP, venv_dir
-
-        self.engine = open_engine("vllm", EngineRequest(model=model))
-        self.startup_timeout_s = startup_timeout_s
-        stamp = venv_dir() / STAMP
-        self.version = stamp.read_text().split()[0] if stamp.is_file() and stamp.read_text().split() else "vLLM"
-        self.model_name = self.engine.model_name
-
-    def server(self, config: dict | None):
-        if config and config.get("model") == PROJECT_DRAFT:
-            config = {**config, "model": self.draft_dir()}
-        return self.engine.server(speculative_config=config, startup_timeout_s=self.startup_timeout_s)
-
-    def draft_dir(self) -> str:
-        from decoder.engines.vllm.draft_folder import draft_for
-
-        folder = draft_for(self.engine.model_name, self.engine.model_dir)
-        if folder is None:
-            raise UserError(f"--draft-lengths: no draft LM ships for {self.engine.model_name}")
-        return str(folder)
-
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        from decoder.engines.hf.tokenizer import load_tokenizer
-        from workflows.cli.inputs import encode_prompts
-
-        return [t.tolist() for t in encode_prompts(load_tokenizer(self.engine.model_dir, local_only=True), texts)]
-
-
 class FakeBackend:
     """--smoke: an OpenAI-style streaming server in this process (no vLLM, no model)."""
 
     version, model_name = "fake vLLM (smoke)", "fake"
 
-    def server(self, config: dict | None):
-        return FakeServer(config)
+    def __init__(self):
+        self.t0 = time.time()
+
+    def server(self, speculative_config: dict | None = None, plugin: bool = False):
+        return FakeServer(speculative_config, plugin)
 
     @staticmethod
     def encode(texts: list[str]) -> list[list[int]]:
@@ -609,21 +551,27 @@ FAKE_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "
 
 
 class FakeServer:
-    """Streams deterministic tokens per prompt (and seed), one per step for plain, chunks of several
-    for a speculative config (the same tokens), with vLLM-style /metrics counters. Faults for the
-    tests: an unknown config key is refused at start like vLLM's validation; method "fake-hang"
-    never answers every 5th request; "fake-wrong" changes a token of some responses."""
+    """Streams deterministic tokens per prompt (and seed), one per step for plain, chunks of several for a
+    speculative config (the same tokens), with vLLM-style /metrics counters. Faults for the tests: an unknown
+    config key is refused at start like vLLM's validation; method "fake-hang" never answers every 5th request;
+    "fake-wrong" changes a token of some responses."""
 
     served_model_name = "m"
     STEP_S = 0.001
 
-    def __init__(self, config: dict | None):
-        self.spec = config or {}
+    def __init__(self, config: dict | None, plugin: bool = False):
+        self.spec, self.plugin = config or {}, plugin
         self.counts = [0.0, 0.0, 0.0]  # drafts, drafted, accepted
         self.received = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def start(self) -> FakeServer:
         bad = sorted(set(self.spec) - FAKE_KEYS)
@@ -651,6 +599,9 @@ class FakeServer:
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def why_stopped(self) -> str:
+        return "the fake server stopped"
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None:
@@ -694,12 +645,13 @@ class FakeServer:
         if self.spec.get("method") == "fake-wrong" and base % 2 == 0 and len(toks) > 3:
             toks[3] += 1
         k = int(self.spec.get("num_speculative_tokens", 3))
+        same = self.spec.get("method") == "fake-same"  # drafts that are never accepted: plain's pace (a tie)
         i = step = 0
         while i < len(toks):
-            n = 1 if not self.spec else 1 + step % (k + 1)
+            n = 1 if not self.spec or same else 1 + step % (k + 1)
             if self.spec:
                 self.counts = [self.counts[0] + 1, self.counts[1] + k, self.counts[2] + n - 1]
-            await asyncio.sleep(self.STEP_S)
+            await asyncio.sleep(self.STEP_S * (0.8 if self.spec and not same else 1.0))
             chunk = {"choices": [{"index": 0, "text": "x" * len(toks[i:i + n]), "token_ids": toks[i:i + n]}]}
             await self._send(writer, chunk)
             i, step = i + n, step + 1
@@ -720,67 +672,30 @@ class FakeServer:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", default=None, help="levels, comma-separated (default 1,2,4,8,16)")
-    p.add_argument("--sampling", default="greedy", help="greedy, sampled or both, comma-separated (default greedy)")
-    p.add_argument("--requests", type=int, default=None, help="requests per round (default 16), half chat, half repeat")
-    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
-    p.add_argument("--repeats", type=int, default=None, help="measured rounds per level (default 3)")
+    p.add_argument("--concurrency", default=None, help="levels, comma-separated (default 1,2,4,8,16,32)")
+    p.add_argument("--sampling", default=None, help="greedy, sampled or both, comma-separated (default both)")
+    p.add_argument("--requests", type=int, default=None, help="requests per round (default 16; at least the level)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 32)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per level on one server, each its own prompts "
+                                                            "(default 1)")
+    p.add_argument("--budget", type=float, default=None, metavar="MINUTES",
+                   help="the whole run: further passes at the levels a contender leaves unresolved while it holds them "
+                        "(default: one pass)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one request may take (default 300)")
+    p.add_argument("--decision", default=None, metavar="FILE",
+                   help="the main job's decision (RUN/chosen.json or RUN/exports/vllm.json), raced with the plugin and, "
+                        "where it uses it, without")
     p.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=JSON_OR_FILE",
                    help="another contender: a speculative config as JSON, or a file (planner export --engine vllm); "
                         "repeatable")
     p.add_argument("--draft-lengths", default=None, metavar="K,K,...",
                    help="also race vLLM's draft_model method on the project's draft LM at these fixed lengths")
     p.add_argument("--skip", default="", help="built-in contenders to leave out: suffix, ngram (comma-separated)")
-    p.add_argument("--plain-between", action="store_true", help="run vLLM plain between every two contenders too")
     p.add_argument("--model", default="smollm2-135m", help="registry model or Hugging Face folder vLLM serves")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"), help="writes OUT.json and OUT.md")
     p.add_argument("--smoke", action="store_true", help="a fake server in this process: checks the code paths in seconds")
     return p
-
-
-def run(a) -> Results:
-    s = settings(a)
-    order = schedule(contenders(a.configs, a.skip, a.draft_lengths), s.plain_between)
-    backend = FakeBackend() if s.smoke else VllmBackend(a.model, a.startup_timeout)
-    w = workload(s, backend.encode)
-    if w.reused:
-        progress(f"bench_serving: the prompt pools are too small for every round to get new prompts; sends of a "
-                 f"prompt seen before: {w.reused}")
-    state, t0 = State(), time.perf_counter()
-    try:
-        for i, c in enumerate(order):
-            if c.name in state.errors:
-                continue
-            run_contender(c, i, backend, s, w, state)
-    except LoadInterrupted as e:  # a level cut short: the finished ones are kept
-        state.interrupted = True
-        progress(f"bench_serving: interrupted ({e}); writing the finished levels")
-    except KeyboardInterrupt:
-        state.interrupted = True
-        progress("bench_serving: interrupted; writing the finished levels")
-    doc = report(state, s, w, order, backend, time.perf_counter() - t0)
-    out = Path(a.out)
-    md = markdown(doc)
-    failed = doc["mismatches"] or state.errors or any(r["failed"] for r in doc["rows"])
-    return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): md} if state.cells else {}, md,
-                   130 if state.interrupted else 1 if failed else 0)
-
-
-def report(state: State, s: Settings, w: Workload, order: list[Contender], backend, wall_s: float) -> dict:
-    summary = summarise(state, s, w, order)
-    listed = {c.name: c for c in order}
-    return {"bench": "serving", "model": backend.model_name, "vllm": backend.version, "machine": machine(),
-            "settings": {"levels": list(s.levels), "modes": list(s.modes), "requests": s.requests,
-                         "max_tokens": s.max_tokens, "repeats": s.repeats, "timeout_s": s.timeout_s,
-                         "plain_between": s.plain_between, "smoke": s.smoke, "sampled": MODES["sampled"]},
-            "schedule": [c.name for c in order],
-            "contenders": {k: {"config": c.spec, "source": c.source, "notes": c.notes,
-                               "error": state.errors.get(k)} for k, c in listed.items()},
-            "prompts": {"reused": w.reused, "warmup": [p.id for p in w.warmup],
-                        "slots": {f"{m}/c={c}/round {r + 1}": [p.id for p in ps] for (m, c, r), ps in w.slots.items()}},
-            "wall_s": wall_s, "interrupted": state.interrupted, "warnings": state.warnings, **summary}
 
 
 def main(argv=None) -> int:

@@ -29,10 +29,11 @@ def test_benchmark_prompts_are_disjoint_from_every_tuning_set():
     assert [c.turns[0] for c in race2[1::2]] == race and not {c.turns for c in accept2[1::2]} & {c.turns for c in race2[1::2]}
     web = [str(r.get("text", "")) for r in read_jsonl(DEFAULT_DATA / WEB_FILE)]
     web_train = [_norm(t) for i, t in enumerate(web) if i % 20 != 0]
-    chat = bench_prompts("chat", 24)
-    repeat = bench_prompts("repeat", 24)
-    assert len(chat) == 24 and len(repeat) == 24
-    assert len({p.id for p in chat + repeat}) == 48
+    chat = bench_prompts("chat", 64)
+    repeat = bench_prompts("repeat", 176)  # every one: the serving benchmark sends each once per server
+    assert len(chat) == 64 and len(repeat) == 176
+    assert len({p.id for p in chat + repeat}) == 240
+    assert len({p.turns[0] for p in chat}) == 64 and len({p.turns[0] for p in repeat}) == 176  # distinct texts
     for p in chat + repeat:
         for turn in p.turns:
             t = _norm(turn)

@@ -338,18 +338,35 @@ def per_request_s(rounds: list[dict]) -> dict[tuple[int, int], float]:
 def mismatches(plain_rounds: list[dict], rounds: list[dict]) -> int:
     """Requests whose token ids differ from plain's first server's (greedy: speculation must not change a
     token), over every round of the contender, paired by slot."""
+    return len({(d["slot"], d["request"]) for d in differences(plain_rounds, rounds)})
+
+
+def differences(plain_rounds: list[dict], rounds: list[dict]) -> list[dict]:
+    """Every response of `rounds` whose token ids differ from plain's first answer to the same request:
+    {"slot", "request", "first_difference", "plain_tokens", "tokens", "compared"} (compared on the first)."""
     ref = {}
     for r in plain_rounds:
         for i, x in enumerate(r["result"].records):
             if x.ok and x.token_ids is not None:
                 ref.setdefault((int(r.get("slot", 0)), i), x.token_ids)
-    bad = set()
+    out = []
     for r in rounds:
         for i, y in enumerate(r["result"].records):
             want = ref.get((int(r.get("slot", 0)), i))
             if y.ok and y.token_ids is not None and want is not None and y.token_ids != want:
-                bad.add((int(r.get("slot", 0)), i))
-    return len(bad)
+                at = next((j for j, (a, b) in enumerate(zip(y.token_ids, want)) if a != b),
+                          min(len(want), len(y.token_ids)))
+                out.append({"slot": int(r.get("slot", 0)), "request": i, "first_difference": at,
+                            "plain_tokens": len(want), "tokens": len(y.token_ids)})
+    return out
+
+
+def compared(plain_rounds: list[dict], rounds: list[dict]) -> int:
+    """Responses of `rounds` that have a plain answer to compare with."""
+    ref = {(int(r.get("slot", 0)), i) for r in plain_rounds for i, x in enumerate(r["result"].records)
+           if x.ok and x.token_ids is not None}
+    return sum((int(r.get("slot", 0)), i) in ref for r in rounds for i, y in enumerate(r["result"].records)
+               if y.ok and y.token_ids is not None)
 
 
 def decide_level(results: dict, level: int, greedy: bool) -> dict:
