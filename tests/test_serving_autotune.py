@@ -979,3 +979,67 @@ def test_the_vllm_main_job_measures_acceptance_on_every_category_the_race_covers
     assert len(accept) == s.accept_requests == 16 and len(race) == 16
     assert categories(accept) == categories(race) and len(set(categories(race))) == 8  # each category's 2 turns
     assert len(set(categories(accept[:8]))) == 4  # what 8 took
+
+
+# ---------------------------------------------------------------------------------------------- the plugin, resolving
+
+
+def test_with_the_plugin_k0_is_priced_as_plain_and_suffix_takes_a_schedule(tmp_path):
+    """With the plugin a schedule's K = 0 is vLLM's plain path: planned at plain's tokens/s (off_ratio 1), so a
+    draft predicted a little below plain is switched off instead of kept, and suffix, which asserts one length
+    without the plugin, is planned and raced as a per-batch-size schedule (served with the plugin on)."""
+    levels = [1, 16]
+    profiles = _profiles(levels, per_token_s=0.01)
+    rec = {"accuracy": [[0.6]] * 8, "guesser": {"draft_passes": "one"}}
+    without = planning.plan_method("ngram", rec, profiles, levels, 8, {}, off_ratio=0.92)
+    with_plugin = planning.plan_method("ngram", rec, profiles, levels, 8, {}, off_ratio=1.0)
+    assert with_plugin["per_level"][16] == 0 and with_plugin["predicted"][16] == pytest.approx(
+        with_plugin["plain_predicted"][16])
+    assert without["per_level"][16] >= with_plugin["per_level"][16]
+    assert not planning.schedulable("suffix") and planning.schedulable("suffix", plugin=True)
+    s = sv.ServingSettings(concurrency=tuple(levels))
+    cs = sp.planned_contenders({"suffix": rec}, profiles, levels, s, None, {}, tmp_path, lambda line: None, plugin=True)
+    planned = next(c for c in cs if c.name == "planned suffix")
+    assert planned.plugin and planned.speculative["num_speculative_tokens_per_batch_size"][-1][2] == 0
+    off = sp.planned_contenders({"suffix": rec}, profiles, levels, s, None, {}, tmp_path, lambda line: None)
+    assert not any(c.name == "planned suffix" for c in off)  # one length without it: only the fixed one races
+    assert json.loads((tmp_path / "plans.json").read_text())["plugin"] is False
+
+
+def test_with_the_plugin_every_level_not_measured_ahead_is_switched_off():
+    """K = 0 costs nothing with the plugin, so a tie is switched off as a loss is (measured-safe), and a one-length
+    proposer (suffix) that loses somewhere is a candidate: its schedule switches it off there."""
+    levels = [1, 4, 16]
+    raced = {"method": "ngram", "num_speculative_tokens": 4}
+    cs = [sr.Contender(sr.PLAIN, None), sr.Contender("ngram", dict(raced))]
+    tie = _row(0.99, lo=0.95)
+
+    def lv(level, winner, row, name="ngram"):
+        return {"level": level, "winner": winner, "contenders": {sr.PLAIN: {"vs_plain": 1.0}, name: row}}
+
+    out = [lv(1, "ngram", _row(1.3)), lv(4, sr.PLAIN, tie), lv(16, sr.PLAIN, _row(0.9, lo=0.85))]
+    chosen, why = sd.decision(cs, out, levels, plugin=True)
+    assert why["draft_length_by_level"] == {1: 4, 4: 0, 16: 0} and chosen.plugin and why["plugin"]
+    assert chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 3, 4], [4, 256, 0]]
+    chosen, why = sd.decision(cs, out, levels)  # without: the tie keeps its length, the loss goes to 0
+    assert why["draft_length_by_level"] == {1: 4, 4: 4, 16: 0} and not chosen.plugin
+    suffix = [sr.Contender(sr.PLAIN, None), sr.Contender("suffix", {"method": "suffix"})]
+    out = [lv(1, "suffix", _row(1.4), "suffix"), lv(4, "suffix", _row(1.2), "suffix"),
+           lv(16, sr.PLAIN, _row(0.8, lo=0.75), "suffix")]
+    assert sd.decision(suffix, out, levels)[0] is None  # cannot be switched off without the plugin
+    chosen, why = sd.decision(suffix, out, levels, plugin=True)
+    assert chosen.plugin and chosen.speculative["num_speculative_tokens_per_batch_size"] == [[1, 15, 32], [16, 256, 0]]
+
+
+def test_the_main_job_races_unresolved_levels_again_while_the_budget_holds_and_names_the_rest(monkeypatch, tmp_path):
+    """The winner ties plain at 4 requests (its interval holds 1): passes continue there, the winner's and plain's
+    each on a fresh server, until the budget ends; the level is then named unresolved in race.json, the summary
+    and the report, and (with the plugin) written at K = 0."""
+    summary, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram",), 30, lambda k, lv: 1.0 if lv == 4 else 1.3,
+                                        plugin=True)
+    planned = next(n for n in raced if n.startswith("planned"))
+    assert raced.count(planned) >= 2 and raced.count(sr.CLOSING) >= 2, raced
+    assert summary["unresolved"] == {planned: [4]} and race["unresolved"] == {planned: [4]}
+    assert "Unresolved after every pass the budget held" in (tmp_path / "run" / "report.md").read_text()
+    chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
+    assert chosen["plugin"] and chosen["decision"]["draft_length_by_level"]["4"] == 0

@@ -328,8 +328,9 @@ def confirm_phase(run: ServingRun) -> None:
         chosen, why = _confirmed(run, chosen, why, confirmed)
     pool = raced + ([confirmed] if confirmed is not None and confirmed.name == DECISION else [])
     best = best_measured([c for c in pool if c.name in r.results], run.levels_out, run.levels)
-    if best is not None and best[0].name != (why.get("measured_as") if chosen is not None else None):
-        c, scores = best
+    mine = why.get("measured_as") if chosen is not None else None
+    if best is not None and best[0].name != mine and best[1][best[0].name] > best[1].get(mine, 0.0) + 1e-9:
+        c, scores = best  # strictly better than the decision as measured (a tie keeps the decision)
         run.say(f"      {c.name} as raced: behind plain nowhere, the highest geometric mean over plain "
                 f"({scores[c.name]:.3f}x); it is the decision")
         chosen, why = Contender(c.name, dict(c.speculative), plugin=c.plugin), measured_why(c, run.levels_out,

@@ -35,7 +35,7 @@ STOCK = {  # vLLM's documented defaults a user would otherwise run
     "suffix defaults": {"method": "suffix"},
     "ngram defaults": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
 }
-PLUGIN_PACKAGE = "vllm_plugin"  # this repository's plugin package, registered under vllm.general_plugins
+PLUGIN_PACKAGE = "tree_planner_vllm"  # vllm_plugin/: the package registered under vllm.general_plugins
 
 
 def plugin_on(engine, asked: bool | None, say) -> bool:
