@@ -94,8 +94,14 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     skipped = summary.get("skipped") or {}
     if skipped:
         lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]
-    lines += ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
-              "|---" * (len(levels) + 1) + "|"]
+    return "\n".join(lines + _details(summary, contenders, at_level)) + "\n"
+
+
+def _details(summary: dict, contenders: list[Contender], at_level: dict) -> list[str]:
+    """The report after the race table: time per token, the predictions' errors and parts, time, the split."""
+    levels = summary["concurrency"]
+    lines = ["", "Time per output token p50 / p99 (ms)", "", "| contender | " + " | ".join(map(str, levels)) + " |",
+             "|---" * (len(levels) + 1) + "|"]
     for c in contenders:
         cells = []
         for lv in levels:
@@ -135,7 +141,7 @@ def report(summary: dict, contenders: list[Contender]) -> str:
         lines += ["", "The server's own cost per step beyond the profiled forward, from vLLM plain's pass (ms; "
                   "added to every priced step): " + ", ".join(f"{lv}: {v * 1e3:.0f}" for lv, v in
                                                             by_level(overhead))]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
