@@ -18,7 +18,8 @@ What each engine takes (keys read from the engines' sources and docs, late 2026)
   string, {"1": {"candidate_steps": [S]}, ...} (EAGLE/EAGLE3 with topk 1 only).
 - trtllm: speculative_config with decoding_type, speculative_model, max_draft_len,
   max_total_draft_tokens and draft_len_schedule {highest batch size of a range: K} (the
-  smallest key maps to max_draft_len; above the largest key 0), or one EAGLE-2 dynamic tree
+  smallest key maps to max_draft_len; above the largest key 0, and max_concurrency, that key, where the last
+  ranges are off: speculation switched off above it), or one EAGLE-2 dynamic tree
   (use_dynamic_tree, dynamic_tree_max_topK; max_draft_len <= max_total_draft_tokens <=
   topK * max_draft_len).
 - hf (transformers assisted generation, batch size 1): the assistant's generation config,
@@ -365,7 +366,10 @@ def _trtllm_schedule(ranges: list[DraftRange], notes: list[str]) -> dict:
                      "draft_len_schedule key must map to max_draft_len")
     last = max(i for i, r in enumerate(ranges) if r.k > 0)
     schedule = {r.hi: min(r.k, k_first) for r in ranges[: last + 1]}
-    return {"max_draft_len": k_first, "max_total_draft_tokens": k_first, "draft_len_schedule": schedule}
+    out = {"max_draft_len": k_first, "max_total_draft_tokens": k_first, "draft_len_schedule": schedule}
+    if last < len(ranges) - 1:  # off above the last speculating range: TensorRT-LLM's own switch says so too
+        out["max_concurrency"] = ranges[last].hi
+    return out
 
 
 def _trtllm_static(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, notes: list[str]) -> dict:

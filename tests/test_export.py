@@ -240,6 +240,9 @@ def test_trtllm_schedule_rules():
                 opts, {}, [])
     cfg = out.settings["speculative_config"]
     assert cfg["draft_len_schedule"] == {4: 3, 8: 3, 32: 0, 64: 1} and cfg["max_draft_len"] == 3
+    assert "max_concurrency" not in cfg  # speculating again at 33-64: no switch-off above a concurrency
+    off = build(plan, [DraftRange(1, 4, 3), DraftRange(5, 64, 0)], opts, {}, []).settings["speculative_config"]
+    assert off["draft_len_schedule"] == {4: 3} and off["max_concurrency"] == 4  # TensorRT-LLM's own switch
     assert any("clamped to 3" in n for n in out.notes)
     with pytest.raises(UserError, match="must start at max_draft_len"):
         build(plan, [DraftRange(1, 4, 0), DraftRange(5, 8, 2)], opts, {}, [])

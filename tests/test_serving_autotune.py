@@ -261,7 +261,7 @@ def test_exports_carry_the_same_schedule(tmp_path):
     trt = json.loads((tmp_path / "exports" / "trtllm.json").read_text())["speculative_config"]
     # planner/export.py's TensorRT-LLM builder: keyed by each range's highest batch size, 0 above the last key
     assert trt == {"decoding_type": "NGram", "max_draft_len": 4, "max_total_draft_tokens": 4,
-                   "draft_len_schedule": {"3": 4, "15": 2}}
+                   "draft_len_schedule": {"3": 4, "15": 2}, "max_concurrency": 15}
     sglang = json.loads((tmp_path / "exports" / "sglang.json").read_text())
     assert sglang["server_args"][:2] == ["--speculative-algorithm", "NGRAM"]
     assert any("per-batch-size" in n or "batch size" in n for n in sglang["notes"]), sglang["notes"]
