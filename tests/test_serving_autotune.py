@@ -1043,3 +1043,11 @@ def test_the_main_job_races_unresolved_levels_again_while_the_budget_holds_and_n
     assert "Unresolved after every pass the budget held" in (tmp_path / "run" / "report.md").read_text()
     chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
     assert chosen["plugin"] and chosen["decision"]["draft_length_by_level"]["4"] == 0
+
+
+@pytest.mark.parametrize("flag", [["--concurrency", "1,2"], ["--plugin", "on"], ["--workload", "w.jsonl"]])
+def test_serving_flags_are_refused_on_a_step_engine(flag, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "planner", "autotune", *flag, "--out", str(tmp_path / "run")],
+                       check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"{flag[0]}: only with a serving engine" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()

@@ -194,6 +194,13 @@ def _serving(args):
 
 def _step(args) -> AutotuneSettings:
     """--engine ENGINE whose protocol is STEP: the settings, checked, and what the engine cannot use refused."""
+    from planner.errors import UserError
+
+    for flag, given in (("--concurrency", args.concurrency), ("--workload", args.workload),
+                        ("--plugin", None if args.plugin == "auto" else args.plugin)):
+        if given is not None:
+            raise UserError(f"{flag}: only with a serving engine (--engine vllm); --engine {args.engine or 'hf'} "
+                            "decodes one request at a time in this process")
     s = _settings(args)
     _check(args, s)
     _refuse(args, s)
