@@ -2,11 +2,13 @@
 
 A drafter is a small model with a KV cache of its own over the accepted text. Guessers that draft
 (a draft LM's chains and trees, EAGLE heads, their per-step pools: decoder/guessers/draft_cache.py)
-drive it through these three calls and nothing else, so a drafter can be any model an engine can run:
+drive it through these three calls and nothing else, and so do the strategies that draft with one
+(PEARL's rounds, MTAD's beams), so a drafter can be any model an engine can run:
 
     state = drafter.open(prompt_ids, prompt_features)    # the prompt but its last token, in the cache
     out = state.forward(tokens, positions, visible, features)   # m new inputs after the cache
     state.keep(base, rows)                               # keep inputs base + rows, drop the rest
+    state.keep(length, [])                               # crop back to the first `length` inputs
 
 `DraftPass.logits` are over the target's vocabulary (a head with a smaller draft vocabulary maps its
 ids, EAGLE-3's d2t), so guessers never see a drafter's own vocabulary. A drafter that reads the target's
@@ -57,8 +59,23 @@ class DraftModel(Protocol):
     features: Features  # the target features it reads: False (none), True (the last hidden state), layer ids
     reuse_tree_kv: bool  # a fed tree node's cache entry equals the accepted token's (no predicted inputs)
     label: str
+    max_positions: int | None  # the longest sequence its cache holds and crops back (None: unbounded)
 
-    def open(self, prompt_ids: torch.Tensor, prompt_features: torch.Tensor | None) -> DraftState:
-        """A cache over the prompt [T] but its last token (the first root); prompt_features [T-1, F] the
-        target's features over those tokens, for drafters that read them."""
+    def open(self, prompt_ids: torch.Tensor, prompt_inputs: torch.Tensor | None) -> DraftState:
+        """A cache over the prompt [T] but its last token (the first root); prompt_inputs [T-1, H] the
+        target's features over those tokens as `combine` makes them, for drafters that read them."""
         ...
+
+    # drafters that read features also have:
+    #   combine(features [m, F]) -> [m, H]: the target's features as the drafter's input features (EAGLE-3's
+    #   fc over three layers); its own predicted features (DraftPass.hidden) are inputs already
+
+
+def teacher_forced(drafter: DraftModel, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's logits [T, V] at every position of a token sequence [T], in one pass over a fresh
+    cache (a drafter that reads no target features): what it predicts along a known text."""
+    if drafter.features:
+        raise ValueError(f"{drafter.label}: reads the target's features; its passes need them beside the tokens")
+    ids = ids.reshape(-1)
+    state = drafter.open(ids[:1], None)  # an empty cache: the first token is fed below
+    return state.forward(ids, torch.arange(ids.numel(), device=ids.device), None, None).logits

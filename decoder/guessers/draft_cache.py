@@ -24,22 +24,31 @@ class DraftCache:
         self.drafter = drafter
         ids = prompt_ids.reshape(-1)
         self.reads = bool(drafter.features)
-        if self.reads and prompt_features is None:
+        if self.reads and prompt_features is None and ids.numel() > 1:
             raise ValueError(f"{drafter.label}: reads the target's features; the prompt's are missing")
-        self.state = drafter.open(ids, prompt_features)
+        inputs = drafter.combine(prompt_features) if self.reads and ids.numel() > 1 else None  # [T-1, H]
+        self.state = drafter.open(ids, inputs)
         self.position = ids.numel() - 1  # the root's absolute position
         self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
         # per unseen token and then the root: the target's feature at the position before it
-        self.unseen_features: list[torch.Tensor] = [prompt_features[-1]] if self.reads and ids.numel() > 1 else []
+        self.unseen_features: list[torch.Tensor] = [inputs[-1]] if inputs is not None else []
         self.slots: dict[int, int] = {}  # fed node -> its row in the drafter's cache, this step
         self.hidden: dict[int, torch.Tensor] = {}  # fed node -> its predicted feature, this step (feature readers)
         self.root_hidden: torch.Tensor | None = None  # the root's predicted feature, this step
         self.base = 0  # cache length after the step's first pass (context + unseen + root)
         self.passed = False  # this step's first pass ran
 
+    @property
+    def ready(self) -> bool:
+        """Whether the root can be fed: a feature reader needs the target's feature before it, which the
+        first token of a text has not (a one-token prompt's first step is a plain one)."""
+        return not self.reads or len(self.unseen_features) > len(self.unseen)
+
     def skip(self, root: int) -> None:
-        """No pass this step: the root waits with the unseen tokens."""
-        self.unseen.append(root)
+        """No pass this step: the root waits with the unseen tokens (a first token without a feature before it
+        is never fed, as the prefill never feeds it)."""
+        if self.ready:
+            self.unseen.append(root)
 
     def first_pass(self, root: torch.Tensor) -> torch.Tensor:
         """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
@@ -93,7 +102,8 @@ class DraftCache:
         if self.reads:
             if features is None:
                 raise ValueError(f"{self.drafter.label}: the step's features are missing")
-            self.unseen_features.extend(features)  # the root's feature pairs with the first accepted token, ...
+            # the root's feature pairs with the first accepted token, ..., the last accepted node's with the new root
+            self.unseen_features.extend(self.drafter.combine(features))
         if not self.passed:
             self.unseen.extend(emitted[:-1])
             return

@@ -72,7 +72,7 @@ class DraftSource(Source):
 
     def extend(self, pool: Pool, root: torch.Tensor, session: Decider) -> None:
         gm = self.model
-        if not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
+        if not self.drafter.ready or not session.worth_level(pool, session.top1(self.kind, 1), gm.draft_s):
             self.drafter.skip(int(root[0]))
             return
         t0 = time.perf_counter()
@@ -142,7 +142,7 @@ class SampledDraftSource(DraftSource):
         probs = pool.probabilities() if pool.tokens else np.zeros(0)
         P = {-1: 1.0} | {i: float(probs[i]) for i in kept.nodes}  # path probability of every kept node
         pool.fixed = sorted(kept.nodes)
-        if not kept.pays(self._c(session, 1, 0), 1, gm.draft_s):
+        if not self.drafter.ready or not kept.pays(self._c(session, 1, 0), 1, gm.draft_s):
             self.drafter.skip(int(root[0]))
             return
         t0 = time.perf_counter()
