@@ -168,6 +168,10 @@ def eagle_arch(folder: HeadFolder, target: Target) -> EagleArch:
             raise UserError(f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)}: expected distinct layer ids "
                             f"in 0..{L - 1} (the streams entering the target's {L} layers)")
         aux = tuple(sorted(aux))  # vLLM captures them in layer order, whatever order the config lists
+    Ht = int(cfg.get("target_hidden_size") or target.hidden_size) if kind == EAGLE3 else 0
+    if kind == EAGLE3 and Ht != target.hidden_size:
+        raise UserError(f"{where}: target_hidden_size {Ht}, the target's hidden size is {target.hidden_size} "
+                        "(the head was trained for another target)")
     norm_residual = cfg.get("norm_before_residual", folder.layout == "speculators")
     return EagleArch(
         kind=kind, hidden_size=H, intermediate_size=_int(cfg, "intermediate_size", where), num_attention_heads=nh,
@@ -176,7 +180,7 @@ def eagle_arch(folder: HeadFolder, target: Target) -> EagleArch:
         vocab_size=V, draft_vocab_size=_int(cfg, "draft_vocab_size", where, V) if kind == EAGLE3 else V,
         rope=_rope(cfg), max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
         hidden_act=str(cfg.get("hidden_act", "silu")), aux_layers=aux,
-        target_hidden_size=int(cfg.get("target_hidden_size", target.hidden_size)) if kind == EAGLE3 else 0,
+        target_hidden_size=Ht,
         fc_bias="fc.bias" in folder.tensors, qkv_bias=bool(cfg.get("attention_bias", False)),
         norm_before_residual=bool(norm_residual), norm_before_fc=bool(cfg.get("norm_before_fc", False)),
         fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)))

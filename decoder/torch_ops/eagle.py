@@ -187,10 +187,9 @@ class EagleHead(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [B, nh, m, hd], k, v [B, nkv, L, hd], visible [m, L] bool -> [B, m, nh * hd] (grouped-query)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(q.device))
+    """q [B, nh, m, hd], k, v [B, nkv, L, hd], visible [m, L] bool -> [B, m, nh * hd] (grouped-query, the
+    kv heads shared by the kernel rather than copied per pass)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(q.device), enable_gqa=q.shape[1] != k.shape[1])
     B, nh, m, hd = out.shape
     return out.transpose(1, 2).reshape(B, m, nh * hd)
 
@@ -222,28 +221,46 @@ class EagleDraft:
 
 
 class EagleState:
-    """One sequence's cache of the head's single layer: keys and values [1, nkv, length, hd]."""
+    """One sequence's cache of the head's single layer: keys and values [1, nkv, length, hd], in buffers that
+    grow by doubling, so a pass writes its rows in place instead of copying the whole cache."""
 
-    def __init__(self, head: EagleHead):
+    def __init__(self, head: EagleHead, capacity: int = 256):
         self.head = head
         a = head.arch
-        dtype = head.fc.weight.dtype
-        device = head.fc.weight.device
-        self.k = torch.zeros(1, a.num_key_value_heads, 0, a.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        w = head.fc.weight
+        self.kbuf = torch.zeros(1, a.num_key_value_heads, capacity, a.head_dim, dtype=w.dtype, device=w.device)
+        self.vbuf = torch.zeros_like(self.kbuf)
+        self.length = 0
 
     @property
-    def length(self) -> int:
-        return self.k.shape[2]
+    def k(self) -> torch.Tensor:
+        return self.kbuf[:, :, : self.length]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.vbuf[:, :, : self.length]
+
+    def _room(self, m: int) -> None:
+        need = self.length + m
+        if need > self.kbuf.shape[2]:
+            cap = max(need, 2 * self.kbuf.shape[2])
+            for name in ("kbuf", "vbuf"):
+                old = getattr(self, name)
+                new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                new[:, :, : self.length] = old[:, :, : self.length]
+                setattr(self, name, new)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
                 features: torch.Tensor | None, last_only: bool = False) -> DraftPass:
         h = self.head
-        x, residual = h.layer_input(tokens[None], features[None].to(self.k.dtype))  # [1, m, *]
+        x, residual = h.layer_input(tokens[None], features[None].to(self.kbuf.dtype))  # [1, m, *]
         q, k, v = h.qkv(x, positions[None])
         L, m = self.length, tokens.numel()
-        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self._room(m)
+        self.kbuf[:, :, L: L + m] = k
+        self.vbuf[:, :, L: L + m] = v
+        self.length = L + m
         if visible is None:  # a causal chain after the whole cache
             visible = torch.ones(m, L + m, dtype=torch.bool).tril(L)
         nxt, head_in = h.finish(attend(q, self.k, self.v, visible), residual)
@@ -251,8 +268,12 @@ class EagleState:
         return DraftPass(h.logits(rows), nxt[0])
 
     def keep(self, base: int, rows: list[int]) -> None:
-        idx = torch.cat([torch.arange(base), base + torch.tensor(rows, dtype=torch.long)]).to(self.k.device)
-        self.k, self.v = self.k[:, :, idx], self.v[:, :, idx]
+        src = base + torch.tensor(rows, dtype=torch.long, device=self.kbuf.device)
+        n = len(rows)
+        # advanced indexing copies first, so overlapping source and destination are safe
+        self.kbuf[:, :, base: base + n] = self.kbuf[:, :, src]
+        self.vbuf[:, :, base: base + n] = self.vbuf[:, :, src]
+        self.length = base + n
 
 
 # ---------------------------------------------------------------------------------------------- Medusa

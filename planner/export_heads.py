@@ -1,0 +1,125 @@
+"""Tree settings for the engines that run EAGLE heads, from the head's measured acceptance and a profile.
+
+Each engine takes the tree in its own terms (docs/batching-and-export.md, 'EAGLE heads'):
+  SGLang        (steps S, topk K, draft tokens N): an EAGLE-2 tree grown at run time. Step 1 takes the
+                root's top K; each further step expands the K best frontier nodes by their top K and keeps
+                the K best of those K^2 as the next frontier; the N - 1 best of all drafted nodes are
+                verified with the root. topk 1 is a chain of S (N = S + 1).
+  TensorRT-LLM  a static tree as paths (`eagle_choices`, every prefix present), or the same EAGLE-2 budget
+                (use_dynamic_tree, max_draft_len S, dynamic_tree_max_topK K, max_total_draft_tokens N - 1).
+  vLLM 0.32     a chain of num_speculative_tokens (its tree attention was removed), per batch size.
+
+Under the planner's independence model (a node at rank path (r_1..r_d) is accepted with probability
+prod_i a[i][r_i], the head's measured acceptance), run-time growth keeps the nodes of largest path
+probability, so the expected tokens of a step are 1 + the sum of the kept nodes' path probabilities, and
+its time L(N) + S passes of the head. Every (S, K, N) in range is priced and the fastest kept; a chain is
+the K = 1 row of the same table, so what an engine that takes only chains loses is a ratio of two rows.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from planner.accept import Acceptance
+from planner.candidate import sequoia_tree, tree_tau
+from planner.profile import LatencyProfile
+
+TOPKS = (1, 2, 4, 8)
+MAX_STEPS = 8  # EAGLE issue 209: depth 7-8 was where a user's best setting lay
+MAX_NODES = 64  # verified nodes with the root (SGLang's num_draft_tokens)
+
+
+@dataclass(frozen=True)
+class EagleBudget:
+    steps: int  # S: drafting steps (tree depth)
+    topk: int  # K: children per expanded node, and frontier width
+    draft_tokens: int  # N: nodes verified, root included
+    expected_tokens: float  # per step, the bonus token included
+    step_s: float  # predicted seconds per step: L(N) + S head passes
+    tokens_per_s: float
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def grown_tree(rows: np.ndarray, steps: int, topk: int) -> list[tuple[tuple[int, ...], float]]:
+    """Every node SGLang's EAGLE-2 growth drafts in `steps` steps of width `topk`, with its path probability:
+    rows [D, R] the acceptance per distance and rank (ranks beyond R and depths beyond D accept 0)."""
+    D, R = rows.shape
+    drafted: list[tuple[tuple[int, ...], float]] = []
+    frontier = [((), 1.0)]
+    for d in range(steps):
+        children = [(path + (r,), p * (rows[d, r] if d < D and r < R else 0.0))
+                    for path, p in frontier for r in range(topk)]
+        drafted += children
+        frontier = heapq.nlargest(topk, children, key=lambda c: c[1])
+    return drafted
+
+
+def budget_tokens(rows: np.ndarray, steps: int, topk: int, draft_tokens: int) -> float:
+    """Expected tokens per step of the (S, K, N) budget: 1 + the N - 1 largest path probabilities drafted."""
+    probs = sorted((p for _, p in grown_tree(rows, steps, topk)), reverse=True)
+    return 1.0 + float(sum(probs[: draft_tokens - 1]))
+
+
+def budgets(accept: Acceptance, profile: LatencyProfile, draft_s: float, topks=TOPKS, max_steps: int = MAX_STEPS,
+            max_nodes: int = MAX_NODES) -> list[EagleBudget]:
+    """Every (S, K, N) that fits the profile, priced: N from S + 1 up to min(max_nodes, all drafted + 1)."""
+    rows = accept.rows(min(max_steps, accept.max_depth or max_steps))
+    cap = min(max_nodes, profile.max_input_length)
+    out = []
+    for K in topks:
+        for S in range(1, max_steps + 1):
+            probs = sorted((p for _, p in grown_tree(rows, S, K)), reverse=True)
+            for N in (range(S + 1, S + 2) if K == 1 else range(S + 1, min(cap, len(probs) + 1) + 1)):
+                if N > cap:
+                    break
+                tau = 1.0 + float(sum(probs[: N - 1]))
+                t = _step_s(profile, N, S, draft_s)
+                out.append(EagleBudget(S, K, N, tau, t, tau / t))
+    return out
+
+
+def _step_s(profile: LatencyProfile, n: int, passes: int, draft_s: float) -> float:
+    """A step of n verified tokens and `passes` head passes: the forward, the decoder's own work, the drafting."""
+    return float(profile.latency(n)) + float(profile.overhead(n)) + passes * draft_s
+
+
+def best_budget(accept: Acceptance, profile: LatencyProfile, draft_s: float, chain: bool = False) -> EagleBudget:
+    """The fastest budget (chain=True: topk 1 only, what vLLM and TensorRT-LLM's draft_len_schedule take)."""
+    table = budgets(accept, profile, draft_s, topks=(1,) if chain else TOPKS)
+    return max(table, key=lambda b: b.tokens_per_s)
+
+
+def plain_budget(profile: LatencyProfile) -> EagleBudget:
+    t = _step_s(profile, 1, 0, 0.0)
+    return EagleBudget(0, 1, 1, 1.0, t, 1.0 / t)
+
+
+def eagle_choices(accept: Acceptance, profile: LatencyProfile, draft_s: float, max_depth: int = MAX_STEPS,
+                  max_nodes: int = MAX_NODES) -> tuple[list[list[int]], EagleBudget]:
+    """TensorRT-LLM's static `eagle_choices` (paths, parents first, every prefix present): the Sequoia tree of
+    the size that is fastest on the profile, priced as a budget (S its depth, K its widest rank + 1)."""
+    depth = min(max_depth, accept.max_depth or max_depth)
+    rows = accept.rows(depth)
+    best = None
+    for n in range(1, min(max_nodes, profile.max_input_length) - 1 + 1):
+        nodes = sequoia_tree(rows, n, depth)
+        S = max(len(p) for p in nodes)
+        tau = tree_tau(rows, nodes)
+        t = _step_s(profile, len(nodes) + 1, S, draft_s)
+        if best is None or tau / t > best[1].tokens_per_s:
+            best = ([list(p) for p in nodes], EagleBudget(S, max(max(p) for p in nodes) + 1, len(nodes) + 1, tau, t, tau / t))
+    return best
+
+
+def chain_loss(accept: Acceptance, profile: LatencyProfile, draft_s: float) -> dict:
+    """What an engine that takes only chains loses: the best tree's and the best chain's predicted speed."""
+    tree, chain, plain = best_budget(accept, profile, draft_s), best_budget(accept, profile, draft_s, chain=True), \
+        plain_budget(profile)
+    return {"tree": tree.to_json(), "chain": chain.to_json(), "plain_tokens_per_s": round(plain.tokens_per_s, 4),
+            "tree_over_plain": round(tree.tokens_per_s / plain.tokens_per_s, 4),
+            "chain_over_plain": round(chain.tokens_per_s / plain.tokens_per_s, 4),
+            "chain_over_tree": round(chain.tokens_per_s / tree.tokens_per_s, 4)}
