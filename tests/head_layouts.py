@@ -59,7 +59,7 @@ def trained_like_head(target, draft_vocab: int | None = None, noise: float = 0.0
         for p in head.parameters():
             if p.dim() == 2:
                 p.add_(noise * torch.randn(p.shape, generator=g) * p.abs().mean())
-    head.target_embedding = None
+    head.share("target_embedding", None)
     return head
 
 

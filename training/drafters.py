@@ -205,8 +205,9 @@ def _save_checkpoint(path: Path, module, opt, gen_state, step: int, losses, wall
 
 
 def train(module, params: list, loss_fn, data: TeacherData, out_dir, cfg: DrafterConfig, resume: bool = False,
-          progress: bool = True, desc: str = "train drafter") -> TrainResult:
-    """The shared loop: loss_fn(rows, gen) -> (loss, stats). Checkpoints the module's whole state."""
+          progress: bool = True, desc: str = "train drafter", on_checkpoint=None) -> TrainResult:
+    """The shared loop: loss_fn(rows, gen) -> (loss, stats). Checkpoints the module's whole state;
+    on_checkpoint(step), when given, runs at every checkpoint (a held-out evaluation for a learning curve)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -241,6 +242,8 @@ def train(module, params: list, loss_fn, data: TeacherData, out_dir, cfg: Drafte
             bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()})
             if step % cfg.ckpt_every == 0 and step < cfg.steps:
                 _save_checkpoint(ckpt, module, opt, gen.get_state(), step, losses, wall_before + time.time() - t0, cfg)
+                if on_checkpoint is not None:
+                    on_checkpoint(step)
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -100,8 +100,22 @@ def _layout(config: dict, names: set[str]) -> str:
     return "eagle"
 
 
-def read_head(path) -> HeadFolder:
-    """A head folder's layout, config and tensors; a one-line error for anything else."""
+def _tensor_names(path: Path) -> dict[str, torch.Tensor]:
+    """The stored names (values empty) without reading the weights, where the format allows (safetensors)."""
+    if path.suffix != ".safetensors":
+        return _read_tensors(path)
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: torch.empty(0) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path}: not a readable weights file ({str(e).splitlines()[0][:120]})") from None
+
+
+def read_head(path, names_only: bool = False) -> HeadFolder:
+    """A head folder's layout, config and tensors (names_only: the names, with empty tensors); a one-line error
+    for anything else."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"--drafter {path}: not a directory (a head's folder: config.json and its weights)")
@@ -117,7 +131,7 @@ def read_head(path) -> HeadFolder:
     weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if weights is None:
         raise UserError(f"{path}: no weights file (expected one of {', '.join(WEIGHT_FILES)})")
-    tensors = _read_tensors(weights)
+    tensors = _tensor_names(weights) if names_only else _read_tensors(weights)
     return HeadFolder(path, _layout(config, set(tensors)), config, tensors, weights)
 
 
@@ -275,12 +289,12 @@ def build_eagle(folder: HeadFolder, target_model) -> EagleHead:
     allowed = {"lm_head.weight", "d2t"} | {k for k in head.state_dict() if k.startswith("rotary.")}
     assert not unexpected and set(missing) <= allowed, (missing, unexpected)  # check_tensors ran first
     head.to(device=target_model.device, dtype=dtype)
-    head.target_embedding = target_model.get_input_embeddings() if embed is None else \
-        torch.nn.Embedding.from_pretrained(embed.to(device=target_model.device, dtype=dtype))
+    head.share("target_embedding", target_model.get_input_embeddings() if embed is None else
+               torch.nn.Embedding.from_pretrained(embed.to(device=target_model.device, dtype=dtype)))
     if a.kind == EAGLE1:
-        head.target_head = target_model.get_output_embeddings()
+        head.share("target_head", target_model.get_output_embeddings())
     elif "lm_head.weight" not in own:
-        head.lm_head = target_model.get_output_embeddings()  # Vd = V: the target's own head, shared as vLLM does
+        head.share("lm_head", target_model.get_output_embeddings())  # Vd = V: the target's own head, as vLLM does
     return head.eval()
 
 
@@ -294,7 +308,7 @@ def open_eagle(path, target, label: str | None = None) -> EagleDraft:
 
 def save_eagle3(head: EagleHead, directory, meta: dict | None = None, t2d: bool = True) -> Path:
     """The released EAGLE-3 layout (yuhuili's names, fp16): config.json and model.safetensors, loadable by
-    vLLM, SGLang and TensorRT-LLM; the target's embedding is not stored, nor its head when shared."""
+    vLLM, SGLang and TensorRT-LLM; the target's embedding is not stored, nor its head when shared (Vd = V)."""
     from safetensors.torch import save
 
     from planner.jsonio import atomic_write_bytes
@@ -308,7 +322,7 @@ def save_eagle3(head: EagleHead, directory, meta: dict | None = None, t2d: bool 
              "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}
     tensors = {}
     for k, v in head.state_dict().items():
-        if k.startswith("rotary.") or k in ("d2t",) or (k == "lm_head.weight" and a.draft_vocab_size == a.vocab_size):
+        if k.startswith("rotary.") or k == "d2t":  # the target's shared modules are not in the head's state
             continue
         first = k.split(".")[0]
         if first in names:
@@ -384,9 +398,22 @@ def build_medusa(folder: HeadFolder, target_model) -> MedusaHeads:
 # ---------------------------------------------------------------------------------------------- as guessers
 
 
+def head_layout(path) -> str:
+    """A head folder's layout from its config and tensor names alone (a released head's weights can be GBs)."""
+    path = Path(path)
+    folder = read_head(path, names_only=True)
+    return folder.layout
+
+
 def head_kind(path) -> str:
     """The guesser kind a head folder is run as: 'eagle' or 'medusa' (`--drafter DIR`)."""
-    return "medusa" if read_head(path).layout.startswith("medusa") else "eagle"
+    return "medusa" if head_layout(path).startswith("medusa") else "eagle"
+
+
+def serving_method(path) -> str:
+    """The serving engines' method for a head folder: eagle (EAGLE-1), eagle3 or medusa."""
+    layout = head_layout(path)
+    return "medusa" if layout.startswith("medusa") else "eagle" if layout == "eagle" else "eagle3"
 
 
 def load_eagle(request):

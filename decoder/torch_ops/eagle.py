@@ -118,9 +118,15 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(a.draft_vocab_size, dtype=torch.long))
         self.rotary = LlamaRotaryEmbedding(a.llama_config())
         self.act = getattr(F, a.hidden_act)
-        self.target_embedding: nn.Module | None = None  # the target's, shared (or the head's own copy)
-        self.target_head: nn.Module | None = None  # EAGLE-1's head: the target's (an EAGLE-3 head without its own
-        # lm_head shares the target's as lm_head, which then is not one of its own tensors)
+        self.share("target_embedding", None)  # the target's, shared (or the head's own copy)
+        self.share("target_head", None)  # EAGLE-1's head: the target's
+
+    def share(self, name: str, module: nn.Module | None) -> None:
+        """Use one of the target's modules without owning it: not a submodule, so the head's state_dict, .to()
+        and optimiser never see it (an EAGLE-3 head without its own lm_head shares the target's as lm_head)."""
+        if name in self._modules:
+            del self._modules[name]
+        self.__dict__[name] = module
 
     # ------------------------------------------------------------------ the arithmetic
 
@@ -335,5 +341,5 @@ def eagle3_from_target(model, aux_layers: tuple[int, ...], draft_ids: torch.Tens
     head.norm.weight.copy_(model.model.norm.weight)
     head.lm_head.weight.copy_(model.get_output_embeddings().weight[draft_ids])
     head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
-    head.target_embedding = model.get_input_embeddings()
+    head.share("target_embedding", model.get_input_embeddings())
     return head

@@ -52,6 +52,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(the ParallelSpec drafter), chain[:DIR] (the same drafter, one token per pass), lookup "
                         "(prompt lookup, no model). Without a path: the one shipped for the model, models/<model>/...; "
                         "decode's default: the guesser the plan was made for (autotune records it), else ppd")
+    p.add_argument("--drafter", default=None, metavar="DIR",
+                   help="a drafter you already have, in its released folder: an EAGLE-1 or EAGLE-3 head (yuhuili's or "
+                        "vllm-project/speculators' layout) or Medusa heads (FasterDecoding's or vLLM's); checked against "
+                        "the model tensor by tensor. Alone it is --guesser eagle:DIR or medusa:DIR; with --guesser "
+                        "lookup+eagle it is that hybrid's head")
     p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
     p.add_argument("--top-k-guesses", type=int, default=10, help="guesses per distance (ranks a plan may use)")
     p.add_argument("--prompts", default=None, metavar="FILE",
@@ -106,10 +111,30 @@ def open_everything(args, spec, plan=None, context: int | None = None, default_g
         raise UserError("--num-prompts: expected a positive integer")
     if args.ensemble < 1 or args.top_k_guesses < 1:
         raise UserError("--ensemble and --top-k-guesses: expected positive integers")
-    name = getattr(args, "guesser", None) or default_guesser or default_guesser_for(spec.caps)
+    name = drafter_guesser(args) or getattr(args, "guesser", None) or default_guesser or default_guesser_for(spec.caps)
     check_guesser(spec, name)
     engine = open_from_args(args, spec, context=context)
     return engine, make_guesser(args, engine, name)
+
+
+def drafter_guesser(args) -> str | None:
+    """--drafter DIR as a guesser spec KIND:DIR (the head's layout says eagle or medusa), or with --guesser
+    naming a hybrid of that kind, the hybrid on this head; None without --drafter."""
+    from decoder.guessers.heads import head_kind
+    from planner.guessers import kind
+
+    folder = getattr(args, "drafter", None)
+    if folder is None:
+        return None
+    head = head_kind(folder)
+    given = getattr(args, "guesser", None)
+    if given is None:
+        return f"{head}:{folder}"
+    k, path = parse_guesser(given)
+    if path is not None or kind(k).members[1:] != (head,):
+        raise UserError(f"--drafter {folder} is {'an EAGLE head' if head == 'eagle' else 'Medusa heads'}: with --guesser "
+                        f"give a hybrid on it (lookup+{head}) without a path, or leave --guesser out")
+    return f"{k}:{folder}"
 
 
 DEFAULT_GUESSERS = ("ppd", "lookup")  # --guesser's default: the first of these the engine can run
