@@ -244,3 +244,20 @@ def test_bad_folders_are_refused_in_one_line(target, tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{")
     with pytest.raises(UserError, match="not valid JSON"):
         open_eagle(tmp_path / "empty", target)
+
+
+@pytest.mark.parametrize("grow", [(3, 1, 4), (3, 2, 5), (5, 4, 8)])
+def test_trees_grown_at_run_time_equal_generate(target, folders, grow):
+    """SGLang's and TensorRT-LLM's run-time EAGLE-2 trees (steps, topk, draft tokens), grown by the head here."""
+    from decoder.guessers.draft import Grow
+
+    drafter = open_eagle(folders["eagle3"], target)
+    g = DraftModelGuesser(drafter, top_k=grow[1], grow=Grow(*grow))
+    accepted = 0
+    for prompt in ([2, 5, 1, 4], [3]):
+        ids = torch.tensor(prompt)
+        out = generate(target, ids, plan=None, guesser=g, max_new_tokens=24)
+        assert out.tokens.tolist() == reference(target, ids, 24)
+        assert max(out.stats.input_lengths) <= grow[2]
+        accepted += sum(out.stats.accepted)
+    assert accepted > 0

@@ -30,6 +30,7 @@ from decoder.engine import vocab_size
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.guessers.draft_cache import DraftCache
 from decoder.guessers.draft_source import DraftSource, SampledDraftSource
+from decoder.guessers.pool import rank_paths
 from decoder.torch_ops.draft import HFDraft
 from decoder.layout import layout_for
 from decoder.verify import Sampling, draw_children, probabilities
@@ -119,9 +120,10 @@ class DraftModelGuesser:
     pass take it too).
     """
 
-    def __init__(self, draft, top_k: int = 8, depth: int = 4, label: str = "draft model"):
+    def __init__(self, draft, top_k: int = 8, depth: int = 4, label: str = "draft model", grow: "Grow | None" = None):
         if top_k < 1 or depth < 1:
             raise UserError(f"{label}: top_k and depth must be at least 1")
+        self.grow = grow  # without a plan: trees grown at run time as SGLang and TensorRT-LLM grow them
         self.drafter = HFDraft(draft, label) if isinstance(draft, torch.nn.Module) else draft
         self.needs_hidden = self.drafter.features  # the target features it reads (decoder/engine.py Features)
         self.top_k = top_k
@@ -140,8 +142,13 @@ class DraftModelGuesser:
 
     def begin(self, target, plan: Tree | None, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "DraftSession":
         self._check_vocab(target)
-        nodes = plan_nodes(plan, self.depth, ctx.label)
         sampled = ctx.sampling.rule == "lossless"
+        if plan is None and self.grow is not None:
+            if sampled:
+                raise UserError(f"{ctx.label}: run-time grown trees rank deterministic top-k guesses; under lossless "
+                                "sampling give a plan (a sequoia tree) or a dynamic plan")
+            return GrownSession(self.drafter, self.grow, prompt_ids, ctx)
+        nodes = plan_nodes(plan, self.depth, ctx.label)
         if sampled and not contiguous(nodes):
             raise UserError(f"{ctx.label}: lossless sampling with a draft model needs contiguous sibling ranks "
                             "(a sequoia tree): a child is the next draw without replacement")
@@ -205,6 +212,69 @@ class DraftSession(DraftCache):
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted tokens the drafter has fed; the rest of the accepted path waits as unseen."""
         self.keep_outcome(outcome.verdict.nodes[1:], outcome)
+
+
+@dataclass(frozen=True)
+class Grow:
+    """An EAGLE-2 tree grown at run time, as SGLang (--speculative-num-steps, --speculative-eagle-topk,
+    --speculative-num-draft-tokens) and TensorRT-LLM's dynamic tree take it (planner/export_heads.py prices it)."""
+
+    steps: int  # S drafter passes (the tree's depth)
+    topk: int  # K children per expanded node, and the frontier's width
+    draft_tokens: int  # N nodes verified, root included
+
+    def __post_init__(self):
+        most = 1 + self.topk * (1 + (self.steps - 1) * self.topk)
+        if self.steps < 1 or self.topk < 1 or not 2 <= self.draft_tokens <= most:
+            raise UserError(f"grown tree (steps {self.steps}, topk {self.topk}, draft tokens {self.draft_tokens}): "
+                            "expected steps, topk >= 1 and 2 <= draft tokens <= 1 + all nodes drafted")
+
+
+class GrownSession(DraftCache):
+    """Each step: the root's top K children, then S - 1 passes over the K most probable nodes of the last
+    level (each drafts its top K), then the N - 1 most probable drafted nodes (by the drafter's own path
+    probability) are verified. Greedy: guesses are the drafter's top-k."""
+
+    def __init__(self, drafter, grow: Grow, prompt_ids: torch.Tensor, ctx: DecodeContext):
+        super().__init__(drafter, prompt_ids, ctx.prompt_hidden)
+        self.g, self.ctx = grow, ctx
+        self.max_input_length = grow.draft_tokens
+        self.chosen: list[int] = []
+
+    @torch.inference_mode()
+    def propose(self, root: torch.Tensor) -> Proposal:
+        if not self.ready:
+            self.skip(int(root[0]))
+            self.chosen = []
+            return Proposal(layout_for((), 1, self.ctx.dtype, self.ctx.device), root.new_empty(0))
+        K = self.g.topk
+        tokens: list[int] = []
+        parent: list[int] = []
+        score: list[float] = []  # log path probability under the drafter
+        frontier, logits = [-1], self.first_pass(root)[None]
+        for d in range(1, self.g.steps + 1):
+            logp = torch.log_softmax(logits.float(), dim=-1).topk(K, dim=-1)
+            vals, ids = logp.values.tolist(), logp.indices.tolist()
+            level = []
+            for j, u in enumerate(frontier):
+                base = 0.0 if u < 0 else score[u]
+                for r in range(K):
+                    level.append(len(tokens))
+                    tokens.append(ids[j][r])
+                    parent.append(u)
+                    score.append(base + vals[j][r])
+            if d == self.g.steps:
+                break
+            frontier = sorted(level, key=lambda i: -score[i])[:K]
+            logits = self.level_pass(frontier, parent, torch.tensor([tokens[i] for i in frontier], device=root.device),
+                                     [d] * len(frontier))
+        # path probabilities only fall along a path, so the best N - 1 are ancestor-closed; parents first by index
+        self.chosen = sorted(sorted(range(len(tokens)), key=lambda i: (-score[i], i))[: self.g.draft_tokens - 1])
+        lay = layout_for(rank_paths(parent, self.chosen), K, self.ctx.dtype, self.ctx.device)
+        return Proposal(lay, torch.tensor([tokens[i] for i in self.chosen], dtype=torch.long, device=root.device))
+
+    def commit(self, outcome: StepOutcome) -> None:
+        self.keep_outcome([self.chosen[i - 1] for i in outcome.verdict.nodes[1:]], outcome)
 
 
 def load(request) -> DraftModelGuesser:
