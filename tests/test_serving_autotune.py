@@ -395,7 +395,7 @@ def test_a_proposer_vllm_runs_at_one_length_is_planned_and_chosen_as_one_length(
     assert chosen is None and why["winner"] == sr.PLAIN
 
 
-def test_vllm_export_of_a_suffix_schedule_writes_one_length_and_says_why(tmp_path):
+def test_vllm_export_of_a_suffix_schedule_without_the_plugin_writes_one_length_and_says_why(tmp_path):
     from planner.export import DraftRange, ExportOptions, build
     from planner.tree import Tree, TreeState
 
@@ -403,7 +403,9 @@ def test_vllm_export_of_a_suffix_schedule_writes_one_length_and_says_why(tmp_pat
     ranges = [DraftRange(1, 7, 3), DraftRange(8, 256, 0)]
     ngram = build(chain, ranges, ExportOptions("vllm", "ngram"), {}, [])
     assert ngram.to_json()["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 7, 3], [8, 256, 0]]
-    suffix = build(chain, ranges, ExportOptions("vllm", "suffix"), {}, []).to_json()
+    planned = build(chain, ranges, ExportOptions("vllm", "suffix"), {}, []).to_json()  # with the plugin: a schedule
+    assert planned["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 7, 3], [8, 256, 0]]
+    suffix = build(chain, ranges, ExportOptions("vllm", "suffix", plugin=False), {}, []).to_json()
     assert "num_speculative_tokens_per_batch_size" not in suffix["speculative_config"]
     assert suffix["speculative_config"]["num_speculative_tokens"] == 3
     assert any("takes one draft length" in n and "8-256" in n for n in suffix["notes"]), suffix["notes"]

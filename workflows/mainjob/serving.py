@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from decoder.serving import ServingEngine
 from planner.engines import kind as engine_kind
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json
@@ -116,7 +117,7 @@ class ServingRun:
     """One serving run: what every phase reads and what it leaves for the next."""
 
     s: ServingSettings
-    engine: object  # decoder/serving.py's ServingEngine
+    engine: ServingEngine
     out: Path
     say: object
     accept_reqs: list
@@ -148,7 +149,7 @@ class ServingRun:
     def phase(self, name: str, text: str) -> None:
         self.say(f"[{PHASES.index(name) + 1}/{len(PHASES)}] {name}: {text}  ({time.time() - self.t0:.0f} s in, "
                  f"budget {self.s.budget_minutes:g} min)")
-        self.summary["phases"][f"{name}_s"] = time.time() - self.t0
+        self.summary["phases"][f"{name}_started_s"] = time.time() - self.t0  # seconds into the run
 
 
 # ---------------------------------------------------------------------------------------------- settings

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from decoder.serving import ServingEngine
 from planner.errors import UserError
 from profiler.load_generator import percentile
 
@@ -111,7 +112,7 @@ def learns(c: Contender) -> bool:
     return (c.speculative or {}).get("method") in LEARNS
 
 
-def race_contender(engine, c: Contender, race: Race, levels=None, into: str | None = None) -> dict:
+def race_contender(engine: ServingEngine, c: Contender, race: Race, levels=None, into: str | None = None) -> dict:
     """`c` at every level (race.results[into or c.name][level] gets its rounds), each level after a warm-up
     wave of `level` short requests outside the race, from an empty prefix cache where the traffic repeats
     (reset_prefix_cache). One server for all, except for a proposer that learns from earlier answers when
