@@ -981,6 +981,11 @@ def test_the_vllm_main_job_measures_acceptance_on_every_category_the_race_covers
     assert len(accept) == s.accept_requests == 16 and len(race) == 16
     assert categories(accept) == categories(race) and len(set(categories(race))) == 8  # each category's 2 turns
     assert len(set(categories(accept[:8]))) == 4  # what 8 took
+    # a level the budget cuts to its first 8 requests races both halves of the categories, as acceptance measured
+    first = [category[r.messages[0]["content"]] for r in race[:8]]
+    assert first == ["writing", "writing", "coding", "coding", "roleplay", "roleplay", "extraction", "extraction"]
+    assert [r.messages[0]["content"] for r in race[0::2]] == [r.messages[0]["content"] for r in race[1::2]]  # turns
+    assert sv.spread(list(range(6))) == [0, 1, 4, 5, 2, 3] and sv.spread(list(range(8))) == [0, 1, 4, 5, 2, 3, 6, 7]
 
 
 # ---------------------------------------------------------------------------------------------- the plugin, resolving

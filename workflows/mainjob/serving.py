@@ -195,7 +195,19 @@ def requests(s: ServingSettings) -> tuple[list, list]:
         msgs = p.messages() if hasattr(p, "messages") else [{"role": "user", "content": p}]
         return Request(messages=msgs, max_tokens=s.max_tokens)
 
-    return [req(p) for p in a[:s.accept_requests]], [req(p) for p in r[:s.race_requests]]
+    return [req(p) for p in spread(a[:s.accept_requests])], [req(p) for p in spread(r[:s.race_requests])]
+
+
+def spread(prompts: list, turns: int = 2) -> list:
+    """The questions (each its `turns` prompts together) with the first half's and the second half's alternating.
+    The held-out questions come in MT-bench's category order (writing, roleplay, reasoning, math, then coding,
+    extraction, STEM, humanities), and a level the budget cuts races the first requests only: in file order its 8
+    would hold none of coding and extraction, where lookup accepts most, while the prediction rests on acceptance
+    over all eight categories. Spread, any prefix of whole questions spans both halves of the categories."""
+    qs = [prompts[i:i + turns] for i in range(0, len(prompts), turns)]
+    half = (len(qs) + 1) // 2
+    order = [q for pair in zip(qs[:half], qs[half:] + [None]) for q in pair if q is not None]
+    return [p for q in order for p in q]
 
 
 # ---------------------------------------------------------------------------------------------- the phases
