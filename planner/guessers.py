@@ -151,7 +151,7 @@ register(GuesserKind(
     "decoder.guessers.heads:load_eagle", files="eagle3", needs_hidden=True, needs_torch=True, samples=True,
     passes="depth", static=("chain", "medusa", "sequoia"), measure_shape=(6, 4), export="eagle3"))
 register(GuesserKind(
-    "medusa", "Medusa heads (FasterDecoding's or vLLM's layout): one guess list per distance (a Cartesian tree)",
+    "medusa-heads", "Medusa heads (FasterDecoding's or vLLM's layout): one guess list per distance (a Cartesian tree)",
     "decoder.guessers.heads:load_medusa", files="medusa", needs_hidden=True, needs_torch=True, signal="none",
     passes="one", static=("chain", "medusa"), export="medusa", autotune=False))
 register(GuesserKind(

@@ -63,7 +63,7 @@ def folders(target, tmp_path_factory):
 
 
 def _guesser(target, path, **kw):
-    kind = "medusa" if "medusa" in str(path) else "eagle"
+    kind = "medusa-heads" if "medusa" in str(path) else "eagle"
     return load_guesser(kind, LoadRequest(target, path=str(path), top_k=4, **kw))
 
 
@@ -232,7 +232,7 @@ def test_medusa_with_a_missing_head_is_refused(target, folders, tmp_path):
     del t["2.1.weight"]
     torch.save(t, d / "medusa_lm_head.pt")
     with pytest.raises(UserError, match=r"tensor 2.1.weight is missing"):
-        load_guesser("medusa", LoadRequest(target, path=str(d)))
+        load_guesser("medusa-heads", LoadRequest(target, path=str(d)))
 
 
 def test_bad_folders_are_refused_in_one_line(target, tmp_path):

@@ -302,7 +302,7 @@ def open_eagle(path, target, label: str | None = None) -> EagleDraft:
     """An EAGLE-1 or EAGLE-3 head in any released layout as a drafter for `target` (an engine or a model)."""
     folder = read_head(path)
     if folder.layout.startswith("medusa"):
-        raise UserError(f"{path}: a Medusa head, not an EAGLE head (use --guesser medusa:{path})")
+        raise UserError(f"{path}: Medusa heads, not an EAGLE head (use --guesser medusa-heads:{path})")
     return EagleDraft(build_eagle(folder, torch_model(target)), label or str(path))
 
 
@@ -406,8 +406,8 @@ def head_layout(path) -> str:
 
 
 def head_kind(path) -> str:
-    """The guesser kind a head folder is run as: 'eagle' or 'medusa' (`--drafter DIR`)."""
-    return "medusa" if head_layout(path).startswith("medusa") else "eagle"
+    """The guesser kind a head folder is run as: 'eagle' or 'medusa-heads' (`--drafter DIR`)."""
+    return "medusa-heads" if head_layout(path).startswith("medusa") else "eagle"
 
 
 def serving_method(path) -> str:
@@ -426,7 +426,7 @@ def load_eagle(request):
 
 
 def load_medusa(request):
-    """The registry's loader for kind 'medusa': FasterDecoding's or vLLM's Medusa heads in request.path."""
+    """The registry's loader for kind 'medusa-heads': FasterDecoding's or vLLM's Medusa heads in request.path."""
     from decoder.guessers.medusa import MedusaGuesser
 
     folder = read_head(request.path)

@@ -1,6 +1,6 @@
 """Medusa heads as a guesser: guesses per distance from the target's last hidden state (a Cartesian tree).
 
-    guesser = load_guesser("medusa", LoadRequest(engine, path="path/to/medusa"))   # decoder/guessers/heads.py reads it
+    guesser = load_guesser("medusa-heads", LoadRequest(engine, path="path/to/medusa"))   # decoder/guessers/heads.py reads it
     out = generate(engine, ids, plan="trees/medusa.json", guesser=guesser)          # plan=None: a chain
 
 Head h, read at the last accepted token's hidden state, guesses the token h + 1 places beyond the next
