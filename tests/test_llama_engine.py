@@ -255,3 +255,37 @@ def test_lookup_acceptance_and_calibration_replayed_equal_decoded(engine, prompt
     a = measure_calibration(engine, lookup, some, prior, max_new_tokens=24)
     b = replay_calibration(lookup, cont.prompts, cont.tokens, prior)
     assert a["hits"] == b["hits"] and a["totals"] == b["totals"] and a["p"] == b["p"]
+
+
+def test_plain_decision_is_llama_generate_in_a_context_of_its_own(gguf, prompts, reference, tmp_path):
+    """A plain decision (the llama.cpp main job's usual one) decodes with llama.cpp's own `Llama.generate`:
+    the tokens of a user's own Llama, from a Llama opened once at a user's context size. The step context
+    growing does not reload it (it used to: the stock Llama shared the step context's size, so a longer
+    prompt closed it and loaded the model again inside the timed call), a shorter prompt reuses it, and only a
+    sequence past its size opens a larger one."""
+    from decoder import api
+    from decoder.engines.llama_cpp.engine import STOCK_MIN_CTX, LlamaEngine
+    from planner.tree import save_tree
+    from workflows.mainjob.write import plain_plan
+
+    tree = plain_plan("every plan measured slower than plain")
+    tree.engine = "llama.cpp"
+    save_tree(tree, tmp_path / "chosen.json")
+    eng = LlamaEngine(gguf, n_ctx=256, threads=THREADS)
+    try:
+        plan = api.load_plan(tmp_path, eng)  # a run folder: its chosen.json
+        assert plan.plain
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())  # growing prompts
+        got = [api.generate(eng, prompts[i], plan, max_new_tokens=N_NEW).tokens for i in order]
+        assert got == [reference[i] for i in order]
+        stock = eng.stock()
+        assert stock.n_ctx >= STOCK_MIN_CTX and eng.n_ctx == 256  # the step context stays small
+        eng.reserve(1000)  # the step context grows ...
+        assert eng.n_ctx >= 1000 and eng.stock() is stock  # ... the stock Llama stays loaded
+        assert api.generate(eng, prompts[0], plan, max_new_tokens=N_NEW).tokens == reference[0]
+        assert eng.stock() is stock
+        longer = eng.stock(STOCK_MIN_CTX + 300)
+        assert longer is not stock and longer.n_ctx >= STOCK_MIN_CTX + 300
+        assert eng.stock_generate(prompts[1], N_NEW)[0] == reference[1]
+    finally:
+        eng.close()

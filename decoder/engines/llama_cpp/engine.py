@@ -43,6 +43,9 @@ from planner.errors import UserError
 
 MAX_PATHS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids per context
 CTX_RANGE = (256, 131072)
+# the stock Llama's smallest context: what a user's own Llama would open (its per-token cost follows the
+# cells in use, not the context's size), so it is opened once and not reloaded as prompts grow
+STOCK_MIN_CTX = 2048
 
 
 # ---------------------------------------------------------------------------------------------- a step's batch shape
@@ -193,9 +196,6 @@ class LlamaEngine:
         self._generation += 1  # any open sequence is gone with the old context
         self._shapes.clear()
         self._new_context(-(-tokens // 256) * 256)
-        if self._stock is not None:
-            self._stock.close()
-            self._stock = None
 
     def close(self) -> None:
         if getattr(self, "_stock", None) is not None:
@@ -233,17 +233,33 @@ class LlamaEngine:
         self.reserve(context_length + max(input_lengths) + 1)
 
     def stock_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, sampling=None, seed: int = 0):
-        """llama-cpp-python's own `Llama.generate` on the same file, threads and context size (greedy, or
-        sampled by llama.cpp's own chain with the same temperature, top-k and top-p and this seed)."""
+        """llama-cpp-python's own `Llama.generate` on the same file and threads (greedy, or sampled by
+        llama.cpp's own chain with the same temperature, top-k and top-p and this seed): a plain decision
+        runs it. Its Llama has a context of its own, opened once at a user's size (STOCK_MIN_CTX) and grown
+        only for a longer sequence: the step context above is sized small for the steps' sake, and tying
+        the two reloaded the model whenever a longer prompt came."""
+        ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        stock = self.stock(len(ids) + max_new_tokens + 1)
+        if sampling is None or sampling.temperature <= 0:
+            return stock.greedy(ids, max_new_tokens)
+        return stock.sample(ids, max_new_tokens, sampling, seed)
+
+    def stock(self, tokens: int = 0):
+        """The StockLlama behind stock_generate, with room for `tokens` (opened, or reopened larger, here)."""
         from decoder.engines.llama_cpp.stock import StockLlama
 
-        ids = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
-        self.reserve(len(ids) + max_new_tokens + 1)
-        if self._stock is None:
-            self._stock = StockLlama(self.path, threads=self.threads, n_ctx=self.n_ctx)
-        if sampling is None or sampling.temperature <= 0:
-            return self._stock.greedy(ids, max_new_tokens)
-        return self._stock.sample(ids, max_new_tokens, sampling, seed)
+        if not tokens <= CTX_RANGE[1]:
+            raise UserError(f"llama.cpp engine: {tokens} tokens exceed its largest context ({CTX_RANGE[1]})")
+        if self._stock is not None and tokens <= self._stock.n_ctx:
+            return self._stock
+        n_ctx = max(STOCK_MIN_CTX, -(-tokens // 256) * 256)
+        if self.n_train > 0:
+            n_ctx = min(n_ctx, max(self.n_train, tokens))  # past the trained length only when asked to
+        if self._stock is not None:
+            self._stock.close()
+            self._stock = None
+        self._stock = StockLlama(self.path, threads=self.threads, n_ctx=n_ctx)
+        return self._stock
 
     def eos_ids(self) -> set[int]:
         ids = {self.lib.llama_vocab_eos(self._vocab), self.lib.llama_vocab_eot(self._vocab)}

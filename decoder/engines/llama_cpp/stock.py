@@ -42,6 +42,7 @@ class StockLlama:
         self.llm = Llama(str(gguf_path), n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
                          n_gpu_layers=0, draft_model=draft, verbose=False)
         self.lookup = lookup
+        self.n_ctx = self.llm.n_ctx()
         self.name = "llama.cpp plain" if lookup is None else f"llama.cpp lookup {lookup}"
         vocab = self.llm._model.vocab
         self.eos = {i for i in (lib.llama_vocab_eos(vocab), lib.llama_vocab_eot(vocab)) if i >= 0}
