@@ -324,7 +324,7 @@ def drafter(spec: str, engine):
     """A draft LM on the engine's torch model (it shares the target's embedding and head): a directory
     (the project's draft LM, or a Hugging Face model of the same vocabulary) or first-layers:N (the
     target's first N layers, untrained)."""
-    from decoder.guessers.draft import build_draft_lm, load_draft_model
+    from decoder.torch_ops.draft_lm import build_draft_lm, load_draft_model
 
     target = engine.torch_model()
     if not spec.startswith("first-layers:"):

@@ -9,8 +9,8 @@ after which the engine keeps the accepted path in its KV cache and drops the res
 Two engines stand behind it: Hugging Face transformers (decoder/engines/hf/engine.py: any causal LM, fp32 or
 bf16, CPU or CUDA, the matmul paths and the Triton tree kernels) and llama.cpp (decoder/engines/llama_cpp/engine.py:
 a GGUF file through llama-cpp-python). The profiler times an engine through `forward_timer`, the
-acceptance pass and every decoding loop (plain, trees, per-step trees, PEARL, MTAD, batches) reach the
-model only through an engine, so a third engine is one module implementing this file's protocols.
+acceptance pass and the decoding loop (decoder/loop.py: plain, trees, per-step trees, PEARL, MTAD, batches)
+reach the model only through an engine, so a third engine is one module implementing this file's protocols.
 
 What an engine cannot do it says in `caps`, and a guesser that needs it is refused in one line
 before anything runs (`refuse`): llama.cpp returns no hidden states (ParallelSpec drafters read
@@ -178,12 +178,14 @@ class Engine(Protocol):
     #   batch_runner(layout, seqs, started_sequences, want_hidden) -> a runner with forward(live,
     #   proposals, stats) -> per-sequence (logits, hidden), commit(live, proposals, verdicts, stats),
     #   drop(finished), close()  (decoder/batch.py drives it)
-    # caps.torch_modules: torch_model() -> the torch model its guessers, PEARL, MTAD and training share;
+    # caps.torch_modules (the target's torch modules, lent through narrow methods, never the model itself):
+    #   open_drafter(path, label) -> a decoder/drafter.py DraftModel on this engine (the project's draft LM on
+    #   its embedding and head, or a causal LM folder): the draft guesser, PEARL, MTAD;
+    #   token_modules() -> (input embedding, LM head), frozen, for drafters built on them (ParallelSpec, PPD);
     #   context_forwards(context [C]) -> forwards of new tokens after that context, prefilled once and cut back
     #   after each use (forward(ids, positions), reset(), context_length, vocab_size): PEARL's side timings
-    #   (profiler/overlap.py). Training backpropagates through the torch model itself, so its passes over it
-    #   (the teacher's outputs, PPD's prompt pass, drafters built on the target) are the engine package's own
-    #   functions of that model: decoder/engines/hf/training.py.
+    #   (profiler/overlap.py); training() -> the passes training backpropagates through (the teacher's
+    #   outputs, PPD's prompt pass, drafters built on the target): decoder/engines/hf/training.py.
     # caps.matmul_paths: choose_matmul_paths(rows, context_length, budget_s, seed, progress) -> the
     #   profile's "matmul_paths"; use_matmul_paths(profile file | table | None)
     # caps.tree_kernels: select_attention("auto" | "kernels" | "dense")
@@ -223,8 +225,9 @@ def refuse(caps: EngineCaps, kind: str, needs: Needs) -> None:
 
 
 def torch_model(target):
-    """The torch model behind a target that lends its modules (caps.torch_modules), or a bare model:
-    for guessers that share the target's embeddings or LM head (ParallelSpec, the project's draft LM)."""
+    """The torch model behind a target that lends its modules (caps.torch_modules), or a bare model. Callers
+    outside the engines ask the engine's narrow methods instead (open_drafter, token_modules, training:
+    see Engine above); tests/test_architecture.py lists the few modules still moving over."""
     if not hasattr(target, "caps"):
         return target
     if not target.caps.torch_modules:

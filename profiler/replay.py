@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoder.drafter import teacher_forced
 from decoder.engines.registry import as_engine
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.verify import Sampling, Verdict
@@ -165,10 +166,10 @@ class Teacher:
     def seq(self) -> torch.Tensor:
         return torch.cat([self.prompt, self.tokens])
 
-    def draft_rows(self, draft_model) -> Rows:
-        key = id(draft_model)
+    def draft_rows(self, drafter, device) -> Rows:
+        key = id(drafter)
         if key not in self.drafts:
-            logits = as_engine(draft_model).teacher_forced(self.seq).logits  # the draft LM's pass over the text
+            logits = teacher_forced(drafter, self.seq.to(device))  # the drafter's pass over the text (decoder/drafter.py)
             # coupled: a Gumbel top-k ranks the warped q's whole support (top-k 50 holds more than KEEP)
             self.drafts[key] = Rows.of(logits, COUPLED_KEEP if self.coupled is not None else KEEP)
         return self.drafts[key]
@@ -221,10 +222,15 @@ class TeacherDraft:
     def level_pass(self, fed, parent, tokens, depth) -> torch.Tensor:
         return self._at(depth)
 
+    ready = True  # the teacher's rows stand for every position (a drafter that reads no target features)
+
     def skip(self, root: int) -> None:
         pass
 
-    def keep_accepted(self, accepted, emitted) -> None:
+    def keep_outcome(self, accepted, outcome) -> None:
+        pass
+
+    def keep_accepted(self, accepted, emitted, features=None) -> None:
         pass
 
 
@@ -234,15 +240,15 @@ def use_teacher_drafts(session, teacher: Teacher, cursor: Cursor) -> None:
     from decoder.guessers.draft import DraftSession
     from decoder.guessers.draft_source import DraftSource
 
-    def fake(model):
-        return TeacherDraft(teacher.draft_rows(model), teacher.prompt.numel(), cursor, as_engine(model).device)
+    def fake(cache, device):  # a decoder/guessers/draft_cache.py DraftCache
+        return TeacherDraft(teacher.draft_rows(cache.drafter, device), teacher.prompt.numel(), cursor, device)
 
     if isinstance(session, DraftSession):
-        f = fake(session.model)
+        f = fake(session, session.ctx.device)
         session.first_pass, session.level_pass, session.keep_accepted = f.first_pass, f.level_pass, f.keep_accepted
     for s in getattr(session, "sources", []):
         if isinstance(s, DraftSource):
-            s.drafter = fake(s.drafter.model)
+            s.drafter = fake(s.drafter, s.ctx.device)
 
 
 def context(engine, teacher: Teacher, needs_hidden: bool, label: str = "replay") -> DecodeContext:

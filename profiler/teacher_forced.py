@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoder.drafter import teacher_forced
 from decoder.engines.registry import as_engine
 from decoder.guesser import DecodeContext, StepOutcome
 from decoder.loop import generate
@@ -125,12 +126,14 @@ def replay_guesses(target, guesser, prompt: torch.Tensor, tokens: torch.Tensor, 
 
 
 @torch.inference_mode()
-def draft_lm_guesses(draft_model, prompt: torch.Tensor, tokens: torch.Tensor, depth: int, width: int) -> torch.Tensor:
-    """A draft LM's comb [N, depth, width] from one teacher-forced drafter forward: the guess for
-    distance d beyond root i (position T-1+i) is the drafter's top-k after the true prefix up to
-    position T-2+i+d, which is what it drafts there while its rank-0 chain is right."""
+def draft_lm_guesses(drafter, prompt: torch.Tensor, tokens: torch.Tensor, depth: int, width: int,
+                     device=None) -> torch.Tensor:
+    """A drafter's comb [N, depth, width] from one teacher-forced drafter forward (decoder/drafter.py; a
+    drafter that reads no target features): the guess for distance d beyond root i (position T-1+i) is
+    the drafter's top-k after the true prefix up to position T-2+i+d, which is what it drafts there
+    while its rank-0 chain is right. device: the drafter's (the target engine's)."""
     T, N = prompt.numel(), tokens.numel()
-    logits = as_engine(draft_model).teacher_forced(torch.cat([prompt, tokens])).logits  # a draft LM is a transformers model
+    logits = teacher_forced(drafter, torch.cat([prompt, tokens]).to(device or prompt.device))
     top = logits.float().topk(width, dim=-1).indices.cpu()  # [L, width]
     i = torch.arange(N)[:, None]
     d = torch.arange(1, depth + 1)[None, :]
@@ -144,16 +147,17 @@ def replay_accuracy(model, guesser, cont: Continuations, depth: int, width: int,
     The drafter's pass time comes from its own proposals: all of them when replayed, the first
     `timing_steps` of the first prompt for a draft LM (whose counts come from one forward)."""
     runner = Measuring(guesser, depth, width)
-    draft_model = getattr(guesser, "draft_model", None)
+    drafter = getattr(guesser, "drafter", None)
+    drafter = drafter if drafter is not None and not drafter.features else None  # feature readers replay
     hits, totals = np.zeros((depth, width), dtype=np.int64), np.zeros(depth, dtype=np.int64)
     positions = 0
     for i, (ids, toks) in enumerate(zip(cont.prompts, cont.tokens)):
         if toks.numel() == 0:
             continue
-        if draft_model is not None:
+        if drafter is not None:
             if i == 0:
                 replay_guesses(model, guesser, ids, toks, depth, width, runner, steps=timing_steps)
-            g = draft_lm_guesses(draft_model, ids, toks, depth, width)
+            g = draft_lm_guesses(drafter, ids, toks, depth, width, as_engine(model).device)
         else:
             g = replay_guesses(model, guesser, ids, toks, depth, width, runner)
         emitted = torch.cat([ids[-1:], toks])
@@ -163,6 +167,6 @@ def replay_accuracy(model, guesser, cont: Continuations, depth: int, width: int,
         positions += int(toks.numel())
         if progress:
             progress(i + 1, len(cont.prompts))
-    how = "one teacher-forced drafter forward per prompt" if draft_model is not None else "its session replayed"
+    how = "one teacher-forced drafter forward per prompt" if drafter is not None else "its session replayed"
     return accuracy_json(hits, totals, positions, len(cont.prompts), model, guessing_record(guesser, runner, depth),
                          f"profiler.teacher_forced (the target's greedy continuation; {how})")

@@ -129,7 +129,7 @@ def test_autotune_runs_every_drafter_and_pearl(tmp_path):
     import torch
 
     from decoder.engines.hf.load import load_model
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm, save_draft_lm
     from decoder.guessers.parallel import ParallelDrafter, arch_of
 
     target = load_model("builtin", device="cpu", dtype="fp32").model

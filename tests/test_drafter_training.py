@@ -5,7 +5,8 @@ import torch
 from test_decoder_utils import V, reference, static_tree, tiny_model
 
 from decoder import generate
-from decoder.guessers.draft import DraftModelGuesser, build_draft_lm, load_draft_model, save_draft_lm
+from decoder.guessers.draft import DraftModelGuesser
+from decoder.torch_ops.draft_lm import build_draft_lm, load_draft_model, save_draft_lm
 from decoder.guessers.parallel import ParallelDrafter, arch_of, slot_mask
 from training import drafters
 from training.teacher import TeacherData, coverage, frequent_vocab, teacher_data

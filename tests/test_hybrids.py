@@ -7,7 +7,7 @@ import torch
 from test_decoder_utils import reference
 
 from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
-from decoder.guessers.draft import build_draft_lm
+from decoder.torch_ops.draft_lm import build_draft_lm
 from decoder.guessers.dynamic import HybridGuesser
 from decoder.guessers.parallel import ParallelDrafter, arch_of
 from planner.accept import from_entry

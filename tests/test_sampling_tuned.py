@@ -68,7 +68,7 @@ def test_plan_records_its_settings_and_notes_acceptance_measured_under_others(tm
 
 def test_autotune_under_sampling_on_the_builtin_model(tmp_path, capsys):
     from decoder.engines.hf.load import load_model
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm, save_draft_lm
     from workflows.mainjob.pipeline import AutotuneSettings, autotune
 
     target = load_model("builtin", device="cpu", dtype="fp32").model

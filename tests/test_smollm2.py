@@ -7,7 +7,7 @@ import torch
 
 from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
 from decoder.engines.shipped import MARKER, model_dir
-from decoder.guessers.draft import load_draft_model
+from decoder.torch_ops.draft_lm import load_draft_model
 from decoder.guessers.parallel import ParallelDrafter
 from planner.tree import Tree, TreeState
 from workflows.cli.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts

@@ -9,6 +9,7 @@ from decoder.guessers.draft import DraftModelGuesser
 from decoder.guessers.lookup import PromptLookupGuesser
 from decoder.guessers.parallel import ParallelDrafter, arch_of
 from profiler.acceptance import measure_accuracy
+from decoder.torch_ops.draft import HFDraft
 from profiler.teacher_forced import draft_lm_guesses, greedy_continuations, replay_accuracy
 
 torch.set_num_threads(1)
@@ -67,7 +68,7 @@ def test_a_wrong_offset_is_caught(target, cont):
 
     draft = tiny_model("llama", seed=1)
     ids, toks = cont.prompts[0], cont.tokens[0]
-    good = draft_lm_guesses(draft, ids, toks, 3, 3)
+    good = draft_lm_guesses(HFDraft(draft), ids, toks, 3, 3)
     emitted = torch.cat([ids[-1:], toks])
     h_good, _ = count_hits(good, emitted[: good.shape[0] + 1])
     h_bad, _ = count_hits(torch.roll(good, 1, dims=0), emitted[: good.shape[0] + 1])

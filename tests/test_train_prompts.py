@@ -13,6 +13,7 @@ import torch
 
 from decoder.guessers.prompt_tokens import PromptTokens, prompt_block_mask
 from training import prompts as tp
+from training.teacher import training_passes
 
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
@@ -45,7 +46,7 @@ def test_inserted_blocks_equal_plain_sequences(P, E):
     pt = tp.init_prompt_tokens(model, P, E, seed=1)
     x = torch.randint(0, 64, (2, 24))
     inserts = torch.tensor([[0, 7, 20], [3, 4, 15]])
-    student, teacher = tp.prompt_forward(model, pt.embeddings, E, x, inserts)
+    student, teacher = tp.prompt_forward(training_passes(model), pt.embeddings, E, x, inserts)
     assert student.shape == (2, 3, P, 64) and teacher.shape == (2, 24, 64)
     emb = model.get_input_embeddings()
     with torch.no_grad():
@@ -95,7 +96,7 @@ def test_kl_loss_matches_manual():
 
 def _fixed_loss(model, emb, E, x, inserts, P):
     with torch.no_grad():
-        s, t = tp.prompt_forward(model, emb, E, x, inserts)
+        s, t = tp.prompt_forward(training_passes(model), emb, E, x, inserts)
         return tp.distill_loss(s, tp.teacher_targets(t, inserts, P), tp.distance_weights(P, 0.8))[0].item()
 
 

@@ -314,7 +314,7 @@ def test_the_folder_computes_the_draft_lms_logits(tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from decoder.guessers.draft import build_draft_lm, load_draft_model, save_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm, load_draft_model, save_draft_lm
 
     builtin = ROOT / "models" / "builtin"
     target = AutoModelForCausalLM.from_pretrained(builtin, dtype=torch.float32)

@@ -16,7 +16,8 @@ Evaluation uses the same pass without gradients and scores the ranked guesses of
 against the teacher's argmax at i + d: accuracy[d][r] is the planner's acceptance matrix.
 
 The model is an engine that lends its torch modules (caps.torch_modules: the loss backpropagates through
-it), or a bare transformers model; its two passes are the engine package's (decoder/engines/hf/training.py).
+it), or a bare transformers model (the hf engine's); its two passes are the engine's own (Engine.training():
+decoder/engines/hf/training.py, training/teacher.py `training_passes`).
 """
 from __future__ import annotations
 
@@ -30,12 +31,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from decoder.engine import torch_model
-from decoder.engines.hf.training import prompt_pass
 from decoder.guessers.prompt_tokens import PromptTokens
 from decoder.layout import prompt_block_mask
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, atomic_write_json
+from training.teacher import training_passes
 from training.data import (  # noqa: F401 (re-exported)
     DEFAULT_DATA,
     held_out_question,
@@ -78,7 +78,7 @@ def insertion_mask(inserts: torch.Tensor, seq_len: int, num_prompt_tokens: int, 
     return mask[:, None]
 
 
-def prompt_forward(model, embeddings: torch.Tensor, ensemble: int, x: torch.Tensor, inserts: torch.Tensor):
+def prompt_forward(passes, embeddings: torch.Tensor, ensemble: int, x: torch.Tensor, inserts: torch.Tensor):
     """embeddings [P*E, hidden] (prompt_tokens.embeddings layout), x [B, T], inserts [B, m]
     -> (student logits [B, m, P, V] averaged over the E copies, teacher logits [B, T, V]).
 
@@ -94,7 +94,7 @@ def prompt_forward(model, embeddings: torch.Tensor, ensemble: int, x: torch.Tens
     offsets = torch.arange(P * E, device=x.device) // E + 1  # slot (j, e) sits at i + j + 1
     positions = (inserts[:, :, None] + offsets).reshape(B, m * P * E)
     mask = insertion_mask(inserts, T, P, E, inputs.dtype)
-    logits, teacher = prompt_pass(torch_model(model), x, inputs, positions, mask)  # [B, m*P*E, V], [B, T, V]
+    logits, teacher = passes.prompt_pass(x, inputs, positions, mask)  # [B, m*P*E, V], [B, T, V]
     student = logits.view(B, m, P, E, -1).mean(dim=3)  # [B, m, P, V]
     return student, teacher
 
@@ -128,7 +128,7 @@ def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: i
     """Per-distance, per-rank accuracy against the base model's greedy token at i + d, insertion
     points every `stride` positions of each held-out window. Returns {'accuracy': [P][ranks],
     'top1': [P], 'top5': [P], 'kl': [P], 'count': n}."""
-    model = torch_model(model)
+    passes = training_passes(model)
     P = prompt_tokens.num_prompt_tokens
     device = device or windows.device
     T = windows.shape[1]
@@ -139,8 +139,8 @@ def evaluate(model, prompt_tokens: PromptTokens, windows: torch.Tensor, ranks: i
     for b in range(0, windows.shape[0], batch_size):
         x = windows[b : b + batch_size].to(device)
         inserts = pts[None].expand(x.shape[0], -1).to(device)
-        emb = prompt_tokens.embeddings.to(device=device, dtype=next(model.parameters()).dtype)
-        student, teacher = prompt_forward(model, emb, prompt_tokens.ensemble, x, inserts)
+        emb = prompt_tokens.embeddings.to(device=device, dtype=passes.dtype)
+        student, teacher = prompt_forward(passes, emb, prompt_tokens.ensemble, x, inserts)
         target = teacher_targets(teacher, inserts, P)  # [B, m, P, V]
         greedy = target.argmax(-1)  # [B, m, P]
         r = min(ranks, student.shape[-1])  # a vocabulary smaller than the ranks asked
@@ -190,14 +190,8 @@ class TrainResult:
 
 def init_prompt_tokens(model, P: int, E: int, seed: int) -> PromptTokens:
     """Initialised from ordinary token embeddings (PPD): copies of random vocabulary rows, in fp32."""
-    pt = PromptTokens.random(torch_model(model), P, E, seed=seed)
+    pt = PromptTokens.random(model, P, E, seed=seed)
     return pt.float()
-
-
-def _freeze(model) -> None:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.eval()
 
 
 def _save_checkpoint(path: Path, pt: PromptTokens, opt, gen_state: torch.Tensor, step: int, losses, wall: float, cfg: TrainConfig):
@@ -214,18 +208,17 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
     final PromptTokens (decoder/guessers/prompt_tokens.py format) into out_dir."""
     from tqdm import tqdm
 
-    model = torch_model(model)  # an engine's (caps.torch_modules) or a bare model: the loss backpropagates through it
+    passes = training_passes(model)  # an engine's (caps.torch_modules) or a bare model's: the loss backpropagates through it
     cfg = config or TrainConfig()
     out_dir = Path(out_dir)
-    device = torch.device(device or next(model.parameters()).device)
-    _freeze(model)
+    device = torch.device(device or passes.device)
     P, E = cfg.num_prompt_tokens, cfg.ensemble
     if train_windows.ndim != 2 or train_windows.shape[0] == 0:
         raise UserError("prompt-token training: no training windows (data shorter than one window?)")
     T = train_windows.shape[1]
 
     pt = init_prompt_tokens(model, P, E, cfg.seed).to(device)
-    model_dtype = next(model.parameters()).dtype
+    model_dtype = passes.dtype
     opt = torch.optim.Adam([pt.embeddings], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     step, losses, wall_before = 0, [], 0.0
@@ -242,7 +235,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
         step, losses, wall_before = st["step"], st["losses"], st["wall_s"]
     trained = sum(p.numel() for p in pt.parameters() if p.requires_grad)
     assert trained == P * E * pt.hidden_size
-    assert not any(p.requires_grad for p in model.parameters())
+    assert not passes.trainable()
     weights = distance_weights(P, cfg.decay).to(device)
 
     t0 = time.time()
@@ -258,7 +251,7 @@ def train_prompt_tokens(model, train_windows: torch.Tensor, out_dir, config: Tra
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
             # fp32 master embeddings, cast to the model's dtype for the pass
-            student, teacher = prompt_forward(model, pt.embeddings.to(model_dtype), E, x, inserts)
+            student, teacher = prompt_forward(passes, pt.embeddings.to(model_dtype), E, x, inserts)
             loss, per_d = distill_loss(student, teacher_targets(teacher, inserts, P), weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()

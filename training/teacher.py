@@ -7,8 +7,8 @@ many epochs, so the target runs over the data once. Chunks of windows are writte
 (safetensors, fp16 features), so an interrupted run keeps them and the next run continues.
 
 Cache: <cache dir>/teacher/<key>/, key = hash of the target's config, the windows and the options.
-The target is an engine that lends its torch modules (caps.torch_modules), or a bare transformers model;
-its passes are the engine package's (decoder/engines/hf/training.py).
+The target is an engine that lends its torch modules (caps.torch_modules), or a bare transformers model
+(the hf engine's); its passes are the engine's own (Engine.training(): decoder/engines/hf/training.py).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from decoder.engine import torch_model
-from decoder.engines.hf.training import architecture_hash, teacher_pass
+from decoder.engines.registry import as_engine
 from decoder.engines.shipped import cache_dir
+from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes
 
 CHUNK = 32  # windows per file
@@ -42,19 +42,28 @@ class TeacherData:
                            None if self.hidden is None else self.hidden[rows])
 
 
-def _key(model, windows: torch.Tensor, k: int, hidden: bool) -> str:
+def training_passes(target):
+    """The target's training passes (Engine.training()), the target frozen: an engine that lends its torch
+    modules, or a bare transformers model (the hf engine's)."""
+    engine = as_engine(target)
+    if not engine.caps.torch_modules:
+        raise UserError(f"--engine {engine.caps.name}: lends no torch modules to train through")
+    return engine.training()
+
+
+def _key(passes, windows: torch.Tensor, k: int, hidden: bool) -> str:
     h = hashlib.sha256()
-    h.update(architecture_hash(model).encode())
+    h.update(passes.architecture_hash().encode())
     h.update(windows.numpy().tobytes())
-    h.update(f"k={k} hidden={hidden} dtype={next(model.parameters()).dtype}".encode())
+    h.update(f"k={k} hidden={hidden} dtype={passes.dtype}".encode())
     return h.hexdigest()[:20]
 
 
 @torch.inference_mode()
-def _chunk(model, x: torch.Tensor, k: int, hidden: bool, batch_size: int) -> dict:
+def _chunk(passes, x: torch.Tensor, k: int, hidden: bool, batch_size: int) -> dict:
     ids, probs, feats = [], [], []
     for b in range(0, x.shape[0], batch_size):
-        logits, last = teacher_pass(model, x[b: b + batch_size], hidden)
+        logits, last = passes.teacher(x[b: b + batch_size], hidden)
         top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, T, k]
         ids.append(top.indices.int().cpu())
         probs.append(top.values.half().cpu())
@@ -66,14 +75,14 @@ def _chunk(model, x: torch.Tensor, k: int, hidden: bool, batch_size: int) -> dic
     return chunk
 
 
-def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden: bool = True, batch_size: int = 4,
+def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden=True, batch_size: int = 4,
                  progress: bool = True, root: Path | None = None) -> TeacherData:
     """The target's top-k and (optionally) features on windows [N, T], from the cache when there."""
     from safetensors.torch import load, save
     from tqdm import tqdm
 
-    model = torch_model(target)
-    folder = (root or cache_dir() / "teacher") / _key(model, windows, k, hidden)
+    passes = training_passes(target)
+    folder = (root or cache_dir() / "teacher") / _key(passes, windows, k, hidden)
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
     t0 = time.time()
@@ -83,7 +92,7 @@ def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden: bool = True
         if f.is_file():
             parts.append(load(f.read_bytes()))
             continue
-        part = _chunk(model, windows[i: i + CHUNK], k, hidden, batch_size)
+        part = _chunk(passes, windows[i: i + CHUNK], k, hidden, batch_size)
         atomic_write_bytes(f, save({n: t.contiguous() for n, t in part.items()}))
         parts.append(part)
     data = TeacherData(torch.cat([p["tokens"] for p in parts]).long(), torch.cat([p["top_ids"] for p in parts]),

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from decoder.engine import torch_model
+from decoder.torch_ops.body import body_cache, llama_body, run_body
 from decoder.torch_ops.cache import crop_cache
-from decoder.torch_ops.forward import kv
+from decoder.torch_ops.modules import token_modules
 from decoder.guesser import DecodeContext, DistanceGuesser, Proposal, StepOutcome
 from decoder.guessers.pool import POOL_WIDTH, Decider, Pool, Source, cartesian
 from decoder.layout import layout_for
@@ -48,13 +48,6 @@ WEIGHTS_NAME = "parallel_drafter.safetensors"
 CONFIG_NAME = "parallel_drafter.json"
 FORMAT = "tree-planner/parallel-drafter"
 MODES = ("parallel", "chain")
-
-
-def _body_config(arch: dict):
-    """A one-layer Llama for the drafter's body; vocab_size 1: it reads inputs_embeds only."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=1, num_hidden_layers=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, **arch)
 
 
 ARCH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -74,8 +67,6 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     def __init__(self, arch: dict, num_masks: int = 4, head_ids: torch.Tensor | None = None, top_k: int = 8,
                  mode: str = "parallel", meta: dict | None = None):
         super().__init__()
-        from transformers import LlamaModel
-
         if mode not in MODES:
             raise UserError(f"parallel drafter: mode must be one of {', '.join(MODES)}, got {mode!r}")
         H = arch["hidden_size"]
@@ -83,7 +74,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
         self.meta = dict(meta or {})
         self.fc = nn.Linear(2 * H, H)
         self.masks = nn.Parameter(torch.zeros(num_masks, H))
-        self.body = LlamaModel(_body_config(self.arch))  # its embedding (vocab 1) is never used
+        self.body = llama_body(self.arch)  # one layer of the target's shape (decoder/torch_ops/body.py)
         self.register_buffer("head_ids", head_ids if head_ids is not None else torch.zeros(0, dtype=torch.long),
                              persistent=False)
         self.target = None  # (embedding [V, H], LM head weight [V, H]) of the target, frozen, attached at begin
@@ -91,11 +82,13 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
     # ------------------------------------------------------------------ the network
 
     def attach(self, target) -> "ParallelDrafter":
-        """Share the target's frozen embedding and LM head (never copied, never trained)."""
-        emb = target.get_input_embeddings().weight
-        if emb.shape[1] != self.arch["hidden_size"]:
-            raise UserError(f"parallel drafter: hidden size {self.arch['hidden_size']}, the target's is {emb.shape[1]}")
-        self.target = (target.get_input_embeddings(), target.get_output_embeddings())
+        """Share the target's frozen embedding and LM head (never copied, never trained): the engine's
+        (Engine.token_modules) or a bare transformers model's."""
+        embedding, head = token_modules(target)
+        if embedding.weight.shape[1] != self.arch["hidden_size"]:
+            raise UserError(f"parallel drafter: hidden size {self.arch['hidden_size']}, the target's is "
+                            f"{embedding.weight.shape[1]}")
+        self.target = (embedding, head)
         return self
 
     def real_inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -105,9 +98,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
 
     def run(self, inputs: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache=None):
         """inputs [B, L, H] -> hidden [B, L, H] after the final norm (the drafter's predicted features)."""
-        out = self.body(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
-                        **kv(cache), use_cache=cache is not None)
-        return out.last_hidden_state
+        return run_body(self.body, inputs, position_ids, attention_mask, cache)
 
     def logits(self, hidden: torch.Tensor, full: bool = False) -> torch.Tensor:
         """Head logits [..., V'] over the restricted vocabulary (head_ids), or all [..., V] with full."""
@@ -165,7 +156,7 @@ class ParallelDrafter(DistanceGuesser, nn.Module):
 
     def _open(self, target, ctx: DecodeContext) -> None:
         """The target's embedding and head attached, the drafter on the decoding device."""
-        self.attach(torch_model(target))
+        self.attach(target)
         self.to(device=ctx.device)
 
     # ------------------------------------------------------------------ files
@@ -219,12 +210,10 @@ class ParallelSession:
     the next step's slots join them."""
 
     def __init__(self, d: ParallelDrafter, nodes, depth: int, prompt_ids: torch.Tensor, ctx: DecodeContext):
-        from transformers import DynamicCache
-
         self.d, self.ctx, self.depth = d, ctx, depth
         self.layout = layout_for(nodes, d.top_k, ctx.dtype, ctx.device)
         self.max_input_length = self.layout.input_length
-        self.cache = DynamicCache(config=d.body.config)
+        self.cache = body_cache(d.body)
         T = prompt_ids.numel()
         # pending real slots: (features [m, H], next tokens [m], positions [m]); the prompt's first
         self.pending = (ctx.prompt_hidden, prompt_ids[1:], torch.arange(T - 1, device=prompt_ids.device)) if T > 1 else None

@@ -15,7 +15,6 @@ puts the prompt tokens after every chosen node.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from decoder.layout import (
     layout_for,
     prompt_block_mask,  # noqa: F401  (re-exported: the mask lives with the layouts)
 )
+from decoder.torch_ops.modules import model_meta, token_modules
 from planner.dynamic import DynamicSpec, GuesserModel, q_bins
 from planner.errors import UserError
 from planner.jsonio import atomic_write_bytes, read_json
@@ -39,13 +39,6 @@ WEIGHTS_NAME = "prompt_tokens.safetensors"
 MAX_ENSEMBLE = 16  # E copies per prompt token
 CONFIG_NAME = "prompt_tokens.json"
 FORMAT = "tree-planner/prompt-tokens"
-
-
-def config_fingerprint(config) -> str:
-    """Short hash of the fields that decide whether embeddings fit a model."""
-    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-    d = {k: getattr(config, k, None) for k in keys}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class PromptTokens(DistanceGuesser, nn.Module):
@@ -80,12 +73,13 @@ class PromptTokens(DistanceGuesser, nn.Module):
         return PPDSource(gm, self, spec, ctx)
 
     @classmethod
-    def random(cls, model, num_prompt_tokens: int, ensemble: int = 1, seed: int = 0, top_k: int = 10) -> "PromptTokens":
-        """Untrained prompt tokens: copies of the input embeddings of random vocabulary tokens."""
-        emb = model.get_input_embeddings().weight  # [V, hidden]
+    def random(cls, target, num_prompt_tokens: int, ensemble: int = 1, seed: int = 0, top_k: int = 10) -> "PromptTokens":
+        """Untrained prompt tokens: copies of the input embeddings of random vocabulary tokens. target: the
+        engine (Engine.token_modules) or a bare transformers model."""
+        emb = token_modules(target)[0].weight  # [V, hidden]
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, emb.shape[0], (num_prompt_tokens * ensemble,), generator=g)
-        pt = cls(num_prompt_tokens, ensemble, emb.shape[1], top_k=min(top_k, emb.shape[0]), meta=_model_meta(model))
+        pt = cls(num_prompt_tokens, ensemble, emb.shape[1], top_k=min(top_k, emb.shape[0]), meta=model_meta(target))
         with torch.no_grad():
             pt.embeddings.copy_(emb.detach()[ids.to(emb.device)].float().cpu())
         return pt.to(device=emb.device, dtype=emb.dtype)
@@ -110,6 +104,8 @@ class PromptTokens(DistanceGuesser, nn.Module):
 
     @classmethod
     def load(cls, directory, model=None, top_k: int | None = None) -> "PromptTokens":
+        """Trained prompt tokens from `directory`, fitted to `model` (the engine or a bare transformers model)
+        when given: its hidden size checked, on its device and dtype."""
         from safetensors import SafetensorError
         from safetensors.torch import load
 
@@ -137,7 +133,7 @@ class PromptTokens(DistanceGuesser, nn.Module):
         with torch.no_grad():
             pt.embeddings.copy_(w)
         if model is not None:
-            emb = model.get_input_embeddings().weight
+            emb = token_modules(model)[0].weight
             if emb.shape[1] != H:
                 raise UserError(f"{cfg_path}: field 'hidden_size' is {H}, the model's hidden size is {emb.shape[1]}")
             pt.top_k = min(pt.top_k, emb.shape[0])
@@ -189,17 +185,10 @@ class PPDSource(Source):
         self.guess = (both[0], both[1].astype(np.int64))
 
 
-def _model_meta(model) -> dict:
-    cfg = model.config
-    return {"model": getattr(cfg, "name_or_path", "") or getattr(cfg, "model_type", ""), "model_config_hash": config_fingerprint(cfg)}
-
-
 def load(request) -> PromptTokens:
     """The registry's loader (planner/guessers.py): trained prompt tokens from request.path, or, with
     options["random"] = P, untrained ones (P random vocabulary embeddings, options["ensemble"] copies)."""
-    from decoder.engine import torch_model
-
-    model = torch_model(request.target)
+    model = request.target
     random_p = request.options.get("random")
     if request.path is None and random_p is not None:
         return PromptTokens.random(model, random_p, ensemble=request.options.get("ensemble", 1), top_k=request.top_k or 10)

@@ -8,6 +8,16 @@ from decoder.torch_ops.cache import compact_cache
 from decoder.torch_ops.forward import kv, prefill
 
 
+def max_positions(config) -> int | None:
+    """The longest sequence a model's cache holds and crops back: its positions, and below a sliding
+    window (a cache past the window cannot be cropped back)."""
+    limits = [getattr(config, "max_position_embeddings", None)]
+    if getattr(config, "use_sliding_window", True):
+        window = getattr(config, "sliding_window", None)
+        limits.append(window - 1 if isinstance(window, int) else None)
+    return min((x for x in limits if isinstance(x, int)), default=None)
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
     """[1, 1, m, L] additive attention mask from a [m, L] bool visibility (0 visible, the dtype's minimum not)."""
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible.cpu(), torch.finfo(dtype).min)
@@ -25,6 +35,7 @@ class HFDraft:
         self.model = model.eval()
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.label = label
+        self.max_positions = max_positions(model.config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,4 +67,4 @@ class HFDraftState:
 
     def keep(self, base: int, rows: list[int]) -> None:
         device = next((layer.keys.device for layer in self.cache.layers if layer.keys is not None), torch.device("cpu"))
-        compact_cache(self.cache, base, torch.tensor(rows, dtype=torch.long, device=device))
+        compact_cache(self.cache, base, torch.tensor(rows, dtype=torch.long, device=device), nodes=list(rows))

@@ -2,6 +2,7 @@
 
     planner train-drafter --kind parallelspec --out models/smollm2-135m/parallelspec   # k = 4 masks
     planner train-drafter --kind draft-lm --layers 2 --out models/smollm2-135m/draft_lm
+    planner train-drafter --kind eagle3 --data DISTILL.jsonl --out models/smollm2-135m/eagle3   # workflows/cli/train_eagle.py
 
 Data: the shared data dir's training split in the target's chat format, with the target's own
 answers to the training questions (models/<model>/self_distill.jsonl when it ships) and web text;
@@ -17,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-KINDS = ("parallelspec", "draft-lm")
+KINDS = ("parallelspec", "draft-lm", "eagle3")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--no-progress", action="store_true")
+    from workflows.cli.train_eagle import add_arguments as add_eagle_arguments
+
+    add_eagle_arguments(p)
 
 
 def _check(args) -> None:
@@ -109,19 +113,21 @@ def run(args) -> int:
         raise UserError(f"planner train-drafter: the {spec.name} engine lends no torch modules to train through")
     engine = open_engine(spec.name, EngineRequest(model=args.model, device="cpu", dtype="fp32", threads=args.threads,
                                                   progress=not args.no_progress))
-    target = engine.torch_model()
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target = engine.training()  # the target's passes, the target frozen (decoder/engines/hf/training.py)
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise UserError(f"--model {args.model}: no tokenizer next to the model")
+    if args.kind == "eagle3":  # its own data (the target's answers) and layout: workflows/cli/train_eagle.py
+        from workflows.cli.train_eagle import run_eagle
+
+        return run_eagle(args, engine)
     train_w, val_w, desc = windows_for(args, tokenizer, engine.model_name)
     print(f"target {engine.model_name}; {train_w.shape[0]} training windows, {val_w.shape[0]} held-out, "
           f"{args.seq_len} tokens", file=sys.stderr)
     t0 = time.time()
     # features too, for either kind: both drafters then share one cached pass of the target
-    tr = teacher.teacher_data(target, train_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
-    va = teacher.teacher_data(target, val_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
+    tr = teacher.teacher_data(engine, train_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
+    va = teacher.teacher_data(engine, val_w, k=args.teacher_top_k, hidden=True, progress=not args.no_progress)
     teacher_s = time.time() - t0
     head = teacher.frequent_vocab(tr, args.head_vocab) if args.head_vocab else None
     cfg = drafters.DrafterConfig(steps=args.steps, batch_size=args.batch_size, groups=args.groups, lr=args.lr,
@@ -151,12 +157,11 @@ def run(args) -> int:
 
 
 def _train_parallel(args, target, tr, va, head, cfg):
-    from decoder.engines.hf.training import parallel_drafter_for
     from planner.jsonio import atomic_write_json
     from training import drafters
 
     # started from the target's last layer and final norm: its features are what the slots carry
-    d = parallel_drafter_for(target, args.num_masks, head, args.top_k)
+    d = target.parallel_drafter(args.num_masks, head, args.top_k)
     params = [p for p in d.parameters() if p.requires_grad]
     result = drafters.train(d, params, lambda rows, gen: drafters.parallel_loss(d, tr, rows, cfg, gen), tr, args.out,
                             cfg, resume=args.resume, progress=not args.no_progress, desc="train parallelspec drafter")
@@ -177,11 +182,11 @@ def _train_parallel(args, target, tr, va, head, cfg):
 
 def _train_draft_lm(args, target, tr, va, head, cfg):
     from decoder.engines.hf.training import draft_lm_parameters
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.torch_ops.draft_lm import save_draft_lm
     from planner.jsonio import atomic_write_json
     from training import drafters
 
-    draft = build_draft_lm(target, args.layers)
+    draft = target.draft_lm(args.layers)
     params = draft_lm_parameters(draft)  # its own layers and final norm, not the target's shared embedding and head
     for p in params:
         p.requires_grad_(True)

@@ -181,7 +181,7 @@ class _Padded:
     def __init__(self, model, seqs: list, caches, want_hidden: bool):
         from transformers import DynamicCache
 
-        self.model = model
+        self.model, self.want_hidden = model, want_hidden
         self.rows = {s.index: r for r, s in enumerate(seqs)}
         L = max(s.context_length for s in seqs)
         self.valid = torch.zeros(len(seqs), L, dtype=torch.bool)  # [b, L] real (not hole) cache slots

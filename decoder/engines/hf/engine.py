@@ -64,9 +64,29 @@ class HFEngine:
         return self._tokenizer
 
     def torch_model(self):
-        """The transformers model itself (caps.torch_modules): guessers that share its embedding and head,
-        PEARL's and MTAD's loops, training."""
+        """The transformers model itself: this package's own (training passes, its timers)."""
         return self.model
+
+    def open_drafter(self, path, label: str | None = None):
+        """A draft model from `path` as a decoder/drafter.py DraftModel (caps.torch_modules): the project's
+        draft LM (its layers on this model's embedding and head, decoder/torch_ops/draft_lm.py) or a
+        Hugging Face causal LM folder with this model's vocabulary."""
+        from decoder.torch_ops.draft import HFDraft
+        from decoder.torch_ops.draft_lm import load_draft_model
+
+        return HFDraft(load_draft_model(path, self.model), label or str(path))
+
+    def training(self):
+        """The passes training backpropagates through, on this model frozen (caps.torch_modules):
+        decoder/engines/hf/training.py TrainingPasses."""
+        from decoder.engines.hf.training import TrainingPasses
+
+        return TrainingPasses(self.model)
+
+    def token_modules(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(input embedding, LM head): the target's own modules, frozen, which drafters built on the target
+        share instead of copying (ParallelSpec's, PPD prompt tokens' initial rows)."""
+        return self.model.get_input_embeddings(), self.model.get_output_embeddings()
 
     def context_forwards(self, context: torch.Tensor):
         """Forwards of new tokens after `context` [C], prefilled once and cut back to it after each use

@@ -1,12 +1,14 @@
 """What training needs of the hf engine's torch modules (caps.torch_modules): training backpropagates
-through a frozen transformers target, so these take the torch model itself (engine.torch_model(), or a
-bare model), and training/ never reaches into it.
+through a frozen transformers target, so its passes over the target are this package's, handed out by
+the engine (HFEngine.training() -> TrainingPasses), and training/ never reaches into the model.
 
-    logits, feats = teacher_pass(model, windows, hidden=True)          # the teacher's outputs (training/teacher.py)
-    prompt_logits, prefix_logits = prompt_pass(model, x, embeds, positions, mask)   # PPD (training/prompts.py)
-    drafter = parallel_drafter_for(model, num_masks, head_ids, top_k)  # ParallelSpec from the target's last layer
-    params = draft_lm_parameters(draft)                                 # the draft LM's own layers and final norm
-    hidden, head = draft_lm_features(draft, x)                          # its final hidden states and LM head
+    passes = engine.training()                                        # the target frozen, in eval mode
+    logits, feats = passes.teacher(windows, hidden=True)              # the teacher's outputs (training/teacher.py)
+    prompt_logits, prefix_logits = passes.prompt_pass(x, embeds, positions, mask)   # PPD (training/prompts.py)
+    drafter = passes.parallel_drafter(num_masks, head_ids, top_k)     # ParallelSpec from the target's last layer
+    draft = passes.draft_lm(num_layers)                               # the project's draft LM on its embedding and head
+    params = draft_lm_parameters(draft)                               # the draft LM's own layers and final norm
+    hidden, head = draft_lm_features(draft, x)                        # its final hidden states and LM head
 """
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ def architecture_hash(model) -> str:
     return config_hash(model.config)
 
 
-def teacher_pass(model, input_ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's logits [B, T, V] on windows [B, T] (any device: moved to the model's) and, with hidden,
-    its last hidden state [B, T, H] after the final norm (the features EAGLE-style drafters regress)."""
+def teacher_pass(model, input_ids: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits [B, T, V] on windows [B, T] (any device: moved to the model's) and, with `hidden`
+    (decoder.engine.Features), those features [B, T, F]: True the last hidden state after the final norm
+    (what ParallelSpec regresses), layer ids the streams entering those layers (an EAGLE-3 head's input)."""
+    from decoder.torch_ops.forward import pick_features
+
     dev = model.get_input_embeddings().weight.device
-    out = model(input_ids=input_ids.to(dev), output_hidden_states=hidden)
-    return out.logits, out.hidden_states[-1] if hidden else None
+    out = model(input_ids=input_ids.to(dev), output_hidden_states=bool(hidden))
+    return out.logits, pick_features(out.hidden_states, hidden)
 
 
 def prompt_pass(model, input_ids: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
@@ -60,7 +65,7 @@ def parallel_drafter_for(target, num_masks: int, head_ids: torch.Tensor | None, 
 
 
 def draft_lm_parameters(draft) -> list[torch.nn.Parameter]:
-    """The draft LM's own parameters (its layers and final norm; decoder.guessers.draft.build_draft_lm), without
+    """The draft LM's own parameters (its layers and final norm; decoder/torch_ops/draft_lm.py build_draft_lm), without
     the target's embedding and head it shares: what training updates."""
     return [p for n, p in draft.named_parameters() if n.startswith(("model.layers.", "model.norm."))]
 
@@ -76,3 +81,47 @@ def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     modules it shares are left out): what a checkpoint keeps."""
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     return {k: v for k, v in module.state_dict().items() if k in trainable}
+
+
+class TrainingPasses:
+    """The frozen target's passes training backpropagates through (HFEngine.training(), caps.torch_modules)."""
+
+    def __init__(self, model):
+        self.model = model
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+
+    def architecture_hash(self) -> str:
+        return architecture_hash(self.model)
+
+    def teacher(self, input_ids: torch.Tensor, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return teacher_pass(self.model, input_ids, hidden)
+
+    def prompt_pass(self, input_ids: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return prompt_pass(self.model, input_ids, embeds, position_ids, attention_mask)
+
+    def parallel_drafter(self, num_masks: int, head_ids: torch.Tensor | None, top_k: int):
+        return parallel_drafter_for(self.model, num_masks, head_ids, top_k)
+
+    def draft_lm(self, num_layers: int, init_from: tuple[int, ...] | None = None):
+        from decoder.torch_ops.draft_lm import build_draft_lm
+
+        return build_draft_lm(self.model, num_layers, init_from)
+
+    def eagle3_head(self, aux_layers: tuple[int, ...], draft_ids: torch.Tensor):
+        """A new EAGLE-3 head on the target's embedding, started from its last layer, final norm and head
+        (decoder/torch_ops/eagle.py eagle3_from_target)."""
+        from decoder.torch_ops.eagle import eagle3_from_target
+
+        return eagle3_from_target(self.model, aux_layers, draft_ids)
+
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def trainable(self) -> bool:
+        """Whether any of the target's parameters would take a gradient (training checks it never does)."""
+        return any(p.requires_grad for p in self.model.parameters())

@@ -29,7 +29,7 @@ from pathlib import Path
 from planner.errors import UserError
 from planner.jsonio import read_json
 
-DRAFT_LM_WEIGHTS = "draft_lm.safetensors"  # decoder/guessers/draft.py's file names and format
+DRAFT_LM_WEIGHTS = "draft_lm.safetensors"  # decoder/torch_ops/draft_lm.py's file names and format
 DRAFT_LM_CONFIG = "draft_lm.json"
 DRAFT_LM_FORMAT = "tree-planner/draft-lm"
 MARKER = "tree-planner-draft.json"  # written last: the folder is complete
@@ -209,7 +209,7 @@ def _read_safetensors(path: Path) -> dict:
 
 
 def _own_tensor(name: str, n: int) -> bool:
-    """A draft LM's own tensor: a layer below n, or the final norm (decoder/guessers/draft.py own_state)."""
+    """A draft LM's own tensor: a layer below n, or the final norm (decoder/torch_ops/draft_lm.py own_state)."""
     if name.startswith("model.norm."):
         return True
     parts = name.split(".")
