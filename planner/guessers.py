@@ -153,7 +153,7 @@ register(GuesserKind(
 register(GuesserKind(
     "medusa-heads", "Medusa heads (FasterDecoding's or vLLM's layout): one guess list per distance (a Cartesian tree)",
     "decoder.guessers.heads:load_medusa", files="medusa", needs_hidden=True, needs_torch=True, signal="none",
-    passes="one", static=("chain", "medusa"), export="medusa", autotune=False))
+    passes="one", static=("chain", "medusa"), export="medusa"))
 register(GuesserKind(
     LOOKUP, "prompt lookup: what followed the last matching n-gram of the text so far (no model)",
     "decoder.guessers.lookup:load", signal=LOOKUP_SIGNAL, passes="none", branches=False, static=("chain",),

@@ -49,16 +49,26 @@ from profiler.load_generator import LoadResult, RequestRecord, run_load
 from profiler.serving_metrics import SpecDecodeCounters, fetch_spec_decode
 from profiler.workload import Request
 
-METHODS = ("ngram", "suffix", "draft_model")  # vLLM's proposers this measures (its own spelling)
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa")  # vLLM's proposers this measures (its spelling)
+MODEL_METHODS = frozenset({"draft_model", "eagle", "eagle3", "medusa"})  # the ones that load a drafter's folder
+DEFAULT_METHODS = ("ngram", "suffix", "draft_model")  # measured when none is named (a head's method joins with its folder)
 DEFAULT_DRAFT_LENGTH = 8
 MAX_DRAFT_LENGTH = 24  # suffix decoding's default tree depth; longer drafts say nothing more here
 NGRAM_LOOKUP = (1, 3)  # prompt_lookup_min/max: the n-grams the project's own lookup is measured with
-DRAFT_PASSES = {"ngram": "one", "suffix": "one", "draft_model": "depth"}  # planner.cost.Guessing's draft_passes
+DRAFT_PASSES = {"ngram": "one", "suffix": "one", "draft_model": "depth", "eagle": "depth", "eagle3": "depth",
+                "medusa": "one"}  # planner.cost.Guessing's draft_passes
 REQUEST_TIMEOUT_S = 900.0
 
 
-def speculative_config(method: str, k: int, draft_model: str | Path | None = None) -> dict:
-    """vLLM's --speculative-config for `method` drafting K tokens (suffix: at most K)."""
+def drafter_of(method: str, draft_model) -> str | Path | None:
+    """The folder `method` loads: `draft_model` is one folder for every method that loads one, or a mapping
+    method -> folder (a run that measures a draft LM and a head)."""
+    return draft_model.get(method) if isinstance(draft_model, dict) else draft_model
+
+
+def speculative_config(method: str, k: int, draft_model=None) -> dict:
+    """vLLM's --speculative-config for `method` drafting K tokens (suffix: at most K); draft_model: the drafter's
+    folder (draft_model, eagle, eagle3, medusa), or a mapping method -> folder."""
     if method not in METHODS:
         raise UserError(f"--method {method}: expected one of {', '.join(METHODS)}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_LENGTH:
@@ -66,10 +76,12 @@ def speculative_config(method: str, k: int, draft_model: str | Path | None = Non
     cfg = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
         cfg.update(prompt_lookup_min=NGRAM_LOOKUP[0], prompt_lookup_max=NGRAM_LOOKUP[1])
-    elif method == "draft_model":
-        if draft_model is None:
-            raise UserError("--method draft_model needs a draft model folder (--draft-model DIR)")
-        cfg["model"] = str(draft_model)
+    elif method in MODEL_METHODS:
+        folder = drafter_of(method, draft_model)
+        if folder is None:
+            flag = "--draft-model DIR" if method == "draft_model" else "--drafter DIR (the head's folder)"
+            raise UserError(f"--method {method} needs its drafter's folder ({flag})")
+        cfg["model"] = str(folder)
     return cfg
 
 
@@ -166,7 +178,7 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
 # ---------------------------------------------------------------------------------------------- measuring
 
 def measure_method(engine, method: str, requests: Sequence[Request], s, draft_length: int = DEFAULT_DRAFT_LENGTH,
-                   concurrency: int = 4, draft_model: str | Path | None = None,
+                   concurrency: int = 4, draft_model: str | Path | dict | None = None,
                    timeout_s: float = REQUEST_TIMEOUT_S, say: Callable[[str], None] | None = None,
                    server_kwargs: dict | None = None, server=None, launch_next=None) -> dict:
     """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record.
@@ -201,7 +213,7 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
 
 def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request], s, seed: int = 0,
                     draft_length: int = DEFAULT_DRAFT_LENGTH, concurrency: int = 4,
-                    draft_model: str | Path | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+                    draft_model: str | Path | dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
                     say: Callable[[str], None] | None = None) -> dict[str, dict]:
     """method -> its acceptance record, one server each, in order; the same (sampled) requests for all."""
     if not requests:

@@ -60,7 +60,7 @@ def _faked_inputs(monkeypatch, tmp_path, levels, methods, exported: list | None 
     monkeypatch.setattr(sv, "_profile", lambda *a: tmp_path / "profile.json")
     monkeypatch.setattr(sv, "_acceptance", lambda *a: {m: rec for m in methods})
     sink = [] if exported is None else exported
-    monkeypatch.setattr(sv, "_exports", lambda chosen, out, draft_dir: sink.append(chosen))
+    monkeypatch.setattr(sv, "_exports", lambda chosen, out, models: sink.append(chosen))
     return profiles, rec
 
 
@@ -256,7 +256,7 @@ def test_a_tie_keeps_the_draft_length_and_only_a_loss_switches_it_off():
 def test_exports_carry_the_same_schedule(tmp_path):
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
            "num_speculative_tokens_per_batch_size": [[1, 3, 4], [4, 15, 2], [16, 256, 0]]}
-    sv._exports(sr.Contender("planned ngram", cfg), tmp_path, None)
+    sv._exports(sr.Contender("planned ngram", cfg), tmp_path, {})
     assert json.loads((tmp_path / "exports" / "vllm.json").read_text())["speculative_config"] == cfg
     trt = json.loads((tmp_path / "exports" / "trtllm.json").read_text())["speculative_config"]
     # planner/export.py's TensorRT-LLM builder: keyed by each range's highest batch size, 0 above the last key
@@ -265,7 +265,7 @@ def test_exports_carry_the_same_schedule(tmp_path):
     sglang = json.loads((tmp_path / "exports" / "sglang.json").read_text())
     assert sglang["server_args"][:2] == ["--speculative-algorithm", "NGRAM"]
     assert any("per-batch-size" in n or "batch size" in n for n in sglang["notes"]), sglang["notes"]
-    sv._exports(sr.Contender("planned suffix", {"method": "suffix", "num_speculative_tokens": 3}), tmp_path, None)
+    sv._exports(sr.Contender("planned suffix", {"method": "suffix", "num_speculative_tokens": 3}), tmp_path, {})
     notes = json.loads((tmp_path / "exports" / "notes.json").read_text())["notes"]
     assert any(n.startswith("trtllm: no suffix proposer") for n in notes), notes
 
@@ -740,7 +740,8 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     records = {m: json.loads((run / f"accept-{m}.json").read_text()) for m in ("ngram", "suffix", "draft_model")}
     overhead = {int(k): v for k, v in json.loads((run / "plans.json").read_text())["server_overhead_s"].items()}
     s = sv.ServingSettings()
-    cs = sp.planned_contenders(records, profiles, levels, s, "draft-dir", overhead, tmp_path, lambda line: None)
+    cs = sp.planned_contenders(records, profiles, levels, s, {"draft_model": "draft-dir"}, overhead, tmp_path,
+                               lambda line: None)
     by_name = {c.name: c for c in cs}
     plans = json.loads((tmp_path / "plans.json").read_text())
     assert plans["chosen_method"] == "suffix" and plans["planned_methods"] == ["suffix", "ngram"]
@@ -749,7 +750,7 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     expect = planning.schedule_ranges({int(k): v for k, v in plans["plans"]["ngram"]["per_level"].items()}, levels)
     assert ngram.speculative["num_speculative_tokens_per_batch_size"] == expect and ngram.predicted
     # a schedulable best proposer races alone, as before
-    only = sp.planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, None, overhead, tmp_path,
+    only = sp.planned_contenders({"ngram": records["ngram"]}, profiles, levels, s, {}, overhead, tmp_path,
                                   lambda line: None)
     assert [c.name for c in only if c.name.startswith("planned")] == ["planned ngram"]
 
@@ -1005,10 +1006,10 @@ def test_with_the_plugin_k0_is_priced_as_plain_and_suffix_takes_a_schedule(tmp_p
     assert without["per_level"][16] >= with_plugin["per_level"][16]
     assert not planning.schedulable("suffix") and planning.schedulable("suffix", plugin=True)
     s = sv.ServingSettings(concurrency=tuple(levels))
-    cs = sp.planned_contenders({"suffix": rec}, profiles, levels, s, None, {}, tmp_path, lambda line: None, plugin=True)
+    cs = sp.planned_contenders({"suffix": rec}, profiles, levels, s, {}, {}, tmp_path, lambda line: None, plugin=True)
     planned = next(c for c in cs if c.name == "planned suffix")
     assert planned.plugin and planned.speculative["num_speculative_tokens_per_batch_size"][-1][2] == 0
-    off = sp.planned_contenders({"suffix": rec}, profiles, levels, s, None, {}, tmp_path, lambda line: None)
+    off = sp.planned_contenders({"suffix": rec}, profiles, levels, s, {}, {}, tmp_path, lambda line: None)
     assert not any(c.name == "planned suffix" for c in off)  # one length without it: only the fixed one races
     assert json.loads((tmp_path / "plans.json").read_text())["plugin"] is False
 

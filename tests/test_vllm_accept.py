@@ -110,7 +110,8 @@ def test_settings_and_requests():
     assert va.speculative_config("suffix", 5) == {"method": "suffix", "num_speculative_tokens": 5}
     assert va.speculative_config("draft_model", 3, "/d") == {"method": "draft_model", "num_speculative_tokens": 3,
                                                              "model": "/d"}
-    for bad, match in [(("eagle", 4), "--method eagle"), (("ngram", 0), "--max-depth"), (("draft_model", 4), "--draft-model")]:
+    for bad, match in [(("mtp", 4), "--method mtp"), (("ngram", 0), "--max-depth"), (("draft_model", 4), "--draft-model"),
+                       (("eagle3", 4), "--drafter DIR")]:
         with pytest.raises(UserError, match=match):
             va.speculative_config(*bad)
     reqs = [Request([{"role": "user", "content": "hi"}], 16, {"temperature": 0.9, "stop": ["x"]})] * 2
@@ -228,7 +229,8 @@ def test_a_failed_request_writes_nothing(fake, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--engine", "hf", "--method", "ngram"], "--method: only with a serving engine"),
-    (["--engine", "vllm", "--method", "ngram,eagle"], "--method eagle: expected one of"),
+    (["--engine", "vllm", "--method", "ngram,mtp"], "--method mtp: expected one of"),
+    (["--engine", "vllm", "--method", "eagle3"], "--method eagle3 needs its drafter's folder (--drafter DIR"),
     (["--engine", "vllm", "--method", "ngram,ngram"], "expected distinct names"),
     (["--engine", "vllm", "--max-depth", "99"], "--max-depth: expected an integer in 1..24"),
     (["--engine", "vllm", "--plan", "x.json"], "--plan: not with --engine vllm"),

@@ -76,11 +76,13 @@ def _served(args, s, spec) -> int:
     from planner.accept import from_entry
     from planner.jsonio import atomic_write_json, writable_target
     from planner.sampling import describe, record
+    from decoder.guessers.heads import serving_method
     from profiler import vllm_accept as va
     from workflows.cli.engines import open_from_args, refuse_options
 
     refuse_options(spec, {"--device": args.device is not None, "--dtype": args.dtype is not None,
                           "--n-ctx": args.n_ctx is not None})
+    head = serving_method(args.drafter) if args.drafter is not None else None  # its layout's method: eagle, eagle3, medusa
     for flag, on in {"--plan": args.plan is not None, "--calibrate": args.calibrate, "--guesser": args.guesser is not None,
                      "--prompt-tokens": args.prompt_tokens is not None,
                      "--random-prompt-tokens": args.random_prompt_tokens is not None}.items():
@@ -88,12 +90,13 @@ def _served(args, s, spec) -> int:
             raise UserError(f"{flag}: not with --engine {spec.name}, which measures its own proposers (--method)")
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
-    methods = [m.strip() for m in (args.method or ",".join(va.METHODS)).split(",") if m.strip()]
+    methods = [m.strip() for m in (args.method or head or ",".join(va.DEFAULT_METHODS)).split(",") if m.strip()]
     k = va.DEFAULT_DRAFT_LENGTH if args.max_depth is None else args.max_depth
     if not methods or len(set(methods)) != len(methods):
         raise UserError(f"--method {args.method}: expected distinct names among {', '.join(va.METHODS)}")
     for m in methods:
-        va.speculative_config(m, k, "")  # names and K checked before anything starts
+        # names, K and a head's folder checked before anything starts (the draft LM's is found once the engine opens)
+        va.speculative_config(m, k, args.drafter if m == head else "" if m == "draft_model" else None)
     concurrency = 4 if args.concurrency is None else args.concurrency
     if not 1 <= concurrency <= 1024:
         raise UserError(f"--concurrency: expected an integer in 1..1024, got {concurrency}")
@@ -101,7 +104,9 @@ def _served(args, s, spec) -> int:
     requests, where = _served_requests(args)
     engine = open_from_args(args, spec, server_ok=True)
     va.check_methods(methods, engine.python)
-    draft = _served_draft(args, engine) if "draft_model" in methods else None
+    draft = {"draft_model": _served_draft(args, engine)} if "draft_model" in methods else {}
+    if head is not None:
+        draft[head] = args.drafter
     t0 = time.time()
     records = va.measure_methods(engine, methods, requests, s, seed=args.seed, draft_length=k,
                                  concurrency=concurrency, draft_model=draft,

@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="DIR", help="a draft LM (default: models/<model>/draft_lm)")
     p.add_argument("--parallelspec", default=None, metavar="DIR",
                    help="a ParallelSpec drafter, also run as a chain (default: models/<model>/parallelspec)")
+    p.add_argument("--drafter", default=None, metavar="DIR",
+                   help="a head you already have, in its released folder (EAGLE-1, EAGLE-3: yuhuili's or speculators' "
+                        "layout; Medusa): raced alone and with prompt lookup on the hf engine, its method's draft length "
+                        "planned per concurrency in vLLM (default: the EAGLE-3 head shipped for the model)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"])
     p.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/<date>-<device>-<model>)")
@@ -127,6 +131,11 @@ def _settings(args) -> AutotuneSettings:
 
     # each directory flag names one kind of files; every guesser kind reading such files takes it
     by_files = {"prompt_tokens": args.prompt_tokens, "draft_lm": args.draft, "parallelspec": args.parallelspec}
+    if args.drafter is not None:  # the head's kind reads its files: eagle (and lookup+eagle), or medusa-heads
+        from decoder.guessers.heads import head_kind
+        from planner.guessers import kind as guesser_kind
+
+        by_files[guesser_kind(head_kind(args.drafter)).files] = args.drafter
     dirs = {k.name: by_files[k.files] for k in kinds(hybrids=False) if by_files.get(k.files)}
     engine = args.engine or AutotuneSettings.engine
     sampled_rule = engine_kind(engine).defaults.sampled_rule if args.temperature > 0 else "auto"
@@ -179,7 +188,12 @@ def _serving(args):
         levels = tuple(int(x) for x in (args.concurrency or ",".join(map(str, CONCURRENCY))).split(","))
     except ValueError:
         raise UserError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
-    methods = ("ngram", "suffix", "draft_model") if args.guessers == "auto" else \
+    from decoder.guessers.heads import serving_method
+    from profiler.vllm_accept import DEFAULT_METHODS
+    from workflows.mainjob.serving import head_folder
+
+    head = head_folder(args.model, args.drafter)  # --drafter, else the head shipped for the model
+    methods = DEFAULT_METHODS + ((serving_method(head),) if head else ()) if args.guessers == "auto" else \
         tuple(m.strip() for m in args.guessers.split(",") if m.strip())
     d = ServingSettings()
     return ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload,
@@ -188,7 +202,8 @@ def _serving(args):
                            accept_requests=d.accept_requests if args.accept_prompts is None else args.accept_prompts,
                            rounds=args.rounds or d.rounds, budget_minutes=args.budget or d.budget_minutes,
                            profile=args.profile, accept=tuple(a for a in (args.accept or "").split(",") if a),
-                           draft=args.draft, plugin={"auto": None, "on": True, "off": False}[args.plugin],
+                           draft=args.draft, drafter=args.drafter,
+                           plugin={"auto": None, "on": True, "off": False}[args.plugin],
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, quiet=args.quiet)
 
 

@@ -93,6 +93,7 @@ class ServingSettings:
     profile: str | None = None  # reuse a vLLM profile instead of measuring
     accept: tuple[str, ...] = ()  # reuse acceptance records (planner accept --engine vllm) instead of measuring
     draft: str | None = None  # the project's draft LM (default: shipped for the model)
+    drafter: str | None = None  # a head's folder (EAGLE-1/3, Medusa) for its method (default: the head shipped)
     plugin: bool | None = None  # the project's vLLM plugin: None = on where it is installed (serving_plan.py)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -128,7 +129,7 @@ class ServingRun:
     profile_path: Path | None = None
     profiles: dict = field(default_factory=dict)
     records: dict = field(default_factory=dict)
-    draft_dir: str | None = None
+    models: dict = field(default_factory=dict)  # method -> the drafter folder it loads (draft LM, head)
     race: Race | None = None
     contenders: list = field(default_factory=list)
     sizes: dict = field(default_factory=dict)
@@ -249,8 +250,8 @@ def accept(run: ServingRun) -> None:
     s = run.s
     reused = f" ({len(s.accept)} reused)" if s.accept else ""
     run.phase("accept", f"{', '.join(s.methods)} on {len(run.accept_reqs)} requests{reused}")
-    run.draft_dir = _draft_dir(run.engine, s) if "draft_model" in s.methods else None
-    run.records = _acceptance(run.engine, s, run.accept_reqs, run.draft_dir, run.out, run.say)
+    run.models = _models(run.engine, s)
+    run.records = _acceptance(run.engine, s, run.accept_reqs, run.models, run.out, run.say)
 
 
 def plan(run: ServingRun) -> None:
@@ -280,7 +281,7 @@ def plan(run: ServingRun) -> None:
         run.summary.update({"server_overhead_s": overhead, "served": {lv: vars(v) for lv, v in served.items()}})
         run.say("      plain's served step / time per request outside it (ms) by level: " + ", ".join(
             f"{lv}: {v.decode_step_s * 1e3:.0f} / {v.request_s * 1e3:.0f}" for lv, v in served.items()))
-        run.contenders = planned_contenders(run.records, run.profiles, run.levels, s, run.draft_dir, overhead, run.out,
+        run.contenders = planned_contenders(run.records, run.profiles, run.levels, s, run.models, overhead, run.out,
                                             run.say, served, run.plugin)
 
 
@@ -361,7 +362,7 @@ def write(run: ServingRun) -> dict:
                     "prediction_error": prediction_error(run.contenders, run.levels_out),
                     "prediction_parts": prediction_parts(run.contenders, run.levels_out), "skipped": run.skipped,
                     "race_requests": {"requests": len(run.race_reqs), "by_level": run.sizes}})
-    _exports(chosen, run.out, run.draft_dir)
+    _exports(chosen, run.out, run.models)
     summary["wall_s"] = time.time() - run.t0
     summary["budget"] = {"minutes": run.s.budget_minutes, "used_minutes": summary["wall_s"] / 60,
                          "seconds_by_contender": {n: round(v["wall_s"], 1) for n, v in run.race.timings.items()}}
@@ -453,16 +454,38 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
     return atomic_write_json(out / "profile.json", profile)
 
 
-def _draft_dir(engine, s: ServingSettings) -> str:
+def _models(engine, s: ServingSettings) -> dict[str, str]:
+    """method -> the folder it loads: the draft LM (converted for vLLM) for draft_model, the head for its method."""
     from decoder.engines.vllm.draft_folder import draft_for
+    from decoder.guessers.heads import serving_method
 
-    folder = draft_for(engine.model_name, engine.model_dir, s.draft)
-    if folder is None:
-        raise UserError(f"--methods draft_model: no draft LM ships for {engine.model_name}; pass --draft DIR")
-    return str(folder)
+    out = {}
+    if "draft_model" in s.methods:
+        folder = draft_for(engine.model_name, engine.model_dir, s.draft)
+        if folder is None:
+            raise UserError(f"--methods draft_model: no draft LM ships for {engine.model_name}; pass --draft DIR")
+        out["draft_model"] = str(folder)
+    head = head_folder(engine.model_name, s.drafter)
+    if head is not None:
+        out[serving_method(head)] = head
+    for m in ("eagle", "eagle3", "medusa"):
+        if m in s.methods and m not in out:
+            raise UserError(f"--methods {m}: no head of that kind given or shipped for {engine.model_name}; pass "
+                            "--drafter DIR")
+    return out
 
 
-def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | None, out: Path, say) -> dict:
+def head_folder(model: str, given: str | None) -> str | None:
+    """The head a serving run measures: --drafter, else the EAGLE head shipped for the model, else None."""
+    if given is not None:
+        return given
+    from workflows.cli.inputs import shipped
+
+    found = shipped(model, "eagle3")
+    return None if found is None else str(found)
+
+
+def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str, str], out: Path, say) -> dict:
     from planner.jsonio import read_json
 
     records = {}
@@ -477,7 +500,7 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | 
         from profiler.vllm_accept import measure_methods
 
         found = measure_methods(engine, todo, accept_reqs, s.sampling, seed=s.seed, draft_length=max(s.draft_lengths),
-                                concurrency=4, draft_model=draft_dir, timeout_s=s.request_timeout_s,
+                                concurrency=4, draft_model=models, timeout_s=s.request_timeout_s,
                                 say=lambda line: say(f"      {line}"))
         for m, rec in found.items():
             atomic_write_json(out / f"accept-{m}.json", rec)
@@ -485,8 +508,8 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, draft_dir: str | 
     return records
 
 
-def _exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
-    exports(chosen, out, draft_dir)
+def _exports(chosen: Contender | None, out: Path, models: dict[str, str]) -> None:
+    exports(chosen, out, models)
 
 
 __all__ = ["CLOSING", "MAX_CONCURRENCY", "ServingSettings", "ServingRun"]

@@ -1,7 +1,7 @@
 """The serving main job's plan phase, its parts: plain's served split, the contenders the planner puts
 forward, the race's size in the budget, and whether the project's vLLM plugin is on.
 
-    contenders = planned_contenders(records, profiles, levels, s, draft_dir, overhead, out, say, served, plugin=True)
+    contenders = planned_contenders(records, profiles, levels, s, models, overhead, out, say, served, plugin=True)
 
 Per proposer, planner/serving.py's plan_method gives the draft length per level and the best fixed one,
 priced on the profile and plain's served split. With the plugin, a schedule's K = 0 is vLLM's plain path, so
@@ -58,10 +58,11 @@ def plugin_on(engine, asked: bool | None, say) -> bool:
     return found
 
 
-def method_config(method: str, k: int, draft_dir: str | None, ranges: list[list[int]] | None = None) -> dict:
+def method_config(method: str, k: int, models: dict[str, str], ranges: list[list[int]] | None = None) -> dict:
+    """vLLM's config for `method` at K (a schedule over `ranges`); models: method -> the drafter folder it loads."""
     from profiler.vllm_accept import speculative_config
 
-    cfg = speculative_config(method, k, draft_dir)
+    cfg = speculative_config(method, k, models)
     if ranges and len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = ranges
     return cfg
@@ -90,7 +91,7 @@ def plans(records: dict, profiles: dict, levels, s, overhead: dict, served: dict
     return out
 
 
-def planned_contenders(records: dict, profiles: dict, levels, s, draft_dir: str | None, overhead: dict[int, float],
+def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[str, str], overhead: dict[int, float],
                        out: Path, say, served: dict[int, ServedLevel] | None = None,
                        plugin: bool = False) -> list[Contender]:
     """Plain, the stock settings, the best proposer's best fixed length and its planned schedule (served with
@@ -105,7 +106,7 @@ def planned_contenders(records: dict, profiles: dict, levels, s, draft_dir: str 
     best = max(by_method.values(), key=score)
     contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c)) for n, c in STOCK.items()]
     contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}",
-                                method_config(best["method"], best["best_fixed"], draft_dir),
+                                method_config(best["method"], best["best_fixed"], models),
                                 predicted=dict(best["fixed_predicted"]), priced=dict(best["fixed_priced"])))
     # a proposer that runs at one length is the decision only if ahead at every level, and its own work is
     # not in the profile (it drafts with a stub); so the best proposer a schedule can switch off by batch
@@ -115,7 +116,7 @@ def planned_contenders(records: dict, profiles: dict, levels, s, draft_dir: str 
     for p in planned:
         ranges = schedule_ranges(p["per_level"], levels)
         if any(k for *_, k in ranges):
-            cfg = method_config(p["method"], max(k for *_, k in ranges), draft_dir, ranges)
+            cfg = method_config(p["method"], max(k for *_, k in ranges), models, ranges)
             needs = plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"]))
             contenders.append(Contender(f"planned {p['method']}", cfg, plugin=needs, predicted=dict(p["predicted"]),
                                         priced=dict(p["priced"])))

@@ -144,7 +144,7 @@ def _details(summary: dict, contenders: list[Contender], at_level: dict) -> list
     return lines
 
 
-def exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
+def exports(chosen: Contender | None, out: Path, models: dict[str, str]) -> None:
     """The decision for each engine that takes a per-batch-size schedule: vLLM's config as it was raced (and
     the plugin's switch where its K = 0 ranges need it); TensorRT-LLM's draft_len_schedule (max_concurrency
     where the last range is off) and SGLang's flags from the same ranges where they express them."""
@@ -168,7 +168,7 @@ def exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
     notes = []
     for engine in ("trtllm", "sglang"):  # planner/export.py's builders: each engine's own constraints and notes
         try:
-            export = _export_for(engine, cfg["method"], [DraftRange(*r) for r in ranges], draft_dir, d)
+            export = _export_for(engine, cfg["method"], [DraftRange(*r) for r in ranges], models.get(cfg["method"]), d)
         except UserError as e:
             notes.append(f"{engine}: {e}")
             continue
@@ -176,7 +176,7 @@ def exports(chosen: Contender | None, out: Path, draft_dir: str | None) -> None:
     atomic_write_json(d / "notes.json", {"notes": notes})
 
 
-def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d: Path):
+def _export_for(engine: str, method: str, ranges: list, folder: str | None, d: Path):
     """The same ranges as another engine's settings (a chain plan as deep as the longest draft)."""
     from planner.export import ENGINE_METHODS, ExportOptions, build
     from planner.tree import Tree, TreeState
@@ -185,6 +185,6 @@ def _export_for(engine: str, method: str, ranges: list, draft_dir: str | None, d
         raise UserError(f"no {method} proposer (it has {', '.join(ENGINE_METHODS[engine])})")
     depth = max(r.k for r in ranges) or 1
     chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
-    opts = ExportOptions(engine, method, draft_dir if method == "draft_model" else None,
+    opts = ExportOptions(engine, method, folder,
                          adaptive_config_path=str(d / f"{engine}.adaptive.json"))
     return build(chain, ranges, opts, {"source": "planner autotune --engine vllm, the raced schedule"}, [])
