@@ -163,3 +163,93 @@ def test_measured_study_gets_predicted_versus_measured(inputs):
     assert len(table) == 3
     for r in table:
         assert r["measured_tokens_per_step"] == pytest.approx(0.9 * r["predicted_tokens_per_step"], abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- a main job's page
+
+
+def _main_job_run(tmp_path, inputs_dir, choice: str, guesser: str) -> Path:
+    """A main job's summary.json as workflows/mainjob/write.py writes it: two raced rows, the decision."""
+    run = tmp_path / f"run-{guesser}"
+    run.mkdir()
+    rows = [{"label": "lookup+chain/dynamic-15", "guesser": "lookup+chain", "method": "dynamic", "size": 15,
+             "input_length": 7.0, "predicted_tokens_per_step": 1.8, "measured_tokens_per_step": 2.6,
+             "predicted_speedup": 1.6, "measured_speedup": 1.54, "measured_tokens_per_s": 17.5,
+             "chosen": choice != "plain", "dropped": None, "identical_to_greedy": True},
+            {"label": "ppd/ppd-4", "guesser": "ppd", "method": "ppd", "size": 4, "input_length": 3.4,
+             "predicted_tokens_per_step": 1.2, "measured_tokens_per_step": 1.1, "predicted_speedup": 1.18,
+             "measured_speedup": 0.9, "measured_tokens_per_s": 9.1, "chosen": False,
+             "dropped": "slower than plain: 0.90x", "identical_to_greedy": True}]
+    speedup = {"mean": 1.37, "lo": 1.17, "hi": 1.62, "prompts": 10, "level": 0.9} if choice != "plain" else \
+        {"mean": 1.0, "lo": 1.0, "hi": 1.0, "prompts": 2, "level": 0.9}
+    _write(run / "summary.json", {
+        "chosen": str(run / "chosen.json"), "engine": "hf", "model": "smollm2-135m", "identical_to_greedy": True,
+        "decision": {"choice": choice, "reason": "confirmed", "measured_speedup": speedup, "p_value": 0.005,
+                     "predicted_speedup": 1.6, "guesser": guesser},
+        "best_measured": {"label": "lookup+chain/dynamic-15", "measured_speedup": 1.54},
+        "plain": {"tokens_per_s": 9.9, "prompts": 11},
+        "generate": {"tokens_per_s": 9.0, "plain_vs_generate": 1.1, "prompts": 4},
+        "rows": rows})
+    return run
+
+
+def _acceptance(path: Path, kind: str) -> str:
+    """An acceptance file as `planner accept` writes it for a guesser kind (its record names the kind)."""
+    return _write(path, {"accuracy": [[0.6, 0.1], [0.4, 0.1], [0.3, 0.05], [0.2, 0.05]],
+                         "guesser": {"kind": kind, "draft_s": 0.001, "draft_passes": 1}})
+
+
+@pytest.mark.parametrize("choice,guesser", [("lookup+chain/dynamic-15", "lookup+chain"), ("plain", "plain")])
+def test_main_job_page_opens_with_the_decision_and_draws_the_chosen_guessers_figure(inputs, choice, guesser):
+    from workflows.mainjob.measure import Measured
+    from workflows.mainjob.write import figure_sources
+
+    tmp, acc, pa, pb, _ = inputs
+    run = _main_job_run(tmp, tmp, choice, guesser)
+    accepts = {k: Measured(Path(p), load_acceptance(p)) for k, p in
+               (("ppd", _acceptance(tmp / "accept-ppd.json", "ppd")), ("chain", _acceptance(tmp / "accept-chain.json", "chain")))}
+    sources = figure_sources(read_summary(run), accepts)
+    # the chosen guesser's acceptance (a hybrid's: its drafter's), never the ppd one; a plain decision: the best
+    # measured plan's guesser
+    assert [(s.label, s.methods) for s in sources] == [(str(tmp / "accept-chain.json"), ("chain",))]
+    index = write_report(run / "report", profiles=[pa], accepts=sources, run_dir=run, max_size=8)
+    page = index.read_text()
+    first_img = page.index("<img")
+    for text in ("<h2>Decision</h2>", "plain decoding", "The race", "ppd/ppd-4", "slower than plain"):
+        assert text in page[:first_img], text
+    assert page.index("<h2>Decision</h2>") < page.index("The race") < first_img
+    if choice != "plain":
+        assert "1.37x plain decoding" in page[:first_img] and "[1.17, 1.62]" in page[:first_img]
+        assert "1.51x" in page[:first_img]  # against generate: 1.37 x plain's 1.1x generate, said to be composed
+        assert "composed" in page[:first_img]
+    rep = json.loads((run / "report" / "report.json").read_text())
+    assert rep["decision"]["choice"] == choice
+    images = [s["image"] for s in rep["sections"]]
+    assert images[0] == "speedup.png" and images.index("run.png") < images.index("latency.png")
+    speedup = rep["sections"][0]
+    assert {r["acceptance"] for r in speedup["table"]} == {str(tmp / "accept-chain.json")}
+    mark = [r for r in speedup["table"] if r.get("marked")]
+    assert len(mark) == 1 and mark[0]["plan"] == "lookup+chain/dynamic-15" and mark[0]["input_length"] == 16
+    assert mark[0]["measured_speedup"] == pytest.approx(1.37 if choice != "plain" else 1.54)
+
+
+def read_summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("panels", [1, 3])
+def test_speedup_figure_titles_stay_inside_the_figure(inputs, panels):
+    from workflows.report.figures import fig_speedup
+    from workflows.report.page import load_profile_input
+    from workflows.tune.search import parse_accept_spec
+
+    tmp, acc, pa, pb, _ = inputs
+    sources = [parse_accept_spec(f"{acc}:ppd-x")] + [parse_accept_spec(f"{acc}:medusa-x")] * (panels - 1)
+    section = fig_speedup(sources, [load_profile_input(pa)], max_size=8)
+    fig = section.figure
+    fig.canvas.draw()
+    width, height = fig.bbox.width, fig.bbox.height
+    texts = [fig._suptitle] + [ax.title for ax in fig.axes]
+    for t in texts:
+        box = t.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= width and box.y1 <= height, t.get_text()

@@ -44,3 +44,28 @@ def stock_plain_report(other: EngineKind, s, prompts: list, plain_tokens_per_s: 
             "load_avg_1m": load_avg(), "wall_s": time.time() - t0,
             "how": f"{other.name}'s own generation on the same model, race prompt ids, new tokens and sampling; "
                    f"`planner autotune --engine {other.name}` plans for that engine"}
+
+
+def own_generate_report(engine, s, prompts: list, plain_tokens_per_s: float | None) -> dict:
+    """The run's own engine's library generation (transformers' generate on the hf engine) on `prompts`, where
+    plain decoding in the race is this project's loop (caps.stock_plain False): what a user would otherwise
+    run, so the report can put the decision against it. On engines whose plain decoding is their library's
+    generation the race measured it already (nothing to add)."""
+    from planner.engines import kind as engine_kind
+    from profiler.machine import load_avg
+
+    kind = engine_kind(engine.caps.name)
+    if engine.caps.stock_plain:
+        return {"skipped": f"plain decoding in the race is {kind.stock} itself"}
+    t0 = time.time()
+    engine.stock_generate(prompts[0], 8, s.sampling, s.seed)  # warm-up
+    tokens = seconds = 0.0
+    for i, ids in enumerate(prompts):
+        toks, sec = engine.stock_generate(ids, s.decode_tokens, s.sampling, s.seed + i)
+        tokens, seconds = tokens + len(toks), seconds + sec
+    tps = tokens / seconds if seconds > 0 else None
+    return {"engine": kind.name, "stock": kind.stock, "prompts": len(prompts), "tokens": int(tokens),
+            "seconds": seconds, "tokens_per_s": tps,
+            "plain_vs_generate": plain_tokens_per_s / tps if tps and plain_tokens_per_s else None,
+            "load_avg_1m": load_avg(), "wall_s": time.time() - t0,
+            "how": f"{kind.stock} on the first race prompts plain decoding ran, the same new tokens and sampling"}

@@ -2,11 +2,14 @@
 one `Budget` that holds every time budget of the run."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RUNS = REPO / "runs"  # where run folders go by default
+LATEST = "latest"  # runs/latest: the newest finished run folder (a relative symlink)
 PHASES = 6
 
 
@@ -24,7 +27,9 @@ class Budget:
     # run with one core busy did, and decided differently from the quiet run)
     accept_prompts_min: int = 6
     report_reserve_s: float = 12.0  # writing the run folder and drawing the report, kept out of the race
-    compare_s: float = 15.0  # other engines' stock plain decoding of a few race prompts (a comparison), kept out too
+    # the engine's own generate and other engines' stock plain decoding of a few race prompts (comparisons),
+    # kept out too
+    compare_s: float = 25.0
 
     @property
     def after_race_s(self) -> float:
@@ -98,3 +103,37 @@ def default_out(device: str, model_name: str, engine: str | None = None) -> Path
     stamp = time.strftime("%Y%m%d-%H%M%S")
     tag = "" if engine in (None, DEFAULT) else f"-{engine}"
     return REPO / "runs" / f"{stamp}-{device}{tag}-{model_name}"
+
+
+def mark_latest(out_dir: Path) -> Path | None:
+    """Point runs/latest at `out_dir` once its chosen.json is written, so `runs/latest/chosen.json` is
+    always the newest decision. Only for run folders directly in runs/ (one written elsewhere with --out,
+    a test's temporary one, leaves it alone). The link is relative (the repository can move) and replaced
+    atomically; a `latest` that is not a symlink (a folder or file someone made) is never replaced.
+    Returns the link, or None when it was left alone."""
+    out_dir = Path(out_dir).resolve()
+    runs = out_dir.parent
+    if runs != RUNS.resolve():
+        return None
+    link = runs / LATEST
+    if link.exists() and not link.is_symlink():
+        return None
+    tmp = runs / f".{LATEST}.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(out_dir.name, tmp, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError:  # a file system without symlinks: the run folder's own path still names the decision
+        tmp.unlink(missing_ok=True)
+        return None
+    return link
+
+
+def decision_line(out_dir: Path, latest: Path | None) -> str:
+    """Where the decision is, as the main job prints it: the run folder's chosen.json, and the stable path."""
+    import os.path
+
+    line = f"decision: {shown(Path(out_dir) / 'chosen.json')}"
+    if latest is not None:  # not resolved: the point is the link's own path
+        line += f" (and {os.path.relpath(latest / 'chosen.json')}, the newest run's)"
+    return line

@@ -14,7 +14,7 @@ from planner.tree import PPD, Tree, TreeState, save_tree
 from workflows.mainjob.candidates import Candidate
 from workflows.mainjob.choose import PLAIN, Arm, Decision, Race, speedup
 from workflows.mainjob.race import _Outputs
-from workflows.mainjob.runs import Run, shown
+from workflows.mainjob.runs import Run, decision_line, mark_latest, shown
 from workflows.mainjob.signflip import LEVEL, MIN_PROMPTS
 
 
@@ -112,8 +112,10 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
                          raced_with=raced_with(run, profile_path, files, run.out_dir), **tuned_for(run.settings.sampling))
     tree.engine = run.engine.caps.name
     save_tree(tree, run.out_dir / "chosen.json")
+    run.say(f"      {decision_line(run.out_dir, mark_latest(run.out_dir))}")
     summary = _summary(run, chosen, decision, rows, race, outputs, profile_path, accepts)
-    summary.update(dtype=run.engine.record()["dtype"], race_prompts=len(race.plain.seconds), rounds=run.settings.rounds)
+    summary.update(dtype=run.engine.record()["dtype"], race_prompts=len(race.plain.seconds), rounds=run.settings.rounds,
+                   generate=own_generate(run, race, outputs, race_ids))
     ceiling = lookup_ceiling(run, race_ids, outputs, profile, accepts)
     if ceiling is not None:
         summary["oracle_ceiling"] = ceiling
@@ -121,6 +123,26 @@ def write_phase(run: Run, racing: list[Candidate], race: Race, outputs: _Outputs
             best = r["measured_interval"]["mean"] if r.get("measured_interval") else None
             r["captured_share_of_ceiling"] = _share(best, ceiling["speedup"]) if best else None
     return summary
+
+
+GENERATE_PROMPTS = 4  # race prompts the engine's own generate is timed on (a comparison for the report)
+
+
+def own_generate(run: Run, race: Race, outputs: _Outputs, race_ids: list) -> dict:
+    """The engine's own library generation (transformers' generate on the hf engine) on the first race prompts
+    plain decoding ran, beside plain decoding's time on them, so the report can put the decision against what a
+    user would otherwise run (workflows/mainjob/compare.py). Timed after the race: it decides nothing."""
+    from workflows.mainjob.compare import own_generate_report
+
+    ids = sorted(race.plain.seconds)[:GENERATE_PROMPTS]
+    if not ids:
+        return {"skipped": "plain decoding timed no race prompt"}
+    tps = sum(int(outputs.tokens[PLAIN][p].numel()) for p in ids) / max(sum(race.plain.seconds[p] for p in ids), 1e-9)
+    rep = own_generate_report(run.engine, run.settings, [race_ids[p] for p in ids], tps)
+    if rep.get("tokens_per_s"):
+        run.say(f"      {rep['stock']} on {len(ids)} race prompts: {rep['tokens_per_s']:.1f} tokens/s (plain decoding "
+                f"{rep['plain_vs_generate']:.2f}x it)")
+    return rep
 
 
 def lookup_ceiling(run: Run, race_ids: list, outputs: _Outputs, profile, accepts: dict) -> dict | None:
@@ -253,12 +275,25 @@ def _prediction_errors(measured: list[dict], chosen: Candidate | None, decision:
 def report_phase(run: Run, summary: dict, profiled, accepts: dict) -> None:
     from workflows.report.page import write_report
 
-    # the size curves of the prompt-token families
-    specs = [str(m.path) for k, m in accepts.items() if guesser_kind(k).needs_embeddings]
-    index = write_report(run.out_dir / "report", profiles=[str(profiled.path)], accepts=specs,
-                         trees=[summary["chosen"]], run_dir=str(run.out_dir))
+    index = write_report(run.out_dir / "report", profiles=[str(profiled.path)],
+                         accepts=figure_sources(summary, accepts), trees=[summary["chosen"]], run_dir=str(run.out_dir))
     summary["report"] = shown(index)
     run.say(f"report: {shown(index)}")
+
+
+def figure_sources(summary: dict, accepts: dict) -> list:
+    """The acceptance the report's curves are drawn on: the chosen guesser's (a hybrid's drafter's; a plain
+    decision's: the best measured plan's), with the plan families that fit it."""
+    from planner.tree import CHAIN, MEDUSA, PPD, SEQUOIA
+    from workflows.report.decision import figure_guesser
+    from workflows.tune.search import Source
+
+    kind = figure_guesser(summary)
+    if kind not in accepts:
+        return []
+    methods = tuple(m for m in guesser_kind(kind).static if m in (PPD, MEDUSA, SEQUOIA, CHAIN))
+    m = accepts[kind]
+    return [Source(str(m.path), m.accept, methods)] if methods else []
 
 
 def _fmt(x, spec: str) -> str:

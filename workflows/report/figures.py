@@ -11,7 +11,7 @@ import numpy as np
 
 from planner.errors import UserError
 from planner.profile import LatencyProfile
-from planner.tree import PPD, Tree
+from planner.tree import CHAIN, MEDUSA, PPD, Tree
 
 MAX_TABLE_ROWS = 80
 
@@ -88,12 +88,48 @@ def _ppd_prompt_tokens(accept) -> int:
 
 
 def _plan_at_length(method: str, accept, n: int) -> Tree:
-    """The planner's best tree whose forward pass has n tokens (medusa/sequoia: n - 1 candidates)."""
+    """The planner's best tree whose forward pass has n tokens (medusa/sequoia: n - 1 candidates; chain:
+    n - 1 rank-0 guesses, as the main job races a drafter's or lookup's chains)."""
     from planner.plan import plan
 
     if method == PPD:
         return plan(PPD, accept, input_length=n, prompt_tokens=_ppd_prompt_tokens(accept))
+    if method == CHAIN:
+        return _chain(accept, n - 1)
     return plan(method, accept, size=n - 1)
+
+
+def _chain(accept, depth: int) -> Tree:
+    from workflows.mainjob.candidates import chain_tree
+
+    if not 1 <= depth <= (accept.max_depth or depth):
+        raise UserError(f"{accept.label}: no chain of {depth} guesses (its statistics reach depth {accept.max_depth})")
+    return chain_tree(accept, depth)
+
+
+def _best_with_curve(method: str, accept, profile: LatencyProfile, max_size: int) -> Tree:
+    """The planner's best tree of `method` for `profile`, with its size curve (a chain: every depth)."""
+    from planner.cost import default_guessing, predict
+    from planner.plan import plan
+
+    if method == PPD:
+        return plan(PPD, accept, profile=profile, max_size=max_size, prompt_tokens=_ppd_prompt_tokens(accept),
+                    max_input_length=min(max_size + 1, profile.max_input_length))
+    if method != CHAIN:
+        return plan(method, accept, profile=profile, max_size=max_size)
+    g = default_guessing(MEDUSA, accept)
+    deepest = min(accept.max_depth or max_size, max_size, profile.max_input_length - 1)
+    curve = []
+    for d in range(1, deepest + 1):
+        pred = predict(_chain(accept, d), profile, g)
+        curve.append({"input_length": d + 1, "expected_tokens_per_step": pred.tokens_per_step,
+                      "latency_s": pred.step_latency_s, "predicted_speedup": pred.speedup})
+    if not curve:
+        raise UserError(f"{accept.label}: no chain fits the profile's input lengths")
+    best = max(curve, key=lambda r: r["predicted_speedup"])
+    tree = _chain(accept, best["input_length"] - 1)
+    tree.predicted_speedup, tree.size_curve = best["predicted_speedup"], curve
+    return tree
 
 
 def fig_tokens_per_step(sources: list, max_size: int = 64) -> Section:
@@ -134,52 +170,94 @@ def _short(label: str) -> str:
     return label.rsplit("/", 1)[-1]
 
 
-def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64) -> Section:
-    """Predicted speedup versus tree size, one line per machine, the chosen tree starred (PPD fig. 8b)."""
-    from planner.plan import plan
+@dataclass(frozen=True)
+class PlanMark:
+    """A plan the run raced, drawn on the speedup figure of its guesser's acceptance: where the planner put it
+    and what decoding measured."""
+
+    label: str
+    guesser: str  # the kind whose acceptance it was planned on (a hybrid's: its drafter's)
+    input_length: float  # tokens per forward pass (a per-step plan's: the mean)
+    predicted_speedup: float
+    measured_speedup: float | None
+    role: str = "the run's choice"
+
+
+SPEEDUP_TITLE = "Predicted speedup versus tree size (each family's best tree starred)"
+
+
+def fig_speedup(sources: list, profiles: list[ProfileInput], max_size: int = 64, marks: tuple = ()) -> Section:
+    """Predicted speedup versus tree size, one line per machine, the best tree starred (PPD fig. 8b); `marks`
+    (PlanMark) on the panels of their guesser's acceptance: the run's chosen plan, predicted and measured."""
+    import textwrap
 
     plt = _plt()
     pairs = [(s, m) for s in sources for m in s.methods]
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.4 * len(pairs), 4.6), squeeze=False)
+    width = max(7.5, 5.4 * len(pairs))  # one panel alone still holds the title
+    fig, axes = plt.subplots(1, len(pairs), figsize=(width, 5.0), squeeze=False, layout="constrained")
     table = []
     for ax, (src, method) in zip(axes[0], pairs):
         for i, p in enumerate(profiles):
             try:
-                kw = {"prompt_tokens": _ppd_prompt_tokens(src.accept),
-                      "max_input_length": min(max_size + 1, p.profile.max_input_length)} if method == PPD else {}
-                tree = plan(method, src.accept, profile=p.profile, max_size=max_size, **kw)
+                tree = _best_with_curve(method, src.accept, p.profile, max_size)
             except UserError as e:
-                ax.text(0.5, 0.5 - 0.08 * i, f"{p.label}: {e}", transform=ax.transAxes, ha="center", fontsize=7, wrap=True)
+                ax.text(0.5, 0.5 - 0.08 * i, textwrap.fill(f"{p.label}: {e}", 50), transform=ax.transAxes,
+                        ha="center", fontsize=7)
                 continue
-            curve = [r for r in (tree.size_curve or []) if r["input_length"] >= 2]
-            ax.plot([r["input_length"] for r in curve], [r["predicted_speedup"] for r in curve], "-", color=f"C{i}",
-                    lw=1.5, label=p.label)
-            n_best = tree.max_input_length
-            ax.plot([n_best], [tree.predicted_speedup], "*", ms=14, color=f"C{i}", mec="k",
-                    label=f"chosen: input length {n_best}, {tree.predicted_speedup:.2f}x")
-            for r in curve:
-                table.append({"acceptance": src.label, "method": method, "profile": p.label,
-                              "input_length": int(r["input_length"]),
-                              "expected_tokens_per_step": round(r["expected_tokens_per_step"], 4),
-                              "latency_ms": round(r["latency_s"] * 1e3, 4),
-                              "predicted_speedup": round(r["predicted_speedup"], 4)})
-            table.append({"acceptance": src.label, "method": method, "profile": p.label, "input_length": n_best,
-                          "expected_tokens_per_step": round(tree.expected_tokens_per_step, 4),
-                          "predicted_speedup": round(tree.predicted_speedup, 4), "chosen": True,
-                          "construction": tree.settings.get("construction", "")})
+            table += _speedup_curve(ax, tree, src, method, p, i)
+        for m in marks:
+            if m.guesser == _guesser_of(src):
+                table.append(_draw_mark(ax, m, src, method))
         ax.axhline(1.0, color="gray", lw=0.8, ls=":")
         ax.set_xlabel("tree size: input length (tokens per forward pass)")
         ax.set_ylabel("predicted speedup over plain decoding (x)")
-        ax.set_title(f"{method} on {_short(src.label)}", fontsize=10)
+        ax.set_title(textwrap.fill(f"{method} on {_short(src.label)}", 60), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Predicted speedup versus tree size per machine (the planner's choice starred)")
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(SPEEDUP_TITLE, int(width * 11)), fontsize=11)
     return Section("Predicted speedup versus tree size", "speedup.png",
                    "speedup = expected tokens per step x L(1) / step latency, with L from each profile (the PPD "
                    "paper's figure 8b for these profiles). Lines: the best tree at each shared input length; star: "
                    "the tree `planner plan` chooses (PPD with per-state budgets may sit above the line, its states "
-                   "using different lengths; drawn at its largest).", table, fig)
+                   "using different lengths; drawn at its largest); diamond and circle: the plan the run chose, "
+                   "as predicted and as measured against plain decoding"
+                   + ("; a hybrid's plan (prompt lookup and a drafter, a tree chosen every step) takes lookup's "
+                      "guesses too, so it can sit above its drafter's curves." if marks else "."), table, fig)
+
+
+def _speedup_curve(ax, tree: Tree, src, method: str, p: ProfileInput, i: int) -> list[dict]:
+    curve = [r for r in (tree.size_curve or []) if r["input_length"] >= 2]
+    ax.plot([r["input_length"] for r in curve], [r["predicted_speedup"] for r in curve], "-", color=f"C{i}",
+            lw=1.5, label=p.label)
+    n_best = tree.max_input_length
+    ax.plot([n_best], [tree.predicted_speedup], "*", ms=14, color=f"C{i}", mec="k",
+            label=f"best {method}: input length {n_best}, {tree.predicted_speedup:.2f}x")
+    rows = [{"acceptance": src.label, "method": method, "profile": p.label, "input_length": int(r["input_length"]),
+             "expected_tokens_per_step": round(r["expected_tokens_per_step"], 4),
+             "latency_ms": round(r["latency_s"] * 1e3, 4), "predicted_speedup": round(r["predicted_speedup"], 4)}
+            for r in curve]
+    rows.append({"acceptance": src.label, "method": method, "profile": p.label, "input_length": n_best,
+                 "expected_tokens_per_step": round(tree.expected_tokens_per_step, 4),
+                 "predicted_speedup": round(tree.predicted_speedup, 4), "chosen": True,
+                 "construction": tree.settings.get("construction", "")})
+    return rows
+
+
+def _guesser_of(src) -> str | None:
+    record = src.accept.source.get("guesser")
+    return record.get("kind") if isinstance(record, dict) else None
+
+
+def _draw_mark(ax, m: PlanMark, src, method: str) -> dict:
+    ax.plot([m.input_length], [m.predicted_speedup], "D", ms=9, color="crimson", mec="k",
+            label=f"{m.role}, {m.label}: predicted {m.predicted_speedup:.2f}x")
+    if m.measured_speedup is not None:
+        ax.plot([m.input_length] * 2, [m.predicted_speedup, m.measured_speedup], "-", color="crimson", lw=0.8)
+        ax.plot([m.input_length], [m.measured_speedup], "o", ms=9, mfc="none", mec="crimson", mew=2,
+                label=f"measured {m.measured_speedup:.2f}x")
+    return {"acceptance": src.label, "method": method, "plan": m.label, "input_length": round(m.input_length, 3),
+            "predicted_speedup": round(m.predicted_speedup, 4), "marked": m.role,
+            "measured_speedup": None if m.measured_speedup is None else round(m.measured_speedup, 4)}
 
 
 def fig_reliability(sources: list) -> Section:

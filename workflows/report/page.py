@@ -27,6 +27,8 @@ from workflows.report.figures import (  # noqa: F401 (Section: the figures' type
 )
 from workflows.report.runs import _layout, fig_run, fig_study, fig_tree, load_study, study_rows  # noqa: F401 (_layout: tests)
 
+DEFAULT_TITLE = "Tree planner report"
+
 # ---------------------------------------------------------------------------------------------
 # inputs
 
@@ -76,12 +78,25 @@ def simulated_notes(profs: list[ProfileInput], trees: list) -> list[str]:
 
 
 def _cell(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         v = f"{v:.4g}"
     return html.escape(str(v))
 
 
-def render_html(sections: list[Section], title: str, notes: list[str]) -> str:
+def table_html(rows: list[dict]) -> str:
+    """<table> of dict rows, the columns in order of first appearance."""
+    cols: list[str] = []
+    for row in rows:
+        cols += [c for c in row if c not in cols]
+    return ("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>\n"
+            + "\n".join("<tr>" + "".join(f"<td>{_cell(row.get(c, ''))}</td>" for c in cols) + "</tr>" for row in rows)
+            + "</table>")
+
+
+def render_html(sections: list[Section], title: str, notes: list[str], lead: str = "") -> str:
+    """The page: the title, `lead` (a run's decision), the notes, then every figure with its numbers."""
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title>",
@@ -91,23 +106,22 @@ def render_html(sections: list[Section], title: str, notes: list[str]) -> str:
         "details{margin-bottom:2em}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
     ]
+    if lead:
+        parts.append(lead)
     if notes:
         parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>")
-    parts.append("<ol>" + "".join(f"<li><a href='#s{i}'>{html.escape(s.title)}</a></li>" for i, s in enumerate(sections)) + "</ol>")
+    if sections:
+        parts.append("<h2>Figures</h2>" if lead else "")
+        parts.append("<ol>" + "".join(f"<li><a href='#s{i}'>{html.escape(s.title)}</a></li>"
+                                      for i, s in enumerate(sections)) + "</ol>")
     for i, s in enumerate(sections):
         parts.append(f"<h2 id='s{i}'>{html.escape(s.title)}</h2><p>{html.escape(s.caption)}</p>")
         parts.append(f"<img src='{html.escape(s.image)}' alt='{html.escape(s.title)}'>")
         if s.table:
-            cols: list[str] = []
-            for row in s.table:
-                cols += [c for c in row if c not in cols]
-            rows = s.table[:MAX_TABLE_ROWS]
-            more = f" (first {MAX_TABLE_ROWS} of {len(s.table)}; all in report.json)" if len(s.table) > MAX_TABLE_ROWS else ""
-            parts.append(f"<details open><summary>numbers behind the figure{more}</summary><table><tr>"
-                         + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>")
-            for row in rows:
-                parts.append("<tr>" + "".join(f"<td>{_cell(row.get(c, ''))}</td>" for c in cols) + "</tr>")
-            parts.append("</table></details>")
+            cut = len(s.table) > MAX_TABLE_ROWS
+            more = f" (first {MAX_TABLE_ROWS} of {len(s.table)}; all in report.json)" if cut else ""
+            parts.append(f"<details open><summary>numbers behind the figure{more}</summary>"
+                         f"{table_html(s.table[:MAX_TABLE_ROWS])}</details>")
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
@@ -135,7 +149,7 @@ def _as_source(a):
 
 
 def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, storage=None, study_name=None,
-                 *, max_size: int = 64, title: str = "Tree planner report") -> Path:
+                 *, max_size: int = 64, title: str | None = None) -> Path:
     """Draw what the inputs allow into out_dir; returns the path of index.html.
 
     profiles: profile files (or LatencyProfile); accepts: acceptance specs '[METHOD[/eE]=]FILE[:NAME]'
@@ -143,6 +157,7 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
     summary.json; storage/study_name: an Optuna study.
     """
     out_dir = Path(out_dir)
+    title = title or DEFAULT_TITLE
     profs = [load_profile_input(p) for p in profiles]
     sources = [_as_source(a) for a in accepts]
     loaded_trees = [(t, t if isinstance(t, Tree) else load_tree(t)) for t in trees]
@@ -159,6 +174,7 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
     out_dir.mkdir(parents=True, exist_ok=True)
     sections: list[Section] = []
     notes: list[str] = simulated_notes(profs, loaded_trees)
+    lead, facts, marks = _run_front(summary)
 
     def add(section_or_list):
         for s in section_or_list if isinstance(section_or_list, list) else [section_or_list]:
@@ -173,7 +189,7 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
         if calibrated:
             add(fig_reliability(calibrated))
         if profs:
-            add(fig_speedup(sources, profs, max_size))
+            add(fig_speedup(sources, profs, max_size, marks))
         else:
             notes.append("No --profile: the speedup figure needs a latency profile.")
     if summary is not None:
@@ -195,14 +211,42 @@ def write_report(out_dir, profiles=(), accepts=(), trees=(), run_dir=None, stora
             add(fig_run({"rows": rows}, f"study '{study.study_name}' (objective measured, with a profile)",
                         "study_measured.png", "Predicted versus measured (tune study)"))
 
+    if facts is not None:  # a run's page: the decision first, then the figures that explain it
+        sections.sort(key=_run_order)
+        if title == DEFAULT_TITLE:
+            title = f"Main job: {facts['model']} on the {facts['engine']} engine"
     inputs = {"profiles": [p.profile.source.get("file", p.label) for p in profs], "accepts": [s.label for s in sources],
               "trees": [str(s) if not isinstance(s, Tree) else "(in memory)" for s, _ in loaded_trees],
               "run_dir": None if run_dir is None else str(run_dir), "storage": storage,
               "study_name": None if study is None else study.study_name}
     atomic_write_json(out_dir / "report.json", {
-        "inputs": inputs, "notes": notes,
+        "inputs": inputs, "notes": notes, "decision": facts,
         "sections": [{"title": s.title, "image": s.image, "caption": s.caption, "table": s.table} for s in sections],
     })
     index = out_dir / "index.html"
-    atomic_write_bytes(index, render_html(sections, title, notes).encode())
+    atomic_write_bytes(index, render_html(sections, title, notes, lead).encode())
     return index
+
+
+# a run's figures in the order that explains its decision: the chosen guesser's speedup curve with the
+# chosen plan on it, the chosen tree, predicted against measured, then the inputs (latency, acceptance)
+RUN_ORDER = ("speedup.png", "tree_", "run.png", "latency.png", "tokens_per_step.png", "reliability.png")
+
+
+def _run_order(section: Section) -> int:
+    return next((i for i, p in enumerate(RUN_ORDER) if section.image.startswith(p)), len(RUN_ORDER))
+
+
+def _run_front(summary: dict | None) -> tuple[str, dict | None, tuple]:
+    """A main job's summary: (the page's first section, its facts, the chosen plan's mark on the speedup
+    figure); anything else: nothing."""
+    if summary is None or not isinstance(summary.get("decision"), dict) or "choice" not in summary["decision"]:
+        return "", None, ()
+    from workflows.report.decision import chosen_mark, decision_facts, decision_html, race_table
+
+    facts = decision_facts(summary)
+    lead = (decision_html(facts) + "\n<h3>The race</h3>\n<p>Every finalist against plain decoding, measured on the "
+            "same prompts (selection stage; the chosen plan also on its confirmation prompts above).</p>\n"
+            + table_html(race_table(summary)))
+    mark = chosen_mark(summary)
+    return lead, facts, (mark,) if mark is not None else ()
