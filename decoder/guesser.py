@@ -73,8 +73,9 @@ class DecodeContext:
     dtype: torch.dtype
     device: torch.device
     label: str = "plan"
-    prompt_hidden: torch.Tensor | None = None  # [T-1, hidden] target's last hidden state over the prefilled prompt (needs_hidden)
+    prompt_hidden: torch.Tensor | None = None  # [T-1, F] the target's features over the prefilled prompt (needs_hidden)
     noise: object = None  # decoder.noise.PositionNoise under the coupled rule (its cursor: the next token's index)
+    features: object = False  # decoder.engine.Features the step outcomes carry (the guesser's needs_hidden)
 
 
 class GuessSession(Protocol):

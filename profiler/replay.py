@@ -153,7 +153,9 @@ class Teacher:
 
     prompt: torch.Tensor  # [T]
     tokens: torch.Tensor  # [N]
-    hidden: torch.Tensor | None = None  # [T + N, H] last hidden state (after the final norm) per position
+    # the target's features per position [T + N, F] by decoder.engine.Features spec: the last hidden state (True)
+    # for ParallelSpec and EAGLE-1, the streams entering chosen layers for an EAGLE-3 head
+    hidden: dict = field(default_factory=dict)
     ppd: Rows | None = None  # per root i (0: the prompt's last token), D rows: PPD's ensemble-mean logits
     ppd_depth: int = 0
     drafts: dict = field(default_factory=dict)  # id(draft model) -> Rows of its teacher-forced logits [T + N]
@@ -166,6 +168,10 @@ class Teacher:
     def seq(self) -> torch.Tensor:
         return torch.cat([self.prompt, self.tokens])
 
+    def features(self, spec) -> torch.Tensor | None:
+        """[T + N, F] the features `spec` names (None: a guesser that reads none, or a teacher without them)."""
+        return self.hidden.get(spec) if spec else None
+
     def draft_rows(self, drafter, device) -> Rows:
         key = id(drafter)
         if key not in self.drafts:
@@ -176,18 +182,20 @@ class Teacher:
 
 
 @torch.inference_mode()
-def teachers(engine, cont, hidden: bool, capture: PPDCapture | None = None) -> list[Teacher]:
+def teachers(engine, cont, hidden, capture: PPDCapture | None = None) -> list[Teacher]:
     """A Teacher per prompt of `cont` (profiler.teacher_forced.Continuations, or a sampled one,
-    profiler.sampled.SampledContinuations, whose p rows come along); hidden: one teacher-forced
-    target forward per prompt for the guessers that read hidden states."""
+    profiler.sampled.SampledContinuations, whose p rows come along); hidden: the feature specs
+    (decoder.engine.Features) the measured guessers read, or True for the last hidden state: a
+    teacher-forced target forward per prompt and spec."""
     from profiler.teacher_forced import target_pass
 
     out = []
     drew = getattr(cont, "probs", None) or [None] * len(cont.prompts)
     s = getattr(cont, "sampling", None)
     coupled = s is not None and s.rule == "coupled"
+    specs = [spec for spec in ([hidden] if isinstance(hidden, bool) else hidden) if spec]
     for i, (ids, toks) in enumerate(zip(cont.prompts, cont.tokens)):
-        h = target_pass(engine, ids, toks, True)[1].float().cpu() if hidden and toks.numel() else None
+        h = {spec: target_pass(engine, ids, toks, spec)[1].float().cpu() for spec in specs} if toks.numel() else {}
         rows = capture.prompt_rows(i) if capture is not None else None
         D = rows.values.shape[0] // max(len(capture.rows[i]), 1) if rows is not None else 0
         out.append(Teacher(ids.cpu(), toks.cpu(), h, rows, D, probs=drew[i],
@@ -243,27 +251,30 @@ def use_teacher_drafts(session, teacher: Teacher, cursor: Cursor) -> None:
     def fake(cache, device):  # a decoder/guessers/draft_cache.py DraftCache
         return TeacherDraft(teacher.draft_rows(cache.drafter, device), teacher.prompt.numel(), cursor, device)
 
-    if isinstance(session, DraftSession):
+    # a drafter that reads the target's features drafts deeper levels from its own predicted features, which
+    # no teacher-forced pass over the text gives: it keeps its own cache (and its passes)
+    if isinstance(session, DraftSession) and not session.reads:
         f = fake(session, session.ctx.device)
         session.first_pass, session.level_pass, session.keep_accepted = f.first_pass, f.level_pass, f.keep_accepted
     for s in getattr(session, "sources", []):
-        if isinstance(s, DraftSource):
+        if isinstance(s, DraftSource) and not s.drafter.reads:
             s.drafter = fake(s.drafter, s.ctx.device)
 
 
-def context(engine, teacher: Teacher, needs_hidden: bool, label: str = "replay") -> DecodeContext:
+def context(engine, teacher: Teacher, needs_hidden, label: str = "replay") -> DecodeContext:
     T = teacher.prompt.numel()
-    if needs_hidden and teacher.hidden is None:
+    feats = teacher.features(needs_hidden)
+    if needs_hidden and feats is None:
         raise UserError(f"{label}: the guesser reads the target's hidden states; the replay has none")
-    prompt_hidden = teacher.hidden[: T - 1].to(device=engine.device, dtype=engine.dtype) if needs_hidden else None
+    prompt_hidden = feats[: T - 1].to(device=engine.device, dtype=engine.dtype) if needs_hidden else None
     if teacher.coupled is not None:  # guesses aimed at the noise the text was drawn with
         from decoder.noise import PositionNoise
 
         s, seed = teacher.coupled
         return DecodeContext(s, torch.Generator().manual_seed(0), engine.dtype, engine.device, label, prompt_hidden,
-                             PositionNoise(seed))
+                             PositionNoise(seed), features=needs_hidden)
     return DecodeContext(Sampling(0.0), torch.Generator().manual_seed(0), engine.dtype, engine.device, label,
-                         prompt_hidden)
+                         prompt_hidden, features=needs_hidden)
 
 
 @dataclass
@@ -357,8 +368,9 @@ def _outcome(proposal, nodes: list[int], emitted: list[int], seq: torch.Tensor, 
     verdict = Verdict(torch.tensor(nodes, device=ctx.device), nodes, emitted, seq[T + pos + a: T + pos + a + 1])
     lay = proposal.layout
     hidden = None
-    if teacher.hidden is not None:
-        h = teacher.hidden[T - 1 + pos: T + pos + a]  # the root and the accepted nodes, in path order
+    feats = teacher.features(ctx.features)
+    if feats is not None:
+        h = feats[T - 1 + pos: T + pos + a]  # the root and the accepted nodes, in path order
         hidden = torch.zeros(lay.num_tree, h.shape[1], dtype=h.dtype)
         hidden[nodes] = h
         hidden = hidden.to(device=ctx.device, dtype=ctx.dtype)

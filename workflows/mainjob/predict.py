@@ -57,8 +57,8 @@ def calibration_step(run, cont, capture, measured: dict) -> dict:
     from profiler.replay import teachers
 
     t0 = time.perf_counter()
-    hidden = any(run.guessers[k].needs_hidden for k in measured)
-    run.replays = teachers(run.engine, cont, hidden, capture)
+    features = {run.guessers[k].needs_hidden for k in measured if run.guessers[k].needs_hidden}  # one spec per reader
+    run.replays = teachers(run.engine, cont, features, capture)
     sampling = getattr(cont, "sampling", None)  # a sampled decode's settings (profiler.sampled); greedy: none
     out, done, kept = dict(measured), [], []
     for kind, m in measured.items():
