@@ -268,7 +268,7 @@ def run(a) -> Results:
     from common import machine, open_hf
 
     from decoder.engines.shipped import model_dir as shipped_dir
-    from workflows.export.vllm import SETUP, STAMP, venv_python
+    from decoder.engines.vllm.env import SETUP, STAMP, venv_python
 
     s = sizes(a)
     python = venv_python()

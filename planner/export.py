@@ -11,7 +11,8 @@ What each engine takes (keys read from the engines' sources and docs, late 2026)
 - vllm: the --speculative-config JSON object: method, model, num_speculative_tokens (> 0, the
   largest K), num_speculative_tokens_per_batch_size [[first, last, K], ...] (inclusive,
   ascending from 1; K = 0 turns speculation off; beyond the last range the last K). Current
-  vLLM verifies chains only.
+  vLLM verifies chains only. Where the config needs the project's vLLM plugin (a K = 0 range, or a
+  schedule for suffix / medusa: planner/vllm_plugin.py), "env" holds its switch for vLLM's environment.
 - sglang: --speculative-num-steps S, --speculative-eagle-topk K, --speculative-num-draft-tokens N
   (nodes verified, root included; N = S + 1 when K = 1); per batch size --speculative-adaptive
   with --speculative-adaptive-config FILE, keyed by the lowest batch size of each range as a
@@ -39,6 +40,7 @@ from planner.errors import UserError
 from planner.guessers import LOOKUP_SIGNAL, PLAIN
 from planner.simulate import describe, simulated_of
 from planner.tree import DYNAMIC, PPD, ScheduleEntry, Tree
+from planner.vllm_plugin import PLUGIN_SCHEDULES, vllm_serving
 
 FORMAT = "tree-planner/export"
 VERSION = 1
@@ -98,6 +100,7 @@ class ExportOptions:
     yaml_path: str | None = None  # trtllm: the engine-ready YAML written, if any
     chains_planned: bool = True  # False: the draft lengths are the plan's tree depths
     lookup: dict = field(default_factory=dict)  # vllm ngram / suffix keys (`lookup_settings`)
+    plugin: bool = True  # vllm: serve with the project's plugin where the config needs it (planner/vllm_plugin.py)
 
 
 @dataclass
@@ -278,8 +281,11 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
     if cap:  # suffix decoding stops each draft itself: the cap wherever the chain plan drafts at all
         ranges = _stretch([DraftRange(r.lo, r.hi, cap if r.k else 0) for r in ranges], ranges[-1].hi)
     off, notes = [f"{r.lo}-{r.hi}" for r in ranges if r.k == 0], []
-    if len(ranges) > 1 and opts.method not in SCHEDULE_METHODS["vllm"]:
-        notes.append(f"per-batch-size draft lengths dropped: vLLM's {cfg['method']} proposer takes one draft length; "
+    schedulable = opts.method in SCHEDULE_METHODS["vllm"] or (opts.plugin and opts.method in PLUGIN_SCHEDULES)
+    if len(ranges) > 1 and not schedulable:
+        how = (" (the project's vLLM plugin gives it one per batch size: drop --plugin off)"
+               if opts.method in PLUGIN_SCHEDULES else "")
+        notes.append(f"per-batch-size draft lengths dropped: vLLM's {cfg['method']} proposer takes one draft length{how}; "
                      f"wrote {max(r.k for r in ranges)} for every batch size, also at {', '.join(off) or '-'} (planned off)")
     elif len(ranges) > 1:
         cfg["num_speculative_tokens_per_batch_size"] = [[r.lo, r.hi, r.k] for r in ranges]
@@ -289,8 +295,8 @@ def _vllm(plan: Tree, ranges: list[DraftRange], opts: ExportOptions) -> Export:
         cfg.update({k: v for k, v in (("prompt_lookup_min", opts.ngram_min), ("prompt_lookup_max", opts.ngram_max))
                     if v is not None})
     notes += _tree_note(plan, opts, "verifies chains only (tree attention removed)")
-    line = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
-    return Export("vllm", {"speculative_config": cfg}, line, notes)
+    env, line, serve_notes = vllm_serving(cfg, opts.plugin)
+    return Export("vllm", {"speculative_config": cfg, **({"env": env} if env else {})}, line, notes + serve_notes)
 
 
 

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the project's vLLM plugin: its switch and the proposers it gives a schedule, defined once there
+from planner.vllm_plugin import PLUGIN_ENV, PLUGIN_SCHEDULES  # noqa: F401  (serving modules import them from here)
+
 MAX_CONCURRENCY = 256  # the schedule's last range ends here (vLLM takes the last range beyond it anyway)
-# The project's vLLM plugin (vllm_plugin/) is switched on by this variable in the server's environment:
-# then a step whose scheduled K is 0 for every running request is vLLM's plain path (no rejection sampler,
-# no draft fetch), and suffix and medusa take a per-batch-size schedule.
-PLUGIN_ENV = "TREE_PLANNER_VLLM_PLUGIN"
-PLUGIN_SCHEDULES = ("suffix", "medusa")  # proposers that assert one draft length in vLLM 0.32: a schedule with the plugin
 
 
 def schedulable(method: str | None, plugin: bool = False) -> bool:

@@ -18,6 +18,7 @@ from planner.export import (
 )
 from planner.jsonio import to_yaml
 from planner.plan import SHARED_DIR
+from planner.vllm_plugin import PLUGIN_ENV, needs_plugin, vllm_serving
 from planner.tree import SCHEMA_PATH, load_tree
 from workflows.cli.main import main
 
@@ -87,8 +88,13 @@ def test_vllm(files, tmp_path, capsys):
     assert max(k for _, _, k in ranges) == k_max and ranges[-1][2] == 0 and ranges[-1][1] == 4096
     assert [k for _, _, k in ranges] == sorted((k for _, _, k in ranges), reverse=True)
     assert any("tree dropped" in n for n in data["notes"])
-    flag, value = shlex.split(data["command_line"])
-    assert flag == "--speculative-config" and json.loads(value) == cfg
+    # a K = 0 range: served with the project's vLLM plugin, its switch beside the config and on the command line
+    assert data["env"] == {PLUGIN_ENV: "1"}
+    words = shlex.split(data["command_line"])
+    assert words[:4] == [f"{PLUGIN_ENV}=1", "vllm", "serve", "MODEL"] and words[4] == "--speculative-config"
+    assert json.loads(words[5]) == cfg and len(words) == 6
+    note = next(n for n in data["notes"] if "plugin" in n)
+    assert "pip install ./vllm_plugin" in note and "0.82-0.97x vLLM plain" in note
     assert [r["batch_size"] for r in basis["per_batch_size"]] == [1, 4, 16, 64]
     assert all("chain_predicted_speedup" in r for r in basis["per_batch_size"])
 
@@ -99,6 +105,48 @@ def test_vllm_ngram_and_single_range(files, tmp_path):
     cfg = json.loads(out.read_text())["speculative_config"]
     assert cfg["method"] == "ngram" and "model" not in cfg and "num_speculative_tokens_per_batch_size" not in cfg
     assert cfg["num_speculative_tokens"] >= 1 and (cfg["prompt_lookup_min"], cfg["prompt_lookup_max"]) == (2, 4)
+    data = json.loads(out.read_text())
+    assert "env" not in data and shlex.split(data["command_line"])[0] == "--speculative-config"  # no plugin needed
+
+
+def test_vllm_plugin_off_writes_what_stock_vllm_runs(files, tmp_path):
+    rc, out = export(files, tmp_path, "vllm", "batched", "--method", "ngram", "--plugin", "off")
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert "env" not in data and [k for _, _, k in data["speculative_config"]["num_speculative_tokens_per_batch_size"]][-1] == 0
+    flag, value = shlex.split(data["command_line"])
+    assert flag == "--speculative-config" and json.loads(value) == data["speculative_config"]
+    assert any("K = 0 ranges run vLLM's speculative path" in n and "--plugin off" in n for n in data["notes"])
+
+
+@pytest.mark.parametrize("method", ["suffix", "medusa"])
+def test_vllm_one_length_proposers_take_a_schedule_with_the_plugin(method):
+    plan = load_tree(SCHEMA_PATH.parent / "medusa-vicuna-7b-n63.json")
+    ranges = [DraftRange(1, 4, 3), DraftRange(5, 8, 1), DraftRange(9, 4096, 0)]
+    with_plugin = build(plan, ranges, ExportOptions("vllm", method, "M"), {}, [])
+    assert with_plugin.settings["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 4, 3], [5, 8, 1], [9, 4096, 0]]
+    assert with_plugin.settings["env"] == {PLUGIN_ENV: "1"}
+    assert any("asserts one draft length" in n for n in with_plugin.notes)  # what happens without it
+    stock = build(plan, ranges, ExportOptions("vllm", method, "M", plugin=False), {}, [])
+    cfg = stock.settings["speculative_config"]
+    assert "num_speculative_tokens_per_batch_size" not in cfg and cfg["num_speculative_tokens"] == 3
+    assert "env" not in stock.settings and any("drop --plugin off" in n for n in stock.notes)
+    # one length for every batch size needs no plugin
+    single = build(plan, [DraftRange(1, 4096, 2)], ExportOptions("vllm", method, "M"), {}, [])
+    assert "env" not in single.settings and single.command_line.startswith("--speculative-config ")
+
+
+def test_which_vllm_configs_need_the_plugin():
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    assert not needs_plugin(None) and not needs_plugin(ngram)
+    assert needs_plugin(dict(ngram, num_speculative_tokens_per_batch_size=[[1, 4, 4], [5, 256, 0]]))
+    assert not needs_plugin(dict(ngram, num_speculative_tokens_per_batch_size=[[1, 4, 4], [5, 256, 2]]))
+    assert needs_plugin({"method": "suffix", "num_speculative_tokens_per_batch_size": [[1, 4, 8], [5, 256, 2]]})
+    mtp = {"method": "mtp", "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, 4, 1], [5, 9, 0]]}
+    assert not needs_plugin(mtp)  # the plugin does not act for mtp: no switch, a note on the cost instead
+    env, line, notes = vllm_serving(mtp)
+    assert env == {} and line.startswith("--speculative-config ") and "does not act for mtp" in notes[0]
 
 
 def test_sglang_adaptive(files, tmp_path, capsys):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from workflows.cli.main import main
-from workflows.export.vllm import SETUP, run_engine, suffix_available, venv_dir, venv_python
+from decoder.engines.vllm.env import SETUP, venv_dir, venv_python
+from workflows.export.vllm import run_engine, suffix_available
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "reports" / "example-autotune-cpu-smollm2-135m"

@@ -461,9 +461,7 @@ def test_speculation_decodes_plains_tokens_under_concurrent_load(served):
 
 def test_the_suffix_export_decodes_plains_tokens_under_concurrent_load(served):
     if "suffix" not in served:
-        from workflows.export.vllm import SETUP
-
-        msg = f"suffix export not served: arctic-inference is missing in the vLLM environment (bash {SETUP})"
+        msg = f"suffix export not served: arctic-inference is missing in the vLLM environment (bash {vllm_env.SETUP})"
         if REQUIRED:
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)

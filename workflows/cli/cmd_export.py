@@ -16,7 +16,10 @@ engines:
           num_speculative_tokens_per_batch_size [[first, last, K], ...] (K = 0: off). vLLM
           verifies chains only: K is the best chain per range, planned as a chain. Prompt-lookup
           plans set ngram's prompt_lookup_min/max or suffix decoding's thresholds from the plan's
-          measurements; --race times the candidates in vLLM itself (docs/vllm.md).
+          measurements; --race times the candidates in vLLM itself (docs/vllm.md). A config with a
+          K = 0 range, or a schedule for suffix / medusa, needs the project's vLLM plugin
+          (vllm_plugin/): "env" then holds its switch, TREE_PLANNER_VLLM_PLUGIN=1, and the command
+          line starts with it; --plugin off writes what stock vLLM runs instead.
   sglang  --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens,
           and per batch size (EAGLE, EAGLE3) --speculative-adaptive with a config file keyed by
           the lowest batch size of each range, written next to FILE as STEM.adaptive.json.
@@ -33,8 +36,8 @@ Draft lengths are planned as chains per batch size with the acceptance statistic
 latency profile the plan was made with (its provenance; unchanged files only) or --accept /
 --profile; without them, the plan's tree depths are written, with a note.
 Output (except trtllm YAML): {"format": "tree-planner/export", "engine", the engine's objects
-("speculative_config", "server_args" + "adaptive_config", "generation_config"),
-"command_line", "notes", "basis"}.
+("speculative_config" and, where the plugin is needed, "env"; "server_args" + "adaptive_config";
+"generation_config"), "command_line", "notes", "basis"}.
 """
 
 EPILOG = """\
@@ -74,6 +77,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ngram-min", type=int, default=None, metavar="N", help="ngram: shortest n-gram matched (vllm)")
     p.add_argument("--ngram-max", type=int, default=None, metavar="N",
                    help="ngram: longest n-gram matched (vllm prompt_lookup_max, hf max_matching_ngram_size)")
+    p.add_argument("--plugin", choices=["on", "off"], default="on",
+                   help="vllm: serve with the project's vLLM plugin where the config needs it (default on: a K = 0 "
+                        "range is vLLM's plain path, suffix and medusa take a schedule); off: stock vLLM")
     p.add_argument("--race", action="store_true",
                    help="vllm: time the planned config, its other lookup method and vLLM's own ngram and suffix "
                         "settings in vLLM (scripts/setup_vllm.sh) on the race prompts and write the fastest")
@@ -115,7 +121,8 @@ def run(args) -> int:
     lookup = _lookup(plan, engine, method, ranges, accept, profiles, notes)
     draft_model = _draft_folder(args.draft_model, plan, method, out, notes)
     opts = ExportOptions(engine, method, draft_model, args.ngram_min, args.ngram_max, str(adaptive_path),
-                         str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup)
+                         str(out) if yaml_out else None, chains_planned=chains is not None, lookup=lookup,
+                         plugin=args.plugin == "on")
     result = build(plan, ranges, opts, basis(plan, str(plan_path), ranges, chains, sources), notes)
     if args.race:
         _race(args, plan, ranges, accept, profiles, opts, result)
@@ -136,11 +143,10 @@ def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
     """--race: the candidates in vLLM itself, one engine each, on the race prompts; the fastest
     (token-identical to vLLM plain) replaces the planned config, with the measurements as notes."""
     import dataclasses
-    import json
-    import shlex
 
     from planner.errors import UserError
     from planner.export import TARGETS, build
+    from planner.vllm_plugin import vllm_serving
     from workflows.export.vllm import RACE_DEFAULTS, race, race_prompts
 
     if not TARGETS[opts.engine].runs_here:
@@ -152,7 +158,7 @@ def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
         planned[f"planned ({other})"] = build(plan, ranges, o, {}, []).settings["speculative_config"]
     candidates = {"vLLM plain": None, **planned, **RACE_DEFAULTS}
     model, prompts, warmup = race_prompts(args.model, args.race_prompts)
-    measured = race(model, candidates, prompts, warmup, args.race_tokens)
+    measured = race(model, candidates, prompts, warmup, args.race_tokens, plugin=opts.plugin)
     ok = {k: v for k, v in measured.items() if "error" not in v and v["identical"]}
     if "vLLM plain" not in ok:
         raise UserError(f"--race: vLLM plain decoding did not run: {measured['vLLM plain'].get('error', 'no result')}")
@@ -163,8 +169,10 @@ def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
         raise UserError(f"--race: vLLM plain decoding was fastest on {len(prompts)} race prompts ({table}): "
                         "no speculative config to write")
     cfg = candidates[best]
-    result.settings["speculative_config"] = cfg
-    result.command_line = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
+    planned_notes = vllm_serving(result.settings["speculative_config"], opts.plugin)[2]
+    env, result.command_line, serve_notes = vllm_serving(cfg, opts.plugin)
+    result.settings = {"speculative_config": cfg, **({"env": env} if env else {})}
+    result.notes = [n for n in result.notes if n not in planned_notes] + serve_notes
     result.notes.append(f"raced in vLLM on {len(prompts)} race prompts x {args.race_tokens} tokens: {table}; "
                         f"wrote the fastest, {best}")
     result.basis["race"] = {"prompts": len(prompts), "tokens": args.race_tokens, "chosen": best,

@@ -1,5 +1,5 @@
-"""The project's side of vLLM: find the vLLM environment (scripts/setup_vllm.sh), run
-workflows/export/vllm_inside.py inside it on a request, read the result. Used by `planner export --race`,
+"""The project's side of vLLM: run workflows/export/vllm_inside.py inside the vLLM environment
+(scripts/setup_vllm.sh; decoder/engines/vllm/env.py finds it) on a request, read the result. Used by `planner export --race`,
 tests/test_vllm.py and bench/bench_vllm.py; nothing here imports vLLM.
 """
 from __future__ import annotations
@@ -11,23 +11,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from decoder.engines.vllm.env import require_python
 from planner.errors import UserError
+from planner.vllm_plugin import PLUGIN_ENV, needs_plugin
 
 ROOT = Path(__file__).resolve().parents[2]
-SETUP = "scripts/setup_vllm.sh"
-STAMP = "tree-planner-vllm.stamp"  # written last by scripts/setup_vllm.sh: the environment is complete
-
-
-def venv_dir() -> Path:
-    cache = os.environ.get("TREE_PLANNER_CACHE") or str(Path.home() / ".cache" / "tree-planner")
-    return Path(os.environ.get("TREE_PLANNER_VLLM_VENV") or Path(cache) / "vllm-venv")
-
-
-def venv_python() -> Path | None:
-    """The vLLM environment's interpreter, or None when scripts/setup_vllm.sh has not completed."""
-    d = venv_dir()
-    py = d / "bin" / "python"
-    return py if (d / STAMP).is_file() and py.is_file() else None
 
 
 def suffix_available(python: Path) -> bool:
@@ -36,14 +24,14 @@ def suffix_available(python: Path) -> bool:
     return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
-def run_engine(mode: str, request: dict, timeout_s: float = 900, log=None) -> dict:
+def run_engine(mode: str, request: dict, timeout_s: float = 900, log=None, plugin: bool = False) -> dict:
     """One process of workflows/export/vllm_inside.py in the vLLM environment; its result. A failure is a
     UserError carrying the last line vLLM printed. `log`: a file object for vLLM's own output
-    (default: kept only to report a failure)."""
-    python = venv_python()
-    if python is None:
-        raise UserError(f"the vLLM environment {venv_dir()} is not set up: run bash {SETUP}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    (default: kept only to report a failure). `plugin`: the project's vLLM plugin switched on in it
+    (off otherwise, whatever the caller's environment says)."""
+    python = require_python()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **{PLUGIN_ENV: "1" if plugin else "0"})
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     with tempfile.TemporaryDirectory(prefix="tree-planner-vllm-") as d:
         req, res = Path(d) / "request.json", Path(d) / "result.json"
@@ -92,14 +80,17 @@ def race_prompts(model: str, n: int) -> tuple[str, list[list[int]], list[int]]:
     return folder, ids[1:], ids[0]
 
 
-def race(model_dir: str, configs: dict, prompts: list[list[int]], warmup: list[int], max_tokens: int) -> dict:
-    """Every config (None: plain) in its own engine, one after another, on the same prompts:
-    name -> {"tokens_per_s", "identical" (to plain), "drafted", "accepted"} or {"error"}."""
+def race(model_dir: str, configs: dict, prompts: list[list[int]], warmup: list[int], max_tokens: int,
+         plugin: bool = True) -> dict:
+    """Every config (None: plain) in its own engine, one after another, on the same prompts, each with the
+    project's vLLM plugin where it needs it (`plugin`, planner.export.needs_plugin): name -> {"tokens_per_s",
+    "identical" (to plain), "drafted", "accepted"} or {"error"}."""
     out, plain_tokens = {}, None
     for name, cfg in configs.items():
         progress(f"race: {name} ...")
         try:
-            r = run_engine("decode", decode_request(model_dir, cfg, prompts, warmup, max_tokens))
+            r = run_engine("decode", decode_request(model_dir, cfg, prompts, warmup, max_tokens),
+                           plugin=plugin and needs_plugin(cfg))
         except UserError as e:
             out[name] = {"error": str(e)}
             continue
