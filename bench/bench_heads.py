@@ -144,7 +144,7 @@ def markdown(doc: dict) -> str:
 def _smoke_head():
     """A head for the tiny random model, started from it (untrained) and written in the released layout."""
     def make(engine) -> str:
-        from decoder.guessers.heads import save_eagle3
+        from decoder.torch_ops.heads import save_eagle3
 
         passes = engine.training()
         L = passes.num_layers()

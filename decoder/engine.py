@@ -180,7 +180,8 @@ class Engine(Protocol):
     #   drop(finished), close()  (decoder/batch.py drives it)
     # caps.torch_modules (the target's torch modules, lent through narrow methods, never the model itself):
     #   open_drafter(path, label) -> a decoder/drafter.py DraftModel on this engine (the project's draft LM on
-    #   its embedding and head, or a causal LM folder): the draft guesser, PEARL, MTAD;
+    #   its embedding and head, a causal LM folder, or an EAGLE-1/3 head checked against the model): the draft
+    #   guesser, EAGLE heads, PEARL, MTAD; open_heads(path) -> Medusa heads checked against the model;
     #   token_modules() -> (input embedding, LM head), frozen, for drafters built on them (ParallelSpec, PPD);
     #   context_forwards(context [C]) -> forwards of new tokens after that context, prefilled once and cut back
     #   after each use (forward(ids, positions), reset(), context_length, vocab_size): PEARL's side timings

@@ -147,7 +147,7 @@ register(GuesserKind(
     "decoder.guessers.parallel:load_chain", files="parallelspec", needs_hidden=True, needs_torch=True, passes="depth",
     static=("chain",), measure_shape=(6, 4), record_names=("ParallelDrafter",)))
 register(GuesserKind(
-    "eagle", "an EAGLE-1 or EAGLE-3 head in its released layout (yuhuili, speculators): chains, trees, per-step trees",
+    "eagle-head", "an EAGLE-1 or EAGLE-3 head in its released layout (yuhuili, speculators): chains, trees, per-step trees",
     "decoder.guessers.heads:load_eagle", files="eagle3", needs_hidden=True, needs_torch=True, samples=True,
     passes="depth", static=("chain", "medusa", "sequoia"), measure_shape=(6, 4), export="eagle3"))
 register(GuesserKind(
@@ -161,7 +161,7 @@ register(GuesserKind(
 register(GuesserKind(
     "oracle", "the oracle: knows the target's continuation (tests and ceilings, not for decoding new text)",
     "decoder.guessers.oracle:load", signal="none", passes="none", autotune=False))
-for _drafter in ("draft", "parallelspec", "chain", "ppd", "eagle"):
+for _drafter in ("draft", "parallelspec", "chain", "ppd", "eagle-head"):
     _d = _KINDS[_drafter]
     register(GuesserKind(
         f"lookup+{_drafter}", f"prompt lookup's continuation and {_drafter}'s candidates in one per-step tree",

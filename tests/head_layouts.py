@@ -1,4 +1,4 @@
-"""Random-weight heads written in each released layout (decoder/guessers/heads.py reads them), for the tests.
+"""Random-weight heads written in each released layout (decoder/torch_ops/heads.py reads them), for the tests.
 
 Each writer stores the tensors under the names the layout's own releases use, so a test reads the same
 bytes a user's download would hold: EAGLE-1 (yuhuili, with Vicuna's fc.bias), EAGLE-3 (yuhuili), the
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from decoder.guessers.heads import save_eagle3
+from decoder.torch_ops.heads import save_eagle3
 from decoder.torch_ops.eagle import EAGLE1, EAGLE3, EagleArch, EagleHead
 
 

@@ -1,4 +1,4 @@
-"""EAGLE-1, EAGLE-3 and Medusa heads in their released layouts (decoder/guessers/heads.py): every layout
+"""EAGLE-1, EAGLE-3 and Medusa heads in their released layouts (decoder/torch_ops/heads.py): every layout
 loads and decodes token for token as greedy `generate` (chains, static trees, per-step trees), keeps the
 target's distribution under sampling (a chi-square test shown to fail for a wrong rule), the drafter's
 cache equals a recomputation over the accepted text with the target's features, and a missing or
@@ -22,7 +22,8 @@ import decoder.verify as verify
 from decoder import generate
 from decoder.guessers.draft import DraftModelGuesser
 from decoder.guessers.draft_cache import DraftCache
-from decoder.guessers.heads import open_eagle, read_head
+from decoder.guessers.heads import open_eagle
+from decoder.torch_ops.heads import read_head
 from decoder.guessers.registry import LoadRequest, load_guesser
 from decoder.torch_ops.eagle import EAGLE1, EAGLE3, EagleState
 from planner.errors import UserError
@@ -63,7 +64,7 @@ def folders(target, tmp_path_factory):
 
 
 def _guesser(target, path, **kw):
-    kind = "medusa-heads" if "medusa" in str(path) else "eagle"
+    kind = "medusa-heads" if "medusa" in str(path) else "eagle-head"
     return load_guesser(kind, LoadRequest(target, path=str(path), top_k=4, **kw))
 
 
@@ -86,7 +87,7 @@ def test_greedy_decoding_equals_generate(target, folders, layout, tree):
     assert accepted > 0, "the test must exercise accepted draft tokens"
 
 
-@pytest.mark.parametrize("kind", ["eagle", "lookup+eagle"])
+@pytest.mark.parametrize("kind", ["eagle-head", "lookup+eagle-head"])
 def test_eagle_per_step_trees_equal_generate(target, folders, kind):
     from decoder.guessers.dynamic import HybridGuesser
     from decoder.guessers.lookup import PromptLookupGuesser
@@ -94,12 +95,13 @@ def test_eagle_per_step_trees_equal_generate(target, folders, kind):
     from planner.dynamic_plan import plan_dynamic
 
     rows = [[0.5, 0.2, 0.1, 0.05]] * 4
-    acc = {"eagle": from_entry({"accuracy": rows, "guesser": {"kind": "eagle", "draft_s": 0.002}}, label="eagle"),
+    acc = {"eagle-head": from_entry({"accuracy": rows, "guesser": {"kind": "eagle-head", "draft_s": 0.002}},
+                                    label="eagle-head"),
            "lookup": from_entry({"accuracy": [[0.4], [0.8], [0.85], [0.9]], "guesser": {"kind": "lookup"}}, label="lookup")}
     kinds = kind.split("+")
     plan = plan_dynamic([(k, acc[k]) for k in kinds], None, max_size=8, max_depth=4)
     eagle = _guesser(target, folders["eagle3"])
-    g = eagle if kind == "eagle" else HybridGuesser(PromptLookupGuesser(), eagle, "eagle")
+    g = eagle if kind == "eagle-head" else HybridGuesser(PromptLookupGuesser(), eagle, "eagle-head")
     accepted = 0
     for prompt in ([2, 5, 1, 4, 2, 5, 1], [3]):
         ids = torch.tensor(prompt)

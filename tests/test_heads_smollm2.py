@@ -46,7 +46,7 @@ def _write(layout: str, model, path):
 def test_each_layout_at_smollm2_shape_decodes_as_generate(smol, layout, tmp_path):
     model, ids, ref = smol
     folder = _write(layout, model, tmp_path / layout)
-    g = load_guesser("medusa-heads" if layout == "medusa" else "eagle", LoadRequest(model, path=str(folder), top_k=4))
+    g = load_guesser("medusa-heads" if layout == "medusa" else "eagle-head", LoadRequest(model, path=str(folder), top_k=4))
     out = generate(model, ids, plan=None, guesser=g, max_new_tokens=TOKENS)
     assert out.tokens.tolist() == ref
 

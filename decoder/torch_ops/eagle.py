@@ -15,7 +15,7 @@ and predicts the next token and its own feature there, which feeds the next draf
 as vLLM 0.32 runs them (model_executor/models/llama_eagle.py, llama_eagle3.py), including its
 position convention (token x_p at position p - 1) and EAGLE-3's variants (norm_before_residual,
 norm_before_fc, fc_norm, norm_output). Loading released checkpoints and checking them against a target is
-decoder/guessers/heads.py's; this module is only the arithmetic, its KV cache and the drafter protocol.
+decoder/torch_ops/heads.py's; this module is only the arithmetic, its KV cache and the drafter protocol.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ EAGLE1, EAGLE3 = "eagle", "eagle3"
 
 @dataclass(frozen=True)
 class EagleArch:
-    """What a head's config says (decoder/guessers/heads.py reads it from each released layout)."""
+    """What a head's config says (decoder/torch_ops/heads.py reads it from each released layout)."""
 
     kind: str  # EAGLE1 | EAGLE3
     hidden_size: int
@@ -288,7 +288,7 @@ class EagleState:
 class MedusaHeads(nn.Module):
     """Medusa: head h maps the target's last hidden state at the last accepted token to the token h + 1
     places beyond the next one, through `layers` residual blocks x + SiLU(W x + b) and its own head (or a
-    shared one). FasterDecoding's and vLLM's checkpoints differ only in names (decoder/guessers/heads.py)."""
+    shared one). FasterDecoding's and vLLM's checkpoints differ only in names (decoder/torch_ops/heads.py)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int, bias: bool = True):
         super().__init__()

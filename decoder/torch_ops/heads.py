@@ -1,7 +1,8 @@
-"""The drafters users already have: EAGLE-1, EAGLE-3 and Medusa heads in their released layouts.
+"""The drafters users already have: EAGLE-1, EAGLE-3 and Medusa heads in their released layouts, read and
+checked against a transformers target (the hf engine's model, or a bare one in tests and training).
 
-    drafter = open_drafter("path/to/head", engine)     # any layout below -> a guesser (eagle or medusa kind)
-    out = generate(engine, ids, plan=None, guesser=drafter)   # a short chain
+    drafter = open_eagle("path/to/head", model)        # an EAGLE-1/3 head as a decoder/drafter.py DraftModel
+    heads = open_medusa("path/to/medusa", model)       # Medusa heads (decoder/guessers/medusa.py runs them)
 
 Layouts read (tensor names as vLLM 0.32 loads them; H the head's width, Ht the target's, V the target's
 vocabulary, Vd a draft vocabulary):
@@ -31,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from decoder.engine import torch_model
 from decoder.torch_ops.eagle import EAGLE1, EAGLE3, EagleArch, EagleDraft, EagleHead, MedusaHeads
 from planner.errors import UserError
 
@@ -298,12 +298,20 @@ def build_eagle(folder: HeadFolder, target_model) -> EagleHead:
     return head.eval()
 
 
-def open_eagle(path, target, label: str | None = None) -> EagleDraft:
-    """An EAGLE-1 or EAGLE-3 head in any released layout as a drafter for `target` (an engine or a model)."""
+def open_eagle(path, model, label: str | None = None) -> EagleDraft:
+    """An EAGLE-1 or EAGLE-3 head in any released layout as a drafter for the transformers target `model`."""
     folder = read_head(path)
     if folder.layout.startswith("medusa"):
         raise UserError(f"{path}: Medusa heads, not an EAGLE head (use --guesser medusa-heads:{path})")
-    return EagleDraft(build_eagle(folder, torch_model(target)), label or str(path))
+    return EagleDraft(build_eagle(folder, model), label or str(path))
+
+
+def open_medusa(path, model) -> MedusaHeads:
+    """Medusa heads in FasterDecoding's or vLLM's layout for the transformers target `model`."""
+    folder = read_head(path)
+    if not folder.layout.startswith("medusa"):
+        raise UserError(f"{path}: an EAGLE head, not Medusa heads (use --guesser eagle-head:{path})")
+    return build_medusa(folder, model)
 
 
 def save_eagle3(head: EagleHead, directory, meta: dict | None = None, t2d: bool = True) -> Path:
@@ -395,19 +403,17 @@ def build_medusa(folder: HeadFolder, target_model) -> MedusaHeads:
     return m.to(device=target_model.device, dtype=dtype).eval()
 
 
-# ---------------------------------------------------------------------------------------------- as guessers
+# ---------------------------------------------------------------------------------------------- what a folder is
 
 
 def head_layout(path) -> str:
     """A head folder's layout from its config and tensor names alone (a released head's weights can be GBs)."""
-    path = Path(path)
-    folder = read_head(path, names_only=True)
-    return folder.layout
+    return read_head(Path(path), names_only=True).layout
 
 
 def head_kind(path) -> str:
-    """The guesser kind a head folder is run as: 'eagle' or 'medusa-heads' (`--drafter DIR`)."""
-    return "medusa-heads" if head_layout(path).startswith("medusa") else "eagle"
+    """The guesser kind a head folder is run as: 'eagle-head' or 'medusa-heads' (`--drafter DIR`)."""
+    return "medusa-heads" if head_layout(path).startswith("medusa") else "eagle-head"
 
 
 def serving_method(path) -> str:
@@ -416,21 +422,19 @@ def serving_method(path) -> str:
     return "medusa" if layout.startswith("medusa") else "eagle" if layout == "eagle" else "eagle3"
 
 
-def load_eagle(request):
-    """The registry's loader for kind 'eagle' (planner/guessers.py): any EAGLE-1/3 layout in request.path."""
-    from decoder.guessers.draft import DraftModelGuesser
-
-    drafter = open_eagle(request.path, request.target, str(request.path))
-    depth = request.depth if request.depth is not None else 3
-    return DraftModelGuesser(drafter, top_k=request.top_k or 8, depth=depth, label=str(request.path))
-
-
-def load_medusa(request):
-    """The registry's loader for kind 'medusa-heads': FasterDecoding's or vLLM's Medusa heads in request.path."""
-    from decoder.guessers.medusa import MedusaGuesser
-
-    folder = read_head(request.path)
-    if not folder.layout.startswith("medusa"):
-        raise UserError(f"{request.path}: an EAGLE head, not Medusa heads (use --guesser eagle:{request.path})")
-    return MedusaGuesser(build_medusa(folder, torch_model(request.target)), top_k=request.top_k or 8,
-                         label=str(request.path))
+def is_eagle_head(path) -> bool:
+    """Whether a folder holds an EAGLE-1 or EAGLE-3 head rather than a draft model (which an engine's
+    open_drafter also takes): an EAGLE config, or EAGLE's fc beside layers not under a model's prefix."""
+    p = Path(path)
+    if not (p / "config.json").is_file() or (p / "draft_lm.json").is_file():
+        return False
+    try:
+        folder = read_head(p, names_only=True)
+    except UserError:
+        return False
+    cfg, names = folder.config, set(folder.tensors)
+    if folder.layout.startswith("medusa"):
+        return False
+    marked = "speculators_model_type" in cfg or "Eagle" in " ".join(cfg.get("architectures") or []) or \
+        "draft_vocab_size" in cfg
+    return marked or ("fc.weight" in names and not any(n.startswith("model.") for n in names))

@@ -131,11 +131,12 @@ def _settings(args) -> AutotuneSettings:
 
     # each directory flag names one kind of files; every guesser kind reading such files takes it
     by_files = {"prompt_tokens": args.prompt_tokens, "draft_lm": args.draft, "parallelspec": args.parallelspec}
-    if args.drafter is not None:  # the head's kind reads its files: eagle (and lookup+eagle), or medusa-heads
+    head = args.drafter
+    if head is not None:  # the head's kind reads its files: eagle-head (and lookup+eagle-head), or medusa-heads
         from decoder.guessers.heads import head_kind
         from planner.guessers import kind as guesser_kind
 
-        by_files[guesser_kind(head_kind(args.drafter)).files] = args.drafter
+        by_files[guesser_kind(head_kind(head)).files] = head
     dirs = {k.name: by_files[k.files] for k in kinds(hybrids=False) if by_files.get(k.files)}
     engine = args.engine or AutotuneSettings.engine
     sampled_rule = engine_kind(engine).defaults.sampled_rule if args.temperature > 0 else "auto"

@@ -55,8 +55,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, metavar="DIR",
                    help="a drafter you already have, in its released folder: an EAGLE-1 or EAGLE-3 head (yuhuili's or "
                         "vllm-project/speculators' layout) or Medusa heads (FasterDecoding's or vLLM's); checked against "
-                        "the model tensor by tensor. Alone it is --guesser eagle:DIR or medusa:DIR; with --guesser "
-                        "lookup+eagle it is that hybrid's head")
+                        "the model tensor by tensor. Alone it is --guesser eagle-head:DIR or medusa-heads:DIR; with --guesser "
+                        "lookup+eagle-head it is that hybrid's head")
     p.add_argument("--ensemble", type=int, default=1, help="with --random-prompt-tokens: copies per prompt token (E)")
     p.add_argument("--top-k-guesses", type=int, default=10, help="guesses per distance (ranks a plan may use)")
     p.add_argument("--prompts", default=None, metavar="FILE",
@@ -132,7 +132,7 @@ def drafter_guesser(args) -> str | None:
         return f"{head}:{folder}"
     k, path = parse_guesser(given)
     if path is not None or kind(k).members[1:] != (head,):
-        raise UserError(f"--drafter {folder} is {'an EAGLE head' if head == 'eagle' else 'Medusa heads'}: with --guesser "
+        raise UserError(f"--drafter {folder} is {'an EAGLE head' if head == 'eagle-head' else 'Medusa heads'}: with --guesser "
                         f"give a hybrid on it (lookup+{head}) without a path, or leave --guesser out")
     return f"{k}:{folder}"
 

@@ -9,7 +9,7 @@ conversations (by a hash of its id) is held out for the evaluation. The target's
 the streams entering its three feature layers are computed once and cached (training/teacher.py).
 Training: training/eagle.py (training-time test); positions whose next token is the assistant's count
 fully, the user's turns and the template at `--prompt-weight`. Writes into --out the released EAGLE-3
-layout (config.json, model.safetensors in fp16: decoder/guessers/heads.py save_eagle3), training.json
+layout (config.json, model.safetensors in fp16: decoder/torch_ops/heads.py save_eagle3), training.json
 (command, data, settings, time, loss and held-out acceptance curves), accept_heldout.json (the planner's
 acceptance format) and checkpoint.pt (--resume continues; Ctrl-C keeps it).
 """
@@ -177,7 +177,7 @@ def run_eagle(args, engine) -> int:
 def _write(args, engine, head, tr, va, draft_ids, aux, result, evaluation, curve, teacher_s, data: dict) -> None:
     import torch
 
-    from decoder.guessers.heads import save_eagle3
+    from decoder.torch_ops.heads import save_eagle3
     from planner.jsonio import atomic_write_json
     from training import teacher
 
@@ -199,7 +199,7 @@ def _write(args, engine, head, tr, va, draft_ids, aux, result, evaluation, curve
                        "greedy token"}
     atomic_write_json(Path(args.out) / "training.json", summary)
     atomic_write_json(Path(args.out) / "accept_heldout.json", {
-        "accuracy": evaluation["accuracy"], "kind": "eagle", "guesser": {"kind": "eagle", "draft_passes": "depth"},
+        "accuracy": evaluation["accuracy"], "kind": "eagle-head", "guesser": {"kind": "eagle-head", "draft_passes": "depth"},
         "source": "planner train-drafter --kind eagle3: teacher-forced held-out chains, target's greedy tokens"})
     print(json.dumps(evaluation["top1"]), file=sys.stderr)
     print(f"trained {result.trained_parameters} parameters in {result.wall_s:.0f} s; wrote {args.out}", file=sys.stderr)

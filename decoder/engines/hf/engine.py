@@ -69,12 +69,25 @@ class HFEngine:
 
     def open_drafter(self, path, label: str | None = None):
         """A draft model from `path` as a decoder/drafter.py DraftModel (caps.torch_modules): the project's
-        draft LM (its layers on this model's embedding and head, decoder/torch_ops/draft_lm.py) or a
-        Hugging Face causal LM folder with this model's vocabulary."""
+        draft LM (its layers on this model's embedding and head, decoder/torch_ops/draft_lm.py), a Hugging
+        Face causal LM folder with this model's vocabulary, or an EAGLE-1 / EAGLE-3 head in its released
+        layout, checked against this model tensor by tensor (decoder/torch_ops/heads.py)."""
+        from decoder.torch_ops.heads import is_eagle_head
+
+        if is_eagle_head(path):
+            from decoder.torch_ops.heads import open_eagle
+
+            return open_eagle(path, self.model, label)
         from decoder.torch_ops.draft import HFDraft
         from decoder.torch_ops.draft_lm import load_draft_model
 
         return HFDraft(load_draft_model(path, self.model), label or str(path))
+
+    def open_heads(self, path):
+        """Medusa heads (FasterDecoding's or vLLM's layout) checked against this model (decoder/torch_ops/heads.py)."""
+        from decoder.torch_ops.heads import open_medusa
+
+        return open_medusa(path, self.model)
 
     def training(self):
         """The passes training backpropagates through, on this model frozen (caps.torch_modules):
