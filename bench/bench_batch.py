@@ -128,7 +128,7 @@ def _decode(engine, prompts, tree, guesser, b, layout, n):
 
 
 def run(args) -> Results:
-    from decoder import generate_plain
+    from decoder import PlainGuesser, generate
     from planner.accept import from_entry
     from planner.batch import plan_schedule
     from planner.cost import Guessing
@@ -143,7 +143,7 @@ def run(args) -> Results:
     raw, profiles = _profiles(engine, args, s)
     accept = from_entry(measure_accuracy(engine, guesser, accept_prompts, max_new_tokens=s.tokens))
     guessing = Guessing(prompt_tokens=True, ensemble=guesser.ensemble)
-    greedy = [generate_plain(engine, p, max_new_tokens=s.tokens).tokens.tolist() for p in prompts]
+    greedy = [generate(engine, p, None, PlainGuesser(), max_new_tokens=s.tokens).tokens.tolist() for p in prompts]
     # where the planner picks plain decoding everywhere (a CPU), the fixed tree still measures what
     # packing saves over padding: one PPD tree of --fixed-input-length at every batch size
     fixed = plan("ppd", accept, input_length=s.fixed_input_length, prompt_tokens=guesser.num_prompt_tokens,

@@ -124,7 +124,8 @@ def _whole_model(engine, s: Sizes, rows: list[int]) -> dict:
 def _variants(engine, plan_run) -> dict:
     """name -> fn(ids) -> token list; 'paths' switches the installed paths on for that run only."""
     from decoder.engines.hf.cpu_paths import set_paths_enabled
-    from decoder.loop import generate_plain
+    from decoder.guesser import PlainGuesser
+    from decoder.loop import generate
 
     model = engine.torch_model()
 
@@ -138,7 +139,7 @@ def _variants(engine, plan_run) -> dict:
         return run
 
     def plain(ids, n):
-        return generate_plain(engine, ids, max_new_tokens=n).tokens.tolist()
+        return generate(engine, ids, None, PlainGuesser(), max_new_tokens=n).tokens.tolist()
 
     v = {"generate": lambda ids, n: engine.stock_generate(ids, n)[0],
          "plain": with_paths(False, plain),

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 from decoder import (  # noqa: E402
     OracleGuesser,
+    PlainGuesser,
     generate,
-    generate_plain,
 )
 from planner.accept import load_acceptance  # noqa: E402
 from planner.plan import plan  # noqa: E402
@@ -91,14 +91,14 @@ def main(argv=None) -> int:
 def _plain_row(engine, ids, args) -> tuple[dict, float, torch.Tensor, torch.Tensor]:
     """Plain decoding through the same loop: (its row, its tokens/s, the reference continuation, the
     context halfway through it, at which the plain forwards are timed)."""
-    generate_plain(engine, ids, 4)  # warm-up
-    plain_runs = [generate_plain(engine, ids, args.tokens + 4) for _ in range(3)]
+    generate(engine, ids, None, PlainGuesser(), max_new_tokens=4)  # warm-up
+    plain_runs = [generate(engine, ids, None, PlainGuesser(), max_new_tokens=args.tokens + 4) for _ in range(3)]
     ref = plain_runs[0].tokens
     plain_tps = statistics.median(r.tokens.numel() / r.stats.total_s for r in plain_runs)
     prof = step_profile(plain_runs[0])
     mid_context = torch.cat([ids, ref[: args.tokens // 2]])
     base1 = plain_forward_time(engine, mid_context, 1, args.repeats)
-    row = {"plan": "plain (generate_plain)", "input_length": 1, "tokens_per_step": 1.0,
+    row = {"plan": "plain (the loop's root-only steps)", "input_length": 1, "tokens_per_step": 1.0,
            **{f"{p}_ms": prof["median_s"][p] * 1e3 for p in PHASES},
            "step_ms": prof["median_step_s"] * 1e3, "plain_forward_ms": base1 * 1e3,
            "outside_forward_frac": prof["median_outside_forward_s"] / prof["median_forward_s"],

@@ -99,10 +99,10 @@ def _setup(args, s: Sizes):
 
 
 def _decode(engine, ids, name: str, make, tokens: int):
-    from decoder import generate, generate_plain
+    from decoder import PlainGuesser, generate
 
     if name == "plain":
-        return generate_plain(engine, ids, max_new_tokens=tokens)
+        return generate(engine, ids, None, PlainGuesser(), max_new_tokens=tokens)
     return generate(engine, ids, None, make(), max_new_tokens=tokens)
 
 

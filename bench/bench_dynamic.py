@@ -8,7 +8,7 @@ Methods (greedy, fp32):
   hf_generate      model.generate (the speed baseline: speedups are over it, per prompt)
   hf_lookup        model.generate(prompt_lookup_num_tokens=10)
   hf_assisted      model.generate(assistant_model=<the shipped draft LM>), transformers' defaults
-  plain            this project's plain loop (decoder.generate_plain)
+  plain            this project's plain loop (decoder.generate with PlainGuesser)
   static/<g>       the best static plan of guesser g measured by the committed autotune run
                    (reports/autotune-cpu-smollm2-135m/trees)
   dynamic/<g>      a dynamic plan (planner plan dynamic) from the calibrated acceptance in
@@ -93,7 +93,7 @@ def _time(fn) -> tuple[list[int], float]:
 def runners(engine, methods, plans, guessers, draft_hf, n_new: int) -> dict:
     """method -> fn(ids) -> (tokens, GenerateOutput or None). transformers' own speculation options
     (prompt lookup, an assistant model) are no engine option: common.library_generate runs them."""
-    from decoder import generate, generate_plain
+    from decoder import PlainGuesser, generate
 
     def hf(**kw):
         def run(ids):
@@ -108,7 +108,7 @@ def runners(engine, methods, plans, guessers, draft_hf, n_new: int) -> dict:
         return run
 
     table = {"hf_generate": hf(), "hf_lookup": hf(prompt_lookup_num_tokens=10),
-             "plain": lambda ids: _tokens_and(generate_plain(engine, ids, max_new_tokens=n_new))}
+             "plain": lambda ids: _tokens_and(generate(engine, ids, None, PlainGuesser(), max_new_tokens=n_new))}
     if draft_hf is not None:
         table["hf_assisted"] = hf(assistant_model=draft_hf)
     for m in methods:

@@ -14,7 +14,7 @@ On the same prompt ids, interleaved in a shuffled order per repeat after a warm-
                     greedy: the baseline a user compares with
   generate+lookup   transformers' generate with prompt_lookup_num_tokens=10 (its own speculation;
                     engines that lend their torch modules)
-  plain loop        this project's plain decoding loop (decoder.generate_plain)
+  plain loop        this project's plain decoding loop (decoder.generate with PlainGuesser)
   chosen            the decision as a user runs it: decoder.api.load_plan + generate (its guesser and
                     files as raced, the profile's matmul paths; a plain decision the engine's fastest
                     plain decoding; PEARL its own loop)
@@ -92,10 +92,10 @@ def load_plan(path: str, engine):
 def contenders(engine, plan, n: int) -> dict:
     """name -> fn(ids [T]) -> list of new token ids. The engine's own generation runs stock (transformers:
     F.linear in every Linear); this project's loops run the matmul paths the plan's profile chose."""
-    from decoder import generate_plain
+    from decoder import PlainGuesser, generate
 
     def plain(ids):
-        return generate_plain(engine, ids, max_new_tokens=n, phase_times=False).tokens.tolist()
+        return generate(engine, ids, None, PlainGuesser(), max_new_tokens=n, phase_times=False).tokens.tolist()
 
     out = {"generate": lambda ids: engine.stock_generate(ids, n)[0]}
     if engine.caps.torch_modules:  # transformers' own speculation runs on its torch model
@@ -267,13 +267,7 @@ def run(a) -> Results:
 
 
 def _label(plan) -> str:
-    if plan is None:
-        return "no plan"
-    if plan.plain:
-        return "plain decoding (the engine's fastest plain)"
-    if plan.pearl is not None:
-        return f"PEARL, gamma {plan.pearl[0]}"
-    return f"{plan.tree.settings.get('guesser')} {plan.tree.method} ({len(plan.tree.states[0].nodes)} nodes)"
+    return "no plan" if plan is None else plan.label
 
 
 if __name__ == "__main__":

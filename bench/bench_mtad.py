@@ -85,18 +85,21 @@ def _setup(args, s: "Sizes"):
 
 
 def _run(kind: str, engine, draft, ids, cfg, seed: int, settings=None, n: int | None = None):
-    """One decode; kind plain | speculative | mtad (MTAD's loop takes the torch model: generate_mtad)."""
-    from decoder import DraftModelGuesser, generate, generate_plain
-    from decoder.guessers.mtad import MTADGuesser, generate_mtad
+    """One decode; kind plain | speculative | mtad (MTAD's guesser carries its joint rule; its walks are the
+    guesser's, returned beside the output)."""
+    from decoder import DraftModelGuesser, PlainGuesser, generate
+    from decoder.guessers.mtad import MTADGuesser
 
     kw = dict(max_new_tokens=n or cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
               top_p=cfg.top_p, seed=seed)
     if kind == "plain":
-        return generate_plain(engine, ids, **kw)
+        return generate(engine, ids, None, PlainGuesser(), **kw)
     if kind == "speculative":
         return generate(engine, ids, None, DraftModelGuesser(draft, depth=cfg.sd_gamma), **kw)
-    return generate_mtad(engine.torch_model(), ids, MTADGuesser(draft, settings.width, settings.gamma),
-                         tau_acc=settings.tau_acc, **kw)
+    g = MTADGuesser(draft, settings.width, settings.gamma, tau_acc=settings.tau_acc)
+    out = generate(engine, ids, None, g, **kw)
+    out.walks = g.walks  # per step: D_1..D_gamma of its draft
+    return out
 
 
 def _warm_up(engine, draft, prompts, points, cfg) -> None:
@@ -115,7 +118,7 @@ def _calibrate(engine, draft, prompts, points, cfg) -> dict:
     """Walks per (W, gamma), perplexity per point and of plain sampling, on the calibration prompts."""
     import numpy as np
 
-    from decoder.guessers.mtad import perplexity
+    from profiler.text_quality import perplexity
 
     walks, sizes, outputs = {}, {}, {p: [] for p in points}
     plain, overhead = [], []
@@ -130,7 +133,7 @@ def _calibrate(engine, draft, prompts, points, cfg) -> dict:
             walks.setdefault((p.width, p.gamma), []).extend(out.walks)
             sizes.setdefault((p.width, p.gamma), []).extend(out.stats.input_lengths)  # root + the beams' tree
         sample_load()
-    target = engine.torch_model()  # perplexity under the target's raw distribution (decoder/guessers/mtad.py)
+    target = engine  # perplexity under the target's raw distribution (profiler/text_quality.py)
     return {"walks": {k: np.array(v, dtype=np.float64) for k, v in walks.items()},
             "forward_tokens": {k: float(np.mean(v)) for k, v in sizes.items() if v},
             "perplexity": {p: perplexity(target, prompts, o) for p, o in outputs.items()},
@@ -141,7 +144,8 @@ def _calibrate(engine, draft, prompts, points, cfg) -> dict:
 def _evaluate(engine, draft, prompts, points, cfg) -> list[dict]:
     """Every method on every prompt (BenchIds) in a shuffled order per prompt (bench/common.py: a
     slow spell hits all alike), one sampling seed per prompt."""
-    from decoder.guessers.mtad import text_quality
+    from decoder.torch_ops.draft import HFDraft
+    from profiler.text_quality import text_quality
 
     methods = [("plain", None), ("speculative", None)] + [("mtad", p) for p in points]
     runs = {m: {"tokens": [], "steps": 0, "seconds": [], "outputs": []} for m in methods}
@@ -162,7 +166,7 @@ def _evaluate(engine, draft, prompts, points, cfg) -> list[dict]:
     groups = sorted({p.group for p in prompts})
     rows = []
     for (kind, p), r in runs.items():
-        q = text_quality(engine.torch_model(), [x.ids for x in prompts], r["outputs"], draft).to_json()
+        q = text_quality(engine, [x.ids for x in prompts], r["outputs"], HFDraft(draft)).to_json()
         tps = {g: sum(n for n, x in zip(r["tokens"], prompts) if x.group == g) /
                sum(s for s, x in zip(r["seconds"], prompts) if x.group == g) for g in groups}
         rows.append({"method": kind, "name": p.name if p else kind, "settings": _settings(p), "tokens": sum(r["tokens"]),
@@ -194,41 +198,41 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _timings(engine, draft, ids, widths, n_max: int, cfg) -> tuple[dict, dict]:
-    """L(n): the target's forward over n tokens, n = 1..n_max; t_d(W): one beam step of the drafter
-    at W rows as the decoder runs it (reorder the W cache rows, forward one token per row, warp,
-    Gumbel-top-W). Both over a cache of the prompt, cropped back after every pass: the two sides' torch
-    models through the hf engine's own forward functions (decoder/torch_ops/forward.py)."""
+    """L(n): the target's forward over n tokens, n = 1..n_max; t_d(W): one beam step of the drafter as the
+    decoder runs it (decoder/guessers/mtad.py: the W beams' tokens in one pass of the drafter's cache, each
+    seeing the context; warp; Gumbel-top-W). Both after a cache of the prompt, cut back after every pass:
+    the target through its engine (context_forwards), the drafter through decoder/drafter.py."""
     import torch
 
-    from decoder.torch_ops.cache import crop_cache
-    from decoder.torch_ops.forward import prefill, tree_forward
     from decoder.guessers.mtad import beam_step, draft_logprobs
+    from decoder.torch_ops.draft import HFDraft
     from decoder.verify import Sampling
+    from profiler.overlap import DraftForwards, context_forwards
 
     s = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
     gen = torch.Generator().manual_seed(0)
-    vocab, target = engine.vocab_size, engine.torch_model()
-    C = ids.numel()
+    vocab = engine.vocab_size
 
-    def forward(model, cache, rows: int, n: int):
-        x = torch.randint(1, vocab, (rows, n))
-        out = tree_forward(model, x, torch.arange(C, C + n).expand(rows, n), None, cache)  # default causal mask
-        crop_cache(cache, C)
-        return out.logits[:, -1]
+    def forward(fw, n: int):
+        C = fw.context_length
+        fw.forward(torch.randint(1, vocab, (1, n)), torch.arange(C, C + n)[None])
+        fw.reset()
 
-    def beam(cache, w: int):
-        cache.reorder_cache(torch.arange(w))  # the same rows, but the copy every beam step pays
-        beam_step(torch.zeros(w, dtype=torch.float64), draft_logprobs(forward(draft, cache, w, 1), s), w,
+    def beam(dfw, w: int):
+        C = dfw.context_length
+        visible = torch.zeros(w, C + w, dtype=torch.bool)
+        visible[:, :C] = True
+        visible[torch.arange(w), C + torch.arange(w)] = True
+        out = dfw.state.forward(torch.randint(1, vocab, (w,)), torch.full((w,), C), visible, None)
+        dfw.reset()
+        beam_step(torch.zeros(w, dtype=torch.float64), draft_logprobs(out.logits, s), w,
                   gen if s.temperature > 0 else None, s.top_k)
 
     with torch.inference_mode():
-        cache = prefill(target, ids[None]).cache
-        L = {n: _median_time(lambda n=n: forward(target, cache, 1, n), cfg.repeats) for n in range(1, n_max + 1)}
-        draft_s = {}
-        for w in widths:
-            dc = prefill(draft, ids[None]).cache
-            dc.reorder_cache(torch.zeros(w, dtype=torch.long))
-            draft_s[w] = _median_time(lambda dc=dc, w=w: beam(dc, w), cfg.repeats)
+        fw = context_forwards(engine, ids)
+        L = {n: _median_time(lambda n=n: forward(fw, n), cfg.repeats) for n in range(1, n_max + 1)}
+        dfw = DraftForwards(HFDraft(draft), ids)
+        draft_s = {w: _median_time(lambda w=w: beam(dfw, w), cfg.repeats) for w in widths}
     return L, draft_s
 
 

@@ -14,7 +14,7 @@ Steps:
  3. decoding on the benchmark prompts (training.splits.bench_prompts: two-turn chats and requests
     that repeat their input, read by no tuning step), interleaved in a shuffled order per prompt and
     repeat after a warm-up (bench/common.py), `--repeats` times: plain
-    (generate_plain), SD (decoder.generate, DraftModelGuesser, plan=None: a chain of gamma), PEARL
+    (decoder.generate with PlainGuesser), SD (decoder.generate, DraftModelGuesser, plan=None: a chain of gamma), PEARL
     concurrent, PEARL serial (booked as max(draft, verify) + decide per round); medians over repeats;
     every output checked against plain greedy decoding;
  4. the planning model: alpha from the PEARL runs' accept/reject counts (or --accept FILE), predicted
@@ -78,16 +78,15 @@ from profiler.overlap import split_check as _split_check  # noqa: E402
 
 
 def _run(method: str, engine, draft, ids, gamma: int, tokens: int, split, total: int):
-    from decoder import DraftModelGuesser, generate, generate_plain
-    from decoder.guessers.pearl import generate_pearl
+    from decoder import DraftModelGuesser, Pearl, PlainGuesser, generate
 
     torch.set_num_threads(total)
     if method == "plain":
-        return generate_plain(engine, ids, tokens)
+        return generate(engine, ids, None, PlainGuesser(), max_new_tokens=tokens)
     if method == "sd":
         return generate(engine, ids, plan=None, guesser=DraftModelGuesser(draft, top_k=1, depth=gamma),
                         max_new_tokens=tokens)
-    return generate_pearl(engine, draft, ids, gamma, tokens, concurrent=method == "pearl", threads=split)
+    return generate(engine, ids, Pearl(draft, gamma, concurrent=method == "pearl", threads=split), max_new_tokens=tokens)
 
 
 def _record(method: str, out, gamma: int) -> dict:
@@ -235,9 +234,9 @@ def _timeline(engine, draft, ids, gamma: int, tokens: int, split, rounds: int = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from decoder.guessers.pearl import generate_pearl
+    from decoder import Pearl, generate
 
-    out = generate_pearl(engine, draft, ids, gamma, tokens, threads=split)
+    out = generate(engine, ids, Pearl(draft, gamma, threads=split), max_new_tokens=tokens)
     evs = [e for e in out.stats.events if e.phase != "prefill"]
     per_round = 3
     evs = evs[: rounds * per_round]
@@ -320,7 +319,7 @@ def run(args) -> Results:
     torch.set_num_threads(s.threads)
     mach = machine()
     engine, draft, prompts, label = _setup(args, s)
-    target = engine.torch_model()  # PEARL's two sides timed as torch models (profiler/overlap.py)
+    target = engine  # PEARL's two sides timed as PEARL runs them: the engine and the drafter (profiler/overlap.py)
     split = split_threads(s.threads)
     context = prompts[0].ids
     lat = _latencies(target, draft, context, range(1, max(s.gammas) + 2), split, s.threads, s.forward_repeats)
@@ -339,7 +338,7 @@ def run(args) -> Results:
            "plain_tokens_per_s": med[("plain", 0)]["tokens_per_s"], "prediction": pred, "alpha_source": source,
            "all_identical": all(r["identical_to_plain"] for r in runs),
            "runs": [{k: v for k, v in r.items() if k != "ids"} for r in runs], "timeline": timeline,
-           "gpu_estimate": _gpu_estimate(target, draft, pred["alpha_pooled"], s.gammas),
+           "gpu_estimate": _gpu_estimate(engine.torch_model(), draft, pred["alpha_pooled"], s.gammas),
            "load_avg_end": load(), "wall_s": time.time() - t_start}
     md = _markdown(doc)
     files = {out / "pearl.json": doc, out / "pearl.md": md, out / "pearl.png": png}

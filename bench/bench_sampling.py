@@ -11,7 +11,7 @@ prompt ids, interleaved in a shuffled order per (prompt, repeat) after a warm-up
 repeat) with one seed all contenders share:
   generate            transformers' model.generate(do_sample=True) with the same temperature, top_k
                       (0 where top-k is off: transformers' own default would cut at 50) and top_p
-  plain loop          this project's plain sampling loop (decoder.generate_plain)
+  plain loop          this project's plain sampling loop (decoder.generate with PlainGuesser)
   greedy-tuned plan   the plan `planner autotune` chose for greedy decoding, decoding sampled
   sampling-tuned      the plan `planner autotune --temperature T --top-k K --top-p P` chose, with the rule
                       it was raced with (coupled by default: then also
@@ -90,8 +90,7 @@ def _template(tokenizer, msgs: list[dict]) -> torch.Tensor:
 def contenders(engine, plans: dict, s: Sampling, n: int) -> dict:
     """name -> fn(ids, seed) -> (new token ids, accepted per step or None). transformers' generate(do_sample=True)
     is the engine's stock generation (stock F.linear); this project's loops run the engine's matmul paths."""
-    from decoder import generate, generate_plain
-    from decoder.guessers.pearl import generate_pearl
+    from decoder import Pearl, PlainGuesser, generate
 
     warp = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
@@ -99,11 +98,11 @@ def contenders(engine, plans: dict, s: Sampling, n: int) -> dict:
         return engine.stock_generate(ids, n, s, seed)[0], None
 
     def plain(ids, seed):
-        out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+        out = generate(engine, ids, None, PlainGuesser(), max_new_tokens=n, phase_times=False, seed=seed, **warp)
         return out.tokens.tolist(), out.stats.accepted
 
     def plain_coupled(ids, seed):
-        out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
+        out = generate(engine, ids, None, PlainGuesser(), max_new_tokens=n, phase_times=False, seed=seed, verify_rule="coupled", **warp)
         return out.tokens.tolist(), out.stats.accepted
 
     def plan_fn(tree, guesser, rule=None):
@@ -111,10 +110,10 @@ def contenders(engine, plans: dict, s: Sampling, n: int) -> dict:
 
         def run(ids, seed):
             if guesser is None:
-                out = generate_plain(engine, ids, max_new_tokens=n, phase_times=False, seed=seed, **warp)
+                out = generate(engine, ids, None, PlainGuesser(), max_new_tokens=n, phase_times=False, seed=seed, **warp)
             elif tree.settings.get("guesser") == "pearl":
-                out = generate_pearl(engine, guesser.draft_model, ids, gamma=int(tree.settings["pearl"]["gamma"]),
-                                     max_new_tokens=n, threads=(1, 1), seed=seed, **warp)
+                pearl = Pearl(guesser.drafter, int(tree.settings["pearl"]["gamma"]), threads=(1, 1))
+                out = generate(engine, ids, pearl, max_new_tokens=n, seed=seed, **warp)
                 return out.tokens.tolist(), None
             else:
                 out = generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=n, phase_times=False, seed=seed,

@@ -9,9 +9,10 @@
 `load_plan` does what `planner decode --plan` does with no other flag: it loads the guesser the plan
 was made for with the files it was raced with (each checked against its recorded checksum), installs
 the profile's CPU matmul paths where the engine has them, and takes the verification rule the plan
-was raced with under sampling; a plain decision decodes the engine's fastest plain way. `generate`
+was raced with under sampling. The plan names its strategy (decoder/loop.py): the tree's Steps with
+its guesser, PEARL's rounds with its drafter, or plain decoding the engine's fastest way. `generate`
 takes a text (formatted with the model's chat template) or token ids, and the decoding options of
-decoder/config.py (max_new_tokens, temperature, top_k, top_p, seed, ...).
+decoder/config.py (max_new_tokens, temperature, top_k, top_p, seed, ...), and runs the one loop.
 """
 from __future__ import annotations
 
@@ -38,15 +39,18 @@ def open_engine(name: str | None = None, model: str | None = None, **request):
 
 @dataclass
 class Plan:
-    """A plan file made ready for an engine: the tree (None: plain decoding or PEARL's own window), the
-    guesser it was made for, and the decoding settings it was raced with."""
+    """A plan file made ready for an engine: the strategy it decodes with, the decoding settings it was
+    raced with, and what it is in words."""
 
     path: str
-    tree: Tree | None
-    guesser: object  # decoder/guesser.py's protocol (PlainGuesser for a plain decision)
+    strategy: object  # decoder/loop.py Strategy: Steps (the tree and its guesser), Pearl; None: plain decoding
     decoding: DecodeConfig  # the settings it was raced with (the rule under sampling)
-    plain: bool = False  # the main job decided plain decoding: the engine's fastest plain way
-    pearl: tuple[int, tuple[int, int] | None] | None = None  # (gamma, (target, drafter) threads): PEARL's loop
+    label: str  # "plain decoding", "PEARL, gamma 4", "lookup+draft sequoia (12 nodes)"
+
+    @property
+    def plain(self) -> bool:
+        """The main job decided plain decoding: the engine's fastest plain way."""
+        return self.strategy is None
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Completion:
 
 def load_plan(path, engine) -> Plan:
     """The plan at `path` (a tree file from `planner plan` or a main job's chosen.json), ready for `engine`."""
-    from decoder.guesser import PlainGuesser
+    from decoder.loop import resolve
     from planner.plan_settings import plan_settings
 
     label = str(path)
@@ -81,34 +85,27 @@ def load_plan(path, engine) -> Plan:
     decoding = DecodeConfig(sampling=sampling)
     kind = run.guesser
     if kind is None or not guesser_kind(kind).guesses:
-        return Plan(label, None, PlainGuesser(), decoding, plain=True)
+        return Plan(label, None, decoding, "plain decoding (the engine's fastest plain)")
     spec = guesser_kind(kind)
     files = _files(tree, raced, folder, label, spec, engine)
-    if spec.loop is not None and run.pearl is not None:  # PEARL: its own loop, drafting with its files' drafter
-        drafter = _pearl_drafter(spec)
-        return Plan(label, None, _load(drafter, files, engine), decoding, pearl=(run.pearl.gamma, run.pearl.threads))
-    return Plan(label, tree, _load(kind, files, engine), decoding)
+    if spec.loop is not None and run.pearl is not None:  # PEARL's rounds, drafting with its files' drafter
+        from decoder.guessers.pearl import Pearl
+
+        drafter = _load(_pearl_drafter(spec), files, engine).drafter
+        return Plan(label, Pearl(drafter, run.pearl.gamma, run.pearl.threads), decoding, f"PEARL, gamma {run.pearl.gamma}")
+    nodes = len(tree.states[0].nodes) if tree.states else 0
+    steps = resolve(engine, tree, _load(kind, files, engine), decoding)  # the tree's Steps (a dynamic plan's too)
+    return Plan(label, steps, decoding, f"{kind} {tree.method} ({nodes} nodes)")
 
 
 def generate(engine, prompt, plan: Plan | None = None, config: DecodeConfig | None = None, **options) -> Completion:
     """Decode `prompt` (a text, formatted with the model's chat template, or token ids) with `plan`
     (None: plain decoding); options: decoder/config.py's fields (max_new_tokens, temperature, ...)."""
-    from decoder.loop import decode_plain
     from decoder.loop import generate as loop_generate
 
     ids = _ids(engine, prompt)
     cfg = decode_config(config or (plan.decoding if plan is not None else None), **options)
-    if plan is None or plan.plain:
-        out = decode_plain(engine, ids, config=cfg)
-    elif plan.pearl is not None:
-        from decoder.guessers.pearl import generate_pearl
-
-        s = cfg.sampling
-        out = generate_pearl(engine.torch_model(), plan.guesser.draft_model, ids, plan.pearl[0], threads=plan.pearl[1],
-                             max_new_tokens=cfg.max_new_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                             seed=cfg.seed)
-    else:
-        out = loop_generate(engine, ids, plan.tree, plan.guesser, config=cfg)
+    out = loop_generate(engine, ids, plan.strategy if plan is not None else None, config=cfg)
     tokens = out.tokens.tolist()
     text = engine.tokenizer.decode(tokens, skip_special_tokens=True) if engine.tokenizer is not None else None
     return Completion(tokens, text, out)

@@ -130,6 +130,9 @@ def _step(runner, live: list[_Seq], sampling: Sampling, eos: set[int], max_new_t
     logits, hidden = runner.forward(live, proposals, stats)  # per sequence [n_i, V], [n_i, H] or None
     verdicts = []
     for s, p, lg in zip(live, proposals, logits):
+        if p.rule is not None:  # a rule of its own (MTAD's joint acceptance) keeps per-run state: one prompt a time
+            raise UserError("a guesser whose proposals carry their own verification rule (MTAD) decodes one prompt "
+                            "at a time")
         tree_ids = torch.cat([s.root, p.tokens])
         verdicts.append(verify(lg[: p.layout.num_tree], tree_ids, p.layout, sampling, s.generator, p.draft_probs,
                                p.deterministic))

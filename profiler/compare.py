@@ -5,7 +5,7 @@ In fp32 tree decoding is token-identical to plain decoding. In bf16/fp16 the tre
 plain forward; where the target's top two logits are closer than that rounding, either token is
 the target's greedy choice within the dtype's resolution. Such a difference is a near tie, not a
 bug; anything else is a mismatch. Compare against plain decoding in the same dtype and cache path
-(decoder.generate_plain), then classify the first difference here.
+(decoder.generate with PlainGuesser: the same loop), then classify the first difference here.
 """
 from __future__ import annotations
 

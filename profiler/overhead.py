@@ -37,11 +37,12 @@ def measure_overhead(engine, max_input_length: int = 64, steps: int = 6, prompt_
     engine that takes input embeddings and lends its modules, the steps carry PPD prompt tokens on
     static trees (the guesser whose commit costs most: top-k over its tokens' logits); elsewhere
     they are chains of an oracle's guesses (prompt lookup's shape)."""
-    from decoder import generate, generate_plain
+    from decoder import generate
+    from decoder.guesser import PlainGuesser
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.vocab_size, (24,), generator=gen).to(engine.device)
-    plain = generate_plain(engine, prompt, max_new_tokens=steps)  # n = 1: plain decoding's own step
+    plain = generate(engine, prompt, None, PlainGuesser(), steps)  # n = 1: plain decoding's own step, in the loop
     points = {1: [sum(plain.stats.times[p][i] for p in OUTSIDE) for i in range(plain.steps)]}
     ppd = engine.caps.input_embeddings and engine.caps.torch_modules
     for plan, guesser, new in (_ppd_steps if ppd else _chain_steps)(engine, max_input_length, steps, prompt_tokens, seed):
@@ -61,7 +62,7 @@ def measure_overhead(engine, max_input_length: int = 64, steps: int = 6, prompt_
 def _ppd_steps(engine, max_input_length: int, steps: int, prompt_tokens: int, seed: int):
     from decoder import PromptTokens
 
-    guesser = PromptTokens.random(engine.torch_model(), prompt_tokens, seed=seed, top_k=10)
+    guesser = PromptTokens.random(engine, prompt_tokens, seed=seed, top_k=10)
     for depth, width in ((1, 1), (2, 2), (2, 4), (2, 6), (2, 10)):
         tree = _chain_tree(depth, width)
         if (1 + len(tree.states[0].nodes)) * (1 + depth) > max_input_length:  # prompt tokens ride on every node

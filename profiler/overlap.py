@@ -5,8 +5,9 @@ each side (the drafter's measured in a worker thread, as PEARL runs it) and at a
 plain and vanilla speculative decoding get). `split_check`: the target's gamma-token forward and
 the drafter's gamma passes alone, one after the other, and at the same time in two threads;
 eta = 1 - (together - max) / min, 1 when the overlap is perfect, 0 when the two only take turns.
-Both sides run through their engines' `context_forwards` (caps.torch_modules, as PEARL itself); a bare
-model (the draft LM, or a target passed as one) is the hf engine's.
+The target runs through its engine's `context_forwards` (caps.torch_modules); the drafter through
+decoder/drafter.py's protocol, as PEARL itself runs it (`DraftForwards`); a bare transformers model on
+either side is the hf engine's.
 """
 from __future__ import annotations
 
@@ -20,11 +21,36 @@ from decoder.engines.registry import as_engine
 from decoder.guessers.pearl import set_thread_count
 
 
+class DraftForwards:
+    """A drafter's forwards of new tokens after one fixed context, cut back to it after each use: its
+    cache (decoder/drafter.py) holds the context, as the engines' context_forwards do theirs."""
+
+    def __init__(self, drafter, context: torch.Tensor):
+        ctx = context.reshape(-1)
+        self.state = drafter.open(torch.cat([ctx, ctx[-1:]]), None)  # open keeps all but the last: the context
+        self.context_length = self.state.length
+        self.vocab_size = drafter.vocab_size  # the range random inputs are drawn from
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        self.state.forward(input_ids.reshape(-1), position_ids.reshape(-1), None, None)
+
+    def reset(self) -> None:
+        self.state.keep(self.context_length, [])
+
+
+def context_forwards(side, context: torch.Tensor):
+    """Forwards after `context` on one side: a drafter's (decoder/drafter.py), or an engine's (a bare model:
+    the hf engine's)."""
+    if hasattr(side, "open"):
+        return DraftForwards(side, context)
+    return as_engine(side).context_forwards(context)
+
+
 @torch.inference_mode()
 def forward_seconds(model, context: torch.Tensor, n: int, threads: int, repeats: int) -> float:
     """Median seconds of one forward over n new tokens after `context`, at `threads` (in this thread)."""
     set_thread_count(threads)
-    fw = as_engine(model).context_forwards(context)
+    fw = context_forwards(model, context)
     C = fw.context_length
     x = torch.randint(3, fw.vocab_size - 1, (1, n))
     pos = torch.arange(C, C + n)[None]
@@ -83,7 +109,7 @@ def split_check(target, draft, context, gamma: int, split, repeats: int) -> dict
     alone, one after the other, and at the same time. A real split: together ~ max(alone)."""
     import threading
 
-    tside, dside = as_engine(target).context_forwards(context), as_engine(draft).context_forwards(context)
+    tside, dside = context_forwards(target, context), context_forwards(draft, context)
     rows = {"target": [], "draft": [], "serial": [], "together": []}
     with ThreadPoolExecutor(1) as pool:
         draft_job = lambda b=None: _job(dside, 1, gamma, split[1], b)  # noqa: E731

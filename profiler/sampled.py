@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoder.drafter import teacher_forced
 from decoder.engines.registry import as_engine
+from decoder.guesser import PlainGuesser
 from decoder.loop import generate
 from decoder.verify import Sampling, probabilities, residual, without
 from planner.errors import UserError
@@ -69,12 +71,10 @@ def sampled_continuations(target, prompts: list[torch.Tensor], max_new_tokens: i
             out = generate(engine, ids, plan=plan, guesser=ppd, max_new_tokens=max_new_tokens, record_guesses=True,
                            eos_token_id=eos_token_id, phase_times=False, temperature=s.temperature, top_k=s.top_k,
                            top_p=s.top_p, seed=seed + i, verify_rule=s.mode)
-        else:
-            from decoder.loop import generate_plain
-
-            out = generate_plain(engine, ids, max_new_tokens=max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                                 top_p=s.top_p, seed=seed + i, eos_token_id=eos_token_id, phase_times=False,
-                                 verify_rule=s.mode)
+        else:  # plain sampling through the same loop (root-only steps)
+            out = generate(engine, ids, None, PlainGuesser(), max_new_tokens=max_new_tokens, temperature=s.temperature,
+                           top_k=s.top_k, top_p=s.top_p, seed=seed + i, eos_token_id=eos_token_id, phase_times=False,
+                           verify_rule=s.mode)
         toks = out.tokens.cpu()
         T = ids.numel()
         logits = engine.teacher_forced(torch.cat([ids.cpu(), toks]).to(engine.device)).logits
@@ -212,7 +212,7 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
     Under the coupled rule the children are aimed at the noise instead (`coupled_shares`, Monte Carlo
     for every rank), what a coupled decode proposes."""
     s = cont.sampling
-    draft = as_engine(guesser.draft_model)  # its teacher-forced pass: a draft LM is a transformers model
+    drafter, device = guesser.drafter, as_engine(target).device  # its teacher-forced pass (decoder/drafter.py)
     gen = torch.Generator().manual_seed(seed)
     runner = Measuring(guesser, depth, width)
     if cont.prompts and cont.tokens[0].numel():  # the drafter's pass time, from its own proposals
@@ -223,7 +223,7 @@ def draft_sampled_accuracy(target, guesser, cont: SampledContinuations, depth: i
         N, T = toks.numel(), ids.numel()
         if N == 0:
             continue
-        logits = draft.teacher_forced(torch.cat([ids, toks])).logits[T - 1: T - 1 + N]
+        logits = teacher_forced(drafter, torch.cat([ids, toks]).to(device))[T - 1: T - 1 + N]
         q = probabilities(logits, s).cpu()  # [N, V] the drafter's warped q where the text's tokens stand
         if s.rule == "coupled":  # the children decoding will propose: aimed at the noise, not drawn
             shares = np.stack([coupled_shares(p[j], q[j], width, samples, gen) for j in range(N)])

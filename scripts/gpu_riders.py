@@ -32,7 +32,7 @@ from planner.errors import UserError  # noqa: E402
 
 def _models(args):
     from decoder.engines.hf.load import load_model
-    from decoder.guessers.draft import build_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm
 
     spec = "tiny" if args.smoke else args.model
     loaded = load_model(spec, device=args.device, dtype=args.dtype, weights=False)
@@ -57,14 +57,14 @@ def _timed(fn, device):
 
 
 def pearl(args) -> dict:
-    from decoder import DraftModelGuesser, generate, generate_pearl, generate_plain
+    from decoder import DraftModelGuesser, Pearl, generate
 
     loaded, draft, ids = _models(args)
     target, dev = loaded.model, loaded.model.device
     n = args.tokens
     rows = []
-    _timed(lambda: generate_plain(target, ids, max_new_tokens=4), dev)  # warm-up
-    plain = statistics.median(_timed(lambda: generate_plain(target, ids, max_new_tokens=n), dev)[1]
+    _timed(lambda: generate(target, ids, max_new_tokens=4), dev)  # warm-up
+    plain = statistics.median(_timed(lambda: generate(target, ids, max_new_tokens=n), dev)[1]
                               for _ in range(args.repeats))
     for gamma in args.gammas:
         row = {"gamma": gamma}
@@ -72,7 +72,7 @@ def pearl(args) -> dict:
             def run(kind=kind):
                 if kind == "sd":
                     return generate(target, ids, None, DraftModelGuesser(draft, top_k=1, depth=gamma), max_new_tokens=n)
-                return generate_pearl(target, draft, ids, gamma=gamma, max_new_tokens=n, concurrent=kind == "pearl")
+                return generate(target, ids, Pearl(draft, gamma, concurrent=kind == "pearl"), max_new_tokens=n)
             run()  # warm-up of this shape
             outs = [_timed(run, dev) for _ in range(args.repeats)]
             secs = statistics.median(t for _, t in outs)
@@ -96,15 +96,17 @@ def pearl(args) -> dict:
 
 
 def mtad(args) -> dict:
-    from decoder import MTADGuesser, generate_mtad
+    from decoder import MTADGuesser, generate
+    from decoder.guessers.mtad import MTAD_SAMPLING
 
     loaded, draft, ids = _models(args)
     target, dev = loaded.model, loaded.model.device
     rows = []
     for w in args.widths:
         def run(w=w):
-            return generate_mtad(target, ids, MTADGuesser(draft, width=w, gamma=args.gamma), max_new_tokens=args.tokens,
-                                 tau_acc=0.1, seed=0)
+            s = MTAD_SAMPLING  # the paper's warp
+            return generate(target, ids, None, MTADGuesser(draft, width=w, gamma=args.gamma, tau_acc=0.1), args.tokens,
+                            seed=0, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
         run()  # warm-up
         outs = [_timed(run, dev) for _ in range(args.repeats)]
         out, secs = outs[0][0], statistics.median(t for _, t in outs)

@@ -7,7 +7,7 @@ noise keyed by the run's seed and the token's index, so a plan emits plain sampl
   (chi-square against exact enumeration, n detecting a 5 % error); wrong rules fail the same test
   (the noise keyed by the step instead of the index, top-p before top-k);
 - end to end with the built-in model: lookup, a static draft LM tree, and each per-step hybrid
-  (lookup+draft, lookup+parallelspec, lookup+chain) emit generate_plain's coupled text, seed by seed;
+  (lookup+draft, lookup+parallelspec, lookup+chain) emit plain decoding's coupled text, seed by seed;
 - the guesses aimed at the noise are accepted more than fixed top-k guesses where the drafter
   is the target itself.
 """
@@ -34,8 +34,8 @@ from test_sampling_rules import (
 )
 
 import decoder.verify as verify
-from decoder import DraftModelGuesser, PromptLookupGuesser, generate, generate_plain
-from decoder.guessers.draft import build_draft_lm
+from decoder import DraftModelGuesser, PromptLookupGuesser, generate
+from decoder.torch_ops.draft_lm import build_draft_lm
 from decoder.guessers.dynamic import HybridGuesser
 from decoder.layout import layout_for
 from decoder.noise import PositionNoise, noisy_top_k
@@ -166,7 +166,7 @@ def _same_as_plain(target, guesser, plan, prompts, seeds=range(6), n=20) -> int:
     accepted = 0
     for ids in prompts:
         for seed in seeds:
-            ref = generate_plain(target, ids, n, seed=seed, verify_rule="coupled", **WARP).tokens.tolist()
+            ref = generate(target, ids, max_new_tokens=n, seed=seed, verify_rule="coupled", **WARP).tokens.tolist()
             out = generate(target, ids, plan=plan, guesser=guesser, max_new_tokens=n, seed=seed, verify_rule="coupled", **WARP)
             assert out.tokens.tolist() == ref, (seed, ids.tolist())
             accepted += sum(out.stats.accepted)

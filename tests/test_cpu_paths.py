@@ -10,7 +10,7 @@ import torch
 from test_decoder_utils import V, ppd_tree, reference, static_tree, tiny_model
 
 import decoder.engines.hf.cpu_paths as cp
-from decoder import PromptTokens, generate, generate_plain
+from decoder import PromptTokens, generate
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
 from planner.matmul_paths import MATMUL_PATHS, load_matmul_paths, matmul_paths_from_json
@@ -58,14 +58,14 @@ def test_decoding_with_paths_is_token_identical(model, monkeypatch):
     prompts = [torch.randint(1, V, (t,), generator=g) for t in (1, 5, 12)]
     tree = ppd_tree(2, [0, 3, 8])
     guesser = PromptTokens.random(model, 2, seed=0, top_k=4)
-    want_plain = [generate_plain(model, ids, max_new_tokens=20).tokens.tolist() for ids in prompts]
+    want_plain = [generate(model, ids, max_new_tokens=20).tokens.tolist() for ids in prompts]
     want_tree = [generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=20).tokens.tolist() for ids in prompts]
     try:
         extra = cp.install_paths(model, table)
         assert extra > 0 and cp.installed_bytes(model) == extra
         assert all("forward" in m.__dict__ for _, m in cp.linears(model))
         for ids, plain, tree_out in zip(prompts, want_plain, want_tree):
-            assert generate_plain(model, ids, max_new_tokens=20).tokens.tolist() == plain == reference(model, ids, 20)
+            assert generate(model, ids, max_new_tokens=20).tokens.tolist() == plain == reference(model, ids, 20)
             assert generate(model, ids, plan=tree, guesser=guesser, max_new_tokens=20).tokens.tolist() == tree_out
             out = generate(model, ids, plan=static_tree("medusa", 6, 2), guesser=guesser, max_new_tokens=20)
             assert out.tokens.tolist() == plain
@@ -99,7 +99,7 @@ def test_use_profile_paths_reads_the_file_and_skips_other_dtypes(model, tmp_path
                              "matmul_paths": _table_json(model, [1, 2], lambda M, s: "onednn")})
     try:
         assert cp.use_profile_paths(model, prof) is not None and cp.installed_bytes(model) > 0
-        generate_plain(model, torch.tensor([3, 4, 5]), max_new_tokens=3, matmul_paths=prof)  # same table: no rebuild
+        generate(model, torch.tensor([3, 4, 5]), max_new_tokens=3, matmul_paths=prof)  # same table: no rebuild
         bf16 = json.loads(prof.read_text())
         bf16["matmul_paths"]["dtype"] = "bf16"
         prof.write_text(json.dumps(bf16))
@@ -203,11 +203,11 @@ def test_new_weights_rebuild_the_layouts():
     (their transposed / packed copies are rebuilt); writes through .data need refresh_paths."""
     m, other = tiny_model("llama", seed=2), tiny_model("llama", seed=3)
     ids = torch.tensor([5, 9, 2, 7])
-    want = generate_plain(other, ids, max_new_tokens=12).tokens.tolist()
+    want = generate(other, ids, max_new_tokens=12).tokens.tolist()
     cp.install_paths(m, _all_rows(m))
-    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() != want  # two different models
+    assert generate(m, ids, max_new_tokens=12).tokens.tolist() != want  # two different models
     m.load_state_dict(other.state_dict())
-    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() == want == reference(other, ids, 12)
+    assert generate(m, ids, max_new_tokens=12).tokens.tolist() == want == reference(other, ids, 12)
     lin = m.model.layers[0].mlp.up_proj
     x = torch.randn(1, 3, lin.in_features)
     with torch.no_grad():
@@ -232,12 +232,12 @@ def test_another_dtype_falls_back_to_f_linear_and_back_again():
     cp.install_paths(m, _all_rows(m))
     assert cp.installed_bytes(m) > 0
     m.to(torch.bfloat16)
-    got = generate_plain(m, ids, max_new_tokens=12).tokens.tolist()
-    assert got == generate_plain(bare, ids, max_new_tokens=12).tokens.tolist()
+    got = generate(m, ids, max_new_tokens=12).tokens.tolist()
+    assert got == generate(bare, ids, max_new_tokens=12).tokens.tolist()
     assert cp.installed_bytes(m) == 0  # every Linear fell back and let its fp32 copies go
     tree_out = generate(m, ids, plan=static_tree("medusa", 6, 2), guesser=PromptTokens.random(m, 2, seed=0, top_k=4),
                         max_new_tokens=12)
     assert tree_out.tokens.tolist() == got
     m.to(torch.float32)  # the bf16-rounded weights, in fp32 again
-    assert generate_plain(m, ids, max_new_tokens=12).tokens.tolist() == reference(bare.to(torch.float32), ids, 12)
+    assert generate(m, ids, max_new_tokens=12).tokens.tolist() == reference(bare.to(torch.float32), ids, 12)
     assert cp.installed_bytes(m) > 0  # rebuilt on the first call

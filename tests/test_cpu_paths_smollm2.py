@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import decoder.engines.hf.cpu_paths as cp
-from decoder import PromptLookupGuesser, generate, generate_plain
+from decoder import PromptLookupGuesser, generate
 from planner.matmul_paths import matmul_paths_from_json
 from profiler.compare import classify
 from workflows.cli.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
@@ -39,7 +39,7 @@ def test_paths_keep_smollm2_greedy_exact(smol):
     try:
         assert cp.install_paths(model, table) > 0
         for ids, ref in zip(prompts, refs):
-            plain = generate_plain(model, ids, max_new_tokens=16).tokens.tolist()
+            plain = generate(model, ids, max_new_tokens=16).tokens.tolist()
             assert classify(model, ids, ref, plain)["status"] != "mismatch"
             tree = generate(model, ids, plan=None, guesser=PromptLookupGuesser(), max_new_tokens=16).tokens.tolist()
             assert tree == plain

@@ -7,7 +7,6 @@ from decoder import (
     OracleGuesser,
     PromptTokens,
     generate,
-    generate_plain,
     prompt_block_mask,
 )
 from decoder.torch_ops.cache import compact_cache
@@ -70,7 +69,7 @@ def test_greedy_oracle_accepts_almost_everything(model, plan_i):
     for state, a in list(zip(out.stats.states, out.stats.accepted))[:-1]:
         buf = buffers.bootstrap if state == -1 else buffers.states[state]
         assert a == buf.depth
-    plain = generate_plain(model, ids, n)
+    plain = generate(model, ids, max_new_tokens=n)
     assert plain.tokens.tolist() == ref and plain.steps == n
     assert out.steps < plain.steps if tree.depth > 0 else True
     if tree.method != "ppd":
@@ -104,7 +103,7 @@ def test_eos_inside_accepted_path_stops_there():
     assert out.tokens.tolist() == want
     # the last step accepted more than it emitted: the EOS fell inside an accepted path
     assert out.stats.emitted[-1] < out.stats.accepted[-1] + 1
-    assert generate_plain(model, ids, 30, eos_token_id=eos).tokens.tolist() == want
+    assert generate(model, ids, max_new_tokens=30, eos_token_id=eos).tokens.tolist() == want
 
 
 def test_max_new_tokens_mid_path_and_tiny_budgets():
@@ -290,7 +289,7 @@ def test_phase_times_off_changes_nothing_on_the_cpu(model):
     g = PromptTokens.random(model, 2, top_k=4)
     on = generate(model, ids, plan=tree, guesser=g, max_new_tokens=12)
     off = generate(model, ids, plan=tree, guesser=g, max_new_tokens=12, phase_times=False)
-    plain = generate_plain(model, ids, 12, phase_times=False)
+    plain = generate(model, ids, max_new_tokens=12, phase_times=False)
     assert on.tokens.tolist() == off.tokens.tolist() == plain.tokens.tolist() == reference(model, ids, 12)
     assert len(off.stats.times["forward"]) == off.steps  # CPU work is synchronous: phases stay exact
     # on CUDA without phase syncs the phase lists stay empty; the summary says unknown, not zero

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 from test_decoder_utils import static_tree, tiny_model
 
-from decoder import PromptTokens, generate, generate_plain
+from decoder import PromptTokens, generate
 from planner.errors import UserError
 
 torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def test_plain_sampling_matches_exact_distribution(model):
     joint = _exact_joint(model, prompt, 2, SETTINGS)
     counts: dict = {}
     for seed in range(600):
-        key = tuple(generate_plain(model, torch.tensor(prompt), 2, seed=seed, **SETTINGS).tokens.tolist())
+        key = tuple(generate(model, torch.tensor(prompt), max_new_tokens=2, seed=seed, **SETTINGS).tokens.tolist())
         counts[key] = counts.get(key, 0) + 1
     assert _chi2(counts, joint, 600) > P_MIN
 
@@ -109,6 +109,6 @@ def test_typical_acceptance_emits_supported_tokens(model):
     for rule in ("typical", "lossless"):
         with pytest.raises(UserError, match=f"verify rule: '{rule}' samples, but temperature is 0"):
             generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule=rule)
-    ref = generate_plain(model, torch.tensor([1, 2]), 6).tokens
+    ref = generate(model, torch.tensor([1, 2]), max_new_tokens=6).tokens
     out = generate(model, torch.tensor([1, 2]), plan=tree, guesser=guesser, max_new_tokens=6, verify_rule="greedy")
     assert torch.equal(out.tokens, ref)

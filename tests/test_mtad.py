@@ -22,16 +22,14 @@ from decoder.guessers.mtad import (
     MTADSession,
     beam_step,
     beam_trie,
-    distinct_n,
     draft_logprobs,
-    generate_mtad,
     log_ratios,
-    perplexity,
     verify_joint,
     verify_joint_tree,
     warped_logprobs,
 )
 from decoder.verify import Sampling, probabilities
+from profiler.text_quality import distinct_n, perplexity
 from planner.errors import UserError
 from planner.mtad import (
     IncrementLattice,
@@ -68,12 +66,12 @@ def pair():
 @pytest.mark.parametrize("width, gamma, tau", [(1, 1, 0.1), (3, 3, 0.05), (4, 5, 1.0)])
 def test_temperature_zero_is_greedy_decoding(pair, width, gamma, tau):
     """p~ is one-hot: a prefix passes iff it is all argmax, so the text is model.generate's; the
-    same guesser also runs in the one loop (`generate`, greedy rule)."""
+    same guesser without a threshold runs the run's rule (greedy)."""
     target, draft = pair
-    g = MTADGuesser(draft, width, gamma)
+    joint, g = MTADGuesser(draft, width, gamma, tau_acc=tau), MTADGuesser(draft, width, gamma)
     for ids in _prompts():
         ref = reference(target, ids, 23)
-        assert generate_mtad(target, ids, g, 23, tau_acc=tau, temperature=0).tokens.tolist() == ref
+        assert generate(target, ids, None, joint, 23, temperature=0, top_k=20, top_p=0.9).tokens.tolist() == ref
         assert generate(target, ids, None, g, 23).tokens.tolist() == ref
 
 
@@ -83,8 +81,8 @@ def test_a_good_drafter_is_accepted_at_temperature_zero():
     target = tiny_model("llama", seed=1)
     ref = reference(target, _prompts()[1], 30)
     for width, steps in ((1, 6), (2, None)):
-        out = generate_mtad(target, _prompts()[1], MTADGuesser(tiny_model("llama", seed=1), width, 4), 30, tau_acc=0.5,
-                            temperature=0)
+        out = generate(target, _prompts()[1], None, MTADGuesser(tiny_model("llama", seed=1), width, 4, tau_acc=0.5), 30,
+                       temperature=0, top_k=20, top_p=0.9)
         assert out.tokens.tolist() == ref and (steps is None or out.steps == steps)
 
 
@@ -160,7 +158,8 @@ def test_warping_matches_the_samplers_support():
 
 def test_tau_zero_accepts_every_draft(pair):
     target, draft = pair
-    out = generate_mtad(target, _prompts()[2], MTADGuesser(draft, 2, 3), 24, tau_acc=0.0, temperature=1.0)
+    out = generate(target, _prompts()[2], None, MTADGuesser(draft, 2, 3, tau_acc=0.0), 24, temperature=1.0, top_k=20,
+                   top_p=0.9)
     assert out.stats.accepted == [3] * out.steps and out.tokens.numel() == 24
 
 
@@ -181,10 +180,10 @@ def small_pair():
 
 
 def _counts(target, draft, tau, n, n_tokens=3):
-    g = MTADGuesser(draft, 2, 2)
+    g = MTADGuesser(draft, 2, 2, tau_acc=tau)
     counts = {}
     for seed in range(n):
-        out = generate_mtad(target, torch.tensor([2]), g, n_tokens, tau_acc=tau, seed=seed, **SETTINGS)
+        out = generate(target, torch.tensor([2]), None, g, n_tokens, seed=seed, **SETTINGS)
         key = tuple(out.tokens.tolist())
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -279,7 +278,7 @@ def test_the_drafter_cache_follows_the_selected_beam(pair, monkeypatch):
         prop = propose(self, root)
         ctx = torch.cat([ids, torch.tensor(text, dtype=torch.long)])  # ends with the root
         x = prop.tokens
-        _assert_cache(self.cache, draft, torch.cat([ctx, x[:-1]]))
+        _assert_cache(self.state.cache, draft, torch.cat([ctx, x[:-1]]))
         with torch.no_grad():
             lq = draft_logprobs(draft(torch.cat([ctx, x[:-1]])[None]).logits[0, -x.numel():], s)
         torch.testing.assert_close(prop.draft_logq.float(), lq.gather(1, x[:, None])[:, 0], atol=1e-4, rtol=1e-4)
@@ -290,7 +289,7 @@ def test_the_drafter_cache_follows_the_selected_beam(pair, monkeypatch):
         commit(self, outcome)
         text.extend(outcome.verdict.emitted)
         full = torch.cat([ids, torch.tensor(text, dtype=torch.long)])
-        _assert_cache(self.cache, draft, full[: full.numel() - 1 - len(self.unseen)])
+        _assert_cache(self.state.cache, draft, full[: full.numel() - 1 - len(self.unseen)])
         checks["commit"] += 1
 
     monkeypatch.setattr(MTADSession, "propose", checked_propose)
@@ -299,8 +298,8 @@ def test_the_drafter_cache_follows_the_selected_beam(pair, monkeypatch):
     for seed in range(1, 6):  # until a run accepts drafts (which run does depends on the sampler's draws)
         text.clear()
         checks.update(propose=0, commit=0)
-        out = generate_mtad(target, ids, MTADGuesser(draft, 3, 3, beams="best"), 30, tau_acc=0.05, seed=seed,
-                            temperature=1.0)
+        out = generate(target, ids, None, MTADGuesser(draft, 3, 3, beams="best", tau_acc=0.05), 30, seed=seed,
+                       temperature=1.0, top_k=20, top_p=0.9)
         assert checks["propose"] == out.steps and checks["commit"] == out.steps - 1
         accepted = max(out.stats.accepted)
         if accepted >= 1:
@@ -351,18 +350,19 @@ def test_scoring_all_beams_accepts_at_least_the_best_beam_and_keeps_the_cache_ex
         commit(self, outcome)
         text.extend(outcome.verdict.emitted)
         full = torch.cat([ids, torch.tensor(text, dtype=torch.long)])
-        _assert_cache(self.cache, draft, full[: full.numel() - 1 - len(self.unseen)])
+        _assert_cache(self.state.cache, draft, full[: full.numel() - 1 - len(self.unseen)])
 
     monkeypatch.setattr(MTADSession, "commit", checked_commit)
-    tree = generate_mtad(target, ids, MTADGuesser(draft, 4, 3), 30, tau_acc=0.1, temperature=0.0)
+    tree = generate(target, ids, None, MTADGuesser(draft, 4, 3, tau_acc=0.1), 30, temperature=0.0, top_k=20, top_p=0.9)
     monkeypatch.setattr(MTADSession, "commit", commit)
-    best = generate_mtad(target, ids, MTADGuesser(draft, 4, 3, beams="best"), 30, tau_acc=0.1, temperature=0.0)
+    best = generate(target, ids, None, MTADGuesser(draft, 4, 3, beams="best", tau_acc=0.1), 30, temperature=0.0, top_k=20,
+                    top_p=0.9)
     assert tree.tokens.tolist() == best.tokens.tolist() == reference(target, ids, 30)
     assert sum(tree.stats.accepted) / tree.steps >= sum(best.stats.accepted) / best.steps
     assert max(tree.stats.input_lengths) > 4  # more than one beam was scored
     text.clear()
     monkeypatch.setattr(MTADSession, "commit", checked_commit)
-    generate_mtad(target, ids, MTADGuesser(draft, 3, 3), 30, tau_acc=0.05, seed=1, temperature=1.0)
+    generate(target, ids, None, MTADGuesser(draft, 3, 3, tau_acc=0.05), 30, seed=1, temperature=1.0, top_k=20, top_p=0.9)
 
 
 # ---------------------------------------------------------------------------------------------- planning model
@@ -387,8 +387,9 @@ def test_replayed_acceptance_equals_a_direct_count(pair):
     assert np.array_equal(walks_from_json(walks_to_json({(2, 5): walks}))[(2, 5)].round(5), walks.round(5))
     # on walks measured while decoding, the replay is exactly the decoder's own count
     target, draft = pair
-    out = generate_mtad(target, _prompts()[2], MTADGuesser(draft, 2, 4), 40, tau_acc=0.3, seed=2)
-    assert expected_accepted(np.array(out.walks), 4, 0.3) == pytest.approx(np.mean(out.stats.accepted))
+    g = MTADGuesser(draft, 2, 4, tau_acc=0.3)
+    out = generate(target, _prompts()[2], None, g, 40, seed=2, temperature=1.0, top_k=20, top_p=0.9)
+    assert expected_accepted(np.array(g.walks), 4, 0.3) == pytest.approx(np.mean(out.stats.accepted))
 
 
 def test_iid_walk_dp_matches_monte_carlo():
@@ -468,7 +469,7 @@ def test_quality_figures(pair):
 
 def test_decode_cli_writes_mtad_quality(tmp_path):
     from decoder.engines.hf.load import load_model
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm, save_draft_lm
     from workflows.cli.main import main
 
     target = load_model("tiny", device="cpu").model

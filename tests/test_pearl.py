@@ -22,7 +22,8 @@ from test_decoder_utils import reference, tiny_model
 
 import decoder.guessers.pearl as pearl
 from decoder.torch_ops.forward import prefill
-from decoder.guessers.pearl import generate_pearl, split_threads
+from decoder import generate
+from decoder.guessers.pearl import Pearl, split_threads
 from planner.accept import from_entry
 from planner.errors import UserError
 from planner.pearl import (
@@ -78,14 +79,14 @@ def test_greedy_equals_generate(pairs, pair):
     modes = {"A": 0, "B": 0, "B-rejected": 0}
     for n in range(1, 14):  # prompt lengths 1..13, gammas cycling 1, 2, 3, 5
         gamma = (1, 2, 3, 5)[n % 4]
-        out = generate_pearl(target, draft, _prompt(n), gamma, max_new_tokens=16, concurrent=n % 2 == 0)
+        out = generate(target, _prompt(n), Pearl(draft, gamma, concurrent=n % 2 == 0), max_new_tokens=16)
         assert out.tokens.tolist() == reference(target, _prompt(n), 16), (n, gamma)
         for r in out.stats.rounds:
             modes[r.mode] += 1
             modes["B-rejected"] += r.mode == "B" and r.accepted < r.checks
     ref = reference(target, _prompt(7), 24)
     for gamma in range(1, 7):
-        assert generate_pearl(target, draft, _prompt(7), gamma, max_new_tokens=24).tokens.tolist() == ref, gamma
+        assert generate(target, _prompt(7), Pearl(draft, gamma), max_new_tokens=24).tokens.tolist() == ref, gamma
     if pair in ("near", "qwen-near"):  # the comparison covered both modes and rejections in B
         assert modes["A"] > 10 and modes["B"] > 10 and modes["B-rejected"] > 5, modes
 
@@ -95,7 +96,7 @@ def test_stops_inside_a_round_at_max_new_tokens_and_eos(pairs):
     ids = _prompt(5)
     ref = reference(target, ids, 30)
     # self-drafting at gamma 5: A emits 1, every B round 5, so 7 tokens end inside the second B round
-    out = generate_pearl(target, target, ids, 5, max_new_tokens=7)
+    out = generate(target, ids, Pearl(target, 5), max_new_tokens=7)
     assert out.tokens.tolist() == ref[:7]
     assert out.stats.rounds[-1].produced == 5 and out.stats.rounds[-1].emitted == 1
     cut = 0
@@ -104,7 +105,7 @@ def test_stops_inside_a_round_at_max_new_tokens_and_eos(pairs):
         if eos in ref[:k]:
             continue
         for pair in ("self", "near"):
-            out = generate_pearl(target, pairs[pair][1], ids, 4, max_new_tokens=30, eos_token_id=eos)
+            out = generate(target, ids, Pearl(pairs[pair][1], 4), max_new_tokens=30, eos_token_id=eos)
             assert out.tokens.tolist() == reference(target, ids, 30, eos=eos) == ref[: k + 1]
             cut += out.stats.rounds[-1].produced > out.stats.rounds[-1].emitted
     assert cut >= 3  # EOS fell inside a round, not only at its end
@@ -113,8 +114,8 @@ def test_stops_inside_a_round_at_max_new_tokens_and_eos(pairs):
 def test_concurrent_and_serial_runs_are_identical(pairs):
     target, draft = pairs["near"]
     for seed, settings in [(0, {}), (1, dict(temperature=1.0)), (2, dict(temperature=0.8, top_k=20, top_p=0.9))]:
-        a = generate_pearl(target, draft, _prompt(6), 3, 40, seed=seed, concurrent=True, **settings)
-        b = generate_pearl(target, draft, _prompt(6), 3, 40, seed=seed, concurrent=False, **settings)
+        a = generate(target, _prompt(6), Pearl(draft, 3, concurrent=True), max_new_tokens=40, seed=seed, **settings)
+        b = generate(target, _prompt(6), Pearl(draft, 3, concurrent=False), max_new_tokens=40, seed=seed, **settings)
         assert a.tokens.tolist() == b.tokens.tolist()
         assert [(r.mode, r.accepted, r.produced) for r in a.stats.rounds] == \
                [(r.mode, r.accepted, r.produced) for r in b.stats.rounds]
@@ -140,10 +141,10 @@ def test_caches_equal_prefill_after_every_round(pairs, settings):
     def check(st):
         seen[st.mode] += 1
         _assert_cache_equals_prefill(target, st.target_cache, st.accepted[:-1])  # never a rejected token
-        _assert_cache_equals_prefill(draft, st.draft_cache, (st.accepted + st.pending)[:-1])
+        _assert_cache_equals_prefill(draft, st.draft.cache, (st.accepted + st.pending)[:-1])
 
     for n, seed in ((1, 0), (5, 0), (5, 1)):  # under sampling one seed can stay in mode B: both modes must be seen
-        generate_pearl(target, draft, _prompt(n), 3, 30, on_round=check, seed=seed, **settings)
+        generate(target, _prompt(n), Pearl(draft, 3, on_round=check), max_new_tokens=30, seed=seed, **settings)
     assert seen["A"] > 3 and seen["B"] > 3
 
 
@@ -168,19 +169,19 @@ def test_each_side_runs_at_its_own_thread_count(pairs):
     for split in ((2, 1), (1, 2), (1, 1)):
         for concurrent in (True, False):
             t, d = Recording(target), Recording(draft)
-            generate_pearl(t, d, _prompt(4), 3, 12, threads=split, concurrent=concurrent)
+            generate(t, _prompt(4), Pearl(d, 3, threads=split, concurrent=concurrent), max_new_tokens=12)
             assert (set(t.seen), set(d.seen)) == ({split[0]}, {split[1]}), (split, concurrent)
     assert torch.get_num_threads() == 1  # the caller's count is restored
 
 
 def test_bad_arguments_are_one_line_errors(pairs):
     target, draft = pairs["near"]
-    for kw, msg in [(dict(gamma=0), "gamma"), (dict(gamma=2, max_new_tokens=600), "positions"),
-                    (dict(gamma=2, threads=(1, 0)), "threads")]:
+    for kw, more, msg in [(dict(gamma=0), {}, "gamma"), (dict(gamma=2), dict(max_new_tokens=600), "positions"),
+                          (dict(gamma=2, threads=(1, 0)), {}, "threads")]:
         with pytest.raises(UserError, match=msg):
-            generate_pearl(target, draft, _prompt(3), **kw)
+            generate(target, _prompt(3), Pearl(draft, **kw), **more)
     with pytest.raises(UserError, match="vocabulary"):
-        generate_pearl(target, tiny_model("llama", vocab=64), _prompt(3), 2)
+        generate(target, _prompt(3), Pearl(tiny_model("llama", vocab=64), 2))
     assert split_threads(2) == (1, 1) and split_threads(3) == (2, 1) and split_threads(1) == (1, 1)
 
 
@@ -212,8 +213,8 @@ def _draft(scale: float):
 def _counts(target, draft, gamma: int, concurrent: bool, n: int = N_SAMPLES):
     counts, modes = {}, {"A": 0, "B": 0, "accepted": 0}
     for seed in range(n):
-        out = generate_pearl(target, draft, torch.tensor([2]), gamma, max_new_tokens=3, seed=seed,
-                             concurrent=concurrent, **SETTINGS)
+        out = generate(target, torch.tensor([2]), Pearl(draft, gamma, concurrent=concurrent), max_new_tokens=3, seed=seed,
+                       **SETTINGS)
         key = tuple(out.tokens.tolist())
         counts[key] = counts.get(key, 0) + 1
         for r in out.stats.rounds:
@@ -260,7 +261,8 @@ class OracleDrafter(torch.nn.Module):
         logits = self.model(input_ids=input_ids, **kw).logits.clone()  # [1, n, V]
         wrong = torch.rand(logits.shape[:-1], generator=self.gen) >= self.alpha  # [1, n]
         second = torch.nn.functional.one_hot(logits.topk(2, dim=-1).indices[..., 1], logits.shape[-1]).bool()
-        return SimpleNamespace(logits=logits.masked_fill(second & wrong[..., None], float(logits.max()) + 1.0))
+        return SimpleNamespace(logits=logits.masked_fill(second & wrong[..., None], float(logits.max()) + 1.0),
+                               hidden_states=None)
 
 
 def _chain_fraction_sd(alpha: float, gamma: int, rounds: int) -> float:
@@ -276,7 +278,7 @@ def test_mode_a_frequency_matches_pi_a_on_an_oracle_drafter(pairs):
     alpha, gamma = 0.7, 3
     rounds, a_rounds, tokens, acc, rej = 0, 0, 0, 0, 0
     for seed in range(3):
-        out = generate_pearl(target, OracleDrafter(target, alpha, seed), _prompt(3 + seed), gamma, max_new_tokens=450)
+        out = generate(target, _prompt(3 + seed), Pearl(OracleDrafter(target, alpha, seed), gamma), max_new_tokens=450)
         assert out.tokens.tolist() == reference(target, _prompt(3 + seed), 450)
         s = out.stats.summary()
         rounds += s["rounds"] - 1  # the last round is cut by max_new_tokens
@@ -289,7 +291,7 @@ def test_mode_a_frequency_matches_pi_a_on_an_oracle_drafter(pairs):
     assert abs(tokens / rounds / tau_pearl(alpha, gamma) - 1) < 0.07
     assert abs(alpha_from_counts(acc, rej) - alpha) < 0.04
     # alpha = 1 (the target drafts for itself): after the first round, B forever; gamma tokens a round
-    out = generate_pearl(target, target, _prompt(4), gamma, max_new_tokens=61)
+    out = generate(target, _prompt(4), Pearl(target, gamma), max_new_tokens=61)
     assert [r.mode for r in out.stats.rounds] == ["A"] + ["B"] * 20 and stationary(1.0, gamma) == (0.0, 1.0)
 
 
@@ -365,7 +367,7 @@ def test_alpha_from_an_acceptance_file_and_from_mat():
 
 def test_decode_pearl_command(tmp_path, capsys):
     from decoder.engines.hf.load import load_model
-    from decoder.guessers.draft import build_draft_lm, save_draft_lm
+    from decoder.torch_ops.draft_lm import build_draft_lm, save_draft_lm
     from workflows.cli.main import main
 
     save_draft_lm(build_draft_lm(load_model("tiny", device="cpu").model, 1), tmp_path / "draft")

@@ -1,21 +1,22 @@
 """MTAD: beam-sampled drafts from a small model, joint likelihood-ratio acceptance by the target
 (docs/seed-systems.md, section 'MTAD'; docs/algorithms.md, section 'Verification'). Deliberately not lossless.
 
-    guesser = MTADGuesser(draft_model, width=4, gamma=3)
-    out = generate_mtad(target, ids, guesser, tau_acc=0.1, temperature=1.0, top_k=20, top_p=0.9)
+    guesser = MTADGuesser(drafter, width=4, gamma=3, tau_acc=0.1)    # a DraftModel, or a transformers LM
+    out = generate(engine, ids, None, guesser, temperature=1.0, top_k=20, top_p=0.9)   # decoder/loop.py
 
 One step:
-  1. draft   the session beam-samples W beams of gamma tokens over the drafter's own cache (W rows,
-             reordered by parent beam every step): candidates (b, v) score s_b + log q~(v | beam b)
+  1. draft   the session beam-samples W beams of gamma tokens over the drafter's own cache (one
+             sequence: each beam step feeds the W beams' tokens as tree inputs, each seeing the
+             context and its own beam's earlier tokens): candidates (b, v) score s_b + log q~(v | beam b)
              and W distinct ones are drawn with probability proportional to exp(score) (Gumbel-top-W;
              at temperature 0 the top W, deterministically). The W final beams are proposed as one
              tree, the union of their prefixes (beams="best": the highest-likelihood beam as a chain).
-  2. score   the target runs [root, tree] in one forward pass (decoder.loop's own pieces).
+  2. score   the target runs [root, tree] in one forward pass (decoder/loop.py's Steps).
   3. verify  `verify_joint_tree`: per beam, with D_j = log p~(x_j) - log q~(x_j), the longest prefix
              i* with sum_{j<=i*} D_j >= log tau_acc (i = 0 always passes; planner.mtad.accepted_length
              is the one rule); the beam with the longest i* wins, ties to the higher draft
              likelihood; emit x_1..x_{i*} and y ~ p~(. | context, x_1..x_{i*}) (no residual).
-  4. commit  target cache and the winning beam's drafter row are cropped to the accepted text.
+  4. commit  the target's cache and the drafter's keep the accepted text (the winning beam's fed tokens).
 
 Warping: p~ and q~ are the same warp (temperature, then top-k, then top-p; the paper: top-k 20, top-p
 0.9) of the target's and the drafter's logits, in log space: tokens outside the warped support have
@@ -39,8 +40,10 @@ token per step; temperature 0 with tau_acc > 0: greedy decoding of the target, t
 (P_i is 0 for an all-argmax prefix, -inf otherwise, and -Q_i >= 0 >= log tau_acc).
 
 One loop: MTADGuesser is an ordinary guesser whose proposals carry the joint rule
-(`Proposal.rule`), which decoder.loop calls instead of decoder.verify.verify; `generate_mtad` is
-`decode` with that guesser and the warp. By default (beams="tree") the target scores all W final
+(`Proposal.rule`, with tau_acc given), which decoder/loop.py's Steps call instead of decoder.verify.verify;
+the warp (temperature, top_k, top_p) is the run's, used for the target and the drafter alike (the paper:
+temperature 1, top-k 20, top-p 0.9: MTAD_SAMPLING). The drafter is reached only through decoder/drafter.py's
+protocol. By default (beams="tree") the target scores all W final
 beams in one forward pass as a tree (shared prefixes once) and the beam with the longest passing
 prefix wins (ties to the higher draft likelihood); beams="best" scores only the highest-likelihood
 beam (the paper's reading; docs/seed-systems.md, section 'MTAD'). What the output follows is the same argument with
@@ -49,21 +52,16 @@ B the beam the verdict picked.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from decoder.config import DecodeConfig, decode_config
 from decoder.engine import vocab_size
-from decoder.torch_ops.cache import crop_cache
-from decoder.engines.hf.engine import select_attention
-from decoder.torch_ops.forward import kv, prefill
 from decoder.guesser import DecodeContext, Proposal, StepOutcome
 from decoder.guessers.draft import chain_nodes
 from decoder.layout import layout_for
-from decoder.loop import decode
-from decoder.output import GenerateOutput
+from decoder.torch_ops.draft import HFDraft
 from decoder.verify import Sampling, Verdict, sample, warp
 from planner.errors import UserError
 from planner.mtad import accepted_length, log_threshold
@@ -141,12 +139,12 @@ BEAM_MODES = ("tree", "best")
 
 
 class MTADGuesser:
-    """A draft LM (the target's vocabulary) that proposes the best of W beam-sampled drafts of gamma tokens."""
+    """A drafter (the target's vocabulary) that proposes the best of W beam-sampled drafts of gamma tokens."""
 
     needs_hidden = False
     top_k = 1
 
-    def __init__(self, draft_model, width: int = 4, gamma: int = 4, label: str = "draft model",
+    def __init__(self, drafter, width: int = 4, gamma: int = 4, label: str = "draft model",
                  tau_acc: float | None = None, beams: str = "tree"):
         for name, x in (("width", width), ("gamma", gamma)):
             if isinstance(x, bool) or not isinstance(x, int) or x < 1:
@@ -158,10 +156,13 @@ class MTADGuesser:
         self.beams = beams
         if tau_acc is not None:
             log_threshold(tau_acc)  # a one-line error for a bad threshold
-        self.draft_model = draft_model.eval()
+        self.drafter = HFDraft(drafter, label) if isinstance(drafter, torch.nn.Module) else drafter
+        if self.drafter.features:
+            raise UserError(f"{label}: MTAD's beams are fed the drafter's own tokens only; a drafter that reads "
+                            "the target's features cannot draft them")
         self.width, self.gamma, self.label = width, gamma, label
         # tau_acc: proposals carry the joint rule with this threshold (None: the run's own rule,
-        # e.g. greedy or lossless verification of beam drafts); walks: D_1..D_gamma per step
+        # e.g. greedy or lossless verification of beam drafts); walks: D_1..D_gamma per step of the last decode
         self.tau_acc = tau_acc
         self.walks: list[list[float]] = []
 
@@ -175,25 +176,26 @@ class MTADGuesser:
 
     def begin(self, target, plan, prompt_ids: torch.Tensor, ctx: DecodeContext) -> "MTADSession":
         vocab = vocab_size(target)
-        if self.draft_model.get_input_embeddings().weight.shape[0] != vocab:
-            raise UserError(f"{self.label}: vocabulary of {self.draft_model.get_input_embeddings().weight.shape[0]} "
-                            f"tokens, the target has {vocab}: a drafter must share the target's tokenizer")
+        if self.drafter.vocab_size != vocab:
+            raise UserError(f"{self.label}: vocabulary of {self.drafter.vocab_size} tokens, the target has {vocab}: "
+                            "a drafter must share the target's tokenizer")
+        self.walks = []
         return MTADSession(self, prompt_ids, ctx)
 
 
 class MTADSession:
-    """The drafter's cache holds one row between steps: a prefill of the accepted text it has fed.
-    During drafting it has W rows, one per beam, reordered by parent beam after every selection."""
+    """Between steps the drafter's cache (decoder/drafter.py's DraftState) holds the accepted text it has
+    fed. A beam step feeds the W beams' tokens as W inputs of one pass, each seeing the context and its
+    own beam's earlier inputs (`slots`); the commit keeps the accepted beam's fed tokens and drops the rest."""
 
     def __init__(self, guesser: MTADGuesser, prompt_ids: torch.Tensor, ctx: DecodeContext):
-        self.model, self.width, self.gamma, self.ctx = guesser.draft_model, guesser.width, guesser.gamma, ctx
+        self.width, self.gamma, self.ctx = guesser.width, guesser.gamma, ctx
         self.tau_acc, self.walks, self.tree = guesser.tau_acc, guesser.walks, guesser.beams == "tree"
         self.layout = layout_for(chain_nodes(self.gamma), 1, ctx.dtype, ctx.device)
         self.max_input_length = 1 + self.gamma * (self.width if self.tree else 1)
-        self.beam_rows: torch.Tensor | None = None  # tree: cache row of each final beam (its parent beam)
+        self.state = guesser.drafter.open(prompt_ids.reshape(-1), None)
+        self.beam_slots: list[list[int]] = [[]]  # per final beam: the cache slots of its fed tokens
         self.beam_nodes: list[list[int]] = []  # tree: tree index of each final beam's tokens
-        ids = prompt_ids.reshape(-1)
-        self.cache = prefill(self.model, ids[None, :-1]).cache if ids.numel() > 1 else _empty_cache(self.model)
         self.unseen: list[int] = []  # accepted tokens not yet in the drafter's cache (before the root)
         self.base = 0  # cache length after the step's first pass (context + unseen + root)
         self.sampled = ctx.sampling.temperature > 0
@@ -206,31 +208,34 @@ class MTADSession:
         scores = torch.zeros(1, dtype=torch.float64, device=root.device)
         toks = torch.zeros(1, 0, dtype=torch.long, device=root.device)  # [B, t] each beam's tokens
         lqs = torch.zeros(1, 0, dtype=torch.float64, device=root.device)  # [B, t] their log q~
+        slots: list[list[int]] = [[]]  # [B] each beam's fed tokens' cache slots
         for t in range(self.gamma):
             parent, token, scores = beam_step(scores, log_q, self.width, gen, s.top_k)
             toks = torch.cat([toks[parent], token[:, None]], 1)
             lqs = torch.cat([lqs[parent], log_q[parent, token].double()[:, None]], 1)
+            slots = [slots[b] for b in parent.tolist()]
             if t + 1 < self.gamma:  # the last token is never fed: the target scores it
-                self.cache.reorder_cache(parent)  # row b now holds beam b's history
-                log_q = draft_logprobs(self._beam_pass(token, self.base + t), s)  # [B, V]
+                logits, slots = self._beam_pass(token, slots, self.base + t)
+                log_q = draft_logprobs(logits, s)  # [B, V]
         best = int(scores.argmax())
         if self.tree:
-            return self._tree_proposal(toks, lqs, scores, parent, best)
-        # the cache rows are the beams before the last selection: keep the chosen beam's parent row
-        self.cache.reorder_cache(parent[best: best + 1])
+            self.beam_slots = slots
+            return self._tree_proposal(toks, lqs, scores, best)
+        # the chosen beam's fed tokens stay, the other beams' go
+        self.state.keep(self.base, [u - self.base for u in slots[best]])
+        self.beam_slots = [list(range(self.base, self.base + len(slots[best])))]
         chain = torch.arange(1, self.gamma + 1, device=toks.device)[None]  # the one beam's tree indices
         rule = None if self.tau_acc is None else partial(
             _joint_rule, beam_nodes=chain, draft_logq=lqs[best: best + 1], beam_scores=scores[best: best + 1],
             tau_acc=self.tau_acc, walks=self.walks)
         return BeamProposal(self.layout, toks[best], rule=rule, draft_logq=lqs[best], beam_scores=scores)
 
-    def _tree_proposal(self, toks, lqs, scores, parent, best: int) -> "BeamProposal":
-        """All final beams as one tree (their union of prefixes); the cache keeps every beam's row until
-        the commit knows which beam the verdict followed."""
+    def _tree_proposal(self, toks, lqs, scores, best: int) -> "BeamProposal":
+        """All final beams as one tree (their union of prefixes); the drafter's cache keeps every beam's fed
+        tokens until the commit knows which beam the verdict followed."""
         nodes, node_tokens, self.beam_nodes = beam_trie(toks.tolist())
         width = max(p[-1] for p in nodes) + 1
         layout = layout_for(tuple(nodes), width, self.ctx.dtype, self.ctx.device)
-        self.beam_rows = parent
         tokens = torch.tensor(node_tokens, dtype=torch.long, device=toks.device)
         beam_nodes = torch.tensor(self.beam_nodes, dtype=torch.long, device=toks.device)  # [W', gamma]
         rule = None if self.tau_acc is None else partial(
@@ -239,36 +244,37 @@ class MTADSession:
         return BeamProposal(layout, tokens, rule=rule, draft_logq=lqs[best], beam_scores=scores)
 
     def _first_pass(self, root: torch.Tensor) -> torch.Tensor:
-        """The unseen accepted tokens and the root, as a causal chain (one row): the root's logits [V]."""
-        C = self.cache.get_seq_length()
-        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])[None]  # [1, m]
-        pos = torch.arange(C, C + ids.shape[1], device=root.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, **kv(self.cache), use_cache=True, logits_to_keep=1)
+        """The unseen accepted tokens and the root, as a causal chain: the root's logits [V]."""
+        C = self.state.length
+        ids = torch.cat([torch.tensor(self.unseen, dtype=torch.long, device=root.device), root])  # [m]
+        pos = torch.arange(C, C + ids.numel(), device=root.device)
+        out = self.state.forward(ids, pos, None, None, last_only=True)
         self.unseen = []
-        self.base = self.cache.get_seq_length()
-        return out.logits[0, -1]
+        self.base = self.state.length
+        return out.logits[-1]
 
-    def _beam_pass(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        """One token per beam row at `position`: logits [B, V]."""
-        pos = torch.full((tokens.numel(), 1), position, dtype=torch.long, device=tokens.device)
-        out = self.model(input_ids=tokens[:, None], position_ids=pos, **kv(self.cache), use_cache=True)
-        return out.logits[:, -1]
+    def _beam_pass(self, tokens: torch.Tensor, slots: list[list[int]], position: int):
+        """One token per beam [B] at `position`, each seeing the context and its own beam's fed tokens:
+        (logits [B, V], each beam's slots with its new token's)."""
+        L, B = self.state.length, tokens.numel()
+        visible = torch.zeros(B, L + B, dtype=torch.bool)
+        visible[:, : self.base] = True
+        for b, own in enumerate(slots):
+            visible[b, own] = True
+            visible[b, L + b] = True
+        pos = torch.full((B,), position, dtype=torch.long, device=tokens.device)
+        out = self.state.forward(tokens, pos, visible, None)
+        return out.logits, [own + [L + b] for b, own in enumerate(slots)]
 
     def commit(self, outcome: StepOutcome) -> None:
         """Keep the accepted draft tokens the drafter has fed (at most gamma - 1); the rest waits as unseen."""
         a = len(outcome.verdict.nodes) - 1
-        if self.tree:  # keep the row of a beam whose prefix is the accepted path (any such row holds it)
+        b = 0
+        if self.tree:  # a beam whose prefix is the accepted path (any such beam fed it)
             b = next((i for i, path in enumerate(self.beam_nodes) if path[:a] == outcome.verdict.nodes[1:]), 0)
-            self.cache.reorder_cache(self.beam_rows[b: b + 1])
         fed = min(a, self.gamma - 1)
-        crop_cache(self.cache, self.base + fed)
+        self.state.keep(self.base, [u - self.base for u in self.beam_slots[b][:fed]])
         self.unseen = outcome.verdict.emitted[fed:a]
-
-
-def _empty_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
 
 
 def beam_trie(beams: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int], list[list[int]]]:
@@ -353,109 +359,12 @@ def verify_joint_tree(logits: torch.Tensor, tokens: torch.Tensor, beam_nodes: to
                         torch.tensor([y], dtype=torch.long, device=dev), walks[b])
 
 
-# ---------------------------------------------------------------------------------------------- the loop
-
-
-@dataclass
-class MTADOutput(GenerateOutput):
-    walks: list[list[float]] = field(default_factory=list)  # per step: D_1..D_gamma of its draft (-inf allowed)
-    tau_acc: float = 0.0
-
-
-MTAD_SAMPLING = Sampling(1.0, 20, 0.9)  # the paper's warp, where the caller gives none
-
-
-def generate_mtad(model, input_ids, guesser: MTADGuesser, max_new_tokens: int | None = None, tau_acc: float = 0.1, *,
-                  config: DecodeConfig | None = None, **options) -> MTADOutput:
-    """MTAD decoding of one prompt (1-D or [1, T]) through the one decoding loop, the proposals
-    carrying the joint rule; the warp (temperature, top_k, top_p) is used for the target and the
-    drafter alike. tau_acc >= 0 (inf: no draft is ever accepted). config / options: DecodeConfig
-    (decoder/config.py) or its fields; the warp defaults to the paper's (temperature 1, top-k 20, top-p 0.9)."""
-    if max_new_tokens is not None:
-        options["max_new_tokens"] = max_new_tokens
-    cfg = decode_config(config or DecodeConfig(sampling=MTAD_SAMPLING), **options)
-    log_threshold(tau_acc)  # a one-line error for a bad threshold
-    if cfg.max_new_tokens < 1:
-        raise UserError("max_new_tokens: expected a positive integer")
-    guesser.check(None)
-    select_attention(model, cfg.attention)
-    before, guesser.tau_acc, guesser.walks = guesser.tau_acc, tau_acc, []
-    try:
-        s = cfg.sampling
-        out = decode(model, input_ids, None, guesser, replace(cfg, sampling=Sampling(s.temperature, s.top_k, s.top_p)),
-                     label="mtad")
-    finally:
-        guesser.tau_acc = before
-    return MTADOutput(out.tokens, out.steps, out.stats, walks=guesser.walks, tau_acc=tau_acc)
-
-
-# ---------------------------------------------------------------------------------------------- quality
-
-
-@torch.inference_mode()
-def token_logprobs(model, prompt_ids: torch.Tensor, new_ids) -> torch.Tensor:
-    """log p(new_t | prompt, new_<t) [n] under the model's raw distribution (temperature 1, no warp)."""
-    new = torch.as_tensor(new_ids, dtype=torch.long).reshape(-1)
-    n = new.numel()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.float64)
-    dev = model.get_input_embeddings().weight.device
-    ids = torch.cat([torch.as_tensor(prompt_ids).reshape(-1).cpu(), new])[None].to(dev)
-    logits = model(input_ids=ids, logits_to_keep=n + 1).logits[0, :-1]  # [n, V] predicting each new token
-    return logits.double().log_softmax(-1).gather(1, new.to(dev)[:, None])[:, 0].cpu()
-
-
-def perplexity(model, prompts, outputs) -> float | None:
-    """exp(-sum log p / tokens), pooled over all sequences (token-weighted), under the model's raw
-    distribution. Not under the warped p~: a token outside the warped support (tau_acc = 0 can
-    emit one) would make it infinite. None when there are no tokens."""
-    total, count = 0.0, 0
-    for prompt, out in zip(prompts, outputs):
-        lp = token_logprobs(model, prompt, out)
-        total += float(lp.sum())
-        count += lp.numel()
-    return math.exp(-total / count) if count else None
-
-
-def distinct_n(sequences, n: int) -> float | None:
-    """Distinct-n within each text: sum_i |unique n-grams of i| / sum_i |n-grams of i| (repetition
-    loops lower it; cross-prompt overlap does not count). None when no text has n tokens."""
-    unique = total = 0
-    for seq in sequences:
-        seq = [int(t) for t in seq]
-        grams = [tuple(seq[i: i + n]) for i in range(len(seq) - n + 1)]
-        unique += len(set(grams))
-        total += len(grams)
-    return unique / total if total else None
-
-
-@dataclass
-class TextQuality:
-    perplexity: float | None  # under the target, raw distribution
-    draft_perplexity: float | None  # under the drafter, when given
-    distinct: dict[str, float | None]  # distinct-1, -2, -3
-    tokens: int
-
-    def to_json(self) -> dict:
-        return {"perplexity": self.perplexity, "draft_perplexity": self.draft_perplexity, **self.distinct,
-                "tokens": self.tokens}
-
-
-def text_quality(target, prompts, outputs, draft=None) -> TextQuality:
-    """Quality figures of produced texts `outputs` (token lists) after `prompts`; compute them over
-    the same prompts for every method so they compare."""
-    outputs = [list(map(int, o)) for o in outputs]
-    return TextQuality(perplexity(target, prompts, outputs),
-                       perplexity(draft, prompts, outputs) if draft is not None else None,
-                       {f"distinct_{n}": distinct_n(outputs, n) for n in (1, 2, 3)}, sum(map(len, outputs)))
+MTAD_SAMPLING = Sampling(1.0, 20, 0.9)  # the paper's warp (temperature 1, top-k 20, top-p 0.9)
 
 
 def load(request) -> MTADGuesser:
-    """The registry's loader (planner/guessers.py): the draft LM in request.path; options width, gamma, beams."""
-    from decoder.engine import torch_model
-    from decoder.guessers.draft import load_draft_model
-
+    """The registry's loader (planner/guessers.py): the drafter in request.path, opened by the target engine
+    (Engine.open_drafter); options width, gamma, tau_acc, beams."""
     o = request.options
-    return MTADGuesser(load_draft_model(request.path, torch_model(request.target)), width=o.get("width", 4),
-                       gamma=o.get("gamma", 4), label=str(request.path), tau_acc=o.get("tau_acc"),
-                       beams=o.get("beams", "tree"))
+    return MTADGuesser(request.target.open_drafter(request.path), width=o.get("width", 4), gamma=o.get("gamma", 4),
+                       label=str(request.path), tau_acc=o.get("tau_acc"), beams=o.get("beams", "tree"))

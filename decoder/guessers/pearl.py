@@ -1,7 +1,12 @@
 """PEARL: parallel speculative decoding, drafting while verifying (Liu et al. 2024, arXiv:2408.11850;
 docs/seed-systems.md, section 'PEARL').
 
-    out = generate_pearl(target, draft_model, ids, gamma=4, max_new_tokens=128)
+    out = generate(engine, ids, Pearl(drafter, gamma=4), max_new_tokens=128)     # decoder/loop.py's one loop
+
+PEARL is a strategy of the one decoding loop (decoder/loop.py): the loop owns the prompt, EOS,
+max_new_tokens, the clock and the progress bar; a step is one round. The drafter is any
+decoder/drafter.py DraftModel (a transformers causal LM is wrapped as one: decoder/torch_ops/draft.py),
+the target is the engine, so neither side is reached past its interface.
 
 Every round two jobs run at the same time and one coordinator decides after both finish:
   drafter  gamma sequential forwards continuing `accepted + pending` (its first input is the last
@@ -37,15 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoder.config import DecodeConfig, decode_config
-from decoder.engine import StepInput, vocab_size
-from decoder.torch_ops.cache import crop_cache
-from decoder.torch_ops.forward import kv
-from decoder.engines.registry import as_engine
+from decoder.config import DecodeConfig
+from decoder.engine import StepInput
 from decoder.guessers.draft import draft_children
 from decoder.layout import layout_for
-from decoder.loop import _eos, _ids_1d
-from decoder.output import truncate
+from decoder.torch_ops.draft import HFDraft
 from decoder.verify import Sampling, Verdict, probabilities, residual
 from planner.errors import UserError
 
@@ -122,19 +123,6 @@ class PearlStats:
 
 
 @dataclass
-class PearlOutput:
-    tokens: torch.Tensor  # [T_new] long, new tokens only
-    rounds: int
-    stats: PearlStats
-    batch = None  # not a field: `planner decode` reads GenerateOutput's attributes
-
-    @property
-    def steps(self) -> int:
-        """Target forwards after the prefill: one per round."""
-        return self.rounds
-
-
-@dataclass
 class PearlState:
     """The decoder's state between rounds (handed to `on_round`; tests compare the caches)."""
 
@@ -142,14 +130,13 @@ class PearlState:
     pending: list[int]  # drafted, not yet verified (mode B)
     pending_q: list[torch.Tensor | None]  # q [V] (host, float64) each pending token was drawn from; None: greedy
     mode: str
-    target_cache: object  # the target sequence's transformers cache (hf engine), for the tests' checks
-    draft_cache: object
+    target_cache: object  # the target sequence's cache (the hf engine's), for the tests' checks
+    draft: object  # the drafter's DraftState (decoder/drafter.py): its cache holds (accepted + pending)[:-1]
     target: object = None  # the target's engine sequence (decoder/engine.py): its cache holds accepted[:-1]
 
 
 @dataclass
 class _Side:
-    model: object  # the drafter's transformers model; the target's engine (decoder/engine.py)
     threads: int | None
     stream: object  # torch.cuda.Stream or None
 
@@ -158,6 +145,10 @@ class _Side:
         if self.threads is not None:
             set_thread_count(self.threads)
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def sync(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def set_thread_count(k: int) -> None:
@@ -184,47 +175,42 @@ class _Scored:
     span: tuple[float, float]
 
 
-def generate_pearl(target, draft_model, input_ids, gamma: int, max_new_tokens: int | None = None, *,
-                   config: DecodeConfig | None = None, concurrent: bool = True, threads=None, on_round=None,
-                   **options) -> PearlOutput:
-    """Decode with PEARL. Greedy at temperature 0 (token-identical to plain greedy decoding), else
-    lossless sampling (accept x with min(1, p(x)/q(x)), reject to norm(max(p - q, 0)); p with
-    temperature, top-k, top-p; q the drafter's own warped distribution with the same settings, see
-    decoder.guessers.draft.draft_children).
+@dataclass
+class Pearl:
+    """PEARL as the plan's strategy: generate(engine, ids, Pearl(drafter, gamma)). Greedy at temperature 0
+    (token-identical to plain greedy decoding), else lossless sampling (accept x with min(1, p(x)/q(x)),
+    reject to norm(max(p - q, 0)); p with temperature, top-k, top-p; q the drafter's own warped distribution
+    with the same settings, see decoder.guessers.draft.draft_children): PEARL verifies by its own rule,
+    whatever the config's.
 
     threads: CPU threads per side: None (split torch.get_num_threads(): target ceil(n/2), drafter
     floor(n/2), at least 1 each), an int total to split the same way, or (target, drafter).
-    on_round(PearlState): called after every round (tests); its time counts in total_s only.
-    config / options: decoder/config.py's DecodeConfig or its fields (max_new_tokens, temperature, top_k,
-    top_p, eos_token_id, seed); PEARL verifies by its own lossless rule, whatever the config's.
-    """
-    cfg = decode_config(config, **(options if max_new_tokens is None else dict(options, max_new_tokens=max_new_tokens)))
-    max_new_tokens, eos_token_id, seed = cfg.max_new_tokens, cfg.eos_token_id, cfg.seed
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise UserError(f"gamma: expected an integer >= 1, got {gamma!r}")
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    sampling = Sampling(cfg.sampling.temperature, cfg.sampling.top_k, cfg.sampling.top_p)
-    engine = as_engine(target)
-    device = engine.device
-    ids = _ids_1d(input_ids, device).tolist()
-    _check_pair(engine, draft_model, len(ids), max_new_tokens, gamma)
-    split = split_threads(threads) if device.type == "cpu" else None
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else (None, None)
-    tside = _Side(engine, split[0] if split else None, streams[0])
-    dside = _Side(draft_model.eval(), split[1] if split else None, streams[1])
-    caller_threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft")
-    try:
-        return _decode(tside, dside, pool, ids, gamma, max_new_tokens, sampling, _eos(engine, eos_token_id),
-                       seed, concurrent, split, on_round)
-    finally:
-        pool.shutdown(wait=True)
-        torch.set_num_threads(caller_threads)  # also the default a new thread starts with
+    on_round(PearlState): called after every round (tests); its time counts in total_s only."""
+
+    drafter: object  # a decoder/drafter.py DraftModel, or a transformers causal LM (wrapped as one)
+    gamma: int
+    threads: object = None
+    concurrent: bool = True
+    on_round: object = None
+    label = "PEARL"
+    batches = False
+
+    def __post_init__(self):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise UserError(f"gamma: expected an integer >= 1, got {self.gamma!r}")
+        if isinstance(self.drafter, torch.nn.Module):
+            self.drafter = HFDraft(self.drafter)
+        if self.drafter.features:
+            raise UserError(f"{self.drafter.label}: PEARL feeds its drafter tokens only; a drafter that reads the "
+                            "target's features cannot draft while the target verifies")
+
+    def start(self, engine, ids: torch.Tensor, cfg: DecodeConfig) -> "PearlRun":
+        _check(engine, self.drafter, ids.numel(), cfg.max_new_tokens, self.gamma)
+        return PearlRun(self, engine, ids, cfg)
 
 
 def split_threads(threads) -> tuple[int, int]:
-    """(target, drafter) CPU threads: see generate_pearl."""
+    """(target, drafter) CPU threads: see Pearl."""
     if threads is None:
         threads = torch.get_num_threads()
     if isinstance(threads, int) and not isinstance(threads, bool):
@@ -237,76 +223,86 @@ def split_threads(threads) -> tuple[int, int]:
     return pair
 
 
-def _check_pair(engine, draft, prompt_len: int, max_new_tokens: int, gamma: int) -> None:
-    vt = vocab_size(engine)
-    vd = draft.get_input_embeddings().weight.shape[0]
-    if vt != vd:
-        raise UserError(f"draft model: vocabulary of {vd} tokens, the target has {vt}: a drafter must share the "
-                        "target's tokenizer")
+def _check(engine, drafter, prompt_len: int, max_new_tokens: int, gamma: int) -> None:
+    if drafter.vocab_size != engine.vocab_size:
+        raise UserError(f"{drafter.label}: vocabulary of {drafter.vocab_size} tokens, the target has "
+                        f"{engine.vocab_size}: a drafter must share the target's tokenizer")
     # the drafter runs up to 2 gamma - 1 tokens past the accepted text (a B round's pending + its new drafts)
     longest = prompt_len + max_new_tokens + 2 * gamma
-    if engine.max_positions is not None and longest > engine.max_positions:
-        raise UserError(f"target: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + 2 gamma "
-                        f"({2 * gamma}) exceeds the model's {engine.max_positions} positions")
-    models = [("draft model", draft)] + ([("target", engine.model)] if hasattr(engine, "model") else [])
-    for name, m in models:
-        max_pos = getattr(m.config, "max_position_embeddings", None)
-        if max_pos is not None and longest > max_pos:
+    for name, limit in (("target", engine.max_positions), (drafter.label, drafter.max_positions)):
+        if limit is not None and longest > limit:
             raise UserError(f"{name}: prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + 2 gamma "
-                            f"({2 * gamma}) exceeds the model's {max_pos} positions")
-        window = getattr(m.config, "sliding_window", None) if getattr(m.config, "use_sliding_window", True) else None
-        if isinstance(window, int) and longest >= window:
-            raise UserError(f"{name}: sliding window of {window} tokens: prompt + max_new_tokens + 2 gamma "
-                            f"({longest}) must stay below it (a cache past the window cannot be cropped back)")
+                            f"({2 * gamma}) exceeds the {limit} positions it holds")
 
 
-@torch.inference_mode()
-def _decode(tside: _Side, dside: _Side, pool, ids: list[int], gamma: int, max_new_tokens: int, s: Sampling,
-            eos: set[int], seed: int, concurrent: bool, split, on_round) -> PearlOutput:
-    stats = PearlStats(gamma, concurrent, split)
-    t0 = time.perf_counter()
-    clock = lambda: time.perf_counter() - t0  # noqa: E731
-    gens = (torch.Generator().manual_seed(seed),  # the drafter's draws (its thread only)
-            torch.Generator().manual_seed(seed + 1))  # the coordinator's draws
-    (dcache, ds), (tseq, ts) = _both(pool, concurrent, lambda: _prefill(dside, ids, clock),
-                                     lambda: _start_target(tside, ids, clock))
-    stats.events += [PhaseEvent("target", "prefill", *ts), PhaseEvent("draft", "prefill", *ds)]
-    stats.prefill_s = clock()
-    stats.prefill_booked_s = max(ts[1] - ts[0], ds[1] - ds[0])
-    st = PearlState(list(ids), [], [], "A", getattr(tseq, "cache", None), dcache, tseq)
-    new: list[int] = []
-    while len(new) < max_new_tokens:
-        kept, stop = _round(st, tside, dside, pool, gamma, s, gens, concurrent, clock, stats, eos,
-                            max_new_tokens - len(new))
-        new += kept
-        if on_round is not None:
-            on_round(st)
-        if stop:
-            break
-    stats.total_s = clock()
-    return PearlOutput(torch.tensor(new, dtype=torch.long), len(stats.rounds), stats)
+class PearlRun:
+    """One sequence's rounds (decoder/loop.py's Run): both sides prefilled at start, a round per step."""
 
+    def __init__(self, plan: Pearl, engine, ids: torch.Tensor, cfg: DecodeConfig):
+        device = engine.device
+        self.gamma, self.concurrent, self.on_round = plan.gamma, plan.concurrent, plan.on_round
+        self.split = split_threads(plan.threads) if device.type == "cpu" else None
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else (None, None)
+        self.tside = _Side(self.split[0] if self.split else None, streams[0])
+        self.dside = _Side(self.split[1] if self.split else None, streams[1])
+        self.dtype, self.device = engine.dtype, engine.device
+        s = cfg.sampling
+        self.sampling = Sampling(s.temperature, s.top_k, s.top_p)
+        self.gens = (torch.Generator().manual_seed(cfg.seed),  # the drafter's draws (its thread only)
+                     torch.Generator().manual_seed(cfg.seed + 1))  # the coordinator's draws
+        self.stats = PearlStats(plan.gamma, plan.concurrent, self.split)
+        self.ended = False
+        self.caller_threads = torch.get_num_threads()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft")
+        try:
+            self._prefill(plan.drafter, engine, ids, cfg.max_new_tokens)
+        except BaseException:
+            self.close()
+            raise
 
-def _round(st: PearlState, tside: _Side, dside: _Side, pool, gamma: int, s: Sampling, gens, concurrent: bool, clock,
-           stats: PearlStats, eos: set[int], room: int) -> tuple[list[int], bool]:
-    """Both jobs, then the coordinator's decisions; returns the tokens kept and whether to stop."""
-    start = clock()
-    mode = st.mode
-    seq = st.accepted + st.pending
-    fed = st.accepted[-1:] + st.pending  # n = 1 (A) or gamma (B)
-    draft, scored = _both(pool, concurrent,
-                          lambda: _draft_job(dside, st.draft_cache, seq, gamma, s, gens[0], clock),
-                          lambda: _target_job(tside, st.target, fed, s, clock))
-    d0 = clock()
-    produced, accepted = _decide(st, draft, scored, s, gens[1])
-    kept, stop = truncate(produced, eos, room)
-    end = clock()
-    stats.events += [PhaseEvent("draft", "draft", *draft.span),
-                     PhaseEvent("target", "pre-verify" if mode == "A" else "verify", *scored.span),
-                     PhaseEvent("coordinator", "decide", d0, end)]
-    stats.rounds.append(PearlRound(mode, len(fed), accepted, len(produced), len(kept), draft.span[1] - draft.span[0],
-                                   scored.span[1] - scored.span[0], end - d0, end - start))
-    return kept, stop
+    def _prefill(self, drafter, engine, ids: torch.Tensor, max_new_tokens: int) -> None:
+        t0 = time.perf_counter()
+        self.clock = lambda: time.perf_counter() - t0  # noqa: E731
+        (dstate, ds), (tseq, ts) = _both(self.pool, self.concurrent, lambda: _open_draft(self.dside, drafter, ids, self.clock),
+                                         lambda: _start_target(self.tside, engine, ids, self.clock))
+        engine.check_room(tseq, max_new_tokens, 2 * self.gamma)
+        self.stats.events += [PhaseEvent("target", "prefill", *ts), PhaseEvent("draft", "prefill", *ds)]
+        self.stats.prefill_booked_s = max(ts[1] - ts[0], ds[1] - ds[0])
+        self.st = PearlState(ids.tolist(), [], [], "A", getattr(tseq, "cache", None), dstate, tseq)
+
+    @property
+    def steps(self) -> int:
+        return len(self.stats.rounds)
+
+    def step(self) -> list[int]:
+        """Both jobs, then the coordinator's decisions: the tokens the round produced."""
+        st, clock = self.st, self.clock
+        self.round_start, self.mode = clock(), st.mode
+        seq = st.accepted + st.pending
+        self.fed = st.accepted[-1:] + st.pending  # n = 1 (A) or gamma (B)
+        self.draft, self.scored = _both(self.pool, self.concurrent,
+                                        lambda: _draft_job(self.dside, st.draft, seq, self.gamma, self.sampling,
+                                                           self.gens[0], clock, self.device),
+                                        lambda: _target_job(self.tside, st.target, self.fed, self.sampling, clock, self.dtype))
+        self.decide_start = clock()
+        self.produced, self.accepted = _decide(st, self.draft, self.scored, self.sampling, self.gens[1])
+        return self.produced
+
+    def settle(self, kept: list[int], stop: bool) -> None:
+        end, d0 = self.clock(), self.decide_start
+        draft, scored = self.draft, self.scored
+        self.stats.events += [PhaseEvent("draft", "draft", *draft.span),
+                              PhaseEvent("target", "pre-verify" if self.mode == "A" else "verify", *scored.span),
+                              PhaseEvent("coordinator", "decide", d0, end)]
+        self.stats.rounds.append(PearlRound(self.mode, len(self.fed), self.accepted, len(self.produced), len(kept),
+                                            draft.span[1] - draft.span[0], scored.span[1] - scored.span[0], end - d0,
+                                            end - self.round_start))
+        if self.on_round is not None:
+            self.on_round(self.st)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        torch.set_num_threads(self.caller_threads)  # also the default a new thread starts with
 
 
 def _both(pool, concurrent: bool, draft_job, target_job):
@@ -319,61 +315,49 @@ def _both(pool, concurrent: bool, draft_job, target_job):
     return future.result(), t
 
 
-def _prefill(side: _Side, ids: list[int], clock):
-    """A cache of every prompt token but the last (the first round feeds it); a new cache for a 1-token prompt."""
-    from transformers import DynamicCache
-
+def _open_draft(side: _Side, drafter, ids: torch.Tensor, clock):
+    """The drafter's cache over every prompt token but the last (the first round feeds it)."""
     with torch.inference_mode(), side.context():
         t = clock()
-        cache = DynamicCache(config=side.model.config)
-        if len(ids) > 1:
-            dev = side.model.get_input_embeddings().weight.device
-            side.model(input_ids=torch.tensor([ids[:-1]], device=dev), **kv(cache), use_cache=True,
-                       logits_to_keep=1)
-            _sync(side)
-        return cache, (t, clock())
+        state = drafter.open(ids, None)
+        side.sync()
+        return state, (t, clock())
 
 
-def _start_target(side: _Side, ids: list[int], clock):
+def _start_target(side: _Side, engine, ids: torch.Tensor, clock):
     """The target engine's sequence over every prompt token but the last."""
     with torch.inference_mode(), side.context():
         t = clock()
-        seq, _ = side.model.start(torch.tensor(ids, dtype=torch.long, device=side.model.device))
-        _sync(side)
+        seq, _ = engine.start(ids)
+        side.sync()
         return seq, (t, clock())
 
 
-def _sync(side: _Side) -> None:
-    if side.stream is not None:
-        side.stream.synchronize()
-
-
-def _draft_job(side: _Side, cache, seq: list[int], gamma: int, s: Sampling, gen, clock) -> _Draft:
-    """gamma forwards continuing seq (the cache holds seq[:-1]): x_1..x_gamma and their q."""
+def _draft_job(side: _Side, state, seq: list[int], gamma: int, s: Sampling, gen, clock, dev) -> _Draft:
+    """gamma forwards continuing seq (the drafter's cache holds seq[:-1]): x_1..x_gamma and their q."""
     sampled = s.rule == "lossless"
     with torch.inference_mode(), side.context():
         t = clock()
-        dev = side.model.get_input_embeddings().weight.device
         tok, pos = seq[-1], len(seq) - 1
         tokens, qs = [], []
         for i in range(gamma):
-            out = side.model(input_ids=torch.tensor([[tok]], device=dev),
-                             position_ids=torch.tensor([[pos + i]], device=dev), **kv(cache), use_cache=True)
-            x, q = draft_children(out.logits[0, -1], 1, s, sampled, gen)
+            out = state.forward(torch.tensor([tok], device=dev), torch.tensor([pos + i], device=dev), None, None,
+                                last_only=True)
+            x, q = draft_children(out.logits[-1], 1, s, sampled, gen)
             tok = int(x[0])  # a host read: the job ends synchronised
             tokens.append(tok)
             qs.append(q.double().cpu() if q is not None else None)
         return _Draft(tokens, qs, (t, clock()))
 
 
-def _target_job(side: _Side, seq, fed: list[int], s: Sampling, clock) -> _Scored:
+def _target_job(side: _Side, seq, fed: list[int], s: Sampling, clock, dtype: torch.dtype) -> _Scored:
     """One forward over `fed` (a causal chain after the target's cache, which holds accepted[:-1]),
     kept in the cache: each row's argmax, and p when sampling."""
     with torch.inference_mode(), side.context():
         t = clock()
         n = len(fed)
-        layout = layout_for(tuple((0,) * d for d in range(1, n)), 1, side.model.dtype, side.model.device)
-        tokens = torch.tensor(fed, dtype=torch.long, device=side.model.device)
+        tokens = torch.tensor(fed, dtype=torch.long, device=seq.root.device)
+        layout = layout_for(tuple((0,) * d for d in range(1, n)), 1, dtype, tokens.device)
         logits, _ = seq.score(StepInput(tokens, layout))  # [n, V]
         keep = list(range(n))
         seq.commit(Verdict(torch.arange(n, device=tokens.device), keep, [], tokens[-1:]))
@@ -398,7 +382,7 @@ def _decide(st: PearlState, draft: _Draft, scored: _Scored, s: Sampling, gen) ->
         st.pending, st.pending_q, st.mode = [], [], "A"
         keep = len(st.accepted) - 1  # everything before y'
         st.target.rollback(keep)
-        crop_cache(st.draft_cache, keep)
+        st.draft.keep(keep, [])
         return produced, i
     st.accepted += produced
     st.pending, st.pending_q, st.mode = draft.tokens[1:], draft.q[1:], "B"

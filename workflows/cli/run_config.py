@@ -3,6 +3,7 @@ flags, and passed down as one object (nothing is written back into the argparse 
 
     run = resolve_run(args, tree, spec)       # a RunConfig; one line on stderr says what came from the plan
     run.guesser, run.threads, run.matmul_profile, run.pearl, run.decode
+    job = decode_job(run, engine, guesser, tree, batched)   # what the library decodes with: job.plan, job.decoding
 
 A plan autotune raced records what it was raced with (planner/plan_settings.py): the engine, the
 threads (or that they were the cores a busy machine left free), the profile whose CPU matmul paths
@@ -53,6 +54,24 @@ class RunConfig:
             return None
         said = f"decoding as raced: {', '.join(self.from_plan)}" if self.from_plan else "decoding"
         return said + (f" ({'; '.join(self.overridden)})" if self.overridden else " (flags override)")
+
+
+def add_strategy_arguments(p) -> None:
+    """`planner decode`'s flags for the strategies other than a plan's steps, resolved below."""
+    p.add_argument("--mtad", default=None, metavar="W,GAMMA,TAU",
+                   help="MTAD (not lossless above temperature 0): the --guesser draft model beam-samples W beams of "
+                        "GAMMA tokens, the target accepts the longest prefix whose joint ratio p~/q~ >= TAU in [0, 1]; "
+                        "the warp is --temperature/--top-k/--top-p (the paper: --top-k 20 --top-p 0.9); the summary "
+                        "adds perplexity and distinct-n")
+    p.add_argument("--max-perplexity-ratio", type=float, default=None, metavar="R",
+                   help="with --mtad and --compare-plain: flag whether perplexity <= R x plain sampling's")
+    p.add_argument("--pearl", action="store_true",
+                   help="PEARL (with --guesser draft[:DIR]): the drafter drafts while the target verifies, each in "
+                        "its own thread with half of --threads (or its own CUDA stream); lossless")
+    p.add_argument("--gamma", type=int, default=4,
+                   help="with --pearl: the window, tokens drafted per round (default 4)")
+    p.add_argument("--pearl-serial", action="store_true",
+                   help="with --pearl: run the two jobs one after the other (same output), booking max(draft, verify)")
 
 
 def resolve_run(args, tree, spec: EngineKind, default_guesser: str) -> RunConfig:
@@ -200,6 +219,44 @@ def _mtad(args, guesser: str, plan: str | None):
     if ratio is not None and not (ratio > 0 and args.compare_plain):
         raise UserError("--max-perplexity-ratio: expected a number > 0, with --compare-plain (the reference perplexity)")
     return settings
+
+
+@dataclass
+class Job:
+    """What decoding the prompts takes, resolved once from the run configuration: the same two things the
+    Python API's generate takes (decoder/api.py: a strategy and a DecodeConfig), the guesser the strategy
+    decodes with (for the run's records) and the step lengths the timed runs use."""
+
+    plan: object  # a decoder/loop.py Strategy: a plan's Steps, plain decoding's fastest way, PEARL's rounds
+    decoding: DecodeConfig
+    guesser: object  # decoder/guesser.py's protocol (MTAD's joint-rule guesser for --mtad)
+    lengths: set[int]  # step input lengths (warmed up first when speed is compared)
+    plain: object  # plain decoding's strategy, to compare with: the engine's fastest (one prompt), the loop's (a batch)
+
+
+def decode_job(run: RunConfig, engine, guesser, tree, batched: bool) -> Job:
+    """The strategy the library decodes with, resolved as decoder/loop.py resolves generate's arguments:
+    PEARL's rounds with the draft guesser's drafter; MTAD's guesser on that drafter, its proposals carrying
+    the joint rule; a plain decision's fastest plain decoding; else the plan's tree with its guesser."""
+    from decoder.loop import plain, resolve
+    from workflows.cli.run_records import step_lengths
+
+    baseline = plain(engine, run.decode, batched)
+    if run.pearl is not None:
+        from decoder.guessers.pearl import Pearl
+
+        p = run.pearl
+        pearl = Pearl(guesser.drafter, p.gamma, p.threads, concurrent=not p.serial)
+        return Job(pearl, run.decode, guesser, {1, p.gamma}, baseline)
+    if run.mtad is not None:
+        from decoder.guessers.mtad import MTADGuesser
+
+        m = run.mtad
+        guesser = MTADGuesser(guesser.drafter, m.width, m.gamma, guesser.label, tau_acc=m.tau_acc)
+    lengths = set(step_lengths(guesser, tree, engine)["real"].values()) | {1}
+    if run.plain:
+        return Job(baseline, run.decode, guesser, lengths, baseline)
+    return Job(resolve(engine, tree, guesser, run.decode, batched), run.decode, guesser, lengths, baseline)
 
 
 def say(run: RunConfig, quiet: bool) -> None:

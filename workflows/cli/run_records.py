@@ -17,9 +17,55 @@ def guesser_record(spec: str, guesser) -> dict:
         return {"kind": kind, "dir": getattr(guesser, "source_dir", None)}
     if k.needs_embeddings:  # prompt tokens
         rec.update(P=guesser.num_prompt_tokens, E=guesser.ensemble, random=guesser.source_dir is None)
-    if k.needs_hidden:  # the ParallelSpec drafter, in one of its modes
+    if hasattr(guesser, "num_masks"):  # the ParallelSpec drafter, in one of its modes
         rec.update(num_masks=guesser.num_masks, mode=guesser.mode)
+    elif k.needs_hidden and hasattr(guesser, "drafter"):  # a head (EAGLE): the features it reads
+        feats = guesser.drafter.features
+        rec.update(features="last hidden state" if feats is True else list(feats))
     return rec
+
+
+def strategy_record(args, run_cfg, engine, guesser, results: list[dict]) -> tuple[str | None, dict, dict]:
+    """A plain decision's, PEARL's and MTAD's own part of `planner decode`'s document: (the method it names,
+    None for a plan's steps; fields of the summary; fields of the document, merged into its objects)."""
+    if run_cfg.pearl is not None:
+        p = run_cfg.pearl
+        return "pearl", _pearl_summary(results), {"pearl": {"gamma": p.gamma, "concurrent": not p.serial}}
+    if run_cfg.mtad is not None:
+        m, s = run_cfg.mtad, run_cfg.decode.sampling
+        lossless = s.temperature == 0 and m.tau_acc > 0  # greedy there
+        fields = {"mtad": {"width": m.width, "gamma": m.gamma, "tau_acc": m.tau_acc, "beams": "tree",  # all W beams, one tree
+                           "lossless": lossless}, "settings": {"distribution_exact": lossless}}
+        return "mtad", _mtad_quality(args, engine, guesser, results), fields
+    return (parse_guesser(run_cfg.guesser)[0] if run_cfg.plain else None), {}, {}  # a plain decision: its kind's name
+
+
+def _pearl_summary(results: list[dict]) -> dict:
+    """Rounds (one target forward each: decode's steps), modes A / B, mean tokens per round."""
+    rounds = sum(r["stats"]["summary"]["rounds"] for r in results)
+    tokens = sum(len(r["tokens"]) for r in results)
+    return {"rounds": rounds, "mode_a": sum(r["stats"]["summary"]["mode_a"] for r in results),
+            "mode_b": sum(r["stats"]["summary"]["mode_b"] for r in results),
+            "mean_tokens_per_round": tokens / rounds if rounds else 0.0}
+
+
+def _mtad_quality(args, engine, guesser, results: list[dict]) -> dict:
+    """Perplexity (under the target and the drafter, raw distributions) and distinct-n of the MTAD
+    texts and, with --compare-plain, of plain sampling's over the same prompts."""
+    import torch
+
+    from profiler.text_quality import text_quality
+
+    prompts = [torch.tensor(r["prompt_ids"]) for r in results]
+    out = text_quality(engine, prompts, [r["tokens"] for r in results], guesser.drafter).to_json()
+    if args.compare_plain and results:
+        plain = text_quality(engine, prompts, [r["plain"]["tokens"] for r in results], guesser.drafter).to_json()
+        out.update({f"plain_{k}": v for k, v in plain.items() if k != "tokens"})
+        if out["perplexity"] and plain["perplexity"]:
+            out["perplexity_ratio"] = out["perplexity"] / plain["perplexity"]
+            if args.max_perplexity_ratio is not None:
+                out["within_perplexity_cap"] = out["perplexity_ratio"] <= args.max_perplexity_ratio
+    return out
 
 
 def dynamic_summary(reports: list[dict | None], results: list[dict]) -> dict:
@@ -149,3 +195,16 @@ def write_sampled_acceptance(args, acc: dict, s, where: str = "") -> None:
     atomic_write_json(args.output, acc)
     top = ", ".join(f"d{d + 1}: {row[0]:.3f}" for d, row in enumerate(acc["accuracy"]))
     print(f"rank-0 acceptance under {record(s)}: {top} over {acc['positions']} positions{where}; wrote {args.output}")
+
+
+def step_lengths(guesser, tree, engine) -> dict:
+    """Forward lengths per state: the decoder's real ones and the plan's count."""
+    if tree is not None and tree.dynamic is not None:  # chosen every step: the sizes it may choose
+        n = min(tree.dynamic.max_size + 1, len(tree.dynamic.step_cost_s))
+        return {"real": {"0": n}, "planned": {"0": n}}
+    if hasattr(guesser, "layouts") and getattr(guesser, "input_embeddings", lambda: None)() is not None:
+        layouts = guesser.layouts(tree, engine.dtype, engine.device)
+        return {"real": {str(s): b.input_length for s, b in layouts.states.items()},
+                "planned": {str(s): b.planned_input_length for s, b in layouts.states.items()}}
+    n = 1 + (len(tree.states[0].nodes) if tree is not None else getattr(guesser, "num_distances", 4))
+    return {"real": {"0": n}, "planned": {"0": n}}

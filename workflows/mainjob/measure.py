@@ -210,8 +210,8 @@ def pearl_phase(run: Run, drafter: str, accepts: dict[str, Measured], profile: L
     from workflows.mainjob.candidates import pearl_candidates
 
     total = torch.get_num_threads()
-    model = run.engine.torch_model()
-    draft = run.guessers[drafter].draft_model
+    model = run.engine
+    draft = run.guessers[drafter].drafter
     splits = pearl_splits(total)
     run.clock.phase(4, f"PEARL: target and draft LM at thread splits {', '.join(map(str, splits))} and {total}, "
                        "and their overlap", run.clock.left())

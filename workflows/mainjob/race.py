@@ -21,18 +21,16 @@ def _decode_one(run, cand: Candidate | None, ids, seed: int = 0):
     """One prompt decoded with one plan (None: plain decoding, the engine's fastest way) under the run's
     sampling settings; every arm decodes a prompt with the same seed. Returns the GenerateOutput."""
     from decoder.config import DecodeConfig
-    from decoder.guessers.pearl import generate_pearl
-    from decoder.loop import decode_plain, generate
+    from decoder.guessers.pearl import Pearl
+    from decoder.loop import generate
 
     cfg = DecodeConfig(run.settings.decode_tokens, run.settings.sampling, seed, phase_times=False)
     if cand is None:
-        return decode_plain(run.engine, ids, config=cfg)
-    if guesser_kind(cand.guesser).loop:  # PEARL: its own two-job loop, the draft LM as drafter, at the split measured for it
-        s = cfg.sampling
+        return generate(run.engine, ids, config=cfg)
+    if guesser_kind(cand.guesser).loop:  # PEARL's rounds, the draft LM as drafter, at the split measured for it
         drafter = next(g for k, g in run.guessers.items() if guesser_kind(k).files == guesser_kind(cand.guesser).files)
-        return generate_pearl(run.engine.torch_model(), drafter.draft_model, ids, gamma=cand.size,
-                              max_new_tokens=cfg.max_new_tokens, threads=tuple(cand.tree.settings["pearl"]["threads"]),
-                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
+        pearl = Pearl(drafter.drafter, cand.size, tuple(cand.tree.settings["pearl"]["threads"]))
+        return generate(run.engine, ids, pearl, config=cfg)
     return generate(run.engine, ids, plan=cand.tree, guesser=run.guessers[cand.guesser], config=cfg)
 
 

@@ -21,8 +21,9 @@ class MeasuredEvaluator:
     def __init__(self, model_spec: str, prompts: list[str], *, max_new_tokens: int = 64, device: str | None = None,
                  dtype: str | None = None, temperature: float = 0.0, prompt_tokens_dir: str | None = None,
                  seed: int = 0, max_prompt_tokens_len: int = 256, top_k: int = 0, top_p: float = 1.0):
-        from decoder import generate_plain
+        from decoder import generate
         from decoder.engines.registry import EngineRequest, open_engine
+        from decoder.guesser import PlainGuesser
 
         # the default engine (hf): trials' trees and PPD's prompt-token inputs need its trees and embeddings
         self.engine = open_engine(None, EngineRequest(model=model_spec, device=device, dtype=dtype))
@@ -32,19 +33,18 @@ class MeasuredEvaluator:
         self._trained = None  # PromptTokens loaded from prompt_tokens_dir on first use
         self.vocab = self.engine.vocab_size
         self.input_ids = _encode(self.engine, prompts, self.vocab, max_prompt_tokens_len)
-        self._plain = [generate_plain(self.engine, x, max_new_tokens=max_new_tokens, seed=seed, phase_times=False,
-                                      **self.warp) for x in self.input_ids]
+        self._plain = [generate(self.engine, x, None, PlainGuesser(), max_new_tokens, seed=seed, phase_times=False,
+                                **self.warp) for x in self.input_ids]  # the same loop the trials run
         self.plain_tokens_per_s = _rate(self._plain)
 
     def guesser(self, tree: Tree, src: Source, prompt_ids, plain_tokens):
         import torch
 
         from decoder import OracleGuesser, PromptTokens
-        from decoder.engine import torch_model
 
         if tree.method == PPD and self.prompt_tokens_dir:
             if self._trained is None:
-                self._trained = PromptTokens.load(self.prompt_tokens_dir, torch_model(self.engine))
+                self._trained = PromptTokens.load(self.prompt_tokens_dir, self.engine)
             if self._trained.ensemble == src.ept:  # another E: no trained set for it, use the oracle
                 return self._trained
         K = src.accept.num_ranks
@@ -52,7 +52,7 @@ class MeasuredEvaluator:
         pt = None
         if default_guessing(tree.method, src.accept, ensemble=src.ept).prompt_tokens:
             # the forward pass carries the prompt-token inputs the planner costed
-            pt = PromptTokens.random(torch_model(self.engine), depth, ensemble=src.ept, seed=self.seed, top_k=K)
+            pt = PromptTokens.random(self.engine, depth, ensemble=src.ept, seed=self.seed, top_k=K)
         seq = torch.cat([prompt_ids.cpu(), plain_tokens.cpu()])
         return OracleGuesser(seq, self.vocab, depth, top_k=K, accuracy=src.accept.rows(depth), seed=self.seed,
                              prompt_tokens=pt)
