@@ -50,7 +50,7 @@ class GuesserKind:
     static: tuple[str, ...] = ()  # static plan families that fit it (planner plan / autotune)
     measure_shape: tuple[int, int] | None = None  # (depth, width) of the comb its acceptance is measured on
     members: tuple[str, ...] = ()  # a hybrid's kinds, lookup first
-    loop: str | None = None  # "module:function" of its own decoding loop (PEARL); None: decoder.loop's
+    loop: str | None = None  # "module:name" of the strategy it decodes with in the one loop (PEARL's rounds); None: Steps
     record_names: tuple[str, ...] = ()  # older acceptance files' guesser.kind values that mean this kind
     autotune: bool = True  # raced by `planner autotune` when its files ship for the model
     guesses: bool = True  # False: it guesses nothing (plain decoding: a plain decision runs the engine's fastest plain)
@@ -171,7 +171,7 @@ for _drafter in ("draft", "parallelspec", "chain", "ppd", "eagle-head"):
 register(GuesserKind(
     "pearl", "PEARL: the draft LM drafts the next window while the target verifies (two jobs, split cores)",
     "decoder.guessers.draft:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
-    loop="decoder.guessers.pearl:generate_pearl", export="draft_model"))
+    loop="decoder.guessers.pearl:Pearl", export="draft_model"))
 register(GuesserKind(
     "mtad", "MTAD: the draft LM's beam drafts accepted jointly (not lossless: off unless asked for)",
     "decoder.guessers.mtad:load", files="draft_lm", needs_torch=True, samples=True, signal="none", passes="depth",
