@@ -225,17 +225,6 @@ def refuse(caps: EngineCaps, kind: str, needs: Needs) -> None:
                         f"{caps.name} engine does not give; {instead}")
 
 
-def torch_model(target):
-    """The torch model behind a target that lends its modules (caps.torch_modules), or a bare model. Callers
-    outside the engines ask the engine's narrow methods instead (open_drafter, token_modules, training:
-    see Engine above); tests/test_architecture.py lists the few modules still moving over."""
-    if not hasattr(target, "caps"):
-        return target
-    if not target.caps.torch_modules:
-        refuse(target.caps, "this", Needs(hf_model=True))
-    return target.torch_model()
-
-
 def vocab_size(target) -> int:
     """The target engine's vocabulary size (Engine.vocab_size). A bare model is wrapped by
     decoder.engines.registry.as_engine, which this protocol module cannot import (the engines import it), so
