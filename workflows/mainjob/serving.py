@@ -354,7 +354,7 @@ def confirm_phase(run: ServingRun) -> None:
 
 
 def write(run: ServingRun) -> dict:
-    from workflows.mainjob.runs import shown
+    from workflows.mainjob.runs import decision_line, mark_latest, shown
 
     run.phase("write", "the decision, exports, report")
     summary, chosen, why = run.summary, run.chosen, run.why
@@ -379,6 +379,7 @@ def write(run: ServingRun) -> dict:
         run.say(f"the run took {summary['wall_s'] / 60:.1f} min of its {run.s.budget_minutes:g}-minute budget (the "
                 "first contender and the confirmation race whatever is left)")
     run.say(f"wrote {shown(run.out)}/ (chosen.json, race.json, plans.json, exports/, report.md, summary.json)")
+    run.say(decision_line(run.out, mark_latest(run.out)))  # runs/latest: the newest run, any engine's
     return summary
 
 
