@@ -8,11 +8,14 @@ Prompts: training.splits.bench_prompts("chat", n) (two-turn hand-written chats: 
 second after llama.cpp's own greedy answer to the first) and bench_prompts("repeat", n) (requests that
 repeat their input: rewrite, summarise, correct, extract). Prompt ids: the model's chat template.
 Contenders, on the same ids, interleaved in a shuffled order per (repeat, prompt) after a warm-up,
-medians over --repeats, every time from the call to the last token (prefill included):
-  llama.cpp plain       llama-cpp-python Llama.generate, greedy (top-k 1): the baseline
+medians over --repeats, every time the wall time of the call, from the call to its last token (prefill
+included):
+  llama.cpp plain       llama-cpp-python's Llama.generate, greedy (top-k 1), on a Llama of its own opened
+                        as a user would (n_ctx 2048, the same threads): the baseline
   llama.cpp lookup K    the same with its LlamaPromptLookupDecoding(num_pred_tokens=K), K = 4, 10
   engine plain          this project's loop in llama.cpp with root-only steps (the loop's own cost)
-  plan NAME             this project's loop with the plan (its recorded guesser) in llama.cpp
+  plan NAME             the plan as a user runs it: decoder.api.load_plan + api.generate (its recorded
+                        guesser; a plain decision: the engine's fastest plain decoding, Llama.generate)
   transformers generate model.generate on the fp32 Hugging Face weights, greedy (--no-hf: skipped)
 Reports per contender tokens/s, per-prompt speedup over llama.cpp plain (geometric mean, min, per group),
 whether each output equals llama.cpp plain's, and beside every plan the oracle ceiling on the same prompts
@@ -27,6 +30,7 @@ import math
 import random
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +52,10 @@ def machine(threads: int) -> dict:
     return common_machine() | {"threads": threads, "load_avg_1m": load_avg()}
 
 
-def build_prompts(engine, n_chat: int, n_repeat: int) -> list[tuple[str, str, torch.Tensor]]:
-    """(id, group, prompt ids): chat first turns, chat second turns after the engine's own greedy first
-    answer (llama.cpp's Llama.generate), and repeat requests, through the engine's chat template."""
+def build_prompts(stock, tokenizer, n_chat: int, n_repeat: int) -> list[tuple[str, str, torch.Tensor]]:
+    """(id, group, prompt ids): chat first turns, chat second turns after llama.cpp's own greedy first
+    answer (`stock`, a StockLlama), and repeat requests, through the model's chat template."""
     from training.splits import bench_prompts
-
-    tokenizer = engine.tokenizer
 
     def ids(messages) -> torch.Tensor:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -64,7 +66,7 @@ def build_prompts(engine, n_chat: int, n_repeat: int) -> list[tuple[str, str, to
         first = [{"role": "user", "content": bp.turns[0]}]
         rows.append((f"{bp.id}/1", "chat", ids(first)))
         if len(bp.turns) > 1:
-            answer, _ = engine.stock_generate(rows[-1][2], 96)
+            answer, _ = stock.greedy(rows[-1][2], 96)
             text = tokenizer.decode(answer, skip_special_tokens=True)
             rows.append((f"{bp.id}/2", "chat", ids(first + [{"role": "assistant", "content": text},
                                                             {"role": "user", "content": bp.turns[1]}])))
@@ -73,50 +75,47 @@ def build_prompts(engine, n_chat: int, n_repeat: int) -> list[tuple[str, str, to
     return rows
 
 
-def contenders(s: "Sizes", engine, plans: dict, lookups: dict, hf) -> dict:
-    """name -> fn(ids) -> (tokens, seconds)."""
+def contenders(s: "Sizes", engine, plans: dict, stocks: dict, hf) -> dict:
+    """name -> fn(ids) -> tokens (measure() times the call)."""
+    from decoder import api
     from decoder.guesser import PlainGuesser
-    from decoder.guessers.registry import LoadRequest, load_guesser
     from decoder.loop import generate
 
-    out = {BASE: lambda ids: engine.stock_generate(ids, s.tokens)}
-    for k, stock in lookups.items():
-        out[f"llama.cpp lookup {k}"] = (lambda st: lambda ids: st.greedy(ids, s.tokens))(stock)
-
-    def ours(tree, guesser):
-        def run(ids):
-            o = generate(engine, ids, plan=tree, guesser=guesser, max_new_tokens=s.tokens, phase_times=False)
-            run.last = o
-            return o.tokens.tolist(), o.stats.total_s
-        return run
-
-    out["engine plain"] = ours(None, PlainGuesser())
-    for name, tree in plans.items():
-        kind = tree.settings.get("guesser", "plain")
-        g = load_guesser(kind, LoadRequest(engine, depth=8)) if kind != "plain" else PlainGuesser()
-        out[f"plan {name}"] = ours(tree if kind != "plain" else None, g)
+    out = {BASE: lambda ids: stocks[None].greedy(ids, s.tokens)[0]}
+    for k, stock in stocks.items():
+        if k is not None:
+            out[f"llama.cpp lookup {k}"] = (lambda st: lambda ids: st.greedy(ids, s.tokens)[0])(stock)
+    out["engine plain"] = lambda ids: generate(engine, ids, plan=None, guesser=PlainGuesser(),
+                                               max_new_tokens=s.tokens, phase_times=False).tokens.tolist()
+    for name, plan in plans.items():
+        out[f"plan {name}"] = (lambda p: lambda ids: api.generate(engine, ids, p, max_new_tokens=s.tokens,
+                                                                  phase_times=False).tokens)(plan)
     if hf is not None:
         def transformers(ids):
             torch.set_num_threads(s.threads)  # the llama engine keeps torch on one thread
             try:
-                return hf.stock_generate(ids, s.tokens)
+                return hf.stock_generate(ids, s.tokens)[0]
             finally:
                 torch.set_num_threads(1)
         out["transformers generate"] = transformers
     return out
 
 
-def _lookup_baselines(engine, threads: int) -> dict:
-    """llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding, K = 4 and 10) on the engine's file:
-    no engine option (stock_generate is its plain Llama.generate), so its own package's StockLlama."""
+USER_CTX = 2048  # the baseline's context: a user's own Llama (its per-token cost follows the cells in use)
+
+
+def _stock_baselines(engine, threads: int) -> dict:
+    """llama-cpp-python's own decoding on the engine's file, each on a Llama of its own as a user opens it:
+    None -> plain Llama.generate (the baseline), K -> its prompt lookup (LlamaPromptLookupDecoding)."""
     from decoder.engines.llama_cpp.stock import StockLlama
 
     gguf = engine.record()["model_file"]
-    return {k: StockLlama(gguf, threads, lookup=k) for k in (4, 10)}
+    return {k: StockLlama(gguf, threads, n_ctx=USER_CTX, lookup=k) for k in (None, 4, 10)}
 
 
 def measure(s: "Sizes", seed: int, prompts, fns: dict) -> tuple[dict, dict, bool]:
-    """seconds[name][prompt id] -> [per repeat], tokens[name][prompt id]; interleaved, warm-up first."""
+    """seconds[name][prompt id] -> [per repeat] (the call's wall time), tokens[name][prompt id]; interleaved,
+    warm-up first."""
     rng = random.Random(seed)
     seconds = {n: {} for n in fns}
     tokens = {n: {} for n in fns}
@@ -129,7 +128,9 @@ def measure(s: "Sizes", seed: int, prompts, fns: dict) -> tuple[dict, dict, bool
                 order = list(fns)
                 rng.shuffle(order)
                 for n in order:
-                    toks, sec = fns[n](ids)
+                    t0 = time.perf_counter()
+                    toks = fns[n](ids)
+                    sec = time.perf_counter() - t0
                     seconds[n].setdefault(pid, []).append(sec)
                     tokens[n][pid] = toks
                 sample_load()
@@ -261,19 +262,23 @@ def run(args) -> Results:
     from planner.profile import load_profile
     from planner.tree import load_tree
 
+    from decoder import api
+
     s = sizes(args)
-    plans = {Path(f).parent.name + "/" + Path(f).stem: load_tree(f) for f in args.plan}
-    prof_path = args.profile or next((t.provenance.get("profile") for t in plans.values()
+    trees = {Path(f).parent.name + "/" + Path(f).stem: load_tree(f) for f in args.plan}
+    prof_path = args.profile or next((t.provenance.get("profile") for t in trees.values()
                                       if isinstance(t.provenance.get("profile"), str)), None)
     profile = load_profile(prof_path) if prof_path else None
     load_before = load_avg()
-    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=s.threads, context=4096))
-    for f, t in zip(args.plan, plans.values()):
+    engine = open_engine("llama.cpp", EngineRequest(model="smollm2-135m", threads=s.threads))  # as api.open_engine
+    for f, t in zip(args.plan, trees.values()):
         if (t.engine or DEFAULT) != engine.caps.name:
             raise UserError(f"--plan {f}: made for the {t.engine or DEFAULT} engine, not {engine.caps.name}")
-    prompts = build_prompts(engine, s.chat, s.repeat)
+    plans = {name: api.load_plan(f, engine) for name, f in zip(trees, args.plan)}
+    stocks = _stock_baselines(engine, s.threads)
+    prompts = build_prompts(stocks[None], engine.tokenizer, s.chat, s.repeat)
     hf = None if s.no_hf else open_hf("smollm2-135m", "fp32")  # no threads: torch stays on the llama engine's one
-    fns = contenders(s, engine, plans, _lookup_baselines(engine, s.threads), hf)
+    fns = contenders(s, engine, plans, stocks, hf)
     seconds, tokens, interrupted = measure(s, args.seed, prompts, fns)
     ceil = ceilings(prompts, tokens[BASE], profile) if profile is not None else {}
     result = summarise(prompts, seconds, tokens, ceil)
