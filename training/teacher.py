@@ -84,20 +84,22 @@ def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden=True, batch_
     passes = training_passes(target)
     folder = (root or cache_dir() / "teacher") / _key(passes, windows, k, hidden)
     folder.mkdir(parents=True, exist_ok=True)
-    parts = []
+    out: dict[str, torch.Tensor] = {}  # filled chunk by chunk: features run to GBs, so no second copy is made
     t0 = time.time()
     starts = range(0, windows.shape[0], CHUNK)
     for i in tqdm(starts, desc=f"teacher outputs (cache {folder.name})", unit="chunk", disable=not progress):
         f = folder / f"part-{i // CHUNK:05d}.safetensors"
         if f.is_file():
-            parts.append(load(f.read_bytes()))
-            continue
-        part = _chunk(passes, windows[i: i + CHUNK], k, hidden, batch_size)
-        atomic_write_bytes(f, save({n: t.contiguous() for n, t in part.items()}))
-        parts.append(part)
-    data = TeacherData(torch.cat([p["tokens"] for p in parts]).long(), torch.cat([p["top_ids"] for p in parts]),
-                       torch.cat([p["top_probs"] for p in parts]),
-                       torch.cat([p["hidden"] for p in parts]) if hidden else None)
+            part = load(f.read_bytes())
+        else:
+            part = _chunk(passes, windows[i: i + CHUNK], k, hidden, batch_size)
+            atomic_write_bytes(f, save({n: t.contiguous() for n, t in part.items()}))
+        for name, t in part.items():
+            if name not in out:
+                out[name] = t.new_empty((windows.shape[0], *t.shape[1:]))
+            out[name][i: i + t.shape[0]] = t
+        del part
+    data = TeacherData(out["tokens"].long(), out["top_ids"], out["top_probs"], out.get("hidden") if hidden else None)
     data.wall_s = time.time() - t0
     return data
 
