@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-weight", type=float, default=0.1,
                    help="loss weight of positions predicting the user's turns and the chat template")
     g.add_argument("--eval-windows", type=int, default=16, help="held-out windows evaluated at each checkpoint")
+    g.add_argument("--autocast", choices=["bf16", "off"], default="bf16",
+                   help="training passes in bfloat16 autocast (the weights, the optimiser and the loss stay fp32): "
+                        "2.7x faster matmuls on a CPU with AVX-512 BF16 / AMX; evaluation runs in fp32")
 
 
 def _check(args) -> None:
@@ -149,8 +152,9 @@ def run_eagle(args, engine) -> int:
     curve = json.loads(curve_file.read_text()) if args.resume and curve_file.is_file() else []
 
     def loss_fn(rows, gen):
-        return eagle_loss(head, tr.tokens[rows], tr.hidden[rows].float(), tr.top_ids[rows], tr.top_probs[rows],
-                          tr.weights[rows], ecfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            return eagle_loss(head, tr.tokens[rows], tr.hidden[rows].float(), tr.top_ids[rows], tr.top_probs[rows],
+                              tr.weights[rows], ecfg)
 
     def checkpoint(step):
         ev = evaluate(head, va, depth=args.ttt_steps, ranks=1, max_windows=args.eval_windows)
