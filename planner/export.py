@@ -20,9 +20,10 @@ What each engine takes (keys read from the engines' sources and docs, late 2026)
 - trtllm: speculative_config with decoding_type, speculative_model, max_draft_len,
   max_total_draft_tokens and draft_len_schedule {highest batch size of a range: K} (the
   smallest key maps to max_draft_len; above the largest key 0, and max_concurrency, that key, where the last
-  ranges are off: speculation switched off above it), or one EAGLE-2 dynamic tree
-  (use_dynamic_tree, dynamic_tree_max_topK; max_draft_len <= max_total_draft_tokens <=
-  topK * max_draft_len).
+  ranges are off: speculation switched off above it), or for EAGLE a static tree as paths
+  (eagle_choices, every prefix present; max_draft_len its depth, max_total_draft_tokens its size),
+  which is the plan's tree itself; an EAGLE-2 dynamic tree (use_dynamic_tree, dynamic_tree_max_topK)
+  is the alternative a head's export prices (planner/export_heads.py).
 - hf (transformers assisted generation, batch size 1): the assistant's generation config,
   num_assistant_tokens with num_assistant_tokens_schedule "constant" (the planned length, not
   the heuristic's), or prompt lookup: prompt_lookup_num_tokens (+ max_matching_ngram_size).
@@ -381,15 +382,13 @@ def _trtllm_schedule(ranges: list[DraftRange], notes: list[str]) -> dict:
 def _trtllm_static(plan: Tree, ranges: list[DraftRange], opts: ExportOptions, notes: list[str]) -> dict:
     tree = plan.for_batch(1)
     if tree is not None and opts.method in TREE_METHODS["trtllm"] and not is_chain(tree):
-        depth, topk, n = tree_knobs(tree)
-        total = min(max(n, depth), topk * depth)
-        if total != n:
-            notes.append(f"tree size {n} clamped to {total}: TensorRT-LLM needs max_draft_len <= "
-                         "max_total_draft_tokens <= topK * max_draft_len")
-        notes.append(f"tree shape dropped: TensorRT-LLM grows an EAGLE-2 dynamic tree of {total} tokens from the top "
-                     f"{topk} guesses per level (static eagle_choices are gone)")
-        return {"max_draft_len": depth, "max_total_draft_tokens": total, "use_dynamic_tree": True,
-                "dynamic_tree_max_topK": topk}
+        depth, topk, _ = tree_knobs(tree)
+        if len(tree.states) > 1:
+            notes.append(f"the plan's {len(tree.states)} states merged: eagle_choices is one static tree (state 0's)")
+        nodes = [list(p) for p in tree.states[0].nodes]
+        notes.append(f"the plan's tree as eagle_choices ({len(nodes)} paths, depth {depth}); TensorRT-LLM also grows an "
+                     f"EAGLE-2 tree at run time (use_dynamic_tree, dynamic_tree_max_topK {topk}) instead")
+        return {"max_draft_len": max(len(p) for p in nodes), "max_total_draft_tokens": len(nodes), "eagle_choices": nodes}
     k = ranges[0].k
     if k == 0:
         raise UserError("plain decoding is predicted fastest at batch size 1: trtllm has no speculative setting to write")
@@ -530,6 +529,8 @@ def _describe(tree: Tree | None) -> str:
 
 def basis_lines(b: dict) -> list[str]:
     """The basis as one-line comments (YAML output)."""
+    if "plan" not in b:  # a head's export, planned from its acceptance (planner/export_heads.py head_basis)
+        return [f"basis {k}: {json.dumps(v, sort_keys=True)}" for k, v in b.items()]
     plan = b.get("plan", {})
     lines = [f"basis: plan {plan.get('file')} ({plan.get('method')}, layout {plan.get('layout') or 'none'}); "
              f"draft lengths: {b.get('draft_lengths')}"]

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planner.accept import Acceptance
+from planner.errors import UserError
 from planner.candidate import sequoia_tree, tree_tau
 from planner.profile import LatencyProfile
 
@@ -111,7 +112,8 @@ def eagle_choices(accept: Acceptance, profile: LatencyProfile, draft_s: float, m
         tau = tree_tau(rows, nodes)
         t = _step_s(profile, len(nodes) + 1, S, draft_s)
         if best is None or tau / t > best[1].tokens_per_s:
-            best = ([list(p) for p in nodes], EagleBudget(S, max(max(p) for p in nodes) + 1, len(nodes) + 1, tau, t, tau / t))
+            best = ([list(p) for p in nodes], EagleBudget(S, max(max(p) for p in nodes) + 1, len(nodes) + 1, float(tau), t,
+                                                           float(tau) / t))
     return best
 
 
@@ -123,3 +125,77 @@ def chain_loss(accept: Acceptance, profile: LatencyProfile, draft_s: float) -> d
             "tree_over_plain": round(tree.tokens_per_s / plain.tokens_per_s, 4),
             "chain_over_plain": round(chain.tokens_per_s / plain.tokens_per_s, 4),
             "chain_over_tree": round(chain.tokens_per_s / tree.tokens_per_s, 4)}
+
+
+# ---------------------------------------------------------------------------------------------- a head's export
+
+
+def chain_ranges(accept: Acceptance, profiles: dict, draft_s: float, max_batch_size: int) -> list:
+    """The best chain per profiled batch size (K = 0 where plain is faster), merged into planner.export
+    DraftRange ranges reaching max_batch_size."""
+    from planner.export import DraftRange
+
+    sizes = sorted(profiles)
+    ks = []
+    for b in sizes:
+        chain, plain = best_budget(accept, profiles[b], draft_s, chain=True), plain_budget(profiles[b])
+        ks.append(chain.steps if chain.tokens_per_s > plain.tokens_per_s else 0)
+    his = [nxt - 1 for nxt in sizes[1:]] + [max_batch_size]
+    out: list = []
+    for lo, hi, k in zip(sizes, his, ks):
+        if out and out[-1].k == k:
+            out[-1] = DraftRange(out[-1].lo, hi, k)
+        else:
+            out.append(DraftRange(1 if not out else lo, hi, k))
+    return out
+
+
+def head_export(engine: str, method: str, folder: str, accept: Acceptance, profiles: dict, draft_s: float,
+                max_batch_size: int, plugin: bool = True):
+    """A head's settings for `engine` (planner.export's Export): vLLM's chain per batch size; SGLang's
+    (steps, topk, draft tokens) and TensorRT-LLM's static eagle_choices or EAGLE-2 budget at batch size 1,
+    whichever the profile prices faster; with notes saying what each alternative and a chain-only engine gives."""
+    from planner.export import ENGINE_METHODS, Export, ExportOptions, build
+    from planner.tree import Tree, TreeState
+
+    p1 = profiles[min(profiles)]
+    loss = chain_loss(accept, p1, draft_s)
+    note = (f"at batch size 1 the best tree predicts {loss['tree_over_plain']:.2f}x plain and the best chain "
+            f"{loss['chain_over_plain']:.2f}x ({100 * (1 - loss['chain_over_tree']):.0f} % lost to a chain-only engine)")
+    if engine == "vllm":
+        ranges = chain_ranges(accept, profiles, draft_s, max_batch_size)
+        depth = max(r.k for r in ranges)
+        if depth == 0:
+            raise UserError("plain decoding is predicted fastest at every batch size: no speculative setting to write")
+        chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
+        out = build(chain, ranges, ExportOptions("vllm", method, folder, plugin=plugin), {}, [])
+        out.notes.append(f"vLLM 0.32 verifies chains: {note}")
+        return out
+    tree = best_budget(accept, p1, draft_s)
+    name = ENGINE_METHODS[engine][method]
+    if engine == "sglang":
+        args = ["--speculative-algorithm", name, "--speculative-draft-model-path", folder, "--speculative-num-steps",
+                str(tree.steps), "--speculative-eagle-topk", str(tree.topk), "--speculative-num-draft-tokens",
+                str(tree.draft_tokens)]
+        return Export("sglang", {"server_args": args, "adaptive_config": None}, " ".join(args), [
+            f"SGLang grows this tree at run time: predicted {tree.expected_tokens:.2f} tokens a step; {note}"])
+    choices, static = eagle_choices(accept, p1, draft_s)
+    cfg = {"decoding_type": name, "speculative_model": folder}
+    if static.tokens_per_s >= tree.tokens_per_s:
+        cfg.update(max_draft_len=static.steps, max_total_draft_tokens=static.draft_tokens - 1, eagle_choices=choices)
+        other = (f"a dynamic tree (use_dynamic_tree, max_draft_len {tree.steps}, dynamic_tree_max_topK {tree.topk}, "
+                 f"max_total_draft_tokens {tree.draft_tokens - 1}) predicts {tree.tokens_per_s / static.tokens_per_s:.2f}x "
+                 "this static tree")
+    else:
+        cfg.update(max_draft_len=tree.steps, max_total_draft_tokens=tree.draft_tokens - 1, use_dynamic_tree=True,
+                   dynamic_tree_max_topK=tree.topk)
+        other = f"the best static eagle_choices ({len(choices)} paths) predicts {static.tokens_per_s / tree.tokens_per_s:.2f}x"
+    return Export("trtllm", {"speculative_config": cfg}, "--extra_llm_api_options SPEC.yaml  # speculative_config",
+                  [other, note])
+
+
+def head_basis(accept_file: str, profile_file: str, accept: Acceptance, profiles: dict, draft_s: float) -> dict:
+    p1 = profiles[min(profiles)]
+    table = sorted(budgets(accept, p1, draft_s), key=lambda b: -b.tokens_per_s)[:8]
+    return {"acceptance": accept_file, "profile": profile_file, "draft_s": draft_s,
+            "chain_loss_batch_1": chain_loss(accept, p1, draft_s), "best_budgets_batch_1": [b.to_json() for b in table]}

@@ -208,12 +208,14 @@ def test_trtllm_yaml_schedule(files, tmp_path, capsys):
     assert any(c.startswith("basis acceptance: ") for c in comments)
 
 
-def test_trtllm_dynamic_tree(files, tmp_path):
+def test_trtllm_takes_the_plans_tree_as_eagle_choices(files, tmp_path):
+    """TensorRT-LLM's EagleDecodingConfig takes a static tree as paths (eagle_choices, every prefix present)."""
     rc, out = export(files, tmp_path, "trtllm", "single", "--method", "eagle", "--draft-model", "DRAFT")
     assert rc == 0
     cfg = json.loads(out.read_text())["speculative_config"]
-    depth, total, topk = cfg["max_draft_len"], cfg["max_total_draft_tokens"], cfg["dynamic_tree_max_topK"]
-    assert cfg["use_dynamic_tree"] is True and depth <= total <= topk * depth
+    paths = {tuple(p) for p in cfg["eagle_choices"]}
+    assert all(len(p) == 1 or p[:-1] in paths for p in paths) and "use_dynamic_tree" not in cfg
+    assert cfg["max_total_draft_tokens"] == len(paths) and cfg["max_draft_len"] == max(map(len, paths))
 
 
 @pytest.mark.parametrize("method, keys", [

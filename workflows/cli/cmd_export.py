@@ -1,6 +1,7 @@
 """`planner export --engine ENGINE PLAN -o FILE`: a plan -> a serving engine's speculative-decoding settings."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
 from pathlib import Path
@@ -69,6 +70,14 @@ def add_arguments(p) -> None:
                         "(what the engine offers; default: medusa for medusa plans, draft_model for sequoia plans "
                         "and hf)")
     p.add_argument("--draft-model", metavar="PATH", help="the drafter's weights (medusa, eagle, eagle3, draft_model)")
+    p.add_argument("--drafter", metavar="DIR",
+                   help="a head in its released folder (EAGLE-1, EAGLE-3, Medusa): without PLAN, its settings are planned "
+                        "from its acceptance (--accept, default DIR/accept_heldout.json) and --profile: vLLM's chain per "
+                        "batch size, SGLang's grown tree, TensorRT-LLM's eagle_choices or dynamic tree; with PLAN, the "
+                        "method and --draft-model it implies")
+    p.add_argument("--draft-ms", type=float, default=None,
+                   help="--drafter: a head pass's cost in ms (default: the acceptance record's draft_s, which "
+                        "`planner accept --drafter DIR` measures)")
     p.add_argument("--accept", metavar="FILE[:NAME]", help="acceptance statistics for the chains (default: the plan's)")
     p.add_argument("--profile", metavar="FILE",
                    help="latency profile with a series per planned batch size (default: the plan's)")
@@ -98,8 +107,16 @@ def run(args) -> int:
     if args.plan_opt and args.plan and args.plan_opt != args.plan:
         raise UserError("PLAN: give it once (positional or --plan)")
     plan_path = args.plan or args.plan_opt
+    if plan_path is None and args.drafter is not None:
+        return _head_export(args)
     if plan_path is None:
         raise UserError("PLAN is required: a tree file from `planner plan` or autotune (positional or --plan)")
+    if args.drafter is not None:  # the head as the plan's drafter: its engine method and folder
+        from decoder.guessers.heads import serving_method
+
+        method_given, folder = args.method, args.drafter
+        args = argparse.Namespace(**{**vars(args), "method": method_given or serving_method(folder),
+                                     "draft_model": args.draft_model or folder})
     if args.engine == "llama-server":
         return _llama_server(args, plan_path)
     if args.engine is None:
@@ -137,6 +154,54 @@ def run(args) -> int:
             ", ".join(f"{r.lo}-{r.hi}: {r.k}" for r in ranges)
         print(f"wrote {', '.join(written)} ({engine}, {method}); draft length by batch size {ks}", file=sys.stderr)
     return 0
+
+
+def _head_export(args) -> int:
+    """--drafter DIR without a plan: the head's settings planned from its acceptance and a profile
+    (planner/export_heads.py), written as the other exports are."""
+    from decoder.guessers.heads import serving_method
+    from planner.accept import load_acceptance
+    from planner.errors import UserError
+    from planner.export import DEFAULT_MAX_BATCH_SIZE, check_engine
+    from planner.export_heads import head_basis, head_export
+    from planner.jsonio import read_json, writable_target
+    from planner.profile import load_batch_profiles
+
+    if args.engine not in ("vllm", "sglang", "trtllm"):
+        raise UserError(f"--drafter: --engine vllm, sglang or trtllm (the engines that run EAGLE heads), got {args.engine!r}")
+    if args.output is None:
+        raise UserError(f"-o FILE is required for --engine {args.engine}")
+    if args.profile is None:
+        raise UserError("--drafter without PLAN plans from a latency profile: give --profile FILE (`planner profile`, "
+                        "with --batch-sizes for a draft length per batch size)")
+    engine = check_engine(args.engine)
+    out = writable_target(args.output)
+    method = args.method or serving_method(args.drafter)
+    accept_file = args.accept or str(Path(args.drafter) / "accept_heldout.json")
+    accept = load_acceptance(accept_file)
+    draft_s = args.draft_ms / 1e3 if args.draft_ms is not None else _draft_s(read_json(accept_file.split(":")[0]), accept_file)
+    profiles = load_batch_profiles(args.profile)
+    result = head_export(engine, method, args.drafter, accept, profiles, draft_s,
+                         args.max_batch_size or DEFAULT_MAX_BATCH_SIZE, args.plugin == "on")
+    result.basis = head_basis(accept_file, args.profile, accept, profiles, draft_s)
+    yaml_out = engine == "trtllm" and out.suffix in (".yaml", ".yml")
+    written = _write(result, out, yaml_out, out.with_name(out.stem + ".adaptive.json"))
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {', '.join(written)} ({engine}, {method}, head {args.drafter})", file=sys.stderr)
+    return 0
+
+
+def _draft_s(record: dict, label: str) -> float:
+    from planner.errors import UserError
+
+    g = record.get("guesser") if isinstance(record, dict) else None
+    s = g.get("draft_s") if isinstance(g, dict) else None
+    if not isinstance(s, (int, float)) or s < 0:
+        raise UserError(f"{label}: no 'guesser.draft_s' (a head pass's cost): measure it with `planner accept --drafter "
+                        "DIR` or give --draft-ms")
+    return float(s)
 
 
 def _race(args, plan, ranges, accept, profiles, opts, result) -> None:
