@@ -87,6 +87,7 @@ def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden=True, batch_
     out: dict[str, torch.Tensor] = {}  # filled chunk by chunk: features run to GBs, so no second copy is made
     t0 = time.time()
     starts = range(0, windows.shape[0], CHUNK)
+    features = _features_file(folder, windows.shape[0]) if hidden else None
     for i in tqdm(starts, desc=f"teacher outputs (cache {folder.name})", unit="chunk", disable=not progress):
         f = folder / f"part-{i // CHUNK:05d}.safetensors"
         if f.is_file():
@@ -95,13 +96,58 @@ def teacher_data(target, windows: torch.Tensor, k: int = 32, hidden=True, batch_
             part = _chunk(passes, windows[i: i + CHUNK], k, hidden, batch_size)
             atomic_write_bytes(f, save({n: t.contiguous() for n, t in part.items()}))
         for name, t in part.items():
+            if name == "hidden":  # on disk, mapped: the page cache holds it, and gives it back under pressure
+                features = features if features is not None else _features_file(folder, windows.shape[0], t)
+                if not features.complete:
+                    features.write(i, t)
+                continue
             if name not in out:
                 out[name] = t.new_empty((windows.shape[0], *t.shape[1:]))
             out[name][i: i + t.shape[0]] = t
         del part
-    data = TeacherData(out["tokens"].long(), out["top_ids"], out["top_probs"], out.get("hidden") if hidden else None)
+    data = TeacherData(out["tokens"].long(), out["top_ids"], out["top_probs"], features.tensor() if hidden else None)
     data.wall_s = time.time() - t0
     return data
+
+
+class _FeaturesFile:
+    """The features of every window [N, T, F] fp16 in one file beside the chunks, mapped into memory: GBs for an
+    EAGLE-3 head's three streams, which a training run beside other jobs should not hold in anonymous memory."""
+
+    def __init__(self, path: Path, shape: tuple[int, ...] | None):
+        self.path, self.shape = path, shape
+        self.done = path.with_suffix(".done")
+        self.complete = self.done.is_file() and shape is not None
+        self.array = None
+
+    def write(self, i: int, t: torch.Tensor) -> None:
+        import numpy as np
+
+        if self.array is None:
+            self.array = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.float16, shape=self.shape)
+        self.array[i: i + t.shape[0]] = t.numpy()
+
+    def tensor(self) -> torch.Tensor:
+        import numpy as np
+
+        if self.array is not None:
+            self.array.flush()
+            self.done.write_text("complete\n")
+        mapped = np.load(self.path, mmap_mode="c")  # copy-on-write: a tensor may be written without touching the file
+        return torch.from_numpy(mapped)
+
+
+def _features_file(folder: Path, n: int, first: torch.Tensor | None = None) -> _FeaturesFile | None:
+    """The mapped features file of this cache: complete from an earlier run, or to fill (shape from the first chunk)."""
+    import numpy as np
+
+    path = folder / "hidden.npy"
+    if (folder / "hidden.done").is_file() and path.is_file():
+        shape = tuple(np.load(path, mmap_mode="r").shape)
+        return _FeaturesFile(path, shape)
+    if first is None:
+        return None
+    return _FeaturesFile(path, (n, *first.shape[1:]))
 
 
 def frequent_vocab(data: TeacherData, size: int) -> torch.Tensor:
