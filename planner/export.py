@@ -68,9 +68,11 @@ class Target:
     batch_schedule: bool = True  # takes a draft length per batch size (transformers decodes batch size 1)
     lookup_keys: bool = False  # takes prompt-lookup parameters planned from measurements (lookup_settings)
     runs_here: bool = False  # its CPU build runs on this machine, so `planner export --race` can time configs in it
+    head_shape: str | None = None  # an EAGLE head as a "chain", a "grown" tree or static/grown "choices"; None: no head
 
 
-TARGETS = {"vllm": Target(per_step_lookup="suffix", lookup_keys=True, runs_here=True), "sglang": Target(), "trtllm": Target(),
+TARGETS = {"vllm": Target(per_step_lookup="suffix", lookup_keys=True, runs_here=True, head_shape="chain"),
+           "sglang": Target(head_shape="grown"), "trtllm": Target(head_shape="choices"),
            "hf": Target(model_object=True, batch_schedule=False)}
 DEFAULT_METHOD = {"medusa": "medusa", "sequoia": "draft_model"}  # by plan method; no engine has PPD prompt tokens
 TREE_METHODS = {"sglang": {"eagle", "eagle3", "draft_model"}, "trtllm": {"eagle", "eagle3"}}  # run-time trees

@@ -152,35 +152,56 @@ def chain_ranges(accept: Acceptance, profiles: dict, draft_s: float, max_batch_s
 
 def head_export(engine: str, method: str, folder: str, accept: Acceptance, profiles: dict, draft_s: float,
                 max_batch_size: int, plugin: bool = True):
-    """A head's settings for `engine` (planner.export's Export): vLLM's chain per batch size; SGLang's
-    (steps, topk, draft tokens) and TensorRT-LLM's static eagle_choices or EAGLE-2 budget at batch size 1,
-    whichever the profile prices faster; with notes saying what each alternative and a chain-only engine gives."""
-    from planner.export import ENGINE_METHODS, Export, ExportOptions, build
-    from planner.tree import Tree, TreeState
+    """A head's settings for `engine` (planner.export's Export), by how the engine runs a head: a chain per
+    batch size (vLLM), a tree grown from (steps, topk, draft tokens) (SGLang), static eagle_choices or an
+    EAGLE-2 budget (TensorRT-LLM), whichever the profile prices faster at batch size 1; with notes saying
+    what each alternative and a chain-only engine give."""
+    from planner.export import TARGETS, check_engine
 
+    shape = TARGETS[check_engine(engine)].head_shape
+    if shape is None:
+        raise UserError(f"--drafter: engine {engine!r} runs no EAGLE head; use one of "
+                        + ", ".join(e for e, t in TARGETS.items() if t.head_shape))
     p1 = profiles[min(profiles)]
     loss = chain_loss(accept, p1, draft_s)
     note = (f"at batch size 1 the best tree predicts {loss['tree_over_plain']:.2f}x plain and the best chain "
             f"{loss['chain_over_plain']:.2f}x ({100 * (1 - loss['chain_over_tree']):.0f} % lost to a chain-only engine)")
-    if engine == "vllm":
-        ranges = chain_ranges(accept, profiles, draft_s, max_batch_size)
-        depth = max(r.k for r in ranges)
-        if depth == 0:
-            raise UserError("plain decoding is predicted fastest at every batch size: no speculative setting to write")
-        chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
-        out = build(chain, ranges, ExportOptions("vllm", method, folder, plugin=plugin), {}, [])
-        out.notes.append(f"vLLM 0.32 verifies chains: {note}")
-        return out
+    writer = {"chain": _chain_export, "grown": _grown_export, "choices": _choices_export}[shape]
+    return writer(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note)
+
+
+def _chain_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+    from planner.export import Export, ExportOptions, build
+    from planner.tree import Tree, TreeState
+
+    ranges = chain_ranges(accept, profiles, draft_s, max_batch_size)
+    depth = max(r.k for r in ranges)
+    if depth == 0:
+        raise UserError("plain decoding is predicted fastest at every batch size: no speculative setting to write")
+    chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
+    out: Export = build(chain, ranges, ExportOptions(engine, method, folder, plugin=plugin), {}, [])
+    out.notes.append(f"this engine verifies chains: {note}")
+    return out
+
+
+def _grown_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+    from planner.export import ENGINE_METHODS, Export
+
+    tree = best_budget(accept, profiles[min(profiles)], draft_s)
+    args = ["--speculative-algorithm", ENGINE_METHODS[engine][method], "--speculative-draft-model-path", folder,
+            "--speculative-num-steps", str(tree.steps), "--speculative-eagle-topk", str(tree.topk),
+            "--speculative-num-draft-tokens", str(tree.draft_tokens)]
+    return Export(engine, {"server_args": args, "adaptive_config": None}, " ".join(args), [
+        f"the engine grows this tree at run time: predicted {tree.expected_tokens:.2f} tokens a step; {note}"])
+
+
+def _choices_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+    from planner.export import ENGINE_METHODS, Export
+
+    p1 = profiles[min(profiles)]
     tree = best_budget(accept, p1, draft_s)
-    name = ENGINE_METHODS[engine][method]
-    if engine == "sglang":
-        args = ["--speculative-algorithm", name, "--speculative-draft-model-path", folder, "--speculative-num-steps",
-                str(tree.steps), "--speculative-eagle-topk", str(tree.topk), "--speculative-num-draft-tokens",
-                str(tree.draft_tokens)]
-        return Export("sglang", {"server_args": args, "adaptive_config": None}, " ".join(args), [
-            f"SGLang grows this tree at run time: predicted {tree.expected_tokens:.2f} tokens a step; {note}"])
     choices, static = eagle_choices(accept, p1, draft_s)
-    cfg = {"decoding_type": name, "speculative_model": folder}
+    cfg = {"decoding_type": ENGINE_METHODS[engine][method], "speculative_model": folder}
     if static.tokens_per_s >= tree.tokens_per_s:
         cfg.update(max_draft_len=static.steps, max_total_draft_tokens=static.draft_tokens - 1, eagle_choices=choices)
         other = (f"a dynamic tree (use_dynamic_tree, max_draft_len {tree.steps}, dynamic_tree_max_topK {tree.topk}, "
@@ -190,7 +211,7 @@ def head_export(engine: str, method: str, folder: str, accept: Acceptance, profi
         cfg.update(max_draft_len=tree.steps, max_total_draft_tokens=tree.draft_tokens - 1, use_dynamic_tree=True,
                    dynamic_tree_max_topK=tree.topk)
         other = f"the best static eagle_choices ({len(choices)} paths) predicts {static.tokens_per_s / tree.tokens_per_s:.2f}x"
-    return Export("trtllm", {"speculative_config": cfg}, "--extra_llm_api_options SPEC.yaml  # speculative_config",
+    return Export(engine, {"speculative_config": cfg}, "--extra_llm_api_options SPEC.yaml  # speculative_config",
                   [other, note])
 
 

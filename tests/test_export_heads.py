@@ -104,7 +104,7 @@ def test_the_heads_export_for_each_engine(head, tmp_path, engine):
 @pytest.mark.parametrize("extra,match", [
     ([], "give --profile FILE"),
     (["--profile", "PROF", "--accept", "NOACC"], "no 'guesser.draft_s'"),
-    (["--profile", "PROF", "--engine", "hf"], "--drafter: --engine vllm, sglang or trtllm"),
+    (["--profile", "PROF", "--engine", "hf"], "engine 'hf' runs no EAGLE head; use one of vllm, sglang, trtllm"),
 ])
 def test_bad_head_exports_are_one_line(head, tmp_path, capsys, extra, match):
     from workflows.cli.main import main

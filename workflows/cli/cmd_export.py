@@ -167,8 +167,6 @@ def _head_export(args) -> int:
     from planner.jsonio import read_json, writable_target
     from planner.profile import load_batch_profiles
 
-    if args.engine not in ("vllm", "sglang", "trtllm"):
-        raise UserError(f"--drafter: --engine vllm, sglang or trtllm (the engines that run EAGLE heads), got {args.engine!r}")
     if args.output is None:
         raise UserError(f"-o FILE is required for --engine {args.engine}")
     if args.profile is None:
