@@ -52,12 +52,30 @@ from profiler.workload import Request
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa")  # vLLM's proposers this measures (its spelling)
 MODEL_METHODS = frozenset({"draft_model", "eagle", "eagle3", "medusa"})  # the ones that load a drafter's folder
 DEFAULT_METHODS = ("ngram", "suffix", "draft_model")  # measured when none is named (a head's method joins with its folder)
+
+
 DEFAULT_DRAFT_LENGTH = 8
 MAX_DRAFT_LENGTH = 24  # suffix decoding's default tree depth; longer drafts say nothing more here
 NGRAM_LOOKUP = (1, 3)  # prompt_lookup_min/max: the n-grams the project's own lookup is measured with
 DRAFT_PASSES = {"ngram": "one", "suffix": "one", "draft_model": "depth", "eagle": "depth", "eagle3": "depth",
                 "medusa": "one"}  # planner.cost.Guessing's draft_passes
 REQUEST_TIMEOUT_S = 900.0
+
+
+def default_methods(model: str, draft: str | None = None, head: str | None = None) -> tuple[str, ...]:
+    """The proposers measured and raced when none is named: ngram and suffix, draft_model where a draft LM is
+    given or ships for `model`, and the method of a head given or shipped for it (its layout's: eagle, eagle3,
+    medusa)."""
+    from decoder.engines.models import shipped
+    from decoder.guessers.heads import serving_method
+
+    out = ["ngram", "suffix"]
+    if draft is not None or shipped(model, "draft_lm") is not None:
+        out.append("draft_model")
+    head = head or (str(shipped(model, "eagle3")) if shipped(model, "eagle3") is not None else None)
+    if head is not None:
+        out.append(serving_method(head))
+    return tuple(out)
 
 
 def drafter_of(method: str, draft_model) -> str | Path | None:

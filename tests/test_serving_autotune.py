@@ -300,10 +300,13 @@ def test_a_malformed_workload_line_is_refused_before_anything_starts(tmp_path):
 def test_export_writes_the_project_draft_as_a_model_folder(tmp_path):
     """`planner export --method draft_model --draft-model <the project's draft LM>` writes the folder vLLM's
     draft_model method loads beside the config, and the config names it."""
+    from smollm2_drafts import smollm2_draft_lm
+
     out = tmp_path / "vllm.json"
+    draft = smollm2_draft_lm(tmp_path / "draft_lm", layers=2)
     r = subprocess.run([sys.executable, "-m", "planner", "export", "--engine", "vllm",
                         str(ROOT / "trees" / "autotune-cpu-smollm2-135m.json"), "--method", "draft_model",
-                        "--draft-model", str(ROOT / "models" / "smollm2-135m" / "draft_lm"), "-o", str(out)],
+                        "--draft-model", str(draft), "-o", str(out)],
                        check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     cfg = json.loads(out.read_text())["speculative_config"]

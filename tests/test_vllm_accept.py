@@ -350,9 +350,12 @@ def test_vllm_loads_the_draft_folder_and_drafts_with_it(tmp_path):
         pytest.skip(reason)
     from decoder.engines.shipped import model_dir
 
+    from smollm2_drafts import smollm2_draft_lm
+
     smollm2 = model_dir("smollm2-135m", progress=False)
-    folder = write_draft_folder(ROOT / "models" / "smollm2-135m" / "draft_lm", smollm2, tmp_path / "draft",
-                                target_name="smollm2-135m")
+    layers = json.loads((smollm2 / "config.json").read_text())["num_hidden_layers"]  # the target itself: drafts accepted
+    draft = smollm2_draft_lm(tmp_path / "draft_lm", layers=layers)
+    folder = write_draft_folder(draft, smollm2, tmp_path / "draft", target_name="smollm2-135m")
     work = tmp_path / "w.jsonl"
     asks = ["Write the days of the week, one per line.",
             "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."]

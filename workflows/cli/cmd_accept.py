@@ -90,7 +90,9 @@ def _served(args, s, spec) -> int:
             raise UserError(f"{flag}: not with --engine {spec.name}, which measures its own proposers (--method)")
     if args.max_new_tokens < 2:
         raise UserError("--max-new-tokens: expected an integer >= 2")
-    methods = [m.strip() for m in (args.method or head or ",".join(va.DEFAULT_METHODS)).split(",") if m.strip()]
+    # ngram, suffix and draft_model where a draft LM is given or ships; a head's method with --drafter only
+    defaults = [m for m in va.default_methods(args.model or "smollm2-135m", args.draft_model) if m in va.DEFAULT_METHODS]
+    methods = [m.strip() for m in (args.method or head or ",".join(defaults)).split(",") if m.strip()]
     k = va.DEFAULT_DRAFT_LENGTH if args.max_depth is None else args.max_depth
     if not methods or len(set(methods)) != len(methods):
         raise UserError(f"--method {args.method}: expected distinct names among {', '.join(va.METHODS)}")

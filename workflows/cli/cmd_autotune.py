@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(GUESSERS)}, or auto (default): every guesser shipped "
                         "for the model, and prompt lookup")
     p.add_argument("--prompt-tokens", default=None, metavar="DIR", help="PPD prompt tokens (default: shipped for the model)")
-    p.add_argument("--draft", default=None, metavar="DIR", help="a draft LM (default: models/<model>/draft_lm)")
+    p.add_argument("--draft", default=None, metavar="DIR", help="a draft LM (default: models/<model>/draft_lm where one ships; none does for SmolLM2)")
     p.add_argument("--parallelspec", default=None, metavar="DIR",
                    help="a ParallelSpec drafter, also run as a chain (default: models/<model>/parallelspec)")
     p.add_argument("--drafter", default=None, metavar="DIR",
@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engines that serve (--engine vllm: workflows/mainjob/serving.py)")
     g.add_argument("--concurrency", default=None, metavar="LIST",
                    help="concurrent requests to plan and race for (default 1,2,4,8,16); --guessers picks vLLM's "
-                        "proposers (auto: ngram,suffix,draft_model), --decode-prompts / --decode-tokens the race's "
+                        "proposers (auto: ngram, suffix, draft_model with a draft LM, and the head's eagle/eagle3/medusa "
+                        "with --drafter or a shipped head), --decode-prompts / --decode-tokens the race's "
                         "requests and their length, --accept a reused acceptance record per proposer (comma list)")
     g.add_argument("--plugin", default="auto", choices=["auto", "on", "off"],
                    help="the project's vLLM plugin in the race's planned servers (auto: where scripts/setup_vllm.sh "
@@ -189,12 +190,10 @@ def _serving(args):
         levels = tuple(int(x) for x in (args.concurrency or ",".join(map(str, CONCURRENCY))).split(","))
     except ValueError:
         raise UserError(f"--concurrency: expected comma-separated integers, got {args.concurrency!r}") from None
-    from decoder.guessers.heads import serving_method
-    from profiler.vllm_accept import DEFAULT_METHODS
-    from workflows.mainjob.serving import head_folder
+    from profiler.vllm_accept import default_methods
 
-    head = head_folder(args.model, args.drafter)  # --drafter, else the head shipped for the model
-    methods = DEFAULT_METHODS + ((serving_method(head),) if head else ()) if args.guessers == "auto" else \
+    # auto: ngram, suffix, the draft LM where one is given or ships, the head given (--drafter) or shipped
+    methods = default_methods(args.model, args.draft, args.drafter) if args.guessers == "auto" else \
         tuple(m.strip() for m in args.guessers.split(",") if m.strip())
     d = ServingSettings()
     return ServingSettings(engine=args.engine, model=args.model, out=args.out, concurrency=levels, workload=args.workload,
