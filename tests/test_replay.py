@@ -161,6 +161,22 @@ def test_calibration_by_replay_equals_decoding(target, kind):
     assert np.allclose(np.array(got["p"], dtype=float), np.array(want["p"], dtype=float))
 
 
+def test_an_eagle_heads_calibration_by_replay_equals_decoding(target, tmp_path):
+    """The main job calibrates a head as it calibrates the other drafters: the replay feeds it the teacher's
+    three feature streams outside any decode (it once failed there, under autograd, on the shipped head)."""
+    from head_layouts import trained_like_head, write_eagle3
+
+    from decoder.guessers.registry import LoadRequest, load_guesser
+
+    folder = write_eagle3(trained_like_head(target, seed=1), tmp_path / "eagle3")
+    g = load_guesser("eagle-head", LoadRequest(target, path=str(folder), top_k=4))
+    ts = _teachers(target, [g.needs_hidden])  # one spec: the head's three layers
+    got = calibrate_by_replay(target, g, ts, ACC["draft"].accuracy)
+    want = measure_calibration(target, g, _prompts(), ACC["draft"].accuracy, max_new_tokens=N)
+    assert got["observations"] == want["observations"] > 0
+    assert np.allclose(np.array(got["p"], dtype=float), np.array(want["p"], dtype=float))
+
+
 WARM = dict(temperature=0.9, top_k=0, top_p=0.95)
 
 

@@ -212,6 +212,7 @@ class EagleDraft:
         self.vocab_size = head.arch.vocab_size
         self.features = True if head.arch.kind == EAGLE1 else tuple(head.arch.aux_layers)
 
+    @torch.inference_mode()  # callers outside a decode (the calibration replay) hold no grad-free context
     def combine(self, features: torch.Tensor) -> torch.Tensor:
         return self.head.combine(features.to(self.head.fc.weight.dtype))
 
