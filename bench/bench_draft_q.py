@@ -2,7 +2,7 @@
 target's temperature, top-k and top-p) or the tempered softmax alone. Either is lossless when
 verification uses the same q; this measures which is accepted more.
 
-    python bench/bench_draft_q.py                    # SmolLM2 and its shipped draft LM
+    python bench/bench_draft_q.py --draft DIR        # SmolLM2 and a draft LM (planner train-drafter --kind draft-lm)
     python bench/bench_draft_q.py --smoke            # the toy model and a one-layer draft of it
 
 Along the target's own sampled continuation of held-out prompts (profiler/sampled.py), at every
@@ -66,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--aim", default="0.5,0.75", help="coupled rows aimed with q warped at these multiples of the "
                                                    "target's temperature (comma-separated, in (0, 2])")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--draft", default=None, help="a draft LM directory (planner train-drafter --kind draft-lm): none ships")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_q"))
     return p
 
@@ -85,7 +86,7 @@ def run(a) -> Results:
         torch.manual_seed(0)
         draft = drafter("first-layers:1", engine)
     else:
-        draft = drafter(str(shipped(engine.model_name, "draft_lm")), engine)
+        draft = drafter(a.draft, engine)
     texts, _ = held_out_prompts(str(DEFAULT_QUESTIONS), z.prompts, 1)
     prompts = encode_prompts(engine.tokenizer, texts)
     doc = {"model": engine.model_name, "machine": machine(), "prompts": z.prompts, "tokens": z.tokens,

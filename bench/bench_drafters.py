@@ -69,7 +69,7 @@ def _smoke_arch() -> dict:
     return arch_of(_load_config(resolve_spec("tiny", weights=False)[2]))
 
 
-def _guessers(engine, smoke: bool) -> dict:
+def _guessers(engine, smoke: bool, draft_dir: str | None) -> dict:
     """name -> a guesser factory (each decode gets a fresh guesser object where it keeps state)."""
     from decoder import DraftModelGuesser, ParallelDrafter, PromptLookupGuesser
 
@@ -80,13 +80,14 @@ def _guessers(engine, smoke: bool) -> dict:
         from workflows.cli.inputs import shipped
 
         ps = ParallelDrafter.load(str(shipped("smollm2-135m", "parallelspec")))
-        draft = drafter(str(shipped("smollm2-135m", "draft_lm")), engine)
+        draft = drafter(draft_dir, engine) if draft_dir else None  # none ships: measured when --draft names one
     full = ParallelDrafter(ps.arch, ps.num_masks, None, ps.top_k, "parallel", ps.meta)
     full.load_state_dict(ps.state_dict())
     chain = ParallelDrafter(ps.arch, ps.num_masks, ps.head_ids, ps.top_k, "chain", ps.meta)
     chain.load_state_dict(ps.state_dict())
-    return {"parallelspec": lambda: ps, "parallelspec (full head)": lambda: full, "chain": lambda: chain,
-            "draft LM": lambda: DraftModelGuesser(draft, top_k=1, depth=4), "lookup": lambda: PromptLookupGuesser()}
+    out = {"parallelspec": lambda: ps, "parallelspec (full head)": lambda: full, "chain": lambda: chain,
+           "draft LM": lambda: DraftModelGuesser(draft, top_k=1, depth=4), "lookup": lambda: PromptLookupGuesser()}
+    return out if draft is not None else {k: v for k, v in out.items() if k != "draft LM"}
 
 
 def _setup(args, s: Sizes):
@@ -120,7 +121,7 @@ def run(args) -> Results:
     t0 = time.time()
     engine, prompts, label = _setup(args, s)
     mach = machine()
-    makers = _guessers(engine, args.smoke)
+    makers = _guessers(engine, args.smoke, args.draft)
     names = ["plain", *makers]
     plain = [_decode(engine, p.ids, "plain", None, s.tokens).tokens for p in prompts]
     runs = {n: [] for n in names}
@@ -189,6 +190,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="a tiny random model, seconds; writes only with --out")
+    p.add_argument("--draft", default=None, help="a draft LM directory (planner train-drafter --kind draft-lm): none ships")
     p.add_argument("--out", default=None, help="default bench/results (not with --smoke)")
     return p
 

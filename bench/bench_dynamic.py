@@ -67,15 +67,15 @@ def _guesser(kind: str, engine, smoke_draft=None):
     if kind == "lookup":
         return PromptLookupGuesser()
     if kind == "draft":
-        return DraftModelGuesser(smoke_draft if smoke_draft is not None else draft_lm(engine), top_k=4)
+        return DraftModelGuesser(smoke_draft if smoke_draft is not None else draft_lm(engine), top_k=4)  # refuses: none ships
     if kind == "parallelspec":
         return ParallelDrafter.load(SHIPPED / "parallelspec")
     raise UserError(f"bench_dynamic: unknown guesser {kind}")
 
 
-def draft_lm(engine):
-    """The shipped draft LM on the engine's model."""
-    return drafter(str(SHIPPED / "draft_lm"), engine)
+def draft_lm(engine, spec: str | None = None):
+    """A draft LM on the engine's model (bench.common.drafter: none ships any more)."""
+    return drafter(spec, engine)
 
 
 def _dynamic_plan(kind: str, profile, accepts: dict):
@@ -273,6 +273,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, seconds; writes only with --out")
+    ap.add_argument("--draft", default=None, help="a draft LM directory (planner train-drafter --kind draft-lm): none ships")
     ap.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats (training.splits.bench_prompts)")
     ap.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -313,8 +314,8 @@ def run(args) -> Results:
     for m in methods:
         kind = m.split("/")[1]
         plans[m] = load_tree(AUTOTUNE / "trees" / STATIC[kind]) if m.startswith("static/") else _dynamic_plan(kind, profile, accepts)
-        guessers[m] = _guesser(kind, engine)
-    draft_hf = draft_lm(engine)
+        guessers[m] = _guesser(kind, engine, draft_lm(engine, args.draft) if "draft" in kind else None)
+    draft_hf = draft_lm(engine, args.draft)
     t0 = time.time()
     out = Path(args.out or ROOT / "bench" / "results")
     name = "dynamic-quick" if args.quick else "dynamic"

@@ -2,7 +2,7 @@
 to plain sampling and lossless speculative decoding with the same drafter, and the planner's choice
 under a perplexity cap, in one run.
 
-    python bench/bench_mtad.py --draft models/smollm2-135m/draft_lm    # SmolLM2-135M, the trained draft LM
+    python bench/bench_mtad.py --draft DIR    # SmolLM2-135M and a draft LM (planner train-drafter --kind draft-lm)
     python bench/bench_mtad.py --draft first-layers:4 --quick          # untrained: the target's first 4 layers
     python bench/bench_mtad.py --smoke --out /tmp/mtad                 # a tiny random model, seconds
 
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common import ROOT, BenchIds, Results, bench_ids, bench_main, drafter, interleaved, machine, open_hf, sample_load
+from common import DRAFT_LM_GONE, ROOT, BenchIds, Results, bench_ids, bench_main, drafter, interleaved, machine, open_hf, sample_load
 
 from planner.errors import UserError
 
@@ -47,9 +47,7 @@ GRIDS = {  # (widths, gammas, taus)
 def _draft(spec: str | None, engine):
     """(the drafter, its label): a draft LM directory or first-layers:N (common.drafter)."""
     if spec is None:
-        spec = str(ROOT / "models" / "smollm2-135m" / "draft_lm")
-        if not Path(spec).is_dir():
-            raise UserError(f"--draft: {spec} does not exist yet; give --draft DIR or --draft first-layers:N")
+        raise UserError(DRAFT_LM_GONE)
     if spec.startswith("first-layers:"):
         return drafter(spec, engine), f"{spec} (untrained)"
     shown = Path(spec).resolve()
@@ -378,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default=None, metavar="DIR|first-layers:N",
                    help="the drafter: a draft_lm (or Hugging Face) directory, or the target's first N layers "
-                        "(untrained; default: models/smollm2-135m/draft_lm)")
+                        "(untrained)")
     p.add_argument("--calib-prompts", type=int, default=8, help="held-out prompts (acceptance split) for the planner's inputs")
     p.add_argument("--chat-prompts", type=int, default=4, help="two-turn chats for the measured table (bench_prompts)")
     p.add_argument("--repeat-prompts", type=int, default=4, help="requests that repeat their input, for the measured table")

@@ -1,7 +1,7 @@
 """PEARL on this machine: plain decoding, speculative decoding and PEARL (concurrent and serial-booked)
 with one drafter, measured in one run and set against planner/pearl.py's predictions.
 
-    python bench/bench_pearl.py --draft models/smollm2-135m/draft_lm     # SmolLM2-135M and its draft LM
+    python bench/bench_pearl.py --draft DIR     # SmolLM2-135M and a draft LM (planner train-drafter --kind draft-lm)
     python bench/bench_pearl.py --draft first-layers:4                   # untrained: the target's first 4 layers
     python bench/bench_pearl.py --smoke                                  # a tiny random model, seconds
 
@@ -360,8 +360,8 @@ def _accept_alpha(args) -> tuple[float | None, str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", default=str(ROOT / "models" / "smollm2-135m" / "draft_lm"),
-                   help="a draft LM directory (default: the project's trained one) or first-layers:N (untrained)")
+    p.add_argument("--draft", default=None,
+                   help="a draft LM directory (planner train-drafter --kind draft-lm) or first-layers:N (untrained)")
     p.add_argument("--gammas", default="2,3,4,5,6")
     p.add_argument("--chat-prompts", type=int, default=2, help="two-turn chats (training.splits.bench_prompts)")
     p.add_argument("--repeat-prompts", type=int, default=2, help="requests that repeat their input")

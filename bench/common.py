@@ -320,12 +320,22 @@ def library_generate(engine, ids: torch.Tensor, max_new_tokens: int, paths: bool
     return out[0, ids.numel():].tolist()
 
 
-def drafter(spec: str, engine):
+# the trained draft LM these benchmarks measured no longer ships: it lost to plain everywhere and the
+# EAGLE-3 head took its place in the repository's 40 MB (docs/heads.md)
+DRAFT_LM_GONE = ("no draft LM ships for SmolLM2 any more (the EAGLE-3 head replaced it, docs/heads.md): train one with "
+                 "`planner train-drafter --kind draft-lm --layers 2 --out DIR` and give --draft DIR, or --draft first-layers:N")
+
+
+def drafter(spec: str | None, engine):
     """A draft LM on the engine's torch model (it shares the target's embedding and head): a directory
-    (the project's draft LM, or a Hugging Face model of the same vocabulary) or first-layers:N (the
-    target's first N layers, untrained)."""
+    (a draft LM trained by `planner train-drafter --kind draft-lm`, or a Hugging Face model of the same
+    vocabulary) or first-layers:N (the target's first N layers, untrained)."""
+    from pathlib import Path
+
     from decoder.torch_ops.draft_lm import build_draft_lm, load_draft_model
 
+    if spec is None or not (spec.startswith("first-layers:") or Path(spec).is_dir()):
+        raise UserError(DRAFT_LM_GONE if spec is None else f"--draft {spec}: not a directory; " + DRAFT_LM_GONE)
     target = engine.torch_model()
     if not spec.startswith("first-layers:"):
         return load_draft_model(spec, target)

@@ -5,10 +5,10 @@ into the cache runs once per machine, about 30 s)."""
 import pytest
 import torch
 
-from decoder import DraftModelGuesser, PromptLookupGuesser, PromptTokens, generate
+from decoder import PromptLookupGuesser, PromptTokens, generate
 from decoder.engines.shipped import MARKER, model_dir
-from decoder.torch_ops.draft_lm import load_draft_model
 from decoder.guessers.parallel import ParallelDrafter
+from decoder.guessers.registry import LoadRequest, load_guesser
 from planner.tree import Tree, TreeState
 from workflows.cli.inputs import SHIPPED_DIR, encode_prompts, held_out_prompts
 
@@ -63,7 +63,12 @@ def _static(nodes):
     return Tree("medusa", [TreeState(0, nodes, 1.0, 1 + len(nodes))], 1.0)
 
 
-@pytest.mark.parametrize("kind", ["ppd", "draft", "parallelspec", "chain", "lookup"])
+def _head(model):
+    """The shipped EAGLE-3 head, loaded as `--drafter models/smollm2-135m/eagle3` loads it."""
+    return load_guesser("eagle-head", LoadRequest(model, path=str(SHIPPED / "eagle3"), top_k=4))
+
+
+@pytest.mark.parametrize("kind", ["ppd", "eagle-head", "parallelspec", "chain", "lookup"])
 def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
     loaded, _ = smol
     model = loaded.model
@@ -72,8 +77,8 @@ def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
         from test_decoder_utils import ppd_tree
 
         plan = ppd_tree(g.num_prompt_tokens, [0] + [4] * g.num_prompt_tokens, seed=1)
-    elif kind == "draft":
-        g, plan = DraftModelGuesser(load_draft_model(SHIPPED / "draft_lm", model), top_k=4), _static([(0,), (1,), (0, 0)])
+    elif kind == "eagle-head":
+        g, plan = _head(model), _static([(0,), (1,), (0, 0), (0, 0, 0)])
     elif kind in ("parallelspec", "chain"):
         g = ParallelDrafter.load(SHIPPED / "parallelspec", mode="parallel" if kind == "parallelspec" else "chain")
         plan = _static([(0,), (1,), (0, 0), (0, 0, 0)]) if kind == "parallelspec" else None
@@ -88,9 +93,9 @@ def test_every_shipped_guesser_is_token_identical(smol, prompts, kind):
         assert accepted > 0  # trained guessers are right some of the time
 
 
-@pytest.mark.parametrize("kind", ["lookup+parallelspec", "lookup+chain", "draft"])
+@pytest.mark.parametrize("kind", ["lookup+parallelspec", "lookup+chain", "eagle-head"])
 def test_dynamic_plans_are_token_identical(smol, prompts, kind):
-    """Per-step trees (a hybrid, and the draft LM's expanding tree) on SmolLM2: what model.generate gives."""
+    """Per-step trees (a hybrid, and the head's expanding tree) on SmolLM2: what model.generate gives."""
     from decoder.guessers.dynamic import HybridGuesser
     from planner.accept import load_acceptance
     from planner.dynamic_plan import plan_dynamic
@@ -99,9 +104,10 @@ def test_dynamic_plans_are_token_identical(smol, prompts, kind):
     model = loaded.model
     acc = SHIPPED_DIR.parent / "reports" / "accept-smollm2-135m-heldout"
     kinds = kind.split("+")
-    plan = plan_dynamic([(k, load_acceptance(str(acc / f"accept-{k}.json"))) for k in kinds], None, 8, 4)
-    if kind == "draft":
-        g = DraftModelGuesser(load_draft_model(SHIPPED / "draft_lm", model), top_k=4)
+    files = {k: SHIPPED / "eagle3" / "accept_heldout.json" if k == "eagle-head" else acc / f"accept-{k}.json" for k in kinds}
+    plan = plan_dynamic([(k, load_acceptance(str(files[k]))) for k in kinds], None, 8, 4)
+    if kind == "eagle-head":
+        g = _head(model)
     else:
         mode = "chain" if kinds[1] == "chain" else "parallel"  # lookup+chain: the main job's quiet-machine choice
         g = HybridGuesser(PromptLookupGuesser(), ParallelDrafter.load(SHIPPED / "parallelspec", mode=mode), kinds[1])

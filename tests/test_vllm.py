@@ -120,3 +120,36 @@ def _missing(what: str):
     if REQUIRED:
         pytest.fail(msg, pytrace=False)
     pytest.skip(msg)
+
+
+SHIPPED_HEAD = ROOT / "models" / "smollm2-135m" / "eagle3"
+
+
+def test_vllm_runs_the_shipped_head_as_this_project_does(smollm2):
+    """The EAGLE-3 head shipped for SmolLM2, loaded by vLLM as any released head (method eagle3): greedy answers
+    equal vLLM plain's, and its accepted drafts match this project's own EAGLE-3 arithmetic on the same
+    prompts (decoder/torch_ops/eagle.py: the same head drafting the same chains accepts the same tokens, up to
+    fp32 rounding near ties)."""
+    import torch
+
+    from decoder import api
+    from decoder.guessers.draft import DraftModelGuesser
+    from decoder.guessers.heads import open_eagle
+    from decoder.loop import generate
+
+    engine = api.open_engine("hf", model="smollm2-135m", threads=1)
+    questions = ["Explain how a rainbow forms.", "Give me three tips for growing tomatoes.",
+                 "Rewrite politely: send me the report by noon."]
+    ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                tokenize=True) for q in questions]
+    ids = [list(map(int, p["input_ids"] if hasattr(p, "keys") else p)) for p in ids]
+    g = DraftModelGuesser(open_eagle(str(SHIPPED_HEAD), engine), top_k=4, depth=3)
+    ours = [generate(engine, torch.tensor(p), None, g, max_new_tokens=32) for p in ids]
+    cfg = {"method": "eagle3", "model": str(SHIPPED_HEAD), "num_speculative_tokens": 3}
+    spec = run_engine("decode", {"model": str(smollm2), "config": cfg, "max_tokens": 32, "prompts": ids, "warmup": ids[0]})
+    plain = run_engine("decode", {"model": str(smollm2), "config": None, "max_tokens": 32, "prompts": ids,
+                                  "warmup": ids[0]})
+    assert spec["tokens"] == plain["tokens"]  # vLLM's EAGLE-3 path keeps plain's greedy answers
+    assert [o.tokens.tolist() for o in ours] == plain["tokens"]  # and this project's equal them too (fp32)
+    accepted = sum(sum(o.stats.accepted) for o in ours)
+    assert spec["accepted"] > 0 and abs(spec["accepted"] - accepted) <= max(2, 0.05 * accepted), (spec, accepted)

@@ -1,7 +1,7 @@
 """Loading guessers by kind: planner/guessers.py registers the kinds, this module builds them.
 
     g = load_guesser("lookup", LoadRequest(engine))
-    g = load_guesser("draft", LoadRequest(engine, path="models/smollm2-135m/draft_lm", top_k=4, depth=6))
+    g = load_guesser("eagle-head", LoadRequest(engine, path="models/smollm2-135m/eagle3", top_k=4, depth=6))
     spec = kind_of(g)            # the GuesserKind a guesser object was loaded as
 
 Every loader takes one `LoadRequest` and returns a guesser (decoder/guesser.py's protocol); the

@@ -47,8 +47,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-prompt-tokens", type=int, metavar="P", default=None,
                    help="untrained prompt tokens: P random vocabulary embeddings (output is still exact; few accepted)")
     p.add_argument("--guesser", default=None, metavar="KIND[:PATH]",
-                   help="what proposes the candidates: ppd[:DIR] (PPD prompt tokens, default), draft[:DIR] (a draft "
-                        "LM: the project's draft_lm directory or any Hugging Face model directory), parallelspec[:DIR] "
+                   help="what proposes the candidates: ppd[:DIR] (PPD prompt tokens, default), draft:DIR (a draft "
+                        "LM: `planner train-drafter --kind draft-lm` or any Hugging Face model directory), parallelspec[:DIR] "
                         "(the ParallelSpec drafter), chain[:DIR] (the same drafter, one token per pass), lookup "
                         "(prompt lookup, no model). Without a path: the one shipped for the model, models/<model>/...; "
                         "decode's default: the guesser the plan was made for (autotune records it), else ppd")

@@ -20,6 +20,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DATA = "distill/{model}-distill.jsonl"  # under the cache dir (scripts/self_distill.py writes it there)
@@ -173,12 +174,29 @@ def run_eagle(args, engine) -> int:
     head.eval()
     evaluation = evaluate(head, va, depth=6, ranks=8)
     curve.append({"step": result.step, "top1": evaluation["top1"][: args.ttt_steps]})
-    _write(args, engine, head, tr, va, draft_ids, aux, result, evaluation, curve, teacher_s,
-           {"file": str(data_file), "conversations": len(train_rows), "held_out_conversations": len(held_rows)})
+    data = {"file": str(data_file), "conversations": len(train_rows), "held_out_conversations": len(held_rows)}
+    _write(args, engine, Trained(head, tr, va, draft_ids, aux, result, evaluation, curve, teacher_s, data))
     return 0
 
 
-def _write(args, engine, head, tr, va, draft_ids, aux, result, evaluation, curve, teacher_s, data: dict) -> None:
+@dataclass
+class Trained:
+    """What a finished run writes: the head, its data (training and held-out), the draft vocabulary, the
+    target layers read, the trainer's result, the held-out evaluation and curve, the teacher's time."""
+
+    head: object
+    tr: object
+    va: object
+    draft_ids: object
+    aux: tuple
+    result: object
+    evaluation: dict
+    curve: list
+    teacher_s: float
+    data: dict
+
+
+def _write(args, engine, t: Trained) -> None:
     import torch
 
     from decoder.torch_ops.heads import save_eagle3
@@ -187,23 +205,23 @@ def _write(args, engine, head, tr, va, draft_ids, aux, result, evaluation, curve
 
     meta = {"target": engine.model_name, "target_config_hash": engine.record()["config_hash"],
             "trained_by": "planner train-drafter --kind eagle3"}
-    save_eagle3(head, args.out, meta)
-    coverage = teacher.coverage(va, draft_ids)
+    save_eagle3(t.head, args.out, meta)
+    coverage = teacher.coverage(t.va, t.draft_ids)
     summary = {"kind": "eagle3", "target": engine.model_name, "command": "planner " + " ".join(sys.argv[1:]),
                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not k.startswith("_")},
-               "data": {**data, "train_windows": int(tr.tokens.shape[0]), "held_out_windows": int(va.tokens.shape[0]),
-                        "seq_len": int(tr.tokens.shape[1]), "answer_positions": int((tr.weights == 1).sum())},
-               "aux_layers": list(aux), "draft_vocab": int(draft_ids.numel()), "draft_vocab_coverage_heldout": round(coverage, 4),
-               "trained_parameters": result.trained_parameters, "train_wall_s": round(result.wall_s, 1),
-               "teacher_wall_s": round(teacher_s, 1), "device": "cpu", "threads": args.threads, "torch": torch.__version__,
-               "loss_first": result.losses[:1], "loss_curve_every_25": result.losses[::25],
-               "heldout_curve": curve, "heldout": evaluation,
+               "data": {**t.data, "train_windows": int(t.tr.tokens.shape[0]), "held_out_windows": int(t.va.tokens.shape[0]),
+                        "seq_len": int(t.tr.tokens.shape[1]), "answer_positions": int((t.tr.weights == 1).sum())},
+               "aux_layers": list(t.aux), "draft_vocab": int(t.draft_ids.numel()), "draft_vocab_coverage_heldout": round(coverage, 4),
+               "trained_parameters": t.result.trained_parameters, "train_wall_s": round(t.result.wall_s, 1),
+               "teacher_wall_s": round(t.teacher_s, 1), "device": "cpu", "threads": args.threads, "torch": torch.__version__,
+               "loss_first": t.result.losses[:1], "loss_curve_every_25": t.result.losses[::25],
+               "heldout_curve": t.curve, "heldout": t.evaluation,
                "note": "held-out: teacher-forced chains on the held-out conversations' answer positions; accuracy[d][r] "
                        "is whether rank r at chain step d (after d tokens the head drafted itself) is the target's "
                        "greedy token"}
     atomic_write_json(Path(args.out) / "training.json", summary)
     atomic_write_json(Path(args.out) / "accept_heldout.json", {
-        "accuracy": evaluation["accuracy"], "kind": "eagle-head", "guesser": {"kind": "eagle-head", "draft_passes": "depth"},
+        "accuracy": t.evaluation["accuracy"], "kind": "eagle-head", "guesser": {"kind": "eagle-head", "draft_passes": "depth"},
         "source": "planner train-drafter --kind eagle3: teacher-forced held-out chains, target's greedy tokens"})
-    print(json.dumps(evaluation["top1"]), file=sys.stderr)
-    print(f"trained {result.trained_parameters} parameters in {result.wall_s:.0f} s; wrote {args.out}", file=sys.stderr)
+    print(json.dumps(t.evaluation["top1"]), file=sys.stderr)
+    print(f"trained {t.result.trained_parameters} parameters in {t.result.wall_s:.0f} s; wrote {args.out}", file=sys.stderr)
