@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-RUN = "reports/main-job-hf-cpu-smollm2-135m"  # the committed main-job run the README quotes: chosen.json and the files it names
+RUN = "reports/main-job-hf-eagle-cpu-smollm2-135m"  # the committed main-job run the README quotes: chosen.json and the files it names
 
 
 def _blocks(lang: str) -> list[str]:
