@@ -130,6 +130,8 @@ def parse_config(spec: str) -> sr.Contender:
     name, value = name.strip(), value.strip()
     if not sep or not name or not value:
         raise UserError(f"--config {spec!r}: expected NAME=JSON or NAME=FILE")
+    if "=" in value and not value.startswith("{") and not Path(value).exists():
+        raise UserError(f"--config {spec!r}: a contender's NAME may not contain '=' (it ends at the first one)")
     if name in (sr.PLAIN, PLAIN_LABEL) or name in {n for n, _ in STOCK.values()}:
         raise UserError(f"--config {name}: that name is a built-in contender's; choose another")
     doc, source = _json_arg(f"--config {name}", value)

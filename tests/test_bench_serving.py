@@ -163,6 +163,8 @@ def test_configs(tmp_path):
     for bad in ("noequals", "x={not json", f"x={tmp_path / 'missing.json'}", "vLLM plain={}", "x=[]"):
         with pytest.raises(UserError):
             bs.parse_config(bad)
+    with pytest.raises(UserError, match="NAME may not contain '='"):
+        bs.parse_config(f"K = 0={export}")
     with pytest.raises(UserError, match="not a built-in contender"):
         bs.contenders([], "nope")
 
