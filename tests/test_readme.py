@@ -49,7 +49,7 @@ def _support_rows() -> dict[str, list[str]]:
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        names = re.findall(r"`([a-z+.]+)`", cells[0]) if len(cells) > 2 else []
+        names = re.findall(r"`([a-z][a-z+.-]*)`", cells[0]) if len(cells) > 2 else []
         for name in names:
             rows[name] = cells
     return rows
@@ -62,7 +62,7 @@ def test_the_support_table_says_what_the_registries_say():
     from planner.guessers import kind as guesser_kind
 
     rows = _support_rows()
-    assert {"lookup", "ppd", "draft", "parallelspec", "chain", "pearl", "mtad"} <= set(rows)
+    assert {"lookup", "ppd", "draft", "parallelspec", "chain", "pearl", "mtad", "eagle-head", "medusa-heads"} <= set(rows)
     for name, cells in rows.items():
         spec = guesser_kind(name)
         for column, engine in ((1, "hf"), (2, "llama.cpp")):
