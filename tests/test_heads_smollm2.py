@@ -58,3 +58,17 @@ def test_a_head_of_another_width_is_refused(smol, tmp_path):
     folder = write_eagle3(random_head(tiny_model("llama", vocab=49152, seed=1), EAGLE3, seed=2), tmp_path / "narrow")
     with pytest.raises(UserError, match=r"target_hidden_size 64, the target's hidden size is 576"):
         open_eagle(folder, model)
+
+
+def test_decode_with_only_a_drafter_runs_the_heads_chain(smol, tmp_path, capsys):
+    """`planner decode --drafter DIR` with no other decoding flag decodes with the head (its own chain), not the
+    default guesser; the output is plain greedy decoding's."""
+    from workflows.cli.main import main
+
+    model, _, _ = smol
+    folder = _write("eagle3", model, tmp_path / "eagle3")
+    rc = main(["decode", "--drafter", str(folder), "--prompt", "Name three rivers in Europe.", "--max-new-tokens", "8",
+               "--compare-plain", "--no-progress"])
+    err = capsys.readouterr()
+    assert rc == 0, err.err
+    assert "chain:" in err.err + err.out and "identical: True" in err.err + err.out

@@ -147,6 +147,11 @@ class _Resolved:
     def guesser(self, tree, raced, plan_dir: Path) -> str | None:
         """--guesser, else the guesser the plan was made for (autotune writes it), as KIND[:DIR]: the files
         raced with (checked), else the recorded directory."""
+        from workflows.cli.inputs import drafter_guesser
+
+        drafted = drafter_guesser(self.args)  # --drafter DIR: the head, alone or in the --guesser hybrid named
+        if drafted:
+            return drafted
         if self.args.guesser:
             return self.args.guesser
         if tree is None or not isinstance(tree.settings.get("guesser"), str):
