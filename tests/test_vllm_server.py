@@ -76,12 +76,12 @@ class Health(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         ok, refusals[0] = refusals[0] <= 0, refusals[0] - 1
+        print("reset", ok, flush=True)  # before the answer: the client may stop this server as soon as it has one
         body = b'{"success": %s}' % (b"true" if ok else b"false")
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        print("reset", ok, flush=True)
     def log_message(self, *a):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()

@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chosen.json says so)")
     p.add_argument("--no-report", action="store_true", help="skip the plots")
     p.add_argument("--quiet", action="store_true")
+    _serving_arguments(p)
+
+def _serving_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a serving engine's main job (refused in one line on a step engine)."""
     g = p.add_argument_group("engines that serve (--engine vllm: workflows/mainjob/serving.py)")
     g.add_argument("--concurrency", default=None, metavar="LIST",
                    help="concurrent requests to plan and race for (default 1,2,4,8,16); --guessers picks vLLM's "
@@ -96,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workload", default=None, metavar="FILE",
                    help="the requests to serve: OpenAI chat-completions JSON lines, or ShareGPT JSON (default: the "
                         "held-out questions); even lines measure acceptance, odd lines race")
+
 
 
 def _check(args, s: AutotuneSettings) -> None:

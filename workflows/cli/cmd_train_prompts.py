@@ -81,6 +81,16 @@ def _texts(args, tokenizer, model_name: str) -> tuple[list[str], dict, object]:
     return train, val, desc
 
 
+def _pooled(report: dict, prompt_tokens: int) -> dict:
+    """One acceptance matrix for the planner: the held-out splits pooled by count."""
+    total = sum(r["count"] for r in report.values())
+    ranks = len(next(iter(report.values()))["accuracy"][0])
+    accuracy = [[round(sum(r["accuracy"][d][k] * r["count"] for r in report.values()) / total, 5) for k in range(ranks)]
+                for d in range(prompt_tokens)]
+    return {"accuracy": accuracy, "count": total, "top1": [row[0] for row in accuracy],
+            "top5": [round(sum(row[:5]), 4) for row in accuracy]}
+
+
 def run(args) -> int:
     _check(args)
     import time
@@ -131,16 +141,7 @@ def run(args) -> int:
             report[name] = tp.evaluate(engine, result.prompt_tokens, w, device=device)
     if not report:
         raise UserError(f"held-out data: fewer than {args.seq_len} tokens, nothing to evaluate")
-    # One acceptance matrix for the planner: the held-out splits pooled by count.
-    total = sum(r["count"] for r in report.values())
-    pooled = {
-        "accuracy": [[round(sum(r["accuracy"][d][k] * r["count"] for r in report.values()) / total, 5)
-                      for k in range(len(next(iter(report.values()))["accuracy"][0]))]
-                     for d in range(args.prompt_tokens)],
-        "count": total,
-    }
-    pooled["top1"] = [row[0] for row in pooled["accuracy"]]
-    pooled["top5"] = [round(sum(row[:5]), 4) for row in pooled["accuracy"]]
+    pooled = _pooled(report, args.prompt_tokens)
     tp.write_acceptance(args.out / "accept_heldout.json", pooled,
                         f"planner train-prompts, held-out {'+'.join(report)} text, greedy targets, teacher-forced context")
     summary = {
