@@ -72,10 +72,20 @@ def default_methods(model: str, draft: str | None = None, head: str | None = Non
     out = ["ngram", "suffix"]
     if draft is not None or shipped(model, "draft_lm") is not None:
         out.append("draft_model")
-    head = head or (str(shipped(model, "eagle3")) if shipped(model, "eagle3") is not None else None)
+    head = head_folder(model, head)
     if head is not None:
         out.append(serving_method(head))
     return tuple(out)
+
+
+def head_folder(model: str, given: str | None) -> str | None:
+    """The head a serving run measures: `given` (--drafter), else the EAGLE head shipped for `model`, else None."""
+    if given is not None:
+        return given
+    from decoder.engines.models import shipped
+
+    found = shipped(model, "eagle3")
+    return None if found is None else str(found)
 
 
 def drafter_of(method: str, draft_model) -> str | Path | None:

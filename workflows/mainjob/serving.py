@@ -459,6 +459,7 @@ def _models(engine, s: ServingSettings) -> dict[str, str]:
     """method -> the folder it loads: the draft LM (converted for vLLM) for draft_model, the head for its method."""
     from decoder.engines.vllm.draft_folder import draft_for
     from decoder.guessers.heads import serving_method
+    from profiler.vllm_accept import head_folder
 
     out = {}
     if "draft_model" in s.methods:
@@ -466,7 +467,7 @@ def _models(engine, s: ServingSettings) -> dict[str, str]:
         if folder is None:
             raise UserError(f"--methods draft_model: no draft LM ships for {engine.model_name}; pass --draft DIR")
         out["draft_model"] = str(folder)
-    head = head_folder(engine.model_name, s.drafter)
+    head = head_folder(engine.model_name, s.drafter)  # --drafter, else the head shipped for the model
     if head is not None:
         out[serving_method(head)] = head
     for m in ("eagle", "eagle3", "medusa"):
@@ -474,16 +475,6 @@ def _models(engine, s: ServingSettings) -> dict[str, str]:
             raise UserError(f"--methods {m}: no head of that kind given or shipped for {engine.model_name}; pass "
                             "--drafter DIR")
     return out
-
-
-def head_folder(model: str, given: str | None) -> str | None:
-    """The head a serving run measures: --drafter, else the EAGLE head shipped for the model, else None."""
-    if given is not None:
-        return given
-    from workflows.cli.inputs import shipped
-
-    found = shipped(model, "eagle3")
-    return None if found is None else str(found)
 
 
 def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str, str], out: Path, say) -> dict:
