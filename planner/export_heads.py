@@ -117,10 +117,11 @@ def eagle_choices(accept: Acceptance, profile: LatencyProfile, draft_s: float, m
     return best
 
 
-def chain_loss(accept: Acceptance, profile: LatencyProfile, draft_s: float) -> dict:
-    """What an engine that takes only chains loses: the best tree's and the best chain's predicted speed."""
-    tree, chain, plain = best_budget(accept, profile, draft_s), best_budget(accept, profile, draft_s, chain=True), \
-        plain_budget(profile)
+def chain_loss(accept: Acceptance, profile: LatencyProfile, draft_s: float, tree: EagleBudget | None = None) -> dict:
+    """What an engine that takes only chains loses: the best tree's (`tree` where the caller priced it already)
+    and the best chain's predicted speed."""
+    tree = tree or best_budget(accept, profile, draft_s)
+    chain, plain = best_budget(accept, profile, draft_s, chain=True), plain_budget(profile)
     return {"tree": tree.to_json(), "chain": chain.to_json(), "plain_tokens_per_s": round(plain.tokens_per_s, 4),
             "tree_over_plain": round(tree.tokens_per_s / plain.tokens_per_s, 4),
             "chain_over_plain": round(chain.tokens_per_s / plain.tokens_per_s, 4),
@@ -150,6 +151,23 @@ def chain_ranges(accept: Acceptance, profiles: dict, draft_s: float, max_batch_s
     return out
 
 
+@dataclass(frozen=True)
+class HeadExport:
+    """What every engine's writer reads: the head, its acceptance and the profiles per batch size, with the best
+    tree at batch size 1 (priced once) and the note on what a chain-only engine loses."""
+
+    engine: str
+    method: str
+    folder: str
+    accept: Acceptance
+    profiles: dict
+    draft_s: float
+    max_batch_size: int
+    plugin: bool
+    tree: EagleBudget
+    note: str
+
+
 def head_export(engine: str, method: str, folder: str, accept: Acceptance, profiles: dict, draft_s: float,
                 max_batch_size: int, plugin: bool = True):
     """A head's settings for `engine` (planner.export's Export), by how the engine runs a head: a chain per
@@ -163,45 +181,45 @@ def head_export(engine: str, method: str, folder: str, accept: Acceptance, profi
         raise UserError(f"--drafter: engine {engine!r} runs no EAGLE head; use one of "
                         + ", ".join(e for e, t in TARGETS.items() if t.head_shape))
     p1 = profiles[min(profiles)]
-    loss = chain_loss(accept, p1, draft_s)
+    tree = best_budget(accept, p1, draft_s)
+    loss = chain_loss(accept, p1, draft_s, tree)
     note = (f"at batch size 1 the best tree predicts {loss['tree_over_plain']:.2f}x plain and the best chain "
             f"{loss['chain_over_plain']:.2f}x ({100 * (1 - loss['chain_over_tree']):.0f} % lost to a chain-only engine)")
-    writer = {"chain": _chain_export, "grown": _grown_export, "choices": _choices_export}[shape]
-    return writer(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note)
+    h = HeadExport(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, tree, note)
+    return {"chain": _chain_export, "grown": _grown_export, "choices": _choices_export}[shape](h)
 
 
-def _chain_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+def _chain_export(h: HeadExport):
     from planner.export import Export, ExportOptions, build
     from planner.tree import Tree, TreeState
 
-    ranges = chain_ranges(accept, profiles, draft_s, max_batch_size)
+    ranges = chain_ranges(h.accept, h.profiles, h.draft_s, h.max_batch_size)
     depth = max(r.k for r in ranges)
     if depth == 0:
         raise UserError("plain decoding is predicted fastest at every batch size: no speculative setting to write")
     chain = Tree("medusa", [TreeState(0, [(0,) * i for i in range(1, depth + 1)], 1.0, depth + 1)], 1.0)
-    out: Export = build(chain, ranges, ExportOptions(engine, method, folder, plugin=plugin), {}, [])
-    out.notes.append(f"this engine verifies chains: {note}")
+    out: Export = build(chain, ranges, ExportOptions(h.engine, h.method, h.folder, plugin=h.plugin), {}, [])
+    out.notes.append(f"this engine verifies chains: {h.note}")
     return out
 
 
-def _grown_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+def _grown_export(h: HeadExport):
     from planner.export import ENGINE_METHODS, Export
 
-    tree = best_budget(accept, profiles[min(profiles)], draft_s)
-    args = ["--speculative-algorithm", ENGINE_METHODS[engine][method], "--speculative-draft-model-path", folder,
+    tree = h.tree
+    args = ["--speculative-algorithm", ENGINE_METHODS[h.engine][h.method], "--speculative-draft-model-path", h.folder,
             "--speculative-num-steps", str(tree.steps), "--speculative-eagle-topk", str(tree.topk),
             "--speculative-num-draft-tokens", str(tree.draft_tokens)]
-    return Export(engine, {"server_args": args, "adaptive_config": None}, " ".join(args), [
-        f"the engine grows this tree at run time: predicted {tree.expected_tokens:.2f} tokens a step; {note}"])
+    return Export(h.engine, {"server_args": args, "adaptive_config": None}, " ".join(args), [
+        f"the engine grows this tree at run time: predicted {tree.expected_tokens:.2f} tokens a step; {h.note}"])
 
 
-def _choices_export(engine, method, folder, accept, profiles, draft_s, max_batch_size, plugin, note):
+def _choices_export(h: HeadExport):
     from planner.export import ENGINE_METHODS, Export
 
-    p1 = profiles[min(profiles)]
-    tree = best_budget(accept, p1, draft_s)
-    choices, static = eagle_choices(accept, p1, draft_s)
-    cfg = {"decoding_type": ENGINE_METHODS[engine][method], "speculative_model": folder}
+    tree = h.tree
+    choices, static = eagle_choices(h.accept, h.profiles[min(h.profiles)], h.draft_s)
+    cfg = {"decoding_type": ENGINE_METHODS[h.engine][h.method], "speculative_model": h.folder}
     if static.tokens_per_s >= tree.tokens_per_s:
         cfg.update(max_draft_len=static.steps, max_total_draft_tokens=static.draft_tokens - 1, eagle_choices=choices)
         other = (f"a dynamic tree (use_dynamic_tree, max_draft_len {tree.steps}, dynamic_tree_max_topK {tree.topk}, "
@@ -211,8 +229,8 @@ def _choices_export(engine, method, folder, accept, profiles, draft_s, max_batch
         cfg.update(max_draft_len=tree.steps, max_total_draft_tokens=tree.draft_tokens - 1, use_dynamic_tree=True,
                    dynamic_tree_max_topK=tree.topk)
         other = f"the best static eagle_choices ({len(choices)} paths) predicts {static.tokens_per_s / tree.tokens_per_s:.2f}x"
-    return Export(engine, {"speculative_config": cfg}, "--extra_llm_api_options SPEC.yaml  # speculative_config",
-                  [other, note])
+    return Export(h.engine, {"speculative_config": cfg}, "--extra_llm_api_options SPEC.yaml  # speculative_config",
+                  [other, h.note])
 
 
 def head_basis(accept_file: str, profile_file: str, accept: Acceptance, profiles: dict, draft_s: float) -> dict:
