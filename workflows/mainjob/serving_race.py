@@ -15,12 +15,13 @@ benchmark gives every round its own prompts, the same for every contender. Plain
 after the contenders (close_plain): each level's plain is the median over its servers and the drift between
 them is on record. The paired rule, per level: request i of a round slot is sent to every contender, so its
 end-to-end seconds per output token pair up; the sign-flip interval of log(plain / contender) over the
-requests (workflows/mainjob/signflip.py) says whether a contender is ahead of plain there (the interval above
-1 and the level's tokens/s above plain's), behind (below 1, a changed greedy answer, or under TIE x plain's
-tokens/s) or neither. One server per contender decides a level only within the spread between servers (one
-config measured 11-28 % apart on two here), so `resolve` runs further passes, plain's and the candidate's each
-on a fresh server, at the levels still neither ahead nor behind, while the budget holds them; the levels still
-open then are reported as unresolved. The decision rules are workflows/mainjob/serving_decision.py's.
+requests (workflows/mainjob/signflip.py), widened by the spread between servers (across_servers: the
+requests of one server share its state, and one config measured 11-28 % apart on two here), says whether a
+contender is ahead of plain there (the interval above 1 and the level's tokens/s above plain's), behind (below
+1, a changed greedy answer, or under TIE x plain's tokens/s) or neither. `resolve` runs further passes,
+plain's and the candidate's each on a fresh server, at the levels still neither ahead nor behind, while the
+budget holds them: every pass adds a server to each side, which narrows the widening; the levels still open
+then are reported as unresolved. The decision rules are workflows/mainjob/serving_decision.py's.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 import numpy as np
 
@@ -40,6 +42,10 @@ PLAIN = "plain"
 CLOSING = "plain (closing)"  # plain's second server, after the contenders: its rounds join plain's (close_plain)
 DECISION = "decision (as written)"  # the decided config where no contender ran it (serving_decision.confirm)
 TIE = 0.98  # tokens/s over plain's below which a level is behind plain whatever the interval says
+SERVER_SPREAD = 0.06  # sd of log tokens/s between two servers of one config at one level, before a race measures
+#                       its own: plain's closing over its first server in the committed runs here had an rms log
+#                       of 0.05 in benchmarks and 0.11 in main jobs (0.036-0.08 per server); 0.06 between
+PRIOR_SERVERS = 3  # the weight of SERVER_SPREAD, in degrees of freedom, against a race's own plain servers
 WARMUP_TOKENS = 8  # a warm-up wave's answers: the level's shapes used once, at a fraction of a pass's time
 LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
 MIN_RACE_REQUESTS = 8  # a cut level keeps this many paired requests at least (5 are the fewest that can decide)
@@ -375,6 +381,7 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
     from workflows.mainjob.signflip import interval
 
     plain_s = per_request_s(results[PLAIN][level])
+    spread = server_spread(results[PLAIN])
     rows, winner, best = {}, PLAIN, 1.0
     for name, by_level in results.items():
         rounds = by_level.get(level)
@@ -386,7 +393,8 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
         else:
             mine = per_request_s(rounds)
             iv = interval([math.log(plain_s[k] / mine[k]) for k in sorted(mine) if k in plain_s])
-            row.update({"paired": iv.to_json(), "mismatches": mismatches(results[PLAIN][level], rounds) if greedy else 0})
+            paired = across_servers(iv, servers(rounds), servers(results[PLAIN][level]), spread)
+            row.update({"paired": paired, "mismatches": mismatches(results[PLAIN][level], rounds) if greedy else 0})
         rows[name] = row
     plain_tps = rows[PLAIN]["output_tokens_per_s"]
     for name, row in rows.items():
@@ -396,6 +404,47 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
             if beats_plain(row) and row["paired"]["mean"] > best:
                 winner, best = name, row["paired"]["mean"]
     return {"level": level, "contenders": rows, "winner": winner}
+
+
+def servers(rounds: list[dict]) -> int:
+    """How many servers ran these rounds (a round without a server id counts as one server)."""
+    return len({r.get("server") for r in rounds})
+
+
+def server_spread(plain: dict) -> float:
+    """The standard deviation of log(output tokens/s) between servers running the same config at the same
+    level: pooled over plain's levels from its own servers there (first, closing, each pass's), shrunk
+    toward SERVER_SPREAD with PRIOR_SERVERS pseudo-degrees of freedom, so that a race with few servers leans
+    on what was measured here and a long race on a quieter machine learns that its servers agree."""
+    ss, dof = PRIOR_SERVERS * SERVER_SPREAD ** 2, float(PRIOR_SERVERS)
+    for rounds in plain.values():
+        by_server: dict = {}
+        for r in rounds:
+            by_server.setdefault(r.get("server"), []).append(r["result"].output_tokens_per_s)
+        logs = [math.log(float(np.median(v))) for v in by_server.values() if float(np.median(v)) > 0]
+        if len(logs) >= 2:
+            ss += float(np.var(logs, ddof=1)) * (len(logs) - 1)
+            dof += len(logs) - 1
+    return math.sqrt(ss / dof)
+
+
+def across_servers(iv, n_mine: int, n_plain: int, spread: float) -> dict:
+    """The paired interval widened by the spread between servers: the requests of one server share its
+    state (its warm-up, its memory layout, the machine's moment), so the per-request interval alone
+    resolves a level within one server (two here said 1.03x and 0.79x on the same plain path at 16
+    requests, each interval tight). The widening is the one-sided LEVEL quantile of the normal times the
+    spread of a difference between the mean of n_mine servers and of n_plain; it shrinks as passes add
+    servers. The per-request interval stays on record as "within"."""
+    from workflows.mainjob.signflip import ALPHA
+
+    out = iv.to_json()
+    if out["lo"] is None:
+        return {**out, "within": None, "server_spread": spread, "servers": [n_mine, n_plain]}
+    z = NormalDist().inv_cdf(1.0 - ALPHA)
+    widen = z * spread * math.sqrt(1.0 / max(n_mine, 1) + 1.0 / max(n_plain, 1))
+    m, lo, hi = math.log(iv.mean), math.log(iv.lo), math.log(iv.hi)
+    return {**out, "lo": math.exp(m - math.hypot(m - lo, widen)), "hi": math.exp(m + math.hypot(hi - m, widen)),
+            "within": [iv.lo, iv.hi], "server_spread": spread, "servers": [n_mine, n_plain]}
 
 
 def level_row(rounds: list[dict]) -> dict:
