@@ -92,6 +92,7 @@ class Settings:
     timeout_s: float
     budget_s: float | None  # further passes at unresolved levels while this holds them (None: one pass)
     smoke: bool
+    seeded: bool = True  # sampled requests carry a seed each (vLLM 0.32's CPU engine dies on them at 32: --unseeded)
 
     def sent(self, level: int) -> int:
         return max(self.requests, level)
@@ -107,7 +108,7 @@ def settings(a) -> Settings:
     modes = tuple(x.strip() for x in pick(a.sampling, "greedy,sampled", "greedy").split(",") if x.strip())
     budget = None if a.budget is None else a.budget * 60.0
     s = Settings(levels, modes, pick(a.requests, 16, 6), pick(a.max_tokens, 32, 8), pick(a.rounds, 1, 2),
-                 pick(a.timeout, 300.0, 2.0), budget, a.smoke)
+                 pick(a.timeout, 300.0, 2.0), budget, a.smoke, not a.unseeded)
     if not levels or any(c < 1 or c > 256 for c in levels) or list(levels) != sorted(set(levels)):
         raise UserError(f"--concurrency {a.concurrency}: expected increasing levels in 1..256")
     if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
@@ -270,7 +271,8 @@ def traffic(w: Workload, s: Settings, mode: str) -> sr.Traffic:
     """The race's traffic for a sampling mode: slot (level, round) as its own requests (seeded per request)."""
     def reqs(prompts: list[Prompt], tokens: int, seed0: int) -> list[TokenRequest]:
         extras = dict(MODES[mode])
-        return [TokenRequest(list(p.ids), tokens, extras | ({"seed": seed0 + j} if mode != "greedy" else {}))
+        seed = mode != "greedy" and s.seeded
+        return [TokenRequest(list(p.ids), tokens, extras | ({"seed": seed0 + j} if seed else {}))
                 for j, p in enumerate(prompts)]
 
     requests = {key: reqs(ps, s.max_tokens, 1000 * key[1]) for key, ps in w.slots.items()}
@@ -354,7 +356,7 @@ def report(state: State, s: Settings, w: Workload, others: list[sr.Contender], b
     return {"bench": "serving", "model": backend.model_name, "vllm": backend.version, "machine": machine(),
             "settings": {"levels": list(s.levels), "modes": list(s.modes), "requests": s.requests,
                          "max_tokens": s.max_tokens, "rounds": s.rounds, "timeout_s": s.timeout_s,
-                         "budget_s": s.budget_s, "smoke": s.smoke, "sampled": MODES["sampled"]},
+                         "budget_s": s.budget_s, "smoke": s.smoke, "sampled": MODES["sampled"], "seeded": s.seeded},
             "contenders": {k: {"config": c.speculative, "plugin": c.plugin, "source": c.source, "notes": c.notes,
                                "error": state.errors.get(k)} for k, c in listed.items()},
             "prompts": {"warmup": [p.id for p in w.warmup],
@@ -384,7 +386,9 @@ def markdown(doc: dict) -> str:
     others = load.get("other_cores") or []
     lines = [f"# vLLM serving under load ({doc['model']}, {doc['vllm']}, {m['cpu']}, {m['cores']} cores)", "",
              f"max({st['requests']}, level) requests per round at each level (chat and input-repeating; prompts no "
-             f"tuning step reads, none sent twice to one server), {st['max_tokens']} new tokens, {st['rounds']} round(s) "
+             f"tuning step reads, none sent twice to one server), {st['max_tokens']} new tokens"
+             + ("" if st.get("seeded", True) or "sampled" not in st["modes"] else ", sampled requests unseeded")
+             + f", {st['rounds']} round(s) "
              "per server after a warm-up wave; one server per contender, vLLM plain first and last on fresh servers "
              "(the median over its servers); the paired interval is over requests, widened by the spread between "
              "servers; * ahead of plain (interval above 1 and more tokens/s), ! behind "
@@ -697,6 +701,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="registry model or Hugging Face folder vLLM serves")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"), help="writes OUT.json and OUT.md")
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests without a seed each: vLLM 0.32's CPU engine (plain's too) dies on seeded "
+                        "sampling after a chunked prefill (32 requests here: 'CPU Generator does not use offset')")
     p.add_argument("--smoke", action="store_true", help="a fake server in this process: checks the code paths in seconds")
     return p
 

@@ -195,6 +195,17 @@ def test_settings_are_checked():
     assert (s.requests, s.max_tokens, s.rounds, s.budget_s) == (16, 32, 1, None) and s.sent(32) == 32
 
 
+def test_sampled_requests_carry_a_seed_each_unless_unseeded():
+    p = bs.parser()
+    for args, seeded in (([], True), (["--unseeded"], False)):
+        s = bs.settings(p.parse_args(["--smoke", "--sampling", "greedy,sampled"] + args))
+        w = bs.workload(s, bs.FakeBackend.encode)
+        sampled = [r for reqs in bs.traffic(w, s, "sampled").requests.values() for r in reqs]
+        greedy = [r for reqs in bs.traffic(w, s, "greedy").requests.values() for r in reqs]
+        assert all(("seed" in r.extras) == seeded and r.extras["temperature"] == 0.7 for r in sampled)
+        assert not any("seed" in r.extras for r in greedy)
+
+
 @pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX")
 def test_the_fake_server_leaves_no_thread():
     server = bs.FakeServer({"method": "ngram"}).start()
