@@ -392,7 +392,7 @@ def markdown(doc: dict) -> str:
              "per server after a warm-up wave; one server per contender, vLLM plain first and last on fresh servers "
              "(the median over its servers); the paired interval is over requests, widened by the spread between "
              "servers; * ahead of plain (interval above 1 and more tokens/s), ! behind "
-             f"(interval below 1 or under {sr.TIE}x tokens/s), ? unresolved. Wall time {doc['wall_s']:.0f} s; 1-minute "
+             f"(interval below 1 or under {sr.TIE}x tokens/s), ? unresolved (the interval holds 1: more servers could change it). Wall time {doc['wall_s']:.0f} s; 1-minute "
              f"load average at the start {_f(load.get('load_avg_1m_start'), '.2f')}, other processes' cores per "
              f"sample at most {_f(max(others, default=None), '.2f')}."
              + (" **Interrupted: finished levels only.**" if doc["interrupted"] else ""), ""]
@@ -414,7 +414,9 @@ def markdown(doc: dict) -> str:
 def _mode_lines(doc: dict, mode: str, info: dict) -> list[str]:
     levels = doc["settings"]["levels"]
     rows = [r for r in doc["rows"] if r["mode"] == mode]
-    mark = (lambda r: "*" if r["ahead"] else "!" if r["behind"] else "?" if r["ahead"] is not None else "")
+    # "!?": behind plain by its tokens/s on the servers so far, while its interval still holds 1
+    mark = (lambda r: "*" if r["ahead"] else ("!" if r["behind"] else "") + ("?" if r.get("resolved") is False else "")
+            if r["ahead"] is not None else "")
     lines = [f"## {mode}", "", "Output tokens/s (ratio to vLLM plain):", "",
              "| contender | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name in dict.fromkeys(r["contender"] for r in rows):

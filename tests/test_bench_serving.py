@@ -122,8 +122,8 @@ def _passed(err: str) -> set[int]:
     """The levels the log says another pass raced."""
     out = set()
     for line in err.splitlines():
-        if "another pass" in line and "same at " in line:
-            out |= {int(x) for x in line.split("same at ")[1].split(" (")[0].split(", ")}
+        if line.strip().startswith("another pass") and "same at " in line:
+            out |= {int(x) for x in line.split("same at ")[1].split(" (")[0].split(";")[0].split(", ")}
     return out
 
 

@@ -219,7 +219,7 @@ def resolve(engine, race: Race, candidates: list[Contender], seconds_left: Calla
         eta += sum(predicted_seconds(c, race.timings[PLAIN], todo[c.name], race.traffic.rounds, plain_tps)
                    for c in candidates if c.name in todo)
         if eta > seconds_left():
-            race.say(f"      unresolved (neither ahead of nor behind plain): {_levels_said(todo)}; another pass "
+            race.say(f"      unresolved (the interval still holds 1): {_levels_said(todo)}; another pass "
                      f"(predicted {eta:.0f} s) does not fit the {max(seconds_left(), 0):.0f} s left")
             return todo
         race.say(f"      another pass, plain and the candidate each on a fresh server, at the unresolved levels: "
@@ -240,8 +240,13 @@ def _levels_said(todo: dict) -> str:
 
 
 def unresolved(row: dict) -> bool:
-    """A contender's row at a level is neither ahead of plain nor behind it: its interval holds 1."""
-    return not beats_plain(row) and not behind_plain(row)
+    """More servers could still change what a contender's row at a level says: no greedy answer changed and
+    its interval holds 1 (its tokens/s under TIE x plain's on few servers is within the spread between
+    servers too), or it is neither ahead of plain nor behind it."""
+    paired = row.get("paired") or {}
+    lo, hi = paired.get("lo"), paired.get("hi")
+    holds_one = lo is None or hi is None or lo <= 1.0 <= hi
+    return row.get("mismatches") == 0 and holds_one or not beats_plain(row) and not behind_plain(row)
 
 
 # ---------------------------------------------------------------------------------------------- budget
