@@ -25,8 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-K0 = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-      "num_speculative_tokens_per_batch_size": [[1, 256, 0]]}  # bench/data/serving-k0-plugin.json's config
+K0 = json.loads((ROOT / "bench" / "data" / "serving-k0-plugin.json").read_text())["speculative_config"]  # as served
 KERNELS = ("onednn_mm", "cpu_attention_with_kv_cache", "silu", "fused_add_rms_norm")
 
 
@@ -121,7 +120,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     from bench.common import machine
-    from decoder.engines.vllm.env import STAMP, require_python, venv_dir
+    from decoder.engines.vllm.env import installed_version, require_python
     from decoder.engines.shipped import model_dir
     from decoder.engines.hf.tokenizer import load_tokenizer
     from training.splits import bench_prompts
@@ -145,9 +144,7 @@ def main() -> None:
     print("bench_k0_work: K = 0 with the plugin", file=sys.stderr, flush=True)
     k0 = run_inside(python, {**base, "speculative_config": K0, "plugin": True})
     diffs = compare(plain, k0)
-    stamp = venv_dir() / STAMP
-    version = stamp.read_text().split()[0] if stamp.is_file() and stamp.read_text().split() else "vLLM"
-    doc = {"bench": "vllm-k0-work", "model": "smollm2-135m", "vllm": version, "machine": machine(),
+    doc = {"bench": "vllm-k0-work", "model": "smollm2-135m", "vllm": installed_version(), "machine": machine(),
            "requests": a.requests, "max_tokens": a.max_tokens, "identical": plain["tokens"] == k0["tokens"],
            "kernels_equal": model_calls_equal(diffs),
            "differences": diffs, "plain": plain, "k0_plugin": k0}

@@ -392,7 +392,8 @@ def markdown(doc: dict) -> str:
              "per server after a warm-up wave; one server per contender, vLLM plain first and last on fresh servers "
              "(the median over its servers); the paired interval is over requests, widened by the spread between "
              "servers; * ahead of plain (interval above 1 and more tokens/s), ! behind "
-             f"(interval below 1 or under {sr.TIE}x tokens/s), ? unresolved (the interval holds 1: more servers could change it). Wall time {doc['wall_s']:.0f} s; 1-minute "
+             f"(interval below 1 or under {sr.TIE}x tokens/s), ? unresolved (the interval holds 1: more servers could "
+             f"change it). Wall time {doc['wall_s']:.0f} s; 1-minute "
              f"load average at the start {_f(load.get('load_avg_1m_start'), '.2f')}, other processes' cores per "
              f"sample at most {_f(max(others, default=None), '.2f')}."
              + (" **Interrupted: finished levels only.**" if doc["interrupted"] else ""), ""]
@@ -452,13 +453,12 @@ class VllmBackend:
 
     def __init__(self, model: str, startup_timeout_s: float):
         from decoder.engines.registry import EngineRequest, open_engine
-        from decoder.engines.vllm.env import STAMP, venv_dir
+        from decoder.engines.vllm.env import installed_version
 
         self.t0 = time.time()
         self.engine = open_engine("vllm", EngineRequest(model=model))
         self.startup_timeout_s = startup_timeout_s
-        stamp = venv_dir() / STAMP
-        self.version = stamp.read_text().split()[0] if stamp.is_file() and stamp.read_text().split() else "vLLM"
+        self.version = installed_version()
         self.model_name = self.engine.model_name
 
     def server(self, speculative_config: dict | None = None, plugin: bool = False):

@@ -177,7 +177,6 @@ def test_the_paired_rule_per_level():
     assert sr.decide_level(results, 1, greedy=True)["winner"] == sr.PLAIN
 
 
-
 def _on_server(rounds: list[dict], server: int, closing: bool = False) -> list[dict]:
     return [{**r, "server": server, "closing": closing} for r in rounds]
 
@@ -209,6 +208,7 @@ def test_a_level_resolves_across_servers_not_within_one():
     # plain's servers that disagree widen it instead
     results[sr.PLAIN][16] = _on_server(_level(16, plain, toks), 1) + _on_server(_level(16, [x * 1.3 for x in plain], toks), 4)
     assert sr.server_spread(results[sr.PLAIN]) > sr.SERVER_SPREAD
+
 
 def _row(ratio, lo=None, mismatches=0):
     """A contender's row at a level: tokens/s over plain, the paired interval (around the ratio by default)."""

