@@ -1,0 +1,181 @@
+"""The time of one decode step in vLLM's worker at K = 0 with the project's plugin, against vLLM plain, each
+config in several fresh processes, alternated: is the plain path the plugin takes as fast as plain's own?
+
+    python bench/bench_k0_steps.py                          # 16 requests at once, 4 processes per config
+    python bench/bench_k0_steps.py --requests 32 --processes 6
+
+Served, K = 0 with the plugin measured 0.91-0.94x plain at 16 and 32 requests (bench/results/
+serving-k0-plugin.md), and bench_k0_work.py counted the same calls per step in both. This times the step
+itself: each process runs one engine (its engine core and worker in-process, fp32, eager, the benchmark's
+chat and repeat prompts), a warm-up `generate`, then --rounds `generate` calls of every request at once,
+and times vLLM's `execute_model` on every step that decodes all the requests (nothing prefilled in it: the
+steps a served level at that batch is made of). Per process the median step; per config the median over its
+processes, and the spread between its processes (one config's processes differ by more than the effect
+looked for on this VM, which is why the processes are many and alternate: plain, K = 0, K = 0, plain, ...).
+Timed, so it refuses a loaded machine (bench/common.py). Writes bench/results/vllm-k0-steps.{json,md} (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+K0 = json.loads((ROOT / "bench" / "data" / "serving-k0-plugin.json").read_text())["speculative_config"]  # as served
+CONFIGS = {"plain": (None, False), "k0_plugin": (K0, True)}
+
+
+def inside(request: dict) -> dict:
+    """vLLM's side: one engine, the seconds of each step that decodes every request."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if request["plugin"]:
+        os.environ["TREE_PLANNER_VLLM_PLUGIN"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    batch = len(request["prompts"])
+    step_s: list[float] = []
+    execute = GPUModelRunner.execute_model
+
+    def timed(self, scheduler_output, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            if scheduler_output.total_num_scheduled_tokens == batch == len(scheduler_output.num_scheduled_tokens):
+                step_s.append(time.perf_counter() - t0)  # one token for each of the batch's requests
+
+    GPUModelRunner.execute_model = timed
+    llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+              speculative_config=request["speculative_config"])
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    llm.generate(prompts, greedy, use_tqdm=False)  # warm-up: every shape once
+    step_s.clear()
+    tokens = None
+    for _ in range(request["rounds"]):
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        tokens = tokens or [list(o.outputs[0].token_ids) for o in outs]
+    return {"step_s": step_s, "tokens": tokens}
+
+
+def run_inside(python: Path, request: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "vllm_plugin")}
+        r = subprocess.run([str(python), __file__, "--inside", str(req), str(res)], env=env,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench_k0_steps: the vLLM engine failed:\n{r.stderr[-3000:]}")
+        return json.loads(res.read_text())
+
+
+def order(processes: int) -> list[str]:
+    """plain, K = 0, K = 0, plain, plain, K = 0, ...: each config as often first as second in a pair."""
+    pair = list(CONFIGS)
+    return [name for i in range(processes) for name in (pair if i % 2 == 0 else pair[::-1])]
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per config: each process's median step (ms, in the order they ran), their median and their spread
+    (the largest over the smallest); the ratio of K = 0's median over plain's."""
+    out = {}
+    for name in CONFIGS:
+        medians = [1e3 * statistics.median(r["step_s"]) for r in runs if r["config"] == name and r["step_s"]]
+        out[name] = {"process_median_ms": [round(m, 2) for m in medians],
+                     "median_ms": statistics.median(medians) if medians else None,
+                     "spread": max(medians) / min(medians) if medians else None,
+                     "steps": sum(len(r["step_s"]) for r in runs if r["config"] == name)}
+    p, k = out["plain"]["median_ms"], out["k0_plugin"]["median_ms"]
+    out["k0_over_plain_time"] = k / p if p and k else None
+    return out
+
+
+def report(doc: dict) -> str:
+    s = doc["summary"]
+    p, k = s["plain"], s["k0_plugin"]
+    lines = [f"# vLLM's decode step at K = 0 with the plugin against plain, in fresh processes ({doc['model']}, "
+             f"{doc['vllm']}, {doc['machine']['cpu']}, {doc['machine']['cores']} cores)", "",
+             f"{doc['requests']} requests at once, {doc['max_tokens']} new tokens each, greedy, {doc['rounds']} timed "
+             f"`generate` calls per process after a warm-up; engine core and worker in one process, fp32, eager; "
+             f"{doc['processes']} processes per config, alternated (`{' '.join(doc['order'])}`). The time of vLLM's "
+             f"`execute_model` on each step that decodes all {doc['requests']} requests. K = 0 with the plugin: "
+             f"`{json.dumps(K0)}`. Wall time {doc['wall_s']:.0f} s; 1-minute load average at the start "
+             f"{doc['load_avg_start']}.", "",
+             "| config | median step ms | each process's median step, ms (in order) | spread between processes | steps |",
+             "|---|---|---|---|---|"]
+    for name, label in (("plain", "vLLM plain"), ("k0_plugin", "K = 0 with the plugin")):
+        c = s[name]
+        lines.append(f"| {label} | {c['median_ms']:.1f} | {', '.join(f'{x:.1f}' for x in c['process_median_ms'])} | "
+                     f"{c['spread']:.2f}x | {c['steps']} |")
+    lines += ["", f"K = 0 with the plugin over plain, median step time: **{s['k0_over_plain_time']:.3f}x** "
+              f"(below 1: faster). Answers identical to plain's: {doc['identical']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--inside":
+        Path(sys.argv[3]).write_text(json.dumps(inside(json.loads(Path(sys.argv[2]).read_text()))))
+        return 0
+    sys.path.insert(0, str(ROOT))
+    from bench.common import Results, bench_main, machine, sample_load
+    from decoder.engines.hf.tokenizer import load_tokenizer
+    from decoder.engines.shipped import model_dir
+    from decoder.engines.vllm.env import installed_version, require_python
+    from planner.errors import UserError
+    from training.splits import bench_prompts
+    from workflows.cli.inputs import encode_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=16, help="requests at once: the batch timed (default 16)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    p.add_argument("--rounds", type=int, default=3, help="timed generate calls per process (default 3)")
+    p.add_argument("--processes", type=int, default=4, help="fresh processes per config (default 4)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm-k0-steps"))
+
+    def run(a) -> Results:
+        if not (1 <= a.requests <= 64 and 1 <= a.max_tokens <= 512 and 1 <= a.rounds <= 20
+                and 1 <= a.processes <= 20):
+            raise UserError("--requests 1..64, --max-tokens 1..512, --rounds 1..20, --processes 1..20")
+        t0 = time.time()
+        from bench.common import load_record
+        load_start = load_record()["load_avg_1m_start"]
+        folder = model_dir("smollm2-135m")
+        half = a.requests // 2
+        texts = [b.turns[0] for b in bench_prompts("chat", a.requests - half) + bench_prompts("repeat", half)]
+        ids = [t.tolist() for t in encode_prompts(load_tokenizer(folder, local_only=True), texts)]
+        python = require_python()
+        runs = []
+        plan = order(a.processes)
+        for i, name in enumerate(plan, 1):
+            spec, plugin = CONFIGS[name]
+            print(f"bench_k0_steps: process {i}/{len(plan)}: {name}", file=sys.stderr, flush=True)
+            r = run_inside(python, {"model": str(folder), "prompts": ids, "max_tokens": a.max_tokens,
+                                    "rounds": a.rounds, "speculative_config": spec, "plugin": plugin})
+            runs.append({"config": name, **r})
+            sample_load()
+        tokens = {name: [r["tokens"] for r in runs if r["config"] == name] for name in CONFIGS}
+        identical = all(t == tokens["plain"][0] for ts in tokens.values() for t in ts)
+        doc = {"bench": "vllm-k0-steps", "model": "smollm2-135m", "vllm": installed_version(), "machine": machine(),
+               "requests": a.requests, "max_tokens": a.max_tokens, "rounds": a.rounds, "processes": a.processes,
+               "order": plan, "identical": identical, "wall_s": time.time() - t0, "load_avg_start": load_start,
+               "summary": summarise(runs),
+               "runs": [{"config": r["config"], "step_ms": [round(1e3 * x, 3) for x in r["step_s"]]} for r in runs]}
+        out = Path(a.out)
+        return Results({out.with_suffix(".json"): doc, out.with_suffix(".md"): report(doc)}, report(doc),
+                       0 if identical else 1)
+
+    return bench_main("bench_k0_steps", p, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
