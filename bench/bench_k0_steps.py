@@ -6,8 +6,8 @@ config in several fresh processes, alternated: is the plain path the plugin take
 
 Served, K = 0 with the plugin measured 0.91-0.94x plain at 16 and 32 requests (bench/results/
 serving-k0-plugin.md), and bench_k0_work.py counted the same calls per step in both. This times the step
-itself: each process runs one engine (its engine core and worker in-process, fp32, eager, the benchmark's
-chat and repeat prompts), a warm-up `generate`, then --rounds `generate` calls of every request at once,
+itself: each process runs one engine as `vllm serve` runs it (the worker in its own process, fp32, eager, the
+benchmark's chat and repeat prompts), a warm-up `generate`, then --rounds `generate` calls of every request at once,
 and times vLLM's `execute_model` on every step that decodes all the requests (nothing prefilled in it: the
 steps a served level at that batch is made of). Per process the median step; per config the median over its
 processes, and the spread between its processes (one config's processes differ by more than the effect
@@ -31,40 +31,53 @@ K0 = json.loads((ROOT / "bench" / "data" / "serving-k0-plugin.json").read_text()
 CONFIGS = {"plain": (None, False), "k0_plugin": (K0, True)}
 
 
+def _time_steps(worker, batch: int) -> None:
+    """In vLLM's worker process: time every execute_model that decodes one token for each of `batch` requests."""
+    runner = worker.model_runner
+    execute = runner.execute_model
+    runner.k0_step_s = []
+
+    def timed(scheduler_output, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return execute(scheduler_output, *args, **kwargs)
+        finally:
+            if scheduler_output.total_num_scheduled_tokens == batch == len(scheduler_output.num_scheduled_tokens):
+                runner.k0_step_s.append(time.perf_counter() - t0)
+
+    runner.execute_model = timed
+
+
+def _clear_steps(worker) -> None:
+    worker.model_runner.k0_step_s.clear()
+
+
+def _steps(worker) -> list[float]:
+    return list(worker.model_runner.k0_step_s)
+
+
 def inside(request: dict) -> dict:
-    """vLLM's side: one engine, the seconds of each step that decodes every request."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """vLLM's side: one engine as `vllm serve` runs it (the worker in its own process, one thread on its own
+    core, the engine core beside it), the seconds of each step that decodes every request."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc ships the timer functions to the worker
     if request["plugin"]:
         os.environ["TREE_PLANNER_VLLM_PLUGIN"] = "1"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    batch = len(request["prompts"])
-    step_s: list[float] = []
-    execute = GPUModelRunner.execute_model
-
-    def timed(self, scheduler_output, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            if scheduler_output.total_num_scheduled_tokens == batch == len(scheduler_output.num_scheduled_tokens):
-                step_s.append(time.perf_counter() - t0)  # one token for each of the batch's requests
-
-    GPUModelRunner.execute_model = timed
     llm = LLM(model=request["model"], dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               speculative_config=request["speculative_config"])
+    llm.collective_rpc(_time_steps, args=(len(request["prompts"]),))
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     greedy = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
     llm.generate(prompts, greedy, use_tqdm=False)  # warm-up: every shape once
-    step_s.clear()
+    llm.collective_rpc(_clear_steps)
     tokens = None
     for _ in range(request["rounds"]):
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         tokens = tokens or [list(o.outputs[0].token_ids) for o in outs]
-    return {"step_s": step_s, "tokens": tokens}
+    return {"step_s": llm.collective_rpc(_steps)[0], "tokens": tokens}
 
 
 def run_inside(python: Path, request: dict) -> dict:
@@ -106,7 +119,7 @@ def report(doc: dict) -> str:
     lines = [f"# vLLM's decode step at K = 0 with the plugin against plain, in fresh processes ({doc['model']}, "
              f"{doc['vllm']}, {doc['machine']['cpu']}, {doc['machine']['cores']} cores)", "",
              f"{doc['requests']} requests at once, {doc['max_tokens']} new tokens each, greedy, {doc['rounds']} timed "
-             f"`generate` calls per process after a warm-up; engine core and worker in one process, fp32, eager; "
+             f"`generate` calls per process after a warm-up; the worker in its own process as served, fp32, eager; "
              f"{doc['processes']} processes per config, alternated (`{' '.join(doc['order'])}`). The time of vLLM's "
              f"`execute_model` on each step that decodes all {doc['requests']} requests. K = 0 with the plugin: "
              f"`{json.dumps(K0)}`. Wall time {doc['wall_s']:.0f} s; 1-minute load average at the start "
