@@ -20,14 +20,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-K0 = json.loads((ROOT / "bench" / "data" / "serving-k0-plugin.json").read_text())["speculative_config"]  # as served
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # after vLLM's own packages in its environment (the --inside run)
+
+from bench.bench_k0_work import K0, prompt_ids, run_inside  # noqa: E402  (K0: the served config)
+
 CONFIGS = {"plain": (None, False), "k0_plugin": (K0, True)}
 
 
@@ -80,18 +82,6 @@ def inside(request: dict) -> dict:
     return {"step_s": llm.collective_rpc(_steps)[0], "tokens": tokens}
 
 
-def run_inside(python: Path, request: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "vllm_plugin")}
-        r = subprocess.run([str(python), __file__, "--inside", str(req), str(res)], env=env,
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"bench_k0_steps: the vLLM engine failed:\n{r.stderr[-3000:]}")
-        return json.loads(res.read_text())
-
-
 def order(processes: int) -> list[str]:
     """plain, K = 0, K = 0, plain, plain, K = 0, ...: each config as often first as second in a pair."""
     pair = list(CONFIGS)
@@ -139,14 +129,10 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--inside":
         Path(sys.argv[3]).write_text(json.dumps(inside(json.loads(Path(sys.argv[2]).read_text()))))
         return 0
-    sys.path.insert(0, str(ROOT))
-    from bench.common import Results, bench_main, machine, sample_load
-    from decoder.engines.hf.tokenizer import load_tokenizer
+    from bench.common import Results, bench_main, load_record, machine, sample_load
     from decoder.engines.shipped import model_dir
     from decoder.engines.vllm.env import installed_version, require_python
     from planner.errors import UserError
-    from training.splits import bench_prompts
-    from workflows.cli.inputs import encode_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=16, help="requests at once: the batch timed (default 16)")
@@ -160,12 +146,9 @@ def main() -> int:
                 and 1 <= a.processes <= 20):
             raise UserError("--requests 1..64, --max-tokens 1..512, --rounds 1..20, --processes 1..20")
         t0 = time.time()
-        from bench.common import load_record
         load_start = load_record()["load_avg_1m_start"]
         folder = model_dir("smollm2-135m")
-        half = a.requests // 2
-        texts = [b.turns[0] for b in bench_prompts("chat", a.requests - half) + bench_prompts("repeat", half)]
-        ids = [t.tolist() for t in encode_prompts(load_tokenizer(folder, local_only=True), texts)]
+        ids = prompt_ids(folder, a.requests)
         python = require_python()
         runs = []
         plan = order(a.processes)
@@ -173,7 +156,7 @@ def main() -> int:
             spec, plugin = CONFIGS[name]
             print(f"bench_k0_steps: process {i}/{len(plan)}: {name}", file=sys.stderr, flush=True)
             r = run_inside(python, {"model": str(folder), "prompts": ids, "max_tokens": a.max_tokens,
-                                    "rounds": a.rounds, "speculative_config": spec, "plugin": plugin})
+                                    "rounds": a.rounds, "speculative_config": spec, "plugin": plugin}, __file__)
             runs.append({"config": name, **r})
             sample_load()
         tokens = {name: [r["tokens"] for r in runs if r["config"] == name] for name in CONFIGS}

@@ -69,16 +69,28 @@ def inside(request: dict) -> dict:
             "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def run_inside(python: Path, request: dict) -> dict:
+def run_inside(python: Path, request: dict, script: str = __file__) -> dict:
+    """`script --inside REQUEST RESULT` in vLLM's environment, the working tree's plugin first on its path."""
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
         env = {**os.environ, "PYTHONPATH": str(ROOT / "vllm_plugin")}
-        r = subprocess.run([str(python), __file__, "--inside", str(req), str(res)], env=env,
+        r = subprocess.run([str(python), script, "--inside", str(req), str(res)], env=env,
                            capture_output=True, text=True)
         if r.returncode != 0:
-            raise SystemExit(f"bench_k0_work: the vLLM engine failed:\n{r.stderr[-3000:]}")
+            raise SystemExit(f"{Path(script).stem}: the vLLM engine failed:\n{r.stderr[-3000:]}")
         return json.loads(res.read_text())
+
+
+def prompt_ids(folder: Path, requests: int) -> list[list[int]]:
+    """The benchmark's chat and repeat requests, half each, as bench_serving sends them: token ids."""
+    from decoder.engines.hf.tokenizer import load_tokenizer
+    from training.splits import bench_prompts
+    from workflows.cli.inputs import encode_prompts
+
+    half = requests // 2
+    texts = [b.turns[0] for b in bench_prompts("chat", requests - half) + bench_prompts("repeat", half)]
+    return [t.tolist() for t in encode_prompts(load_tokenizer(folder, local_only=True), texts)]
 
 
 def compare(plain: dict, k0: dict) -> list[dict]:
@@ -122,9 +134,6 @@ def main() -> None:
     from bench.common import machine
     from decoder.engines.vllm.env import installed_version, require_python
     from decoder.engines.shipped import model_dir
-    from decoder.engines.hf.tokenizer import load_tokenizer
-    from training.splits import bench_prompts
-    from workflows.cli.inputs import encode_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=32, help="requests at once (default 32)")
@@ -134,9 +143,7 @@ def main() -> None:
     if not (1 <= a.requests <= 64 and 1 <= a.max_tokens <= 512):
         raise SystemExit("bench_k0_work: --requests 1..64, --max-tokens 1..512")
     folder = model_dir("smollm2-135m")
-    half = a.requests // 2
-    texts = [b.turns[0] for b in bench_prompts("chat", a.requests - half) + bench_prompts("repeat", half)]
-    ids = [t.tolist() for t in encode_prompts(load_tokenizer(folder, local_only=True), texts)]
+    ids = prompt_ids(folder, a.requests)
     python = require_python()
     base = {"model": str(folder), "prompts": ids, "max_tokens": a.max_tokens}
     print("bench_k0_work: vLLM plain", file=sys.stderr, flush=True)
