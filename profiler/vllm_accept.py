@@ -208,7 +208,7 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
 def measure_method(engine, method: str, requests: Sequence[Request], s, draft_length: int = DEFAULT_DRAFT_LENGTH,
                    concurrency: int = 4, draft_model: str | Path | dict | None = None,
                    timeout_s: float = REQUEST_TIMEOUT_S, say: Callable[[str], None] | None = None,
-                   server_kwargs: dict | None = None, server=None, launch_next=None) -> dict:
+                   server=None, launch_next=None) -> dict:
     """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record.
     `server`: that server made (or launched) already; `launch_next`: a server launched once this one
     is up, before its requests (measure_methods; the caller stops it)."""
@@ -216,7 +216,7 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
     config = speculative_config(method, draft_length, draft_model)
     t0 = time.perf_counter()
     say(f"{method}: vLLM with {config}")
-    with server or engine.server(speculative_config=config, **(server_kwargs or {})) as server:
+    with server or engine.server(speculative_config=config) as server:
         started = time.perf_counter() - t0
         if launch_next is not None:
             launch_next.launch()
