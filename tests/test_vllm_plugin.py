@@ -206,7 +206,7 @@ def prompts(smollm2) -> dict:
 
 PATCHED = ["EngineCore.post_step", "GPUModelRunner.__init__", "GPUModelRunner._prepare_inputs",
            "GPUModelRunner.propose_draft_token_ids", "MedusaProposer.propose", "Scheduler.__init__", "Scheduler.schedule",
-           "SuffixDecodingProposer.propose"]
+           "SuffixDecodingProposer.propose", "rejection_sampler.expand_batch_to_tokens"]
 
 
 def test_the_loader_leaves_vllm_untouched_when_off_or_on_an_untested_version(runs):
@@ -298,6 +298,10 @@ def runs(python, smollm2, prompts, heads, served, tmp_path_factory) -> dict:
         if name == "ngram":
             request["sampled"] = dict(sampled, seeds=seeds, wrong=["wrong"])
         out[name] = _inside(python, "engine", request, tmp, "1")
+    # Sampled requests whose every step has drafts: the target drafting for itself (K = 2 at every batch size)
+    drafted = {"model": str(smollm2), "config": {"method": "draft_model", "model": str(smollm2), "num_speculative_tokens": 2},
+               "sampled": dict(sampled, seeds={"B": seeds["B"], "wrong": seeds["wrong"]}, wrong=["wrong"], wrong_path="spec")}
+    out["sampled drafts"] = _inside(python, "engine", drafted, tmp, "1")
     served.wait_healthy()
     request = TokenRequest(prompts["greedy"][0], greedy["max_tokens"], {"temperature": 0})
     result = run_load(served.url, served.served_model_name, [request], concurrency=1, timeout_s=300)
@@ -398,6 +402,24 @@ def test_sampling_keeps_plains_distribution_and_a_wrong_rule_is_caught(runs):
     assert _homogeneity_p(plain["A"], plugin["B"]) > 1e-3
     assert _homogeneity_p(plain["A"], plugin["wrong"]) < 1e-6  # temperature dropped on the plain path: caught
     assert plugin["wrong"] != plugin["B"]
+
+
+def test_sampled_drafts_are_verified_at_the_requests_temperature(runs):
+    """The speculative path under sampling. vLLM 0.32's CPU build verified drafted positions at an uninitialised
+    temperature and top-p (patches.py, `expand_batch_to_tokens`), so its sampled speculative decoding accepted
+    almost nothing and emitted tokens plain never would; with the plugin the drafted positions follow plain's
+    distribution, and verifying them against the raw distribution (T = 1, top-p 1 instead of the request's 0.7
+    and 0.9) is caught."""
+    plain, drafted = runs["plain"]["sampled"], runs["sampled drafts"]["sampled"]
+    assert runs["sampled drafts"]["patched"] == PATCHED
+    assert len(drafted["B"]) == len(drafted["wrong"]) == N_SAMPLES
+    for name in ("B", "wrong"):
+        steps = [s for s in runs["sampled drafts"]["steps"] if s["phase"] == f"sampled {name}"]
+        decode = [s for s in steps if s["drafts"] > 0]
+        assert decode and all(s["path"] == "spec" and s["rejection"] == 1 for s in decode)
+        assert len(decode) >= len(steps) // 2  # after each wave's prefill, every step verifies drafts
+    assert _homogeneity_p(plain["A"], drafted["B"]) > 1e-3
+    assert _homogeneity_p(plain["A"], drafted["wrong"]) < 1e-6
 
 
 def test_served_with_the_plugin_it_acts_and_answers_as_plain(runs):

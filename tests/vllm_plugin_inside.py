@@ -15,8 +15,10 @@ entry point setup_vllm.sh installed). Standard library, vLLM and torch only.
             output, as vLLM reconfigures its loggers while the engine starts). A step record: the batch, the step's K
             (`num_spec_tokens_to_schedule`), scheduled drafts, which sampler ran ("plain" or "spec"),
             rejection-sampler calls, proposer calls, suffix speculate calls and draft fetches by the
-            engine core after it. Sample sets named in "wrong" run under a deliberately wrong rule: the
-            plain path's temperature dropped (sampling at T = 1), which the distribution test must catch.
+            engine core after it. Sample sets named in "wrong" run under a deliberately wrong rule, which
+            the distribution test must catch, on the path "wrong_path" names: "plain" (the default), the
+            plain sampler's temperature dropped (T = 1); "spec", the rejection sampler's verification and
+            resampling of drafted positions against the raw distribution (T = 1, top-p 1).
 """
 from __future__ import annotations
 
@@ -47,14 +49,16 @@ class Lines(logging.Handler):
 def _targets() -> dict:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.spec_decode.medusa import MedusaProposer
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     names = {GPUModelRunner: ("__init__", "_prepare_inputs", "propose_draft_token_ids", "_sample", "execute_model"),
              Scheduler: ("__init__", "schedule"), EngineCore: ("__init__", "post_step", "step"),
-             SuffixDecodingProposer: ("propose",), MedusaProposer: ("propose",)}
-    return {f"{cls.__name__}.{n}": (cls, n, cls.__dict__[n]) for cls, ns in names.items() for n in ns}
+             SuffixDecodingProposer: ("propose",), MedusaProposer: ("propose",),
+             rejection_sampler: ("expand_batch_to_tokens",)}  # a module function: the CPU fix
+    return {f"{cls.__name__.rsplit('.', 1)[-1]}.{n}": (cls, n, cls.__dict__[n]) for cls, ns in names.items() for n in ns}
 
 
 def _patched(before: dict) -> list[str]:
@@ -99,9 +103,11 @@ class Probe:
 
     def __init__(self):
         self.steps: list[dict] = []
-        self.wrong = False  # the deliberately wrong rule: the plain path samples at temperature 1
+        self.wrong = None  # the deliberately wrong rule: "plain" or "spec", that path samples at temperature 1
 
     def install(self) -> None:
+        import torch
+        from vllm.v1.sample import rejection_sampler
         from vllm.v1.sample.rejection_sampler import RejectionSampler
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.spec_decode.medusa import MedusaProposer
@@ -119,7 +125,7 @@ class Probe:
 
         def _sample(self_, logits, spec_decode_metadata):
             probe.steps[-1]["path"] = "plain" if spec_decode_metadata is None else "spec"
-            if probe.wrong and spec_decode_metadata is None:
+            if probe.wrong == "plain" and spec_decode_metadata is None:
                 sm = self_.input_batch.sampling_metadata
                 self_.input_batch.sampling_metadata = dataclasses.replace(sm, temperature=sm.temperature * 0 + 1)
                 try:
@@ -129,6 +135,15 @@ class Probe:
             return original_sample(self_, logits, spec_decode_metadata)
 
         GPUModelRunner._sample = _sample
+        expand = rejection_sampler.expand_batch_to_tokens  # the plugin's, where it patched
+
+        def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            out = expand(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            if probe.wrong == "spec" and out.is_floating_point():  # temperature and top-p: the raw distribution
+                return torch.ones_like(out)
+            return out
+
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
         self._count(RejectionSampler, "forward", "rejection")
         for cls in (NgramProposer, SuffixDecodingProposer, SpecDecodeBaseProposer, MedusaProposer):  # draft_model, EAGLE
             self._count(cls, "propose", "proposer")
@@ -184,7 +199,7 @@ def engine(request: dict) -> dict:
     sampled = request.get("sampled")
     if sampled:
         for name, seeds in sampled["seeds"].items():
-            probe.wrong = name in sampled.get("wrong", ())
+            probe.wrong = sampled.get("wrong_path", "plain") if name in sampled.get("wrong", ()) else None
             params = [SamplingParams(temperature=sampled["temperature"], top_p=sampled["top_p"], seed=int(s),
                                      max_tokens=int(sampled["max_tokens"])) for s in seeds]
             wave = int(sampled.get("wave", 64))  # every prompt prefilled whole in one step: a seeded request whose
@@ -192,7 +207,7 @@ def engine(request: dict) -> dict:
             for i in range(0, len(params), wave):
                 out["sampled"][name] += run([sampled["prompt"]] * len(params[i:i + wave]), params[i:i + wave],
                                             f"sampled {name}")
-        probe.wrong = False
+        probe.wrong = None
     out["steps"] = probe.steps
     return out
 

@@ -71,4 +71,5 @@ def describe(method: str) -> str:
     k0 = ("drafting skipped" if method in SKIP_AT_K0 else
           "suffix tree fed, nothing drafted" if method == "suffix" else "the drafter's first forward only")
     step_k = "; the step's K from the schedule" if method in STEP_K_METHODS else ""
-    return f"a step without drafts runs vLLM's plain sampler, no draft fetch at K = 0, {k0} at K = 0{step_k}"
+    return (f"a step without drafts runs vLLM's plain sampler, no draft fetch at K = 0, {k0} at K = 0{step_k}; "
+            "sampled drafts verified at the requests' temperature and top-p (vLLM 0.32's CPU expand fixed)")

@@ -17,6 +17,13 @@ method unchanged.
   the new tokens to the request's suffix tree and drafts nothing.
 - Scheduler.schedule records the step's K; EngineCore.post_step skips take_draft_token_ids after a
   K = 0 step (nothing was drafted).
+- rejection_sampler.expand_batch_to_tokens, on vLLM's CPU backend only: vLLM 0.32's CPU stand-in for its
+  Triton expand kernel (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) casts the output tensor to
+  int64, which for the float temperature and top-p (and int32 top-k) is a copy: the kernel writes the copy,
+  and the rejection sampler reads the uninitialised tensor it allocated. Every sampled request with a draft
+  was verified and its rejected positions resampled at a garbage temperature (seen: 5.5e15, -7.8e33, NaN), so
+  vLLM's CPU speculative sampling accepted almost nothing and emitted tokens plain never would. Replaced by the
+  same expansion in torch, for every engine of the process (a module function has no engine to ask).
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ def install() -> bool:
 
     if getattr(GPUModelRunner, MARK, False):
         return False
+    _fix_cpu_expand()
     _wrap(GPUModelRunner, "__init__", _runner_init)
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
@@ -58,6 +66,27 @@ def _wrap(cls, name: str, make) -> None:
     patched.__name__, patched.__qualname__, patched.__doc__ = original.__name__, original.__qualname__, original.__doc__
     patched.__wrapped__ = original
     setattr(cls, name, patched)
+
+
+def _fix_cpu_expand() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return  # the Triton kernel writes its output in place
+    original = rejection_sampler.expand_batch_to_tokens
+    expand_batch_to_tokens.__wrapped__ = original
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens  # apply_sampling_constraints reads the global
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                           replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """[batch] -> [num_tokens]: request i's value repeated for its tokens (cu_num_tokens the running ends), a value
+    equal to replace_from replaced by replace_to: what vLLM's expand kernel computes, written where it is read."""
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [batch]
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)  # [num_tokens]
 
 
 def decide(vllm_config) -> str | None:
