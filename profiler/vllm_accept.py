@@ -242,8 +242,10 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
 def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request], s, seed: int = 0,
                     draft_length: int = DEFAULT_DRAFT_LENGTH, concurrency: int = 4,
                     draft_model: str | Path | dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
-                    say: Callable[[str], None] | None = None) -> dict[str, dict]:
-    """method -> its acceptance record, one server each, in order; the same (sampled) requests for all."""
+                    say: Callable[[str], None] | None = None, plugin: bool = False) -> dict[str, dict]:
+    """method -> its acceptance record, one server each, in order; the same (sampled) requests for all.
+    `plugin`: the servers run with the project's vLLM plugin, which on vLLM 0.32's CPU build is what makes
+    sampled verification use the requests' temperature and top-p (docs/vllm.md); greedy counts are the same."""
     if not requests:
         raise UserError("no requests to measure acceptance on")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 1024:
@@ -254,13 +256,14 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
     ahead = None  # the next method's server, launched while this method's requests run
     try:
         for m, after in zip(methods, list(methods[1:]) + [None]):
-            server, ahead = ahead or engine.server(speculative_config=configs[m]), None
+            server, ahead = ahead or engine.server(speculative_config=configs[m], plugin=plugin), None
             # a start is mostly imports on one core, and acceptance counts do not depend on timing, so the
             # next server starts during this load; a drafter's load is timed (draft_costs), so it runs alone
             if after is not None and DRAFT_PASSES[m] != "depth":
-                ahead = engine.server(speculative_config=configs[after])
+                ahead = engine.server(speculative_config=configs[after], plugin=plugin)
             out[m] = measure_method(engine, m, reqs, s, draft_length, concurrency, draft_model, timeout_s, say,
                                     server=server, launch_next=ahead)
+            out[m]["vllm"]["plugin"] = plugin
     finally:
         if ahead is not None:
             ahead.stop()

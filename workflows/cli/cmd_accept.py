@@ -109,10 +109,13 @@ def _served(args, s, spec) -> int:
     draft = {"draft_model": _served_draft(args, engine)} if "draft_model" in methods else {}
     if head is not None:
         draft[head] = args.drafter
+    from workflows.mainjob.serving_plan import plugin_on
+
+    say = None if args.no_progress else va.progress_line
+    plugin = plugin_on(engine, None, lambda line: None)  # where installed: on CPU it makes sampled verification right
     t0 = time.time()
     records = va.measure_methods(engine, methods, requests, s, seed=args.seed, draft_length=k,
-                                 concurrency=concurrency, draft_model=draft,
-                                 say=None if args.no_progress else va.progress_line)
+                                 concurrency=concurrency, draft_model=draft, say=say, plugin=plugin)
     for m, rec in records.items():
         rec["source"] = (f"planner accept --engine {spec.name}: {engine.model_name}, {rec['prompts']} requests from "
                          f"{where}, vLLM {m} drafting {k} at concurrency {rec['vllm']['concurrency']}, "

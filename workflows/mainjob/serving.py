@@ -251,7 +251,7 @@ def accept(run: ServingRun) -> None:
     reused = f" ({len(s.accept)} reused)" if s.accept else ""
     run.phase("accept", f"{', '.join(s.methods)} on {len(run.accept_reqs)} requests{reused}")
     run.models = _models(run.engine, s)
-    run.records = _acceptance(run.engine, s, run.accept_reqs, run.models, run.out, run.say)
+    run.records = _acceptance(run.engine, s, run.accept_reqs, run.models, run.out, run.say, run.plugin)
 
 
 def plan(run: ServingRun) -> None:
@@ -477,7 +477,8 @@ def _models(engine, s: ServingSettings) -> dict[str, str]:
     return out
 
 
-def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str, str], out: Path, say) -> dict:
+def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str, str], out: Path, say,
+                plugin: bool) -> dict:
     from planner.jsonio import read_json
 
     records = {}
@@ -493,7 +494,7 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str,
 
         found = measure_methods(engine, todo, accept_reqs, s.sampling, seed=s.seed, draft_length=max(s.draft_lengths),
                                 concurrency=4, draft_model=models, timeout_s=s.request_timeout_s,
-                                say=lambda line: say(f"      {line}"))
+                                say=lambda line: say(f"      {line}"), plugin=plugin)
         for m, rec in found.items():
             atomic_write_json(out / f"accept-{m}.json", rec)
         records.update(found)
