@@ -23,6 +23,10 @@ PLUGIN_SCHEDULES = ("suffix", "medusa")  # proposers that assert one draft lengt
 PLUGIN_REFUSES = frozenset({"mtp"})
 PLUGIN_INSTALL = "pip install ./vllm_plugin"  # into vLLM's environment (bash scripts/setup_vllm.sh does it)
 WITHOUT_PLUGIN_K0 = "0.82-0.97x vLLM plain"  # a schedule's K = 0 without it (bench/results/serving-k0.md)
+SAMPLED_ON_CPU = (f"sampled requests (temperature > 0) on vLLM 0.32's CPU build: serve with {PLUGIN_ENV}=1 whatever the "
+                  "schedule; without the plugin vLLM verifies sampled drafts at an uninitialised temperature and "
+                  "top-p, so it accepts almost nothing and its answers are not the model's distribution "
+                  "(docs/vllm.md); greedy requests are unaffected")
 
 
 def _ks(cfg: dict) -> set[int]:
@@ -41,7 +45,15 @@ def needs_plugin(cfg: dict | None) -> bool:
 
 def vllm_serving(cfg: dict, plugin: bool = True) -> tuple[dict, str, list[str]]:
     """How to serve a vLLM speculative config: ("env" for vLLM's environment, the command line, notes). With
-    the plugin where the config needs it, its switch and a note on installing it and on what happens without it."""
+    the plugin where the config needs it, its switch and a note on installing it and on what happens without it;
+    for any method the plugin acts for, a last note on sampled requests on vLLM's CPU build."""
+    env, line, notes = _serving(cfg, plugin)
+    if cfg.get("method") and cfg["method"] not in PLUGIN_REFUSES:
+        notes.append(SAMPLED_ON_CPU)
+    return env, line, notes
+
+
+def _serving(cfg: dict, plugin: bool) -> tuple[dict, str, list[str]]:
     arg = "--speculative-config " + shlex.quote(json.dumps(cfg, separators=(",", ":")))
     off = 0 in _ks(cfg)
     if plugin and needs_plugin(cfg):

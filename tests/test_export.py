@@ -147,6 +147,9 @@ def test_which_vllm_configs_need_the_plugin():
     assert not needs_plugin(mtp)  # the plugin does not act for mtp: no switch, a note on the cost instead
     env, line, notes = vllm_serving(mtp)
     assert env == {} and line.startswith("--speculative-config ") and "does not act for mtp" in notes[0]
+    assert len(notes) == 1  # no sampled note where the plugin does not act
+    env, line, notes = vllm_serving(ngram)  # needs no switch greedy; sampled on vLLM's CPU build it does
+    assert env == {} and "TREE_PLANNER_VLLM_PLUGIN=1" in notes[-1] and "uninitialised temperature" in notes[-1]
 
 
 def test_sglang_adaptive(files, tmp_path, capsys):

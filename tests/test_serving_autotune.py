@@ -1050,6 +1050,27 @@ def test_with_the_plugin_k0_is_priced_as_plain_and_suffix_takes_a_schedule(tmp_p
     assert json.loads((tmp_path / "plans.json").read_text())["plugin"] is False
 
 
+def test_sampled_every_speculative_contender_runs_with_the_plugin(tmp_path):
+    """vLLM 0.32's CPU build verifies sampled drafts right only with the plugin, so sampled, the stock settings,
+    the fixed length and a planned schedule without K = 0 are all served with it; greedy, only what needs it;
+    without the plugin installed, none."""
+    levels = [1, 16]
+    profiles = _profiles(levels, per_token_s=0.01)
+    rec = {"accuracy": [[0.9]] * 8, "guesser": {"draft_passes": "one"}}
+
+    def contenders(temperature: float, plugin: bool) -> dict[str, bool]:
+        s = sv.ServingSettings(concurrency=tuple(levels), temperature=temperature)
+        cs = sp.planned_contenders({"ngram": rec}, profiles, levels, s, {}, {}, tmp_path, lambda line: None,
+                                   plugin=plugin)
+        return {c.name: c.plugin for c in cs if c.speculative}
+
+    sampled = contenders(0.7, True)
+    assert len(sampled) >= 3 and all(sampled.values()), sampled
+    greedy = contenders(0.0, True)
+    assert not any(on for name, on in greedy.items() if not name.startswith("planned")), greedy
+    assert not any(contenders(0.7, False).values())
+
+
 def test_with_the_plugin_every_level_not_measured_ahead_is_switched_off():
     """K = 0 costs nothing with the plugin, so a tie is switched off as a loss is (measured-safe), and a one-length
     proposer (suffix) that loses somewhere is a candidate: its schedule switches it off there."""

@@ -104,9 +104,12 @@ def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[st
         return float(np.mean(np.log([p["predicted"][b] for b in levels])))
 
     best = max(by_method.values(), key=score)
-    contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c)) for n, c in STOCK.items()]
+    # sampled, every speculative contender needs the plugin: vLLM 0.32's CPU build verifies sampled drafts at an
+    # uninitialised temperature without it (docs/vllm.md), so its answers would not be the model's distribution
+    sampled = plugin and s.temperature > 0
+    contenders = [Contender(PLAIN, None)] + [Contender(n, dict(c), plugin=sampled) for n, c in STOCK.items()]
     contenders.append(Contender(f"fixed {best['method']} K={best['best_fixed']}",
-                                method_config(best["method"], best["best_fixed"], models),
+                                method_config(best["method"], best["best_fixed"], models), plugin=sampled,
                                 predicted=dict(best["fixed_predicted"]), priced=dict(best["fixed_priced"])))
     # a proposer that runs at one length is the decision only if ahead at every level, and its own work is
     # not in the profile (it drafts with a stub); so the best proposer a schedule can switch off by batch
@@ -117,7 +120,7 @@ def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[st
         ranges = schedule_ranges(p["per_level"], levels)
         if any(k for *_, k in ranges):
             cfg = method_config(p["method"], max(k for *_, k in ranges), models, ranges)
-            needs = plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"]))
+            needs = sampled or plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"]))
             contenders.append(Contender(f"planned {p['method']}", cfg, plugin=needs, predicted=dict(p["predicted"]),
                                         priced=dict(p["priced"])))
     atomic_write_json(out / "plans.json", {"plans": jsonable(by_method), "chosen_method": best["method"],
