@@ -82,6 +82,22 @@ def run_inside(python: Path, request: dict, script: str = __file__) -> dict:
         return json.loads(res.read_text())
 
 
+def serve_inside(inside) -> bool:
+    """`SCRIPT --inside REQUEST RESULT` (run_inside's call, in vLLM's environment): `inside` on the request, its
+    result written; True if that was this call."""
+    if len(sys.argv) == 4 and sys.argv[1] == "--inside":
+        Path(sys.argv[3]).write_text(json.dumps(inside(json.loads(Path(sys.argv[2]).read_text()))))
+        return True
+    return False
+
+
+def write_results(out: Path, slim: dict, markdown: str) -> None:
+    """OUT.json (the slim document) and OUT.md, the report printed too."""
+    out.with_suffix(".json").write_text(json.dumps(slim, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
+
+
 def prompt_ids(folder: Path, requests: int) -> list[list[int]]:
     """The benchmark's chat and repeat requests, half each, as bench_serving sends them: token ids."""
     from decoder.engines.hf.tokenizer import load_tokenizer
@@ -127,8 +143,7 @@ def report(doc: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--inside":
-        Path(sys.argv[3]).write_text(json.dumps(inside(json.loads(Path(sys.argv[2]).read_text()))))
+    if serve_inside(inside):
         return
     sys.path.insert(0, str(ROOT))
     from bench.common import machine
@@ -157,9 +172,7 @@ def main() -> None:
            "differences": diffs, "plain": plain, "k0_plugin": k0}
     out = Path(a.out)
     slim = {**doc, "plain": {"steps": plain["steps"]}, "k0_plugin": {"steps": k0["steps"]}}
-    out.with_suffix(".json").write_text(json.dumps(slim, indent=1) + "\n")
-    out.with_suffix(".md").write_text(report(doc))
-    print(report(doc))
+    write_results(out, slim, report(doc))
 
 
 if __name__ == "__main__":
