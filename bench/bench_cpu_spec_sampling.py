@@ -48,6 +48,7 @@ def inside(request: dict) -> dict:
               speculative_config=NGRAM)
     if request["undo_fix"]:  # the plugin patched at engine start: put vLLM's own function back
         rs.expand_batch_to_tokens = getattr(rs.expand_batch_to_tokens, "__wrapped__", rs.expand_batch_to_tokens)
+    llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0])], SamplingParams(max_tokens=4), use_tqdm=False)
     count = {"expansions": 0, "wrong": 0, "drafted": 0, "accepted": 0, "verify_steps": 0, "temperatures": []}
     expand = rs.expand_batch_to_tokens
 
@@ -73,11 +74,7 @@ def inside(request: dict) -> dict:
         count["accepted"] += int(((out.sampled_token_ids >= 0).sum(dim=1) - 1).sum())
         return out
 
-    rs.RejectionSampler.forward = counted
-    llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0])], SamplingParams(max_tokens=4), use_tqdm=False)
-    for key in ("expansions", "wrong", "drafted", "accepted", "verify_steps"):
-        count[key] = 0
-    count["temperatures"] = []
+    rs.RejectionSampler.forward = counted  # counted from here on: the warm-up above is not
     answers, t0 = [], time.perf_counter()
     for i, ids in enumerate(request["prompts"]):
         params = SamplingParams(temperature=request["temperature"], top_p=request["top_p"], seed=i,

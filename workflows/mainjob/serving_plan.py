@@ -120,7 +120,7 @@ def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[st
         ranges = schedule_ranges(p["per_level"], levels)
         if any(k for *_, k in ranges):
             cfg = method_config(p["method"], max(k for *_, k in ranges), models, ranges)
-            needs = sampled or plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"]))
+            needs = sampled or (plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"])))
             contenders.append(Contender(f"planned {p['method']}", cfg, plugin=needs, predicted=dict(p["predicted"]),
                                         priced=dict(p["priced"])))
     atomic_write_json(out / "plans.json", {"plans": jsonable(by_method), "chosen_method": best["method"],
