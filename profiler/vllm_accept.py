@@ -130,16 +130,18 @@ def _has_module(python: Path, module: str) -> bool:
     return subprocess.run([str(python), "-c", code], capture_output=True, check=False).returncode == 0
 
 
-def sampled_requests(requests: Sequence[Request], s, seed: int = 0) -> list[Request]:
+def sampled_requests(requests: Sequence[Request], s, seed: int = 0, seeded: bool = True) -> list[Request]:
     """The requests under the user's settings: greedy (temperature 0), or sampled with request i
-    seeded seed + i. These fields replace any the workload carries."""
+    seeded seed + i (`seeded` False: no seed, vLLM's own generator). These fields replace any the
+    workload carries."""
     rec = sampling_record(s)
     out = []
     for i, r in enumerate(requests):
         extras = {k: v for k, v in r.extras.items() if k not in ("temperature", "top_p", "top_k", "seed")}
         extras["temperature"] = rec["temperature"]
         if rec["temperature"] > 0:
-            extras["seed"] = seed + i
+            if seeded:
+                extras["seed"] = seed + i
             if rec["top_k"]:
                 extras["top_k"] = rec["top_k"]
             if rec["top_p"] < 1:

@@ -119,6 +119,8 @@ def test_settings_and_requests():
     sampled = va.sampled_requests(reqs, Sampling(0.7, 20, 0.9), seed=5)
     assert [r.extras for r in sampled] == [{"stop": ["x"], "temperature": 0.7, "seed": 5 + i, "top_k": 20, "top_p": 0.9}
                                           for i in range(2)]
+    unseeded = va.sampled_requests(reqs, Sampling(0.7, 20, 0.9), seed=5, seeded=False)
+    assert [r.extras for r in unseeded] == [{"stop": ["x"], "temperature": 0.7, "top_k": 20, "top_p": 0.9}] * 2
 
 
 # ---------------------------------------------------------------------------------------------- the command, faked

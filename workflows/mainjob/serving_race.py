@@ -516,8 +516,9 @@ def geomean(ratios) -> float:
     return math.exp(float(np.mean(np.log(np.maximum(ratios, 1e-9))))) if len(ratios) else 0.0
 
 
-def warm_requests(requests: list, sampling, seed: int) -> list:
+def warm_requests(requests: list, sampling, seed: int, seeded: bool = True) -> list:
     """The warm-up wave's requests: `requests` under the race's sampling, cut to WARMUP_TOKENS each."""
     from profiler.vllm_accept import sampled_requests
 
-    return [replace(r, max_tokens=min(WARMUP_TOKENS, r.max_tokens)) for r in sampled_requests(requests, sampling, seed)]
+    return [replace(r, max_tokens=min(WARMUP_TOKENS, r.max_tokens))
+            for r in sampled_requests(requests, sampling, seed, seeded)]

