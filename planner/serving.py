@@ -70,6 +70,19 @@ def drafting(record: dict, label: str = "acceptance") -> tuple[np.ndarray, float
     return np.cumprod(from_entry(record, label).accuracy[:, 0]), 1.0
 
 
+def drafted_per_step(record: dict) -> float | None:
+    """Tokens a drafting step sent, on average, at the record's draft length (vLLM's counters: draft tokens
+    over drafts), where it is below that length: a proposer that stops where it is unsure (suffix decoding
+    drafts by its confidence, up to its length) has each step scored at what it sent, not at k. None where
+    the proposer sends k every time (ngram, a drafter model) or the counters are missing."""
+    v = record.get("vllm") or {}
+    drafts, tokens, k = v.get("drafts"), v.get("draft_tokens"), v.get("draft_length")
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (drafts, tokens, k)):
+        return None
+    sent = float(tokens) / float(drafts)
+    return sent if sent < 0.95 * float(k) else None
+
+
 @dataclass(frozen=True)
 class ServedLevel:
     """What plain's pass through the server measured at one concurrency level: a request's time splits
@@ -95,22 +108,26 @@ def served_level(batch_size: int, output_tokens_per_s: float, requests: int, out
 
 
 def priced_step(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0, passes: str = "one",
-                rate: float = 1.0, overhead_s: float = 0.0, served: ServedLevel | None = None) -> tuple[float, float]:
+                rate: float = 1.0, overhead_s: float = 0.0, served: ServedLevel | None = None,
+                sent: float | None = None) -> tuple[float, float]:
     """(E[tau], E[step]) of one request at `batch_size` running: E[tau] = 1 + rate sum_{d<=k} prefix_d
     tokens a step, the proposer drafting k tokens in a share `rate` of the steps. A drafting step costs
     the plain step plus the profile's price for scoring k more tokens, (b, 1 + k) - (b, 1), plus the
     drafting. The plain step: plain's served step where `served` is given, else the profile's plus the
-    server's cost per step (`overhead_s`, server_overhead)."""
+    server's cost per step (`overhead_s`, server_overhead). `sent` (drafted_per_step): a proposer that sends
+    fewer than k tokens is scored on min(k, sent) [D: E[min(L, k)] <= min(E[L], k), so for k below the
+    measured length this prices a step at most what it costs]."""
     step = served.decode_step_s if served is not None else float(profile.latency(1)) + overhead_s
     if k == 0:
         return 1.0, step
     tokens = 1.0 + rate * float(np.sum(np.asarray(prefix, dtype=np.float64)[:k]))
     plain = served.decode_step_s if served is not None else None
-    scoring = scoring_price(profile, k, plain) + draft_s * (k if passes == "depth" else 1)
+    scored = min(float(k), sent) if sent else k
+    scoring = scoring_price(profile, scored, plain) + draft_s * (k if passes == "depth" else 1)
     return tokens, step + rate * scoring
 
 
-def scoring_price(profile, k: int, served_step_s: float | None = None) -> float:
+def scoring_price(profile, k: float, served_step_s: float | None = None) -> float:
     """The profile's price for scoring k more tokens a sequence, L(b, 1 + k) - L(b, 1), never below 0.
     L(b, 1) comes from vLLM's plain engine and L(b, 1 + k) from its speculative one, measured one after
     the other. A server's step carries the engine's and more, so plain's served step (`served_step_s`)
@@ -126,12 +143,12 @@ def scoring_price(profile, k: int, served_step_s: float | None = None) -> float:
 
 def predicted_tokens_per_s(prefix, profile, batch_size: int, k: int, draft_s: float = 0.0,
                            passes: str = "one", rate: float = 1.0, overhead_s: float = 0.0,
-                           served: ServedLevel | None = None) -> float:
+                           served: ServedLevel | None = None, sent: float | None = None) -> float:
     """Output tokens/s of `batch_size` running requests, each gaining E[tau] tokens per E[step]
     (priced_step). With `served` (plain's pass at this level) each request also pays its request_s,
     which speculation does not shorten: b (1 + D) / (request_s + D E[step] / E[tau]), D its tokens after
     the first; without it, b E[tau] / E[step]."""
-    tokens, step = priced_step(prefix, profile, batch_size, k, draft_s, passes, rate, overhead_s, served)
+    tokens, step = priced_step(prefix, profile, batch_size, k, draft_s, passes, rate, overhead_s, served, sent)
     if served is None:
         return batch_size * tokens / step
     d = served.decode_tokens
@@ -165,14 +182,15 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
     prefix, rate = drafting(record, f"accept-{method}")
     k_max = min(max_k, prefix.size)
     passes = record.get("guesser", {}).get("draft_passes", "one")
+    sent = drafted_per_step(record)
 
     def rate_at(b: int, k: int) -> float:
         return predicted_tokens_per_s(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
-                                      overhead_s.get(b, 0.0), served.get(b))
+                                      overhead_s.get(b, 0.0), served.get(b), sent)
 
     def priced(b: int, k: int) -> dict:
         tokens, step = priced_step(prefix, profiles[b], b, k, draft_s.get(b, 0.0), passes, rate,
-                                   overhead_s.get(b, 0.0), served.get(b))
+                                   overhead_s.get(b, 0.0), served.get(b), sent)
         return {"tokens_per_step": tokens, "step_s": step}
 
     def in_schedule(b: int, k: int) -> float:
@@ -194,7 +212,7 @@ def plan_method(method: str, record: dict, profiles: dict, levels, max_k: int, d
             "fixed_predicted": dict(zip(levels, fixed[best_k])), "draft_rate": rate,
             "tokens_per_step": {b: p["tokens_per_step"] for b, p in priced_levels.items()}, "draft_s": draft_s,
             "priced": priced_levels, "fixed_priced": {b: priced(b, best_k) for b in levels},
-            "schedulable": schedulable, "overhead_s": overhead_s,
+            "schedulable": schedulable, "overhead_s": overhead_s, "drafted_per_step": sent,
             "served": {b: vars(v) for b, v in served.items()}}
 
 

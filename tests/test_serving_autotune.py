@@ -107,6 +107,30 @@ def test_a_proposer_that_drafts_on_few_steps_is_priced_by_the_mixture():
     assert mixture >= every_step
 
 
+def test_a_proposer_that_stops_where_it_is_unsure_is_scored_on_what_it_sent():
+    """suffix decoding drafts up to k tokens by its confidence (measured here: 1.96 tokens a drafting step at
+    k = 8): a step scores what was sent, so its price is the profile at 1 + min(k, sent), by hand; a
+    proposer that sends k every time (ngram) keeps k, and a record without counters is priced as before."""
+    profiles = _profiles([1, 16])
+    per_draft, rate = [0.6, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01, 0.01], 0.5
+    vllm = {"per_draft": per_draft, "draft_rate": rate, "draft_length": 8, "drafts": 100, "draft_tokens": 196}
+    rec = {"accuracy": [[x] for x in np.array(per_draft) * rate], "guesser": {"draft_passes": "one"}, "vllm": vllm}
+    assert planning.drafted_per_step(rec) == pytest.approx(1.96)
+    assert planning.drafted_per_step({**rec, "vllm": {**vllm, "draft_tokens": 800}}) is None  # sends k
+    assert planning.drafted_per_step({**rec, "vllm": {**vllm, "drafts": 0}}) is None
+    prefix, _ = planning.drafting(rec)
+    p16 = profiles[16]
+    for k, scored in ((1, 1.0), (4, 1.96), (8, 1.96)):
+        tokens = 1 + rate * sum(per_draft[:k])
+        seconds = p16.latency(1) + rate * (p16.latency(1 + scored) - p16.latency(1))
+        assert planning.predicted_tokens_per_s(prefix, p16, 16, k, rate=rate, sent=1.96) == pytest.approx(
+            16 * tokens / seconds)
+    plan = planning.plan_method("suffix", rec, profiles, [1, 16], 8, {})
+    as_if_k = planning.plan_method("suffix", {**rec, "vllm": {**vllm, "draft_tokens": 800}}, profiles, [1, 16], 8, {})
+    assert plan["drafted_per_step"] == pytest.approx(1.96) and as_if_k["drafted_per_step"] is None
+    assert plan["predicted"][16] > as_if_k["predicted"][16] and plan["per_level"][16] >= as_if_k["per_level"][16]
+
+
 def test_a_costly_drafter_drafts_less_under_load():
     levels = [1, 16]
     profiles = _profiles(levels, per_token_s=0.01)
@@ -781,7 +805,8 @@ def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_rac
     by_name = {c.name: c for c in cs}
     plans = json.loads((tmp_path / "plans.json").read_text())
     assert plans["chosen_method"] == "suffix" and plans["planned_methods"] == ["suffix", "ngram"]
-    assert "fixed suffix K=1" in by_name
+    # K = 1 when every suffix step was priced as 8 drafts; it sent 1.5-2 (drafted_per_step), so longer now
+    assert f"fixed suffix K={plans['plans']['suffix']['best_fixed']}" in by_name
     ngram = by_name["planned ngram"]
     expect = planning.schedule_ranges({int(k): v for k, v in plans["plans"]["ngram"]["per_level"].items()}, levels)
     assert ngram.speculative["num_speculative_tokens_per_batch_size"] == expect and ngram.predicted
