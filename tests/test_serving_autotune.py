@@ -871,6 +871,27 @@ def test_race_sizes_cut_the_longest_levels_first_and_alike_for_every_contender()
     assert sr.race_sizes(pass_s, 50.0, 16, levels, 10.0, 2) == {1: 8, 2: 8, 4: 8}  # as far as it goes
     assert sr.race_sizes(pass_s, 50.0, 6, levels, 10.0, 2) == {1: 6, 2: 6, 4: 6}  # too few to cut
     assert sr.race_sizes({3: 60.0, 16: 10.0}, 0.0, 16, [3, 16], 1.0, 1) == {3: 12, 16: 16}  # a multiple of 3, even
+    # time no cut shortens (a learner's further server starts) comes off what the cuts share
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 760.0, 2, extra_s=100.0) == {1: 16, 2: 16, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 660.0, 2, extra_s=100.0) == {1: 10, 2: 16, 4: 16}
+
+
+def test_a_measured_proposer_that_learns_prices_a_server_per_pass_into_the_race_sizes():
+    """suffix races on a fresh server per level and round: sized as one server, a 15-minute run took 16.1.
+    With suffix measured, the first contender's and the confirmation's further starts (2 x 4 x 40 s at five
+    levels) are priced, so the same time left races fewer requests; ngram alone keeps the old sizes."""
+    levels = [1, 2, 4, 8, 16]
+    profiles = _profiles(levels, fixed_s=0.05, per_token_s=0.002)
+    s = sv.ServingSettings()
+
+    def rec(method):
+        return {"guesser": {"method": method}, "vllm": {"server_start_s": 40.0}}
+
+    lookup = sp.race_size_for_budget(profiles, {"ngram": rec("ngram")}, s, levels, 700.0, 16)
+    learner = sp.race_size_for_budget(profiles, {"ngram": rec("ngram"), "suffix": rec("suffix")}, s, levels, 700.0, 16)
+    assert sum(learner.values()) < sum(lookup.values())
+    assert sp.race_size_for_budget(profiles, {"ngram": rec("ngram")}, s, levels, 700.0 + 320.0, 16) == \
+        sp.race_size_for_budget(profiles, {"suffix": rec("suffix")}, s, levels, 700.0 + 2 * 4 * 40.0 + 320.0, 16)
 
 
 def test_a_short_budget_races_every_contender_on_the_same_first_requests(monkeypatch, tmp_path):

@@ -253,18 +253,19 @@ def unresolved(row: dict) -> bool:
 
 
 def race_sizes(pass_s: dict[int, float], fixed_s: float, n: int, levels, left_s: float,
-               races: int) -> dict[int, int]:
+               races: int, extra_s: float = 0.0) -> dict[int, int]:
     """Race requests per level, the same for every contender: n at every level when `races` races (each
     fixed_s of server start and warm-up waves plus pass_s[level], a pass of n requests) fit in left_s;
     otherwise the levels where a request takes longest (the lowest: fewest requests at once) are cut first,
     each to a multiple of its level (and even: a question's two turns stay together) but never below
     MIN_RACE_REQUESTS or the level itself, until the races fit or nothing more can be cut. Every contender
-    then answers the same first requests, so they still pair up one to one."""
+    then answers the same first requests, so they still pair up one to one. extra_s: seconds beside the
+    races that no cut shortens (the further server starts of a proposer that learns from answers)."""
     sizes = {lv: n for lv in levels}
     per_request = {lv: pass_s[lv] / n for lv in levels}
 
     def total() -> float:
-        return races * (fixed_s + sum(per_request[lv] * sizes[lv] for lv in levels))
+        return extra_s + races * (fixed_s + sum(per_request[lv] * sizes[lv] for lv in levels))
 
     for lv in sorted(levels, key=lambda x: -per_request[x]):
         over = total() - left_s
