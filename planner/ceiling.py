@@ -55,7 +55,9 @@ def oracle_ceiling(available: list[int], step_cost_s) -> Ceiling:
     while i < N:
         guesses.append(int(pick[i]))
         i += int(pick[i]) + 1
-    return Ceiling(N * float(c[0]), float(best[0]), len(guesses), guesses)
+    plain = N * float(c[0])
+    # guessing nothing anywhere is one of the paths: the sum of N plain steps can round one ulp above N c[0]
+    return Ceiling(plain, min(float(best[0]), plain), len(guesses), guesses)
 
 
 def simulate_fixed(offered: list[int], available: list[int], step_cost_s) -> float:
