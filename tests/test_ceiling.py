@@ -66,6 +66,7 @@ def test_per_step_lookup_index_finds_what_a_scan_finds():
                 starts = [s for s in starts if s + n + j < len(h) and h[s + n + j] == follow[j]]
                 assert c == max(1, len(starts))
 
+
 def test_with_nothing_to_guess_the_oracle_is_plain_to_the_last_bit():
     """The shortest path sums N plain steps where plain is N times one: the sum rounded one ulp above it
     (speedup 0.9999999999999999 in a llama.cpp main job), and an oracle is never slower than plain."""

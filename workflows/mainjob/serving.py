@@ -141,6 +141,11 @@ class ServingRun:
     shown_contenders: list = field(default_factory=list)
 
     @property
+    def seeded(self) -> bool:
+        """Sampled race requests carry a seed each (False on vLLM's CPU build: VllmEngine.seeded_sampling)."""
+        return getattr(self.engine, "seeded_sampling", True)
+
+    @property
     def levels(self) -> list[int]:
         return list(self.s.concurrency)
 
@@ -267,7 +272,7 @@ def plan(run: ServingRun) -> None:
     if cut:
         run.say(f"      to fit the budget, every contender races the first "
                 f"{', '.join(f'{n} at {lv}' for lv, n in cut.items())} of the {len(run.race_reqs)} requests")
-    seeded = getattr(run.engine, "seeded_sampling", True)
+    seeded = run.seeded
     if s.temperature > 0 and not seeded:
         run.say("      sampled requests go unseeded: this vLLM build's engine dies on a seeded request whose prompt "
                 "is prefilled in chunks (docs/vllm.md)")
@@ -434,7 +439,7 @@ def _write_race(run: ServingRun, interrupted: bool = False) -> None:
                                                     for c in shown],
            "requests": len(run.race_reqs), "requests_by_level": run.sizes, "max_tokens": s.max_tokens,
            "rounds": s.rounds, "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                                         "seeded": s.temperature > 0 and getattr(run.engine, "seeded_sampling", True)},
+                                         "seeded": s.temperature > 0 and run.seeded},
            "server_overhead_s": run.summary.get("server_overhead_s"), "failed": r.failed if r else {},
            "skipped": run.skipped, "unresolved": r.resolving if r else {}, "plugin": run.plugin,
            "servers": r.servers if r else 0, "interrupted": interrupted}
