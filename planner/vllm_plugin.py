@@ -21,6 +21,9 @@ PLUGIN_SCHEDULES = ("suffix", "medusa")  # proposers that assert one draft lengt
 # The vLLM methods `planner export` writes (planner/export.py ENGINE_METHODS["vllm"]) that the plugin does not act
 # for; it acts for every other one (tree_planner_vllm.gate.TESTED_METHODS, which the tests check against this).
 PLUGIN_REFUSES = frozenset({"mtp"})
+# The engine core's log line (then ": N") after a prefix cache reset made suffix decoding forget its N cached
+# answers: a race that repeats a pass's prompts on one suffix server reads it (decoder/engines/vllm/server.py).
+PLUGIN_FORGOT = "tree-planner plugin: prefix cache reset; suffix decoding forgot its cached answers"
 PLUGIN_INSTALL = "pip install ./vllm_plugin"  # into vLLM's environment (bash scripts/setup_vllm.sh does it)
 WITHOUT_PLUGIN_K0 = "0.82-0.97x vLLM plain"  # a schedule's K = 0 without it (bench/results/serving-k0.md)
 SAMPLED_ON_CPU = (f"sampled requests (temperature > 0) on vLLM 0.32's CPU build: serve with {PLUGIN_ENV}=1 whatever the "

@@ -18,8 +18,10 @@ a probe counts what every step ran. SmolLM2, fp32, eager:
 - sampled (T 0.7, top-p 0.9): seeded answers equal plain's; on other seeds a chi-square test of the
   token frequencies at each position accepts the plugin and rejects the same plugin with its plain
   path's temperature dropped (a deliberately wrong rule), so the test can fail;
+- suffix decoding after vLLM's prefix cache reset drafts step for step as before it saw the prompts (the
+  plugin made it forget its cached answers; repeated without a reset, it drafts from them);
 - served: `vllm serve` through the project's launcher with the plugin switched on logs that it acts
-  and answers as plain does.
+  and answers as plain does, and a reset through it makes suffix decoding forget (the line the race waits for).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import pytest
 
 from decoder.engines.vllm import env as vllm_env
 from planner.export import ENGINE_METHODS
-from planner.vllm_plugin import PLUGIN_ENV, PLUGIN_REFUSES, PLUGIN_SCHEDULES
+from planner.vllm_plugin import PLUGIN_ENV, PLUGIN_FORGOT, PLUGIN_REFUSES, PLUGIN_SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = ROOT / "vllm_plugin"
@@ -71,6 +73,7 @@ def test_the_plugin_and_the_project_name_the_same_switch_methods_and_version():
     assert gate.SWITCH == PLUGIN_ENV == "TREE_PLANNER_VLLM_PLUGIN"
     assert set(gate.TESTED_METHODS) == set(ENGINE_METHODS["vllm"]) - PLUGIN_REFUSES
     assert set(gate.STEP_K_METHODS) == set(PLUGIN_SCHEDULES)
+    assert gate.FORGOT == PLUGIN_FORGOT
     setup = (ROOT / "scripts" / "setup_vllm.sh").read_text()
     assert f"VLLM_VERSION={gate.TESTED_VLLM[0]}\n" in setup  # the environment builds the version the patches read
     entry = tomllib.loads((PLUGIN_DIR / "pyproject.toml").read_text())["project"]["entry-points"]
@@ -204,7 +207,7 @@ def prompts(smollm2) -> dict:
     return {"greedy": [ids(q) for q in QUESTIONS], "sampled": list(map(int, tok("My favourite animal is the")["input_ids"]))}
 
 
-PATCHED = ["EngineCore.post_step", "GPUModelRunner.__init__", "GPUModelRunner._prepare_inputs",
+PATCHED = ["EngineCore.post_step", "EngineCore.reset_prefix_cache", "GPUModelRunner.__init__", "GPUModelRunner._prepare_inputs",
            "GPUModelRunner.propose_draft_token_ids", "MedusaProposer.propose", "Scheduler.__init__", "Scheduler.schedule",
            "SuffixDecodingProposer.propose", "rejection_sampler.expand_batch_to_tokens"]
 
@@ -270,7 +273,9 @@ def served(python, smollm2, prompts, tmp_path_factory):
     from planner.engines import kind
 
     engine = VllmEngine(python, smollm2, "smollm2-135m", kind("vllm").caps)
-    cfg = dict(NGRAM, num_speculative_tokens_per_batch_size=[[1, 256, 0]])
+    # suffix decoding (ngram without arctic-inference) at K = 0: the suffix tree is still fed, so a reset
+    # has answers to forget
+    cfg = dict(SUFFIX if _has_arctic(python) else NGRAM, num_speculative_tokens_per_batch_size=[[1, 256, 0]])
     server = engine.server(cfg, plugin=True, env={"PYTHONPATH": str(PLUGIN_DIR)},
                            log_path=tmp_path_factory.mktemp("served") / "vllm.log")
     server.launch()
@@ -295,6 +300,8 @@ def runs(python, smollm2, prompts, heads, served, tmp_path_factory) -> dict:
         if name == "suffix" and not _has_arctic(python):
             continue
         request = {"model": str(smollm2), "config": cfg, "greedy": dict(greedy, levels=list(levels))}
+        if name == "suffix":  # one request at a time: K = 8 in SUFFIX's schedule
+            request["forget"] = {"prompts": prompts["greedy"][:2], "max_tokens": greedy["max_tokens"]}
         if name == "ngram":
             request["sampled"] = dict(sampled, seeds=seeds, wrong=["wrong"])
         out[name] = _inside(python, "engine", request, tmp, "1")
@@ -305,8 +312,16 @@ def runs(python, smollm2, prompts, heads, served, tmp_path_factory) -> dict:
     served.wait_healthy()
     request = TokenRequest(prompts["greedy"][0], greedy["max_tokens"], {"temperature": 0})
     result = run_load(served.url, served.served_model_name, [request], concurrency=1, timeout_s=300)
+    forgot = None
+    if served.speculative_config["method"] == "suffix":
+        try:
+            served.reset_prefix_cache(forget_answers=True)  # the race's reset between passes of repeated requests
+            forgot = "forgot"
+        except Exception as e:  # what the test reports
+            forgot = str(e)
     out["served"] = {"tokens": [r.token_ids for r in result.records], "errors": [r.error for r in result.records],
-                     "log": Path(served.log_path).read_text(errors="replace")}
+                     "log": Path(served.log_path).read_text(errors="replace"), "forgot": forgot,
+                     "method": served.speculative_config["method"]}
     return out
 
 
@@ -321,7 +336,7 @@ def test_greedy_answers_equal_plains_at_every_level(runs, name):
     assert runs[name]["greedy"]
     for level, answers in runs[name]["greedy"].items():
         assert answers == runs["plain"]["greedy"][level], f"{name} at {level} requests"
-    said = [line for line in runs[name]["log"] if " INFO " in line or " WARNING " in line]
+    said = [line for line in runs[name]["log"] if (" INFO " in line or " WARNING " in line) and PLUGIN_FORGOT not in line]
     assert len(said) == 1 and f"tree-planner plugin: on for {name}:" in said[0], said  # one line per engine
 
 
@@ -375,6 +390,31 @@ def test_suffix_and_medusa_take_the_steps_k_from_the_schedule(runs):
     assert medusa == {0: 0, 1: 1, 3: 3}, medusa  # Medusa drafts exactly K, from its first K heads
 
 
+def _phase_drafts(run: dict, phase: str) -> list[tuple[int, int]]:
+    return [(s["drafts"], s["longest_draft"]) for s in run["steps"] if s["phase"] == phase]
+
+
+def test_a_reset_makes_suffix_decoding_forget_earlier_answers(runs):
+    """vLLM's reset_prefix_cache leaves suffix decoding's cached answers, so prompts repeated after it draft
+    from their own earlier answers; with the plugin the drafter after a reset drafts step for step as it
+    did before it had seen them, one log line per reset saying how many answers it forgot. The repeat
+    without a reset is the control: it drafts differently, so the comparison can fail."""
+    if "suffix" not in runs:
+        _missing("suffix decoding unchecked")
+    forget, run = runs["suffix"]["forget"], runs["suffix"]
+    assert forget["resets"] == [True, True]
+    assert forget["forget first"] == forget["forget repeated"] == forget["forget after reset"]  # greedy: the same
+    assert forget["forget first"] == runs["plain"]["greedy"]["1"][:1] + [forget["forget first"][1]]
+    first, again, after = (_phase_drafts(run, f"forget {p}") for p in ("first", "repeated", "after reset"))
+    assert first and after == first
+    assert len(again) < len(first)  # the same answers in fewer steps: it drafted them from its own earlier ones
+    lines = [ln for ln in run["log"] if PLUGIN_FORGOT in ln]
+    assert len(lines) == 2, run["log"]
+    # the first reset forgot the greedy levels' answers (1 + 2 + 4 + 8) and those of before: 15 at least;
+    # the second, the 4 answers of the two phases since
+    assert int(lines[0].rsplit(":", 1)[1]) >= 15 and int(lines[1].rsplit(":", 1)[1]) == 4
+
+
 def _homogeneity_p(a: list[list[int]], b: list[list[int]]) -> float:
     """Chi-square test that two sample sets draw their tokens from one distribution, position by position
     (tokens seen fewer than 10 times pooled), Bonferroni over the positions."""
@@ -426,8 +466,19 @@ def test_served_with_the_plugin_it_acts_and_answers_as_plain(runs):
     served = runs["served"]
     assert served["errors"] == [None]
     assert served["tokens"] == runs["plain"]["greedy"]["1"]
-    acts = [ln for ln in served["log"].splitlines() if "tree-planner plugin: on for ngram" in ln]
+    acts = [ln for ln in served["log"].splitlines() if f"tree-planner plugin: on for {served['method']}" in ln]
     assert len(acts) == 1, served["log"][-3000:]  # one line, from the engine core
+
+
+def test_served_suffix_forgets_its_answers_on_a_reset(runs):
+    """Through `vllm serve` (engine core and worker in processes of their own: the worker is reached by
+    collective_rpc): the reset the race makes between passes, and the plugin's line that the server waits
+    for, saying it forgot the one answer served before it."""
+    served = runs["served"]
+    if served["method"] != "suffix":
+        _missing("suffix decoding unchecked")
+    assert served["forgot"] == "forgot"
+    assert [ln.rsplit(":", 1)[1].strip() for ln in served["log"].splitlines() if PLUGIN_FORGOT in ln] == ["1"]
 
 
 def _missing(what: str):

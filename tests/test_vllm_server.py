@@ -77,6 +77,8 @@ class Health(http.server.BaseHTTPRequestHandler):
             return
         ok, refusals[0] = refusals[0] <= 0, refusals[0] - 1
         print("reset", ok, flush=True)  # before the answer: the client may stop this server as soon as it has one
+        if ok and os.environ.get("FAKE_VLLM_FORGOT"):  # the plugin's line on a suffix server (PLUGIN_FORGOT)
+            print(os.environ["FAKE_VLLM_FORGOT"] + ": 3", flush=True)
         body = b'{"success": %s}' % (b"true" if ok else b"false")
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -350,6 +352,28 @@ def test_the_prefix_cache_reset_retries_a_refusal_and_fails_in_one_line(fake_vll
             server.reset_prefix_cache()
     assert _one_line(e).endswith("vLLM answered HTTP 404, the prefix cache was not emptied (the endpoint needs "
                                  "vLLM's development mode, VLLM_SERVER_DEV_MODE=1)")
+
+
+def test_a_reset_that_must_forget_suffix_answers_waits_for_the_plugins_line(fake_vllm, monkeypatch):
+    """forget_answers: the reset counts only with the plugin's line in the server's log (suffix decoding forgot
+    its cached answers); a server that never says so is one line, not a pass drafted from its earlier answers."""
+    import decoder.engines.vllm.server as srv
+    from planner.vllm_plugin import PLUGIN_FORGOT
+
+    monkeypatch.setattr(srv, "POLL_S", 0.05)
+    with _server(fake_vllm, "serve", env={"FAKE_VLLM_FORGOT": PLUGIN_FORGOT}) as server:
+        server.reset_prefix_cache(forget_answers=True)
+        server.reset_prefix_cache(forget_answers=True)  # a second line, not the first one read again
+    assert server.log_path.read_text().count(PLUGIN_FORGOT) == 2
+    monkeypatch.setattr(srv, "FORGOT_WAIT_S", 0.3)
+    with _server(fake_vllm, "serve") as server:
+        server.reset_prefix_cache()  # nothing asked: as before
+        with pytest.raises(UserError) as e:
+            server.reset_prefix_cache(forget_answers=True)
+    assert _one_line(e).endswith("/reset_prefix_cache: suffix decoding did not forget its cached answers (no "
+                                 f"\"{PLUGIN_FORGOT}\" line in {server.log_path}; is the project's vLLM plugin "
+                                 "installed and switched on?), so a repeated pass would draft from its own earlier "
+                                 "answers")
 
 
 def test_failure_reason_reads_vllms_log(tmp_path):

@@ -8,7 +8,8 @@ entry point setup_vllm.sh installed). Standard library, vLLM and torch only.
             {"cases": [{"patched": [vLLM methods no longer vLLM's own], "lines": [the plugin's log lines]}]}.
   engine    {"model", "config", "greedy": {"levels", "prompts", "max_tokens"}, "sampled": {"prompt",
             "seeds": {name: [seed, ...]}, "max_tokens", "temperature", "top_p", "wrong": [names]},
-            "register": a register request, run first (a process loads vLLM once)}:
+            "register": a register request, run first (a process loads vLLM once), "forget": {"prompts",
+            "max_tokens"}}:
             one engine in this process (vLLM's engine core and worker in-process, so a probe can
             count what each step ran). RESULT {"patched", "greedy": {level: [[ids]]}, "sampled": {name:
             [[ids]]}, "steps": [one record per step], "register": its result or null} (the plugin's log lines: the caller reads them from vLLM's
@@ -19,6 +20,9 @@ entry point setup_vllm.sh installed). Standard library, vLLM and torch only.
             the distribution test must catch, on the path "wrong_path" names: "plain" (the default), the
             plain sampler's temperature dropped (T = 1); "spec", the rejection sampler's verification and
             resampling of drafted positions against the raw distribution (T = 1, top-p 1).
+            "forget", last: vLLM's reset_prefix_cache, the prompts one at a time ("forget first"), the same
+            again without a reset ("forget repeated"), a reset, and once more ("forget after reset");
+            RESULT["forget"] {"resets": [what each reset answered], phase: [[ids] per prompt]}.
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ def _targets() -> dict:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     names = {GPUModelRunner: ("__init__", "_prepare_inputs", "propose_draft_token_ids", "_sample", "execute_model"),
-             Scheduler: ("__init__", "schedule"), EngineCore: ("__init__", "post_step", "step"),
+             Scheduler: ("__init__", "schedule"),
+             EngineCore: ("__init__", "post_step", "step", "reset_prefix_cache"),
              SuffixDecodingProposer: ("propose",), MedusaProposer: ("propose",),
              rejection_sampler: ("expand_batch_to_tokens",)}  # a module function: the CPU fix
     return {f"{cls.__name__.rsplit('.', 1)[-1]}.{n}": (cls, n, cls.__dict__[n]) for cls, ns in names.items() for n in ns}
@@ -208,6 +213,14 @@ def engine(request: dict) -> dict:
                 out["sampled"][name] += run([sampled["prompt"]] * len(params[i:i + wave]), params[i:i + wave],
                                             f"sampled {name}")
         probe.wrong = None
+    forget = request.get("forget")
+    if forget:  # what a reset leaves of earlier answers: the same prompts before and after it
+        params = SamplingParams(temperature=0.0, max_tokens=int(forget["max_tokens"]))
+        out["forget"] = {"resets": [llm.reset_prefix_cache()]}
+        for phase in ("forget first", "forget repeated", "forget after reset"):
+            if phase == "forget after reset":
+                out["forget"]["resets"].append(llm.reset_prefix_cache())
+            out["forget"][phase] = [run([p], params, phase)[0] for p in forget["prompts"]]
     out["steps"] = probe.steps
     return out
 

@@ -17,6 +17,9 @@ STEP_K_METHODS = ("suffix", "medusa")
 # history, Medusa's heads read only the last hidden state). Suffix decoding is fed but not asked;
 # draft_model and EAGLE run their first forward (vLLM's own K = 0 path) to keep their KV cache whole.
 SKIP_AT_K0 = ("ngram", "medusa")
+# Logged by the engine core, then ": N", after a prefix cache reset made suffix decoding forget its N cached
+# answers (the project's planner/vllm_plugin.py PLUGIN_FORGOT: a race reads it in the server's log).
+FORGOT = "tree-planner plugin: prefix cache reset; suffix decoding forgot its cached answers"
 
 
 def switched_on(environ=None) -> bool:

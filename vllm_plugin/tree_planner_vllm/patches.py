@@ -17,6 +17,12 @@ method unchanged.
   the new tokens to the request's suffix tree and drafts nothing.
 - Scheduler.schedule records the step's K; EngineCore.post_step skips take_draft_token_ids after a
   K = 0 step (nothing was drafted).
+- EngineCore.reset_prefix_cache: where the reset succeeded (no request was running) and the engine drafts
+  with suffix decoding, the worker's suffix cache also forgets every cached answer (its global tree), with
+  one log line (gate.FORGOT) saying how many. Suffix decoding drafts from earlier requests' answers, so after
+  vLLM's own reset a pass that repeats earlier prompts would draft them from their own earlier answers; a
+  reset now leaves the drafter as a fresh server's is (the race repeats a pass's prompts on one server).
+  For every engine of a patched process, like the CPU fix below: a reset is no decoding step.
 - rejection_sampler.expand_batch_to_tokens, on vLLM's CPU backend only: vLLM 0.32's CPU stand-in for its
   Triton expand kernel (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`) casts the output tensor to
   int64, which for the float temperature and top-p (and int32 top-k) is a copy: the kernel writes the copy,
@@ -54,6 +60,7 @@ def install() -> bool:
     _wrap(Scheduler, "__init__", _scheduler_init)
     _wrap(Scheduler, "schedule", _schedule)
     _wrap(EngineCore, "post_step", _post_step)
+    _wrap(EngineCore, "reset_prefix_cache", _reset_prefix_cache)
     _wrap(SuffixDecodingProposer, "propose", _suffix_propose)
     _wrap(MedusaProposer, "propose", _medusa_propose)
     setattr(GPUModelRunner, MARK, True)
@@ -131,6 +138,33 @@ def _post_step(original):
         return original(self, model_executed)
 
     return post_step
+
+
+def _reset_prefix_cache(original):
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        done = original(self, *args, **kwargs)
+        spec = self.vllm_config.speculative_config
+        if done and spec is not None and spec.method == "suffix":
+            forgotten = sum(self.collective_rpc(forget_suffix_answers))  # one answer per worker
+            logger.info("%s: %d", gate.FORGOT, forgotten)
+        return done
+
+    return reset_prefix_cache
+
+
+def forget_suffix_answers(worker) -> int:
+    """In the worker (collective_rpc): evict every cached answer from its suffix cache; how many there were.
+    A request still active keeps its own tree (its prompt and answer so far) and drafts on, from it alone."""
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    if not isinstance(drafter, SuffixDecodingProposer):
+        return 0
+    cache = drafter.suffix_cache
+    cached = list(cache.cached_requests)
+    for req_id in cached:
+        cache.evict_cached_response(req_id)
+    return len(cached)
 
 
 # ---------------------------------------------------------------------------------------------- model runner

@@ -24,6 +24,10 @@ this program die without stopping it (SIGKILL, the out-of-memory killer), a watc
 pass's prompts prefills them again as distinct traffic would: at 16 concurrent requests a repeated pass
 served 1.8x the output tokens/s of the same pass after a reset (SmolLM2, measured 2026-11-28). vLLM only
 offers that endpoint in its development mode, so the server runs in it; it listens on 127.0.0.1 alone.
+`reset_prefix_cache(forget_answers=True)`, on a suffix decoding server with the project's plugin, also makes
+suffix decoding forget the answers it cached (the plugin does that on every reset and logs PLUGIN_FORGOT):
+it waits for that line in the server's log, so that a repeated pass never drafts from its own earlier answers
+unnoticed; a server where the line does not come (no plugin, another vLLM) is a one-line UserError.
 """
 from __future__ import annotations
 
@@ -46,11 +50,13 @@ from typing import Any, Sequence
 
 from decoder.engines.vllm.env import require_python
 from planner.errors import UserError
+from planner.vllm_plugin import PLUGIN_FORGOT
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 20.0  # vLLM shuts its engine down on SIGTERM within a few seconds; then SIGKILL
 POLL_S = 0.5
 RESET_TIMEOUT_S = 30.0  # a refused reset is retried this long (blocks freed as cancelled requests end)
+FORGOT_WAIT_S = 10.0  # the engine core logs before it answers the reset: a line later than this is not coming
 
 
 class VllmServer:
@@ -149,10 +155,30 @@ class VllmServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, forget_answers: bool = False) -> None:
         """Empty the server's prefix cache, between passes. vLLM refuses ({"success": false}) while a
         request still holds blocks (one just cancelled), so a refusal is retried for RESET_TIMEOUT_S;
-        then, or on an HTTP error, a one-line UserError."""
+        then, or on an HTTP error, a one-line UserError. forget_answers: suffix decoding must also have
+        forgotten its cached answers (the plugin's log line), else a one-line UserError."""
+        forgot = self._forgot_lines() if forget_answers else 0
+        self._reset()
+        if not forget_answers:
+            return
+        deadline = time.monotonic() + FORGOT_WAIT_S
+        while self._forgot_lines() <= forgot:
+            if time.monotonic() > deadline:
+                raise UserError(f"{self.url}/reset_prefix_cache: suffix decoding did not forget its cached answers (no "
+                                f"\"{PLUGIN_FORGOT}\" line in {self.log_path}; is the project's vLLM plugin installed "
+                                "and switched on?), so a repeated pass would draft from its own earlier answers")
+            time.sleep(POLL_S / 5)
+
+    def _forgot_lines(self) -> int:
+        try:
+            return Path(self.log_path).read_text(errors="replace").count(PLUGIN_FORGOT)
+        except (OSError, TypeError):
+            return 0
+
+    def _reset(self) -> None:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + RESET_TIMEOUT_S
         while True:
