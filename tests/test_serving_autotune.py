@@ -375,7 +375,8 @@ def test_export_writes_the_project_draft_as_a_model_folder(tmp_path):
 
 def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkeypatch):
     """suffix decoding drafts from earlier answers: racing it on the same requests at a second level on
-    the same server would draft them from its own first pass. Other contenders keep one server."""
+    the same server would draft them from its own first pass. Without the plugin it gets a server per pass;
+    with it, one server whose every reset must also make it forget them. Other contenders keep one server."""
     import contextlib
 
     import profiler.load_generator as lg
@@ -387,8 +388,8 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     class Server:
         url, served_model_name = "http://127.0.0.1:1", "m"
 
-        def reset_prefix_cache(self):
-            sent.append("fresh")
+        def reset_prefix_cache(self, forget_answers=False):
+            sent.append("fresh and forget" if forget_answers else "fresh")
 
     class Engine:
         @contextlib.contextmanager
@@ -403,14 +404,19 @@ def test_a_proposer_that_learns_from_answers_gets_a_fresh_server_per_pass(monkey
     reqs = [Request([{"role": "user", "content": f"q{i}"}], 32) for i in range(3)]
     warm = [Request([{"role": "user", "content": "warm"}], 32)]
     s = sv.ServingSettings(rounds=2)
-    for cfg, servers in (({"method": "suffix"}, 6), ({"method": "ngram", "num_speculative_tokens": 2}, 1), (None, 1)):
+    suffix = {"method": "suffix"}
+    for cfg, plugin, servers in ((suffix, True, 1), (suffix, False, 6), ({"method": "ngram", "num_speculative_tokens": 2},
+                                                                       False, 1), (None, False, 1)):
         starts.clear()
         traffic = sr.same_requests(reqs, sr.warm_requests(warm, s.sampling, 0), [1, 4, 16], s.rounds, None, 60.0)
         race = sr.Race(traffic, [1, 4, 16], lambda line: None)
         results = race.results
-        sr.race_contender(Engine(), sr.Contender("c", cfg), race)
+        sr.race_contender(Engine(), sr.Contender("c", cfg, plugin=plugin), race)
         assert len(starts) == servers and sorted(results["c"]) == [1, 4, 16]
         assert all(len(results["c"][lv]) == 2 for lv in (1, 4, 16))
+        if cfg is suffix and plugin:  # one server: every pass's reset makes it forget
+            assert [x for x in sent if isinstance(x, str)] == ["fresh and forget"] * 6
+            sent.clear()
     # every pass: an empty prefix cache (a pass repeats the race's prompts), a warm-up wave of `level`
     # short requests outside the race, then the 3 race requests
     assert sent[-18:] == ["fresh", (1, 1), (1, 3), "fresh", (1, 1), (1, 3), "fresh", (4, 4), (4, 3), "fresh", (4, 4),
@@ -683,6 +689,8 @@ def test_racing_a_contender_is_priced_from_plains_race():
         pytest.approx(2 * 50 + 90)
     assert sr.predicted_seconds(sr.Contender("s", {"method": "suffix"}), {"start_s": [50.0], "level_s": {
         1: [60.0, 62.0], 4: [30.0, 28.0]}}, [1, 4], 2, tps) == pytest.approx(4 * 50 + 180)
+    assert sr.predicted_seconds(sr.Contender("s", {"method": "suffix"}, plugin=True), plain, [1, 4], 1, tps) == \
+        pytest.approx(50 + 90)  # with the plugin: one server, each reset makes it forget
     assert sr.predicted_seconds(sr.Contender("x", {"method": "ngram"}), {"wall_s": 140.0}, [1, 4], 1, tps) == \
         pytest.approx(140.0)  # no detail (a fake race): plain's wall time
     schedule = {"method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 3, 4],
@@ -720,7 +728,7 @@ def _clocked_run(monkeypatch, tmp_path, methods, budget_minutes, gain, race_requ
             sizes_seen[c.name] = sizes
         timing = {"start_s": [], "level_s": {}}
         for lv in lvls:
-            if lv == lvls[0] or sr.learns(c):
+            if lv == lvls[0] or sr.server_per_pass(c):
                 clock.now += 50.0
                 timing["start_s"].append(50.0)
             n = sizes[lv]
@@ -892,6 +900,9 @@ def test_a_measured_proposer_that_learns_prices_a_server_per_pass_into_the_race_
     assert sum(learner.values()) < sum(lookup.values())
     assert sp.race_size_for_budget(profiles, {"ngram": rec("ngram")}, s, levels, 700.0 + 320.0, 16) == \
         sp.race_size_for_budget(profiles, {"suffix": rec("suffix")}, s, levels, 700.0 + 2 * 4 * 40.0 + 320.0, 16)
+    # with the plugin, suffix races on one server (its reset makes it forget): sized as ngram
+    assert sp.race_size_for_budget(profiles, {"ngram": rec("ngram"), "suffix": rec("suffix")}, s, levels, 700.0, 16,
+                                   plugin=True) == lookup
 
 
 def test_a_short_budget_races_every_contender_on_the_same_first_requests(monkeypatch, tmp_path):

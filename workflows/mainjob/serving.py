@@ -267,7 +267,7 @@ def plan(run: ServingRun) -> None:
     # plain's two servers, the first contender and the confirmation must fit what is left: if not at full
     # size, every contender races fewer requests at the levels where a request takes longest
     run.sizes = race_size_for_budget(run.profiles, run.records, s, run.levels, run.left() - WRITE_S,
-                                     len(run.race_reqs))
+                                     len(run.race_reqs), run.plugin)
     cut = {lv: n for lv, n in run.sizes.items() if n < len(run.race_reqs)}
     if cut:
         run.say(f"      to fit the budget, every contender races the first "

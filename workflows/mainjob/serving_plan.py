@@ -130,14 +130,16 @@ def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[st
     return distinct(contenders)
 
 
-def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float, n: int) -> dict[int, int]:
+def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float, n: int,
+                         plugin: bool = False) -> dict[int, int]:
     """Race requests per level (serving_race.py race_sizes) for four races within left_s: plain's two
     servers, the first contender's and the confirmation's (the decision as written, which switches
     speculation off where it lost). Priced before any has run: a served step at SERVED_STEP times the
     profiled plain step, a server start at the longest acceptance server's wait (the first of them
     started alone), each level's warm-up wave of WARMUP_TOKENS and its passes of n requests. Where a measured
-    proposer learns from answers (suffix), the first contender and the confirmation may be it, each a fresh
-    server per pass: their further starts are priced too (a 15-minute run took 16.1 when they were not)."""
+    proposer learns from answers (suffix) and the plugin is off, the first contender and the confirmation may be
+    it, each a fresh server per pass: their further starts are priced too (a 15-minute run took 16.1 when they
+    were not). With the plugin they race on one server like the others: its reset makes them forget."""
     from profiler.vllm_profile import START_GUESS_S
 
     step = {lv: float(profiles[lv].latency(1)) * SERVED_STEP for lv in levels}
@@ -145,7 +147,7 @@ def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float
     start = max([float(w) for w in waits if isinstance(w, (int, float)) and w > 0] or [START_GUESS_S])
     fixed = start + s.rounds * sum(WARMUP_TOKENS * step[lv] for lv in levels)
     pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
-    learner = any((r.get("guesser") or {}).get("method") in LEARNS for r in records.values())
+    learner = not plugin and any((r.get("guesser") or {}).get("method") in LEARNS for r in records.values())
     extra = 2 * (len(levels) * s.rounds - 1) * start if learner else 0.0
     return race_sizes(pass_s, fixed, n, levels, left_s, races=4, extra_s=extra)
 

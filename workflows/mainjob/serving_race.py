@@ -10,7 +10,8 @@ benchmark (bench/bench_serving.py).
 
 One server per contender (started, driven at every level, stopped) and after each level's warm-up wave.
 The traffic says what a pass sends: the main job repeats the race's requests in every pass (so each pass
-starts from an empty prefix cache, and a proposer that learns from answers gets a server per pass), the
+starts from an empty prefix cache, and a proposer that learns from answers forgets them: with the plugin the
+reset does that, without it the proposer gets a server per pass), the
 benchmark gives every round its own prompts, the same for every contender. Plain runs first and again
 after the contenders (close_plain): each level's plain is the median over its servers and the drift between
 them is on record. The paired rule, per level: request i of a round slot is sent to every contender, so its
@@ -77,7 +78,8 @@ class Traffic:
     warm: list  # requests outside the race: `level` of them, at WARMUP_TOKENS, before each level's rounds
     rounds: int = 1  # rounds per level on one server
     repeats: bool = True  # every round sends the same requests (the main job): the prefix cache is emptied
-    #                       before each pass and a proposer that learns from answers gets a server per pass
+    #                       before each pass, and a proposer that learns from answers forgets them (the plugin's
+    #                       reset) or gets a server per pass
     timeout_s: float = 600.0
 
     def slot(self, r: int) -> int:
@@ -118,19 +120,27 @@ def learns(c: Contender) -> bool:
     return (c.speculative or {}).get("method") in LEARNS
 
 
+def server_per_pass(c: Contender) -> bool:
+    """A proposer that learns from answers needs a fresh server for every pass of repeated requests, unless it
+    is served with the plugin, whose prefix cache reset also makes it forget them (the server checks it did)."""
+    return learns(c) and not c.plugin
+
+
 def race_contender(engine: ServingEngine, c: Contender, race: Race, levels=None, into: str | None = None) -> dict:
     """`c` at every level (race.results[into or c.name][level] gets its rounds), each level after a warm-up
     wave of `level` short requests outside the race, from an empty prefix cache where the traffic repeats
-    (reset_prefix_cache). One server for all, except for a proposer that learns from earlier answers when
-    the traffic repeats: it gets a fresh server for every pass, or it would draft a repeated request's answer
-    from its own first pass. Returns where its time went, {"start_s": [each server's start], "level_s":
+    (reset_prefix_cache). One server for all. A proposer that learns from earlier answers would draft a
+    repeated request's answer from its own first pass: where the traffic repeats, its reset must also make it
+    forget them (the plugin's, which the server confirms), or without the plugin it gets a fresh server for
+    every pass. Returns where its time went, {"start_s": [each server's start], "level_s":
     {level: [each pass, warm-up included]}}, which prices the next passes (predicted_seconds)."""
     from profiler.serving_level import measure_level
 
     t, name, levels = race.traffic, into or c.name, list(levels or race.levels)
     passes = [(lv, r) for lv in levels for r in range(t.rounds)]
     timing: dict = {"start_s": [], "level_s": {}}
-    for group in ([[p] for p in passes] if learns(c) and t.repeats else [passes]):
+    forget = learns(c) and not server_per_pass(c)
+    for group in ([[p] for p in passes] if server_per_pass(c) and t.repeats else [passes]):
         t0 = time.perf_counter()
         race.say(f"      {c.name}: starting the server" + (f" ({json.dumps(c.speculative)})" if c.speculative else "")
                  + (" with the plugin" if c.plugin and c.speculative else ""))
@@ -143,7 +153,7 @@ def race_contender(engine: ServingEngine, c: Contender, race: Race, levels=None,
                 wave = [t.warm[i % len(t.warm)] for i in range(lv)] if t.warm else []
                 # a pass that repeats the race's requests starts from an empty prefix cache, as distinct traffic
                 run = measure_level(server.url, server.served_model_name, wave, [t.requests[(lv, r)]], lv, t.timeout_s,
-                                    fresh=getattr(server, "reset_prefix_cache", None) if t.repeats else None)
+                                    fresh=_fresh(server, forget) if t.repeats else None)
                 _check_level(run, lv, server)
                 race.results.setdefault(name, {}).setdefault(lv, []).append(
                     {"result": run.rounds[0], "counters": run.spec, "slot": t.slot(r), "server": race.servers})
@@ -151,6 +161,15 @@ def race_contender(engine: ServingEngine, c: Contender, race: Race, levels=None,
                 race.say(f"      {c.name} at {lv}: {run.rounds[0].output_tokens_per_s:.1f} output tokens/s"
                          + (f", {run.rounds[0].timed_out} timed out" if run.rounds[0].timed_out else ""))
     return timing
+
+
+def _fresh(server, forget: bool) -> Callable[[], None] | None:
+    """What empties a server before a pass that repeats earlier requests: its prefix cache, and where the
+    proposer learns from answers, those answers too."""
+    reset = getattr(server, "reset_prefix_cache", None)
+    if reset is None or not forget:
+        return reset
+    return lambda: reset(forget_answers=True)
 
 
 def _check_level(run, level: int, server) -> None:
@@ -285,7 +304,7 @@ def predicted_seconds(c: Contender, plain: dict, levels, rounds: int, plain_tps:
     wall = float(plain.get("wall_s") or 0.0)
     start = float(np.median(plain["start_s"])) if plain.get("start_s") else 0.0
     level_s = plain.get("level_s") or {lv: [(wall - start) / max(len(levels), 1) / rounds] * rounds for lv in levels}
-    servers = len(levels) * rounds if learns(c) else 1
+    servers = len(levels) * rounds if server_per_pass(c) else 1
     passes = 0.0
     for lv in levels:
         pred = c.predicted.get(lv) or 0.0
@@ -298,7 +317,8 @@ def race_order(contenders: list[Contender], plain: dict, levels, rounds: int,
                plain_tps: dict) -> list[tuple[Contender, float]]:
     """(contender, predicted seconds), in the order a budget keeps them: the planned schedules first
     (what the planner decided), then the planner's fixed lengths, then the stock settings; cheapest
-    first within each (a proposer that learns from answers needs a server per pass: the dearest)."""
+    first within each (a proposer that learns from answers needs a server per pass without the plugin: the
+    dearest)."""
     def rank(c: Contender) -> int:
         if (c.speculative or {}).get("num_speculative_tokens_per_batch_size"):
             return 0
