@@ -19,13 +19,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The files that take minutes (vLLM server starts, distribution tests, llama.cpp's main job) go first,
-# longest first (seconds measured with -n 2 on the 2-core machine, 2026-11-27): xdist's loadfile hands
+# longest first (seconds measured with -n 2 on the 2-core machine, 2026-11-27; the vLLM plugin's file,
+# 5 minutes of engines in one fixture, and test_vllm.py moved up on 2026-12-03, when the plugin's file,
+# missing here, ran last and alone for about 5 minutes of a 17-minute suite): xdist's loadfile hands
 # files out in this order, so no long file starts when the rest is done.
-SLOW_FIRST = ("test_vllm_server.py", "test_bench_smoke.py", "test_llama_cli.py",
+SLOW_FIRST = ("test_vllm_plugin.py", "test_vllm_server.py", "test_bench_smoke.py", "test_vllm.py", "test_llama_cli.py",
               "test_pearl.py", "test_smollm2.py", "test_draft_sampling.py", "test_coupled.py",
               "test_llama_sampling.py", "test_sampling_decode.py", "test_vllm_profile.py", "test_dynamic_sampling.py",
               "test_vllm_accept.py", "test_mtad.py", "test_bench_sampling.py", "test_sampling_rules.py",
-              "test_architecture.py", "test_bad_inputs.py", "test_llama_engine.py", "test_kernels.py", "test_vllm.py")
+              "test_architecture.py", "test_bad_inputs.py", "test_llama_engine.py", "test_kernels.py")
 
 
 def pytest_configure(config):
