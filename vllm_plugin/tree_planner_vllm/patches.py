@@ -145,7 +145,7 @@ def _reset_prefix_cache(original):
         done = original(self, *args, **kwargs)
         spec = self.vllm_config.speculative_config
         if done and spec is not None and spec.method == "suffix":
-            forgotten = sum(self.collective_rpc(forget_suffix_answers))  # one answer per worker
+            forgotten = sum(self.collective_rpc(forget_suffix_answers))  # a count from each worker
             logger.info("%s: %d", gate.FORGOT, forgotten)
         return done
 
