@@ -139,7 +139,7 @@ def race_contender(engine: ServingEngine, c: Contender, race: Race, levels=None,
     t, name, levels = race.traffic, into or c.name, list(levels or race.levels)
     passes = [(lv, r) for lv in levels for r in range(t.rounds)]
     timing: dict = {"start_s": [], "level_s": {}}
-    forget = learns(c) and not server_per_pass(c)
+    forget = learns(c) and c.plugin  # its resets must also make it forget (server_per_pass otherwise)
     for group in ([[p] for p in passes] if server_per_pass(c) and t.repeats else [passes]):
         t0 = time.perf_counter()
         race.say(f"      {c.name}: starting the server" + (f" ({json.dumps(c.speculative)})" if c.speculative else "")
