@@ -796,6 +796,20 @@ def test_a_confirmation_the_budget_cannot_fit_never_writes_a_level_measured_behi
     assert "Confirmation: not raced" in (tmp_path / "run" / "report.md").read_text()
 
 
+def test_a_suffix_decision_with_the_plugin_is_priced_on_one_server_and_confirmed(monkeypatch, tmp_path):
+    """The sampled main job of 2026-12-03 priced suffix's switched-off schedule at a server per pass (251 s) though
+    with the plugin it races on one (about plain's 151 s), found no room for it in the 177 s left, and wrote it
+    unconfirmed. Priced as it races, the confirmation fits: one server's start and plain's passes."""
+    budget = (170 + 175 + 355 + 10) / 60  # plain, planned suffix, then plain's closing and a confirmation
+    _, raced, race = _clocked_run(monkeypatch, tmp_path, ("suffix",), budget, lambda k, lv: 1.2 if lv < 16 else 0.8,
+                                  plugin=True)
+    assert raced[:2] == [sr.PLAIN, "planned suffix"] and raced[-1] == sr.DECISION, raced
+    chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
+    assert chosen["plugin"] is True and "confirm" not in chosen["decision"]
+    assert chosen["speculative_config"]["num_speculative_tokens_per_batch_size"][-1] == [16, 256, 0]
+    assert chosen["decision"]["measured_as"] == sr.DECISION
+
+
 def test_when_the_best_proposer_runs_one_length_the_best_switchable_schedule_races_too(tmp_path):
     """Replayed on the committed fresh run: the planner predicted suffix (one length in vLLM) ahead and
     raced only its fixed K = 1, which measured 0.55x plain at 16 requests. The best proposer that a

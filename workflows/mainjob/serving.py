@@ -334,8 +334,9 @@ def confirm_phase(run: ServingRun) -> None:
     chosen, why = decision(raced, run.levels_out, run.levels, run.plugin)
     run.phase("confirm", "the decision as it is written, raced against plain unless a contender already ran it")
     if chosen is not None and raced_as_is(chosen, raced) is None:  # a new config: raced only if it fits the budget
-        eta = predicted_seconds(Contender(DECISION, chosen.speculative), r.timings[PLAIN], run.levels, run.s.rounds,
-                                run.plain_tps)
+        # priced as it will race: with the plugin a learner (suffix) races on one server, not one per pass
+        eta = predicted_seconds(Contender(DECISION, chosen.speculative, plugin=chosen.plugin), r.timings[PLAIN],
+                                run.levels, run.s.rounds, run.plain_tps)
         if eta > run.left() - WRITE_S:
             skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(run.left() - WRITE_S, 0):.0f} s; the "
                     f"schedule it would have confirmed: {json.dumps(chosen.speculative)}")
