@@ -801,8 +801,8 @@ def test_a_suffix_decision_with_the_plugin_is_priced_on_one_server_and_confirmed
     with the plugin it races on one (about plain's 151 s), found no room for it in the 177 s left, and wrote it
     unconfirmed. Priced as it races, the confirmation fits: one server's start and plain's passes."""
     budget = (170 + 175 + 355 + 10) / 60  # plain, planned suffix, then plain's closing and a confirmation
-    _, raced, race = _clocked_run(monkeypatch, tmp_path, ("suffix",), budget, lambda k, lv: 1.2 if lv < 16 else 0.8,
-                                  plugin=True)
+    _, raced, _ = _clocked_run(monkeypatch, tmp_path, ("suffix",), budget, lambda k, lv: 1.2 if lv < 16 else 0.8,
+                               plugin=True)
     assert raced[:2] == [sr.PLAIN, "planned suffix"] and raced[-1] == sr.DECISION, raced
     chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
     assert chosen["plugin"] is True and "confirm" not in chosen["decision"]

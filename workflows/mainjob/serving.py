@@ -38,6 +38,7 @@ from planner.jsonio import atomic_write_bytes, atomic_write_json
 from planner.serving import MAX_CONCURRENCY, server_overhead
 from workflows.mainjob.serving_decision import (
     ahead_over_range,
+    as_written,
     best_measured,
     confirm,
     decision,
@@ -334,9 +335,7 @@ def confirm_phase(run: ServingRun) -> None:
     chosen, why = decision(raced, run.levels_out, run.levels, run.plugin)
     run.phase("confirm", "the decision as it is written, raced against plain unless a contender already ran it")
     if chosen is not None and raced_as_is(chosen, raced) is None:  # a new config: raced only if it fits the budget
-        # priced as it will race: with the plugin a learner (suffix) races on one server, not one per pass
-        eta = predicted_seconds(Contender(DECISION, chosen.speculative, plugin=chosen.plugin), r.timings[PLAIN],
-                                run.levels, run.s.rounds, run.plain_tps)
+        eta = predicted_seconds(as_written(chosen), r.timings[PLAIN], run.levels, run.s.rounds, run.plain_tps)
         if eta > run.left() - WRITE_S:
             skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(run.left() - WRITE_S, 0):.0f} s; the "
                     f"schedule it would have confirmed: {json.dumps(chosen.speculative)}")

@@ -93,9 +93,15 @@ def confirm(engine, chosen: Contender | None, contenders: list[Contender], race:
     if same is not None:
         race.say(f"      the decision is {same.name}'s config, raced as it is")
         return same
-    mine = Contender(DECISION, chosen.speculative, plugin=chosen.plugin)
+    mine = as_written(chosen)
     race_all(engine, [mine], race)
     return None if DECISION in race.failed else mine
+
+
+def as_written(chosen: Contender) -> Contender:
+    """The decision as confirm races it, the row DECISION: its config and its plugin flag, which also says how
+    many servers it races on (one for suffix with the plugin, whose reset makes it forget; else one per pass)."""
+    return Contender(DECISION, chosen.speculative, plugin=chosen.plugin)
 
 
 def raced_as_is(chosen: Contender, raced: list[Contender]) -> Contender | None:
