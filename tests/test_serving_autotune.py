@@ -785,7 +785,9 @@ def test_a_confirmation_the_budget_cannot_fit_never_writes_a_level_measured_behi
     assert sr.DECISION not in raced and raced[-1] == sr.CLOSING and len(raced) == 3, raced
     chosen = json.loads((tmp_path / "run" / "chosen.json").read_text())
     why = chosen["decision"]
-    assert why["confirm"].startswith("not raced: predicted 170 s") and '[16, 256, 0]' in why["confirm"]
+    # with the plugin the confirmation races where the decision drafts only (1 and 4): its K = 0 is plain's path
+    assert why["confirm"].startswith(f"not raced: predicted {130 if plugin else 170} s") and '[16, 256, 0]' in \
+        why["confirm"]
     if plugin:
         assert why["winner"] == raced[1] and chosen["plugin"] is True
         assert chosen["speculative_config"]["num_speculative_tokens_per_batch_size"][-1] == [16, 256, 0]
@@ -800,7 +802,8 @@ def test_a_suffix_decision_with_the_plugin_is_priced_on_one_server_and_confirmed
     """The sampled main job of 2026-12-03 priced suffix's switched-off schedule at a server per pass (251 s) though
     with the plugin it races on one (about plain's 151 s), found no room for it in the 177 s left, and wrote it
     unconfirmed. Priced as it races, the confirmation fits: one server's start and plain's passes."""
-    budget = (170 + 175 + 355 + 10) / 60  # plain, planned suffix, then plain's closing and a confirmation
+    # plain, planned suffix, then plain's closing and a confirmation at 1 and 4 (130 s), not a stock setting (170 s)
+    budget = (170 + 175 + 340) / 60
     _, raced, _ = _clocked_run(monkeypatch, tmp_path, ("suffix",), budget, lambda k, lv: 1.2 if lv < 16 else 0.8,
                                plugin=True)
     assert raced[:2] == [sr.PLAIN, "planned suffix"] and raced[-1] == sr.DECISION, raced
@@ -1187,3 +1190,114 @@ def test_serving_flags_are_refused_on_a_step_engine(flag, tmp_path):
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and f"{flag[0]}: only with a serving engine" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _fake_levels(monkeypatch, gain):
+    """sr.race_contender faked: each contender's rounds at the levels it is asked for, tokens/s = level x
+    gain(name, level); returns {name: the levels it raced}."""
+    seen = {}
+
+    def fake(engine, c, race, lvls=None, into=None):
+        lvls = list(lvls or race.levels)
+        seen[c.name] = lvls
+        for lv in lvls:
+            tps = lv * (gain(c.name, lv) if c.speculative else 1.0)
+            recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
+                    for i in range(8)]
+            race.results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 64 / tps, recs),
+                                                        "counters": SpecDecodeCounters(), "server": 1}]
+        return {"start_s": [], "level_s": {}}
+
+    monkeypatch.setattr(sr, "race_contender", fake)
+    return seen
+
+
+def test_with_the_plugin_the_main_job_races_a_schedule_only_where_it_drafts(monkeypatch):
+    """A schedule served with the plugin runs vLLM's plain path where its K = 0: the main job does not race it
+    there (plain against itself), and its row there is plain's, neither ahead nor behind, never unresolved. The
+    same schedule without the plugin (K = 0 keeps vLLM's speculative path) races every level, and the benchmark
+    (skip_plain_path off) races every level with the plugin too: it measures what the user deploys."""
+    from profiler.workload import Request
+
+    levels = [1, 4, 16]
+    seen = _fake_levels(monkeypatch, lambda name, lv: 1.3)
+    cfg = {"method": "suffix", "num_speculative_tokens": 8, "num_speculative_tokens_per_batch_size": [[1, 3, 8],
+                                                                                                     [4, 256, 0]]}
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 8) for i in range(8)]
+    for plugin, skip, raced_at in ((True, True, [1]), (False, True, levels), (True, False, levels)):
+        race = sr.Race(sr.same_requests(reqs, reqs[:1], levels, 1, None, 60.0), levels, lambda line: None,
+                       skip_plain_path=skip)
+        mine = sr.Contender("planned suffix", cfg, plugin=plugin)
+        sr.race_all(None, [sr.Contender(sr.PLAIN, None), mine], race)
+        assert seen["planned suffix"] == raced_at, (plugin, skip)
+        rows = {lv["level"]: lv["contenders"]["planned suffix"] for lv in race.rows()}
+        assert sd.beats_plain(rows[1]) and race.rows()[0]["winner"] == "planned suffix"
+        if raced_at != levels:
+            assert race.plain_path == {"planned suffix": [4, 16]}
+            for lv in (4, 16):
+                assert rows[lv]["plain_path"] and rows[lv]["vs_plain"] == 1.0 and rows[lv]["requests"] == 0
+                assert not sd.behind_plain(rows[lv]) and not sd.beats_plain(rows[lv]) and not sr.unresolved(rows[lv])
+            # the decision: its own setting where ahead, K = 0 where it runs plain; the raced config as it is
+            chosen, why = sd.decision([mine], race.rows(), levels, plugin=True)
+            assert why["draft_length_by_level"] == {1: 8, 4: 0, 16: 0} and sd.raced_as_is(chosen, [mine]) is mine
+            assert sd.measured_record(mine, race.rows(), levels)["vs_plain_by_level"] == pytest.approx(
+                {1: 1.3, 4: 1.0, 16: 1.0})
+            best, scores = sd.best_measured([mine], race.rows(), levels)
+            assert best is mine and scores[mine.name] == pytest.approx(1.3 ** (1 / 3))
+            assert sr.resolve(None, race, [mine], lambda: 1e9) == {}  # nothing left open: its level 1 is ahead
+        else:
+            assert not race.plain_path and all("plain_path" not in r for r in rows.values())
+    plain = {"start_s": [50.0], "level_s": {1: [60.0], 4: [30.0], 16: [20.0]}, "wall_s": 160.0}
+    c = sr.Contender("planned suffix", cfg, {1: 20.0, 4: 20.0, 16: 20.0}, plugin=True)
+    tps = {1: 10.0, 4: 20.0, 16: 20.0}
+    assert sr.predicted_seconds(c, plain, levels, 1, tps, skip_plain_path=True) == pytest.approx(50 + 30)
+    assert sr.predicted_seconds(c, plain, levels, 1, tps) == pytest.approx(50 + 30 + 30 + 20)
+
+
+def test_with_the_plugin_every_proposers_schedule_races_best_first_where_it_gains(tmp_path):
+    """With the plugin each proposer's planned schedule is a contender, the best predicted first (the race
+    decides between proposers the planner ranks within its own error), and a level whose planned K gains less
+    than RACE_GAIN over plain is planned K = 0 (a race here cannot show it ahead; the decision writes K = 0
+    there). Without the plugin one schedule, as planned."""
+    levels = [1, 4, 16]
+    profiles = _profiles(levels, per_token_s=0.016)  # suffix's K = 1 at 16 is predicted +4.7 %: raced K = 0
+    high = {"accuracy": [[x] for x in [0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1]], "guesser": {"draft_passes": "one"}}
+    low = {"accuracy": [[x] for x in [0.5, 0.3, 0.2, 0.1, 0.05, 0.0, 0.0, 0.0]], "guesser": {"draft_passes": "one"}}
+    records = {"ngram": low, "suffix": high}
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram", "suffix"))
+    for plugin in (True, False):
+        cs = sp.planned_contenders(records, profiles, levels, s, {}, {lv: 0.0 for lv in levels}, tmp_path,
+                                   lambda line: None, None, plugin=plugin)
+        planned = [c for c in cs if c.name.startswith("planned")]
+        plans = json.loads((tmp_path / "plans.json").read_text())["plans"]
+        if not plugin:
+            # suffix runs one length in stock vLLM (its plan is its fixed length), so ngram's schedule races too
+            assert [c.name for c in planned] == ["planned ngram"] and any(c.name.startswith("fixed suffix") for c in cs)
+            continue
+        assert [c.name for c in planned] == ["planned suffix", "planned ngram"]
+        for c in planned:
+            p = plans[c.speculative["method"]]
+            k = sd.k_by_level(c.speculative, levels)
+            for lv in levels:
+                gain = p["predicted"][str(lv)] / p["plain_predicted"][str(lv)]
+                assert k[lv] == (p["per_level"][str(lv)] if gain >= 1 + sp.RACE_GAIN else 0), (c.name, lv, gain)
+                assert p["raced_per_level"][str(lv)] == k[lv]
+                if k[lv] == 0:
+                    assert c.predicted[lv] == p["plain_predicted"][str(lv)]
+                    assert lv not in c.priced or not p["per_level"][str(lv)]  # switched off here: priced as nothing
+            # greedy: the plugin where a K = 0 must be vLLM's plain path, and for suffix's schedule (stock vLLM: one K)
+            assert c.plugin == (0 in k.values() or c.speculative["method"] == "suffix")
+        # the filter does bite here: some planned level gains under RACE_GAIN and is raced as plain's path
+        assert any(plans[m]["per_level"][str(lv)] and not plans[m]["raced_per_level"][str(lv)]
+                   for m in plans for lv in levels), plans
+
+
+def test_with_the_plugin_the_second_proposers_schedule_races_before_the_fixed_length(monkeypatch, tmp_path):
+    """The budget keeps no confirmation with the plugin (a decision that does not fit is written
+    measured-safe), and the planned schedules race first in the planner's order: both proposers' schedules
+    race before the fixed length and the stock settings."""
+    _, raced, race = _clocked_run(monkeypatch, tmp_path, ("ngram", "suffix"), (170 + 2 * 175 + 200) / 60,
+                                  lambda k, lv: 1.2 if lv < 16 else 0.9, plugin=True)
+    planned = [n for n in raced if n.startswith("planned")]
+    assert raced[0] == sr.PLAIN and len(planned) == 2 and raced[1:3] == planned, raced
+    assert not any(n.startswith("fixed") or n.endswith("defaults") for n in raced), raced

@@ -280,7 +280,8 @@ def plan(run: ServingRun) -> None:
     reqs = _sampled(run.race_reqs, s, seeded)
     traffic = same_requests(reqs, warm_requests(run.accept_reqs, s.sampling, s.seed + len(reqs), seeded), run.levels,
                             s.rounds, run.sizes, s.request_timeout_s)
-    run.race = Race(traffic, run.levels, run.say, greedy=s.temperature <= 0)
+    # with the plugin a contender's K = 0 levels are vLLM's plain path: decided as plain, not raced
+    run.race = Race(traffic, run.levels, run.say, greedy=s.temperature <= 0, skip_plain_path=run.plugin)
     run.contenders = [Contender(PLAIN, None)]
     with _keeping_the_race(run):
         race_all(run.engine, run.contenders, run.race)
@@ -300,23 +301,30 @@ def race(run: ServingRun) -> None:
     s, r = run.s, run.race
     run.phase("race", f"{len(run.contenders) - 1} contenders against plain x levels {','.join(map(str, run.levels))}, "
                       f"{len(run.race_reqs)} requests each, as the budget allows")
-    # plain's closing server and the decision, which may be a config no contender ran (confirm): plain's
-    # time is kept for each, and for writing
-    reserve = 2 * r.timings[PLAIN]["wall_s"] + WRITE_S
+    # plain's closing server and, without the plugin, the decision, which may be a config no contender ran
+    # (confirm): plain's time is kept for each, and for writing. With the plugin a decision whose confirmation
+    # does not fit is written measured-safe (its own setting where it was ahead, plain's path elsewhere), so
+    # that time goes to another contender first: the planner's second proposer, whose prediction may be
+    # within the planner's error of the first's
+    reserve = (1 if run.plugin else 2) * r.timings[PLAIN]["wall_s"] + WRITE_S
+    kept = "plain again and writing" if run.plugin else "plain again, the confirmation and writing"
     with _keeping_the_race(run):
         for i, (c, eta) in enumerate(race_order(run.contenders[1:], r.timings[PLAIN], run.levels, s.rounds,
-                                                run.plain_tps)):
+                                                run.plain_tps, r.skip_plain_path)):
             left = run.left() - reserve
             if i and eta > left:  # the first always races: a race of plain alone decides nothing
                 run.skipped[c.name] = (f"not raced: predicted {eta:.0f} s, the budget left {max(left, 0):.0f} s "
-                                       f"after keeping {reserve:.0f} s for plain again, the confirmation and writing")
+                                       f"after keeping {reserve:.0f} s for {kept}")
                 run.say(f"      {c.name}: {run.skipped[c.name]}")
                 continue
             run.say(f"      {c.name}: predicted {eta:.0f} s")
             race_all(run.engine, [c], r)
         if any(name != PLAIN for name in r.results):
-            run.say("      plain again, on a fresh server: each level's plain is the median over its servers")
-            close_plain(run.engine, r)
+            raced_at = sorted({lv for n, by in r.results.items() if n != PLAIN for lv in by})
+            run.say("      plain again, on a fresh server: each level's plain is the median over its servers"
+                    + ("" if raced_at == run.levels else f" (at {', '.join(map(str, raced_at))}, where a contender "
+                                                         "raced)"))
+            close_plain(run.engine, r, raced_at)
             run.say("      plain's drift over the race (closing / first server's tokens/s): " + ", ".join(
                 f"{lv}: {d:.2f}" for lv in run.levels if (d := plain_drift(r.results[PLAIN].get(lv) or [])) is not None))
         raced = _raced(run)
@@ -335,7 +343,8 @@ def confirm_phase(run: ServingRun) -> None:
     chosen, why = decision(raced, run.levels_out, run.levels, run.plugin)
     run.phase("confirm", "the decision as it is written, raced against plain unless a contender already ran it")
     if chosen is not None and raced_as_is(chosen, raced) is None:  # a new config: raced only if it fits the budget
-        eta = predicted_seconds(as_written(chosen), r.timings[PLAIN], run.levels, run.s.rounds, run.plain_tps)
+        eta = predicted_seconds(as_written(chosen), r.timings[PLAIN], run.levels, run.s.rounds, run.plain_tps,
+                                r.skip_plain_path)
         if eta > run.left() - WRITE_S:
             skip = (f"not raced: predicted {eta:.0f} s, the budget left {max(run.left() - WRITE_S, 0):.0f} s; the "
                     f"schedule it would have confirmed: {json.dumps(chosen.speculative)}")

@@ -26,10 +26,9 @@ from workflows.mainjob.serving_race import (
     beats_plain,
     behind_plain,
     geomean,
+    k_by_level,
     race_all,
 )
-
-SUFFIX_CAP = 32  # vLLM's suffix method without num_speculative_tokens: its own default cap
 
 
 def decision(contenders: list[Contender], levels_out: list[dict], levels, plugin: bool = False
@@ -73,12 +72,6 @@ def switched_off(speculative: dict, levels, off) -> tuple[dict, dict[int, int]]:
         if len(ranges) > 1:
             cfg["num_speculative_tokens_per_batch_size"] = ranges
     return cfg, per_level
-
-
-def k_by_level(cfg: dict, levels) -> dict[int, int]:
-    default = int(cfg.get("num_speculative_tokens") or SUFFIX_CAP)
-    table = cfg.get("num_speculative_tokens_per_batch_size") or []
-    return {lv: next((k for lo, hi, k in table if lo <= lv <= hi), default) for lv in levels}
 
 
 def confirm(engine, chosen: Contender | None, contenders: list[Contender], race: Race) -> Contender | None:

@@ -35,6 +35,10 @@ STOCK = {  # vLLM's documented defaults a user would otherwise run
     "suffix defaults": {"method": "suffix"},
     "ngram defaults": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
 }
+# with the plugin, a level whose planned K gains less than this over plain is planned K = 0 (vLLM's plain path)
+# for the race: the spread between two servers of one config here is about 6 % (serving_race.SERVER_SPREAD), so
+# a race cannot show such a level ahead of plain, and the decision writes K = 0 at every level not shown ahead
+RACE_GAIN = 0.05
 PLUGIN_PACKAGE = "tree_planner_vllm"  # vllm_plugin/: the package registered under vllm.general_plugins
 
 
@@ -113,21 +117,41 @@ def planned_contenders(records: dict, profiles: dict, levels, s, models: dict[st
                                 predicted=dict(best["fixed_predicted"]), priced=dict(best["fixed_priced"])))
     # a proposer that runs at one length is the decision only if ahead at every level, and its own work is
     # not in the profile (it drafts with a stub); so the best proposer a schedule can switch off by batch
-    # size races its schedule too
-    switchable = [p for m, p in by_method.items() if schedulable(m, plugin)]
-    planned = [best] + ([max(switchable, key=score)] if not schedulable(best["method"], plugin) and switchable else [])
+    # size races its schedule too. With the plugin every proposer's schedule is a contender, best predicted
+    # first: a schedule races only the levels where it drafts (its K = 0 is plain's path), so two fit a
+    # 15-minute race, and the planner's ranking of two proposers within its own error (sampled: suffix over
+    # ngram by 3 %, raced the other way round) is decided by the race
+    switchable = sorted((p for m, p in by_method.items() if schedulable(m, plugin)), key=score, reverse=True)
+    if plugin:
+        planned = [best] + [p for p in switchable if p is not best]
+    else:
+        planned = [best] + ([switchable[0]] if not schedulable(best["method"], plugin) and switchable else [])
     for p in planned:
-        ranges = schedule_ranges(p["per_level"], levels)
+        per_level, predicted, priced = worth_racing(p, levels) if plugin else (p["per_level"], p["predicted"],
+                                                                                p["priced"])
+        p["raced_per_level"] = per_level
+        ranges = schedule_ranges(per_level, levels)
         if any(k for *_, k in ranges):
             cfg = method_config(p["method"], max(k for *_, k in ranges), models, ranges)
             needs = sampled or (plugin and (any(k == 0 for *_, k in ranges) or not schedulable(p["method"])))
-            contenders.append(Contender(f"planned {p['method']}", cfg, plugin=needs, predicted=dict(p["predicted"]),
-                                        priced=dict(p["priced"])))
+            contenders.append(Contender(f"planned {p['method']}", cfg, plugin=needs, predicted=dict(predicted),
+                                        priced=dict(priced)))
     atomic_write_json(out / "plans.json", {"plans": jsonable(by_method), "chosen_method": best["method"],
                                            "planned_methods": [p["method"] for p in planned], "plugin": plugin,
                                            "server_overhead_s": jsonable(overhead),
                                            "served": jsonable({lv: vars(v) for lv, v in served.items()})})
     return distinct(contenders)
+
+
+def worth_racing(p: dict, levels, gain: float = RACE_GAIN) -> tuple[dict, dict, dict]:
+    """A plan as the race takes it with the plugin: (K by level, predicted tokens/s, priced) with K = 0, plain's
+    prediction and no price at every level whose planned K is predicted to gain less than `gain` over plain."""
+    per_level, predicted, priced = dict(p["per_level"]), dict(p["predicted"]), dict(p["priced"])
+    for lv in levels:
+        if per_level[lv] and predicted[lv] < (1.0 + gain) * p["plain_predicted"][lv]:
+            per_level[lv], predicted[lv] = 0, p["plain_predicted"][lv]
+            priced.pop(lv, None)
+    return per_level, predicted, priced
 
 
 def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float, n: int,

@@ -50,6 +50,7 @@ PRIOR_SERVERS = 3  # the weight of SERVER_SPREAD, in degrees of freedom, against
 WARMUP_TOKENS = 8  # a warm-up wave's answers: the level's shapes used once, at a fraction of a pass's time
 LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
 MIN_RACE_REQUESTS = 8  # a cut level keeps this many paired requests at least (5 are the fewest that can decide)
+SUFFIX_CAP = 32  # vLLM's suffix method without num_speculative_tokens: its own default cap
 SERVED_STEP = 1.7  # a served step over the profiled one, to size the race before plain's has run: 1.0-1.9
 #                    in the committed runs here (median 1.5), taken high so that a cut race fits
 
@@ -108,12 +109,35 @@ class Race:
     servers: int = 0  # servers started so far: each round records which one ran it
     resolving: dict = field(default_factory=dict)  # name -> levels its extra passes left unresolved
 
+    skip_plain_path: bool = False  # the main job: a contender served with the plugin is not raced where its K = 0
+    plain_path: dict = field(default_factory=dict)  # name -> levels not raced: its K = 0 there, vLLM's plain path
+
     def rows(self, levels=None, contenders=None) -> list[dict]:
         """decide_level at every level plain ran (every contender, or only `contenders`' names)."""
         results = self.results if contenders is None else {
             n: v for n, v in self.results.items() if n == PLAIN or n in contenders}
-        return [decide_level(results, lv, self.greedy) for lv in (levels or self.levels)
+        off = {n: lvs for n, lvs in self.plain_path.items() if n in results}
+        return [decide_level(results, lv, self.greedy, off) for lv in (levels or self.levels)
                 if PLAIN in results and lv in results[PLAIN]]
+
+
+def k_by_level(cfg: dict, levels) -> dict[int, int]:
+    """A speculative config's draft length at each level (the per-batch-size schedule's, else its one K)."""
+    default = int(cfg.get("num_speculative_tokens") or SUFFIX_CAP)
+    table = cfg.get("num_speculative_tokens_per_batch_size") or []
+    return {lv: next((k for lo, hi, k in table if lo <= lv <= hi), default) for lv in levels}
+
+
+def plain_path_levels(c: Contender, levels) -> list[int]:
+    """The levels where `c` runs vLLM's plain path: served with the plugin, its schedule's K = 0 there. Its
+    steps there are plain's (tests/test_vllm_plugin.py; served 0.99-1.01x greedy, bench/serving_probe), so
+    the main job need not race them: the level is plain, decided as plain (decide_level's plain-path row).
+    The batch passes through smaller sizes while a level's requests ramp up and drain, where the schedule may
+    draft; what the decision writes there is the same schedule, and the benchmark measures it at every level."""
+    if not (c.plugin and c.speculative):
+        return []
+    k = k_by_level(c.speculative, levels)
+    return [lv for lv in levels if k[lv] == 0]
 
 
 def learns(c: Contender) -> bool:
@@ -184,11 +208,17 @@ def _check_level(run, level: int, server) -> None:
 
 def race_all(engine, contenders: list[Contender], race: Race) -> tuple[dict, dict]:
     """Every contender in turn; (failed, results). A contender whose server dies (a config vLLM takes, then
-    fails on) is out and the race goes on; plain's is fatal. race.timings gets each one's time and "wall_s"."""
+    fails on) is out and the race goes on; plain's is fatal. race.timings gets each one's time and "wall_s".
+    Where race.skip_plain_path, a contender is not raced at its plain-path levels (race.plain_path)."""
     for c in contenders:
-        t0 = time.perf_counter()
+        t0, levels = time.perf_counter(), list(race.levels)
+        if race.skip_plain_path and (off := plain_path_levels(c, levels)):
+            race.plain_path[c.name] = off
+            race.say(f"      {c.name}: not raced at {', '.join(map(str, off))}: K = 0 with the plugin, vLLM's plain "
+                     "path")
+            levels = [lv for lv in levels if lv not in off]
         try:
-            timing = race_contender(engine, c, race)
+            timing = race_contender(engine, c, race, levels) if levels else {}
             race.timings[c.name] = {**(timing or {}), "wall_s": time.perf_counter() - t0}
         except UserError as e:
             if c.speculative is None:
@@ -262,6 +292,8 @@ def unresolved(row: dict) -> bool:
     """More servers could still change what a contender's row at a level says: no greedy answer changed and
     its interval holds 1 (its tokens/s under TIE x plain's on few servers is within the spread between
     servers too), or it is neither ahead of plain nor behind it."""
+    if row.get("plain_path"):
+        return False
     paired = row.get("paired") or {}
     lo, hi = paired.get("lo"), paired.get("hi")
     holds_one = lo is None or hi is None or lo <= 1.0 <= hi
@@ -297,10 +329,16 @@ def race_sizes(pass_s: dict[int, float], fixed_s: float, n: int, levels, left_s:
     return sizes
 
 
-def predicted_seconds(c: Contender, plain: dict, levels, rounds: int, plain_tps: dict) -> float:
+def predicted_seconds(c: Contender, plain: dict, levels, rounds: int, plain_tps: dict,
+                      skip_plain_path: bool = False) -> float:
     """What racing `c` at `levels` will take, from plain's race (`plain`: its timing): its servers at
     plain's start time, and every level's passes at plain's time scaled by plain's tokens/s over the
-    contender's predicted tokens/s where it has a prediction (else plain's own time)."""
+    contender's predicted tokens/s where it has a prediction (else plain's own time). skip_plain_path: the
+    levels where it runs vLLM's plain path are not raced (Race.skip_plain_path)."""
+    if skip_plain_path:
+        levels = [lv for lv in levels if lv not in plain_path_levels(c, levels)]
+        if not levels:
+            return 0.0
     wall = float(plain.get("wall_s") or 0.0)
     start = float(np.median(plain["start_s"])) if plain.get("start_s") else 0.0
     level_s = plain.get("level_s") or {lv: [(wall - start) / max(len(levels), 1) / rounds] * rounds for lv in levels}
@@ -314,18 +352,18 @@ def predicted_seconds(c: Contender, plain: dict, levels, rounds: int, plain_tps:
 
 
 def race_order(contenders: list[Contender], plain: dict, levels, rounds: int,
-               plain_tps: dict) -> list[tuple[Contender, float]]:
-    """(contender, predicted seconds), in the order a budget keeps them: the planned schedules first
-    (what the planner decided), then the planner's fixed lengths, then the stock settings; cheapest
-    first within each (a proposer that learns from answers needs a server per pass without the plugin: the
-    dearest)."""
+               plain_tps: dict, skip_plain_path: bool = False) -> list[tuple[Contender, float]]:
+    """(contender, predicted seconds), in the order a budget keeps them: the planned schedules first, in the
+    planner's order (the best predicted first), then the planner's fixed lengths, then the stock settings,
+    cheapest first within each of those two (a proposer that learns from answers needs a server per pass
+    without the plugin: the dearest)."""
     def rank(c: Contender) -> int:
         if (c.speculative or {}).get("num_speculative_tokens_per_batch_size"):
             return 0
         return 1 if c.predicted else 2
 
-    priced = [(c, predicted_seconds(c, plain, levels, rounds, plain_tps)) for c in contenders]
-    return sorted(priced, key=lambda t: (rank(t[0]), t[1]))
+    priced = [(c, predicted_seconds(c, plain, levels, rounds, plain_tps, skip_plain_path)) for c in contenders]
+    return sorted(priced, key=lambda t: (rank(t[0]), 0.0 if rank(t[0]) == 0 else t[1]))  # stable: planner's order
 
 
 def distinct(contenders: list[Contender]) -> list[Contender]:
@@ -402,8 +440,10 @@ def compared(plain_rounds: list[dict], rounds: list[dict]) -> int:
                if y.ok and y.token_ids is not None)
 
 
-def decide_level(results: dict, level: int, greedy: bool) -> dict:
-    """Each contender against plain at one level (the paired rule), its report row, and the level's winner."""
+def decide_level(results: dict, level: int, greedy: bool, plain_path: dict | None = None) -> dict:
+    """Each contender against plain at one level (the paired rule), its report row, and the level's winner.
+    plain_path: name -> levels it was not raced at, its K = 0 with the plugin: its row there is plain's own
+    (plain_path_row), neither ahead nor behind and never the winner."""
     from workflows.mainjob.signflip import interval
 
     plain_s = per_request_s(results[PLAIN][level])
@@ -422,6 +462,9 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
             paired = across_servers(iv, servers(rounds), servers(results[PLAIN][level]), spread)
             row.update({"paired": paired, "mismatches": mismatches(results[PLAIN][level], rounds) if greedy else 0})
         rows[name] = row
+    for name, lvs in (plain_path or {}).items():
+        if level in lvs and name not in rows:
+            rows[name] = plain_path_row(rows[PLAIN])
     plain_tps = rows[PLAIN]["output_tokens_per_s"]
     for name, row in rows.items():
         row["vs_plain"] = row["output_tokens_per_s"] / plain_tps if plain_tps > 0 else None
@@ -430,6 +473,15 @@ def decide_level(results: dict, level: int, greedy: bool) -> dict:
             if beats_plain(row) and row["paired"]["mean"] > best:
                 winner, best = name, row["paired"]["mean"]
     return {"level": level, "contenders": rows, "winner": winner}
+
+
+def plain_path_row(plain: dict) -> dict:
+    """A contender's row at a level it runs vLLM's plain path and was not raced: plain's tokens/s, no requests
+    of its own, resolved (more passes would race plain against itself)."""
+    return {"plain_path": True, "output_tokens_per_s": plain["output_tokens_per_s"], "requests": 0, "sent": 0,
+            "output_tokens": 0, "mismatches": 0, "paired": None, "accepted": 0, "drafted": 0, "drafts": 0,
+            "mean_acceptance_length": None, "tpot_p50_s": None, "tpot_p99_s": None, "ttft_p50_s": None,
+            "timed_out": 0, "failed": 0, "servers": 0, "step_p50_s": None, "steps": 0, "tokens_per_s_rounds": []}
 
 
 def servers(rounds: list[dict]) -> int:
@@ -512,9 +564,12 @@ def beats_plain(row: dict) -> bool:
 
 def behind_plain(row: dict | None) -> bool:
     """A contender's row at a level is behind plain: no row (it did not run there), a greedy answer
-    changed, the paired interval lies below 1, or the level's tokens/s is under TIE x plain's."""
+    changed, the paired interval lies below 1, or the level's tokens/s is under TIE x plain's. A plain-path
+    row (K = 0 with the plugin, not raced) is plain: not behind."""
     if not row:
         return True
+    if row.get("plain_path"):
+        return False
     hi = (row.get("paired") or {}).get("hi")
     return row.get("mismatches") != 0 or (hi if hi is not None else 0.0) < 1.0 or (row.get("vs_plain") or 0.0) < TIE
 

@@ -22,7 +22,7 @@ def prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dic
     for c in contenders:
         for lv in levels_out:
             row = lv["contenders"].get(c.name)
-            if c.predicted and row and row["output_tokens_per_s"] > 0:
+            if c.predicted and row and not row.get("plain_path") and row["output_tokens_per_s"] > 0:
                 out.setdefault(c.name, {})[lv["level"]] = c.predicted[lv["level"]] / row["output_tokens_per_s"] - 1
     return out
 
@@ -72,6 +72,9 @@ def report(summary: dict, contenders: list[Contender]) -> str:
             if row is None:
                 cells.append("-")
                 continue
+            if row.get("plain_path"):
+                cells.append("plain path")
+                continue
             star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
             cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
@@ -87,6 +90,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
     if cut:
         lines += ["", f"Cut to fit the budget: every contender raced the first {', '.join(f'{n} at {lv}' for lv, n in cut)}"
                   f" of the {full} requests (the levels where a request takes longest)"]
+    if any(row.get("plain_path") for lv in summary["levels"] for row in lv["contenders"].values()):
+        lines += ["", "plain path: not raced there, its K = 0 with the plugin is vLLM's plain path (decided as plain)"]
     unresolved = summary.get("unresolved") or {}
     if unresolved:
         lines += ["", "Unresolved after every pass the budget held (the paired interval, widened by the spread between "
