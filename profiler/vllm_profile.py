@@ -36,6 +36,7 @@ import numpy as np
 
 from decoder.engines.vllm.server import failure_reason, stop_group, watch_group
 from planner.errors import UserError
+from planner.vllm_plugin import PLUGIN_ENV
 from planner.order import coarse_to_fine
 from profiler.fit import fit_latency
 from profiler.machine import cores, cpu_name, load_avgs, vector_extensions
@@ -72,6 +73,13 @@ class ServingProfileSpec:
     # K = 0 in the speculative engine too: what a schedule's K = 0 range costs (for the reader; the planner
     # prices K = 0 on plain's points), so the serving main job, short of time, leaves it out
     speculative_k0: bool = True
+    # the requests' sampling: a sampled step verifies each draft under the request's temperature and top-p over
+    # the whole vocabulary at every drafted position, work a greedy step does not do (the sampled main job's
+    # served steps at K = 8 ran 13-29 ms above a greedy profile's price at one request)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    plugin: bool = False  # the project's vLLM plugin in the workers: sampled verification is right only with it
 
     @property
     def steps_needed(self) -> int:
@@ -141,6 +149,12 @@ def check_spec(spec: ServingProfileSpec) -> None:
         raise UserError(f"warmup_steps: expected an integer >= 0, got {spec.warmup_steps!r}")
     if not math.isfinite(spec.time_budget_s) or spec.time_budget_s <= 0:
         raise UserError(f"--time-budget: expected a positive number of seconds, got {spec.time_budget_s}")
+    if not (_number(spec.temperature) and 0.0 <= spec.temperature <= 100.0):
+        raise UserError(f"--temperature: expected a number in 0..100, got {spec.temperature!r}")
+    if not (_number(spec.top_p) and 0.0 < spec.top_p <= 1.0):
+        raise UserError(f"--top-p: expected a number in (0, 1], got {spec.top_p!r}")
+    if not _int(spec.top_k) or spec.top_k < 0:
+        raise UserError(f"--top-k: expected an integer >= 0, got {spec.top_k!r}")
     room = MAX_MODEL_LEN - (1 + spec.steps_needed + TAIL_STEPS + max(ks) + 1)  # marker, decoded, drafts
     if spec.prompt_length > room:
         raise UserError(f"--context-length {spec.prompt_length}: the sequences would outgrow vLLM's "
@@ -229,7 +243,8 @@ def _request(engine, spec: ServingProfileSpec, speculative: bool, ks: list[int],
     return {"model": str(engine.model_dir), "speculative": speculative, "draft_lengths": ks,
             "batch_sizes": coarse_to_fine(sorted(spec.batch_sizes)), "prompt_length": spec.prompt_length,
             "warmup_steps": spec.warmup_steps, "repeats": spec.repeats, "steps_per_repeat": spec.steps_per_repeat,
-            "deadline": deadline, "seed": spec.seed, "max_model_len": MAX_MODEL_LEN}
+            "deadline": deadline, "seed": spec.seed, "max_model_len": MAX_MODEL_LEN,
+            "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k, "plugin": spec.plugin}
 
 
 WORKER_GRACE_S = 10.0  # SIGTERM to SIGKILL: after "done" vLLM's own shutdown adds nothing worth waiting for
@@ -245,6 +260,8 @@ def run_worker(python: Path, request: dict, kill_at: float, say: Callable[[str],
     req_path.write_text(json.dumps(request))
     out_path.write_text("")
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
+    if request.get("plugin"):  # it refuses the stub proposer for itself; its fix of sampled verification still acts
+        env[PLUGIN_ENV] = "1"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(python), str(worker), str(req_path), str(out_path)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -420,6 +437,8 @@ def assemble(engine, spec: ServingProfileSpec, results: list[WorkerResult], inco
             "draft_lengths": sorted(spec.draft_lengths), "batch_sizes": sorted(spec.batch_sizes),
             "time_budget_s": spec.time_budget_s, "warmup_steps": spec.warmup_steps, "repeats": spec.repeats,
             "steps_per_repeat": spec.steps_per_repeat, "seed": spec.seed, "max_model_len": MAX_MODEL_LEN,
+            "sampling": {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k},
+            "plugin": spec.plugin,
             "method": "vLLM's offline engine (fp32, eager, VLLM_CPU_KVCACHE_SPACE=2): plain for K = 0; for K >= 1 "
                       "one engine with num_speculative_tokens = the largest K and a custom_class proposer that "
                       "drafts the K marked in each prompt, drafts the model rejects (every K scores 1 + K tokens "

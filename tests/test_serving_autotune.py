@@ -1301,3 +1301,16 @@ def test_with_the_plugin_the_second_proposers_schedule_races_before_the_fixed_le
     planned = [n for n in raced if n.startswith("planned")]
     assert raced[0] == sr.PLAIN and len(planned) == 2 and raced[1:3] == planned, raced
     assert not any(n.startswith("fixed") or n.endswith("defaults") for n in raced), raced
+
+
+def test_the_main_jobs_profile_samples_as_its_requests_do(monkeypatch, tmp_path):
+    """The planner prices drafts on the profile: under sampling its steps must verify as the race's requests
+    will (sampled verification cost 1.9x greedy's at 4 sequences and K = 4 here), with the plugin where it is on."""
+    import profiler.vllm_profile as vp
+
+    seen = []
+    monkeypatch.setattr(vp, "profile_serving", lambda engine, spec, say=None: seen.append(spec) or {"points": []})
+    s = sv.ServingSettings(concurrency=(1, 4), temperature=0.7, top_p=0.9, top_k=5)
+    sv._profile(None, s, [1, 4], tmp_path, 100.0, lambda line: None, True)
+    assert (seen[0].temperature, seen[0].top_p, seen[0].top_k, seen[0].plugin) == (0.7, 0.9, 5, True)
+    assert seen[0].batch_sizes == (1, 4) and not seen[0].speculative_k0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ seen = os.environ["FAKE_SEEN"]
 name = "speculative" if req["speculative"] else "plain"
 open(os.path.join(seen, "request-%s.json" % name), "w").write(json.dumps(req))
 open(os.path.join(seen, "pid-%s" % name), "w").write(str(os.getpid()))
+open(os.path.join(seen, "plugin-%s" % name), "w").write(os.environ.get("TREE_PLANNER_VLLM_PLUGIN", ""))
 mode = os.environ.get("FAKE_STEPS", "ok")
 only = os.environ.get("FAKE_ENGINE", name)  # the engine the fault hits
 mode = mode if only == name else "ok"
@@ -170,6 +172,9 @@ def test_draft_lengths_without_zero_start_no_plain_engine(fake):
     (["--dtype", "bf16"], "--dtype: not with --engine vllm (it runs fp32"),
     (["--layout", "packed"], "--layout: not with --engine vllm"),
     (["--device", "cpu"], "--device: not with --engine vllm"),
+    (["--top-p", "0"], "--top-p: expected a number in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "--temperature: expected a number in 0..100, got -1.0"),
+    (["--top-k", "-2"], "--top-k: expected an integer >= 0, got -2"),
 ])
 def test_bad_options_are_one_line_and_nothing_runs(fake, capsys, args, message):
     assert _run(fake, *args) == 2
@@ -388,3 +393,32 @@ def test_the_serving_main_job_leaves_out_k0_in_the_speculative_engine():
     assert [ks for _, ks, _ in both] == [[0], [8, 2, 4, 0]]
     assert [ks for _, ks, _ in short] == [[0], [8, 2, 4]]
     assert short[1][2] == pytest.approx(both[1][2] - 1)  # its share of the budget without that point's weight
+
+
+def test_a_sampled_profile_samples_every_step_as_the_requests_will(fake, capsys, monkeypatch):
+    """A sampled step verifies drafts under the request's temperature and top-p at every drafted position (on
+    2026-12-03 here: 216 ms a step at 4 sequences and K = 4 sampled, 114 ms greedy), so the workers decode with
+    the sampling asked, the profile records it, and with the plugin on the workers get its switch (its fix of
+    vLLM 0.32's CPU verification acts in every engine of the process)."""
+    assert _run(fake, "--input-lengths", "1,5", "--batch-sizes", "1,4", "--temperature", "0.7", "--top-p", "0.9") == 0
+    reqs = _requests(fake)
+    assert all((r["temperature"], r["top_p"], r["top_k"]) == (0.7, 0.9, 0) for r in reqs.values())
+    data = json.loads(fake["out"].read_text())
+    assert data["settings"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    assert data["settings"]["plugin"] is False  # the fake environment has no plugin registered
+    assert all((fake["seen"] / f"plugin-{n}").read_text() == "" for n in reqs)
+    engine = type("E", (), {"python": Path(os.environ["TREE_PLANNER_VLLM_VENV"]) / "bin" / "python",
+                            "model_dir": fake["model"], "model_name": "SmolFake"})()
+    spec = vllm_profile.ServingProfileSpec(draft_lengths=(0, 4), batch_sizes=(1,), time_budget_s=60,
+                                           temperature=0.7, top_p=0.9, plugin=True, progress=False)
+    assert vllm_profile.profile_serving(engine, spec)["settings"]["plugin"] is True
+    assert all((fake["seen"] / f"plugin-{n}").read_text() == "1" for n in ("plain", "speculative"))
+    assert _run(fake, "--input-lengths", "1,5", "--batch-sizes", "1") == 0  # greedy by default
+    assert all((r["temperature"], r["top_p"]) == (0.0, 1.0) for r in _requests(fake).values())
+    _no_worker_left(fake)
+
+
+def test_sampling_options_are_refused_where_the_step_time_does_not_depend_on_them(capsys):
+    assert main(["profile", "--temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--temperature: only with --engine vllm" in err

@@ -5,6 +5,7 @@ Light imports only at top level: torch and transformers load inside run().
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -100,6 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (GPU only)")
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch (default: torch's choice, or 1 when the load average exceeds the core count)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="--engine vllm: the decoding steps' sampling, as the served requests will use (a sampled "
+                        "step verifies drafts under it, more work than greedy; default 0, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="--engine vllm: with --temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="--engine vllm: with --temperature (default 0, off)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also plot latency versus input length")
     p.add_argument("-o", "--output", default=None, help="output JSON (default profiles/<device>-<model>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -164,6 +170,10 @@ def _stepped(args, spec) -> int:
     """A step engine's L(n), timed in this process through its forward timer."""
     from decoder.engines.models import default_model_spec
 
+    for name, default in (("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
+        if getattr(args, name) != default:
+            raise UserError(f"--{name.replace('_', '-')}: only with --engine vllm (a forward's time here does not "
+                            "depend on the sampling)")
     profile_spec, out = _spec(args, spec), _output(args)
     for opt, path in (("-o", out), ("--plot", args.plot)):
         _check_writable(opt, Path(path) if path else Path("profiles") / "x")
@@ -277,9 +287,14 @@ def _serving(args, spec) -> int:
           else tuple(n - 1 for n in parse_lengths(args.input_lengths)))
     sizes = defaults.batch_sizes if args.batch_size is BATCH_SIZES_DEFAULT else tuple(parse_batch_sizes(args.batch_size))
     pspec = ServingProfileSpec(ks, sizes, contexts[0], args.time_budget or defaults.time_budget_s,
-                               repeats=args.min_repeats, seed=args.seed, progress=not args.no_progress)
+                               repeats=args.min_repeats, seed=args.seed, progress=not args.no_progress,
+                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     check_spec(pspec)
     engine = open_from_args(args, spec, server_ok=True)
+    if pspec.temperature > 0:  # sampled verification is right on vLLM's CPU build only with the plugin's fix
+        from workflows.mainjob.serving_plan import plugin_on
+
+        pspec = dataclasses.replace(pspec, plugin=plugin_on(engine, None, lambda line: None))
     out = _output(args) or Path("profiles") / f"cpu-{spec.name}-{engine.model_name}.json"
     for opt, path in (("-o", out), ("--plot", args.plot)):
         _check_writable(opt, Path(path) if path else out)

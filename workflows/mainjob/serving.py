@@ -13,8 +13,10 @@ level, raced under load through a real server. workflows/mainjob/pipeline.py run
             the project's plugin a schedule's K = 0 is vLLM's plain path, priced as plain, and every
             proposer, suffix included, can be switched off at load
   race      one real server per contender and real concurrent clients at every level: the planned
-            schedule first, then the best fixed length and the stock settings while the budget holds them,
-            plain again last, then further passes at the levels still unresolved (serving_race.py)
+            schedule first (with the plugin every proposer's, best predicted first, each only at the levels
+            where it drafts: its K = 0 is plain's path), then the best fixed length and the stock settings
+            while the budget holds them, plain again last, then further passes at the levels still
+            unresolved (serving_race.py)
   confirm   the decision (serving_decision.py) raced as written where no contender ran it; where the
             budget cannot hold that, a decision measured-safe (K = 0 with the plugin where not ahead) or
             a config raced behind plain nowhere, never a level at a setting measured behind plain
@@ -244,7 +246,8 @@ def profile(run: ServingRun) -> None:
     from planner.profile import load_batch_profiles
 
     run.phase("profile", "vLLM's step time by batch size and draft length")
-    run.profile_path = _profile(run.engine, run.s, run.levels, run.out, run.s.budget_minutes * 60 * 0.3, run.say)
+    run.profile_path = _profile(run.engine, run.s, run.levels, run.out, run.s.budget_minutes * 60 * 0.3, run.say,
+                                run.plugin)
     run.profiles = load_batch_profiles(str(run.profile_path))
     missing = [c for c in run.levels if c not in run.profiles]
     if missing:
@@ -461,7 +464,7 @@ def _sampled(reqs: list, s: ServingSettings, seeded: bool = True) -> list:
     return sampled_requests(reqs, s.sampling, s.seed, seeded)  # request i seeded seed + i for every contender
 
 
-def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say) -> Path:
+def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say, plugin: bool = False) -> Path:
     if s.profile:
         if not Path(s.profile).is_file():
             raise UserError(f"--profile {s.profile}: file not found")
@@ -469,7 +472,8 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
     from profiler.vllm_profile import ServingProfileSpec, profile_serving
 
     spec = ServingProfileSpec(draft_lengths=tuple(s.draft_lengths), batch_sizes=tuple(levels),
-                              time_budget_s=max(60.0, budget_s), progress=not s.quiet, speculative_k0=False)
+                              time_budget_s=max(60.0, budget_s), progress=not s.quiet, speculative_k0=False,
+                              temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, plugin=plugin)
     profile = profile_serving(engine, spec, say=lambda line: say(f"      {line}"))
     return atomic_write_json(out / "profile.json", profile)
 

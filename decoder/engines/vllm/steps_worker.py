@@ -7,7 +7,7 @@ Runs INSIDE vLLM's environment (decoder/engines/vllm/env.py) as a script, standa
 
 REQUEST {"model", "speculative" (bool), "draft_lengths", "batch_sizes", "prompt_length", "warmup_steps",
 "repeats", "steps_per_repeat", "deadline" (a time.time() by which measuring stops), "seed",
-"max_model_len"}. OUT gets one JSON object per line, flushed as it is known (vLLM's own log goes to
+"max_model_len", "temperature", "top_p", "top_k" (the decoding steps' sampling; greedy when absent)}. OUT gets one JSON object per line, flushed as it is known (vLLM's own log goes to
 stdout and stderr, so results never do):
 
     {"event": "ready", "start_s", "vllm", "speculative_config"}
@@ -187,7 +187,12 @@ def run(request: dict, out: Out) -> None:
     out.emit(event="ready", start_s=time.perf_counter() - t0, vllm=vllm.__version__, speculative_config=spec)
     need = int(request["warmup_steps"]) + int(request["repeats"]) * int(request["steps_per_repeat"])
     # one token per step (the drafts are rejected): counted steps, then the first and last ones
-    params = SamplingParams(temperature=0.0, max_tokens=need + TAIL_STEPS, ignore_eos=True, detokenize=False,
+    # sampled as the requests will be: verification's work depends on it. A draft (the vocabulary's last token)
+    # outside top-p has probability 0 and is always rejected; without top-p, almost always
+    sampling = {"temperature": float(request.get("temperature", 0.0)), "top_p": float(request.get("top_p", 1.0))}
+    if int(request.get("top_k", 0)) > 0:
+        sampling["top_k"] = int(request["top_k"])
+    params = SamplingParams(**sampling, max_tokens=need + TAIL_STEPS, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False,
                           output_kind=RequestOutputKind.DELTA)
