@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from planner import serving as planning
+from planner.errors import UserError
 from planner.profile import LatencyProfile
 from profiler.load_generator import LoadResult, RequestRecord
 from profiler.serving_metrics import SpecDecodeCounters
@@ -1068,11 +1069,14 @@ def test_a_profiled_plain_step_above_plains_served_one_does_not_price_drafts_at_
     assert step == pytest.approx(0.08 + 0.004 * 4)
 
 
-def test_the_vllm_main_job_measures_acceptance_on_every_category_the_race_covers():
-    """The default acceptance requests are the acceptance half's 16 prompts: one question per MT-bench
-    category, as the race's 16 are (the first 8 would leave out coding and extraction)."""
+def test_the_vllm_main_jobs_builtin_traffic_mixes_chats_and_input_repeating_requests_alike_in_both_halves():
+    """The default requests are the serving benchmark's two kinds, half each, never its texts: held-out
+    question turns (a question's two together) and requests to rewrite, summarise, correct or list a
+    validation document the benchmark leaves out, alternating two by two, so acceptance and race ask the
+    same tasks, the same categories, and any prefix a budget cut races holds both kinds."""
     import argparse
 
+    from training.splits import REQUESTS, bench_prompts
     from workflows.cli import cmd_autotune
     from workflows.cli.inputs import DEFAULT_QUESTIONS
 
@@ -1083,20 +1087,30 @@ def test_the_vllm_main_job_measures_acceptance_on_every_category_the_race_covers
     for line in Path(DEFAULT_QUESTIONS).read_text().splitlines():
         q = json.loads(line)
         category[q["turns"][0].strip()] = q["category"]
+    task = {r.split("{}")[0]: i for i, r in enumerate(REQUESTS)}
 
-    def categories(reqs):
-        return sorted(category[r.messages[0]["content"]] for r in reqs)
+    def kinds(reqs):
+        return ["chat" if r.messages[0]["content"] in category else
+                "task %d" % task[r.messages[0]["content"].split("\n\n")[0] + "\n\n"] for r in reqs]
 
     s = sv.ServingSettings()
     accept, race = sv.requests(s)
     assert len(accept) == s.accept_requests == 16 and len(race) == 16
-    assert categories(accept) == categories(race) and len(set(categories(race))) == 8  # each category's 2 turns
-    assert len(set(categories(accept[:8]))) == 4  # what 8 took
-    # a level the budget cuts to its first 8 requests races both halves of the categories, as acceptance measured
-    first = [category[r.messages[0]["content"]] for r in race[:8]]
-    assert first == ["writing", "writing", "coding", "coding", "roleplay", "roleplay", "extraction", "extraction"]
-    assert [r.messages[0]["content"] for r in race[0::2]] == [r.messages[0]["content"] for r in race[1::2]]  # turns
+    assert kinds(accept) == kinds(race)  # the same kinds in the same places
+    assert kinds(race)[:8] == ["chat", "chat", "task 0", "task 1", "chat", "chat", "task 2", "task 3"]
+    chats = [category[r.messages[0]["content"]] for r in race if r.messages[0]["content"] in category]
+    # a question's two turns stay together; the spread puts both kinds of question text first
+    assert chats == ["writing", "writing", "coding", "coding", "roleplay", "roleplay", "extraction", "extraction"]
+    assert sorted(chats) == sorted(category[r.messages[0]["content"]] for r in accept
+                                   if r.messages[0]["content"] in category)
+    texts = {r.messages[0]["content"] for r in accept} | {r.messages[0]["content"] for r in race}
+    assert len(texts) == 32 - 8  # every request distinct (a follow-up repeats its question's first turn)
+    benchmark = {p.turns[0] for p in bench_prompts("repeat", 144)}
+    assert not texts & benchmark
     assert sv.spread(list(range(6))) == [0, 1, 4, 5, 2, 3] and sv.spread(list(range(8))) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert sv.mixed([1, 2, 3, 4], ["a", "b"]) == [1, 2, "a", "b", 3, 4]
+    with pytest.raises(UserError, match="--accept-prompts 34: the built-in traffic holds 32 requests a half"):
+        sv.requests(sv.ServingSettings(accept_requests=34))
 
 
 # ---------------------------------------------------------------------------------------------- the plugin, resolving

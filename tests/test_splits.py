@@ -7,7 +7,7 @@ import pytest
 
 from planner.errors import UserError
 from training.data import DEFAULT_DATA, QUESTIONS_FILE, WEB_FILE, read_jsonl
-from training.splits import ANSWER_CHARS, GROUPS, Chat, accept_and_race, bench_prompts
+from training.splits import ANSWER_CHARS, GROUPS, TUNE_PASSAGES, Chat, accept_and_race, bench_prompts, tuning_repeats
 
 DATA_PRESENT = (DEFAULT_DATA / QUESTIONS_FILE).is_file() and (DEFAULT_DATA / WEB_FILE).is_file()
 needs_data = pytest.mark.skipif(not DATA_PRESENT, reason="the shared data directory is not beside the repository")
@@ -30,10 +30,18 @@ def test_benchmark_prompts_are_disjoint_from_every_tuning_set():
     web = [str(r.get("text", "")) for r in read_jsonl(DEFAULT_DATA / WEB_FILE)]
     web_train = [_norm(t) for i, t in enumerate(web) if i % 20 != 0]
     chat = bench_prompts("chat", 64)
-    repeat = bench_prompts("repeat", 176)  # every one: the serving benchmark sends each once per server
-    assert len(chat) == 64 and len(repeat) == 176
-    assert len({p.id for p in chat + repeat}) == 240
-    assert len({p.turns[0] for p in chat}) == 64 and len({p.turns[0] for p in repeat}) == 176  # distinct texts
+    repeat = bench_prompts("repeat", 144)  # every one: the serving benchmark sends each once per server
+    assert len(chat) == 64 and len(repeat) == 144
+    assert len({p.id for p in chat + repeat}) == 208
+    assert len({p.turns[0] for p in chat}) == 64 and len({p.turns[0] for p in repeat}) == 144  # distinct texts
+    with pytest.raises(UserError, match="144 repeat prompts available, 145 asked for"):
+        bench_prompts("repeat", 145)  # the last TUNE_PASSAGES documents are tuning's
+    tune_a, tune_r = tuning_repeats(16, 16)
+    assert TUNE_PASSAGES == 32 and len(set(tune_a)) == len(set(tune_r)) == 16 and not set(tune_a) & set(tune_r)
+    bodies = {_norm(t.split("\n\n", 1)[-1])[:120] for t in tune_a + tune_r}
+    assert not any(b in _norm(p.turns[0]) for p in repeat for b in bodies)  # never a benchmark text
+    assert not any(b in doc for doc in web_train for b in bodies)  # never a training one
+    assert [t.split("\n\n")[0] for t in tune_a] == [t.split("\n\n")[0] for t in tune_r]  # the same tasks
     for p in chat + repeat:
         for turn in p.turns:
             t = _norm(turn)
@@ -53,6 +61,8 @@ def test_bad_requests_fail_in_one_line(tmp_path):
         bench_prompts("poetry", 1)
     with pytest.raises(UserError, match="chat prompts"):
         bench_prompts("chat", 1000)
+    with pytest.raises(UserError, match="16 acceptance and 16 race input-repeating requests; asked for 17 and 1"):
+        tuning_repeats(17, 1)
     f = tmp_path / "q.jsonl"
     f.write_text("\n".join('{"question_id": %d, "turns": ["q%d"]}' % (q, q) for q in range(81, 101)))
     with pytest.raises(UserError, match="held-out questions"):

@@ -10,7 +10,10 @@ a prompt that trained a guesser or tuned a plan.
     bench    prompts no tuning step reads: hand-written two-turn chats (bench/data/bench_chat.jsonl)
              and requests that repeat their input (rewrite, summarise, edit, extract) built on
              hand-written texts (bench/data/rewrite_prompts.jsonl) and on web documents of the
-             validation split (index % 20 == 0, never trained on)
+             validation split (index % 20 == 0, never trained on), all but its last TUNE_PASSAGES
+    tune     input-repeating requests on those last TUNE_PASSAGES validation documents: the serving
+             main job's default traffic beside the held-out questions (even places: acceptance, odd:
+             race), so it tunes on both kinds of request the serving benchmark sends, never on its texts
 
 `tests/test_splits.py` checks that the sets do not overlap, text against text.
 """
@@ -141,6 +144,7 @@ def question_of(prompts: int, turns: int) -> dict[int, int]:
     return {p: p // turns for p in range(prompts)}
 
 
+TUNE_PASSAGES = 32  # the validation documents' last ones: tuning's input-repeating requests, never benchmarked
 SHINGLE = 10  # words: a validation text sharing this many consecutive words with a training text is left out
 
 
@@ -190,8 +194,24 @@ def bench_prompts(group: str, n: int, data_dir: str | Path = DEFAULT_DATA, chars
         return [BenchPrompt(str(r["id"]), "chat", tuple(str(t) for t in r["turns"])) for r in rows[:n]]
     out = [BenchPrompt(f"r{i:02d}", "repeat", (str(r["text"]),)) for i, r in enumerate(read_jsonl(BENCH_REWRITE))]
     if n > len(out):
-        for i, text in enumerate(_passages(Path(data_dir), n - len(out), chars)):
+        texts = _passages(Path(data_dir), 1 << 30, chars)[:-TUNE_PASSAGES]  # the tail is tuning's
+        for i, text in enumerate(texts[: n - len(out)]):
             out.append(BenchPrompt(f"w{i:02d}", "repeat", (REQUESTS[i % len(REQUESTS)].format(text),)))
     if n > len(out):
         raise UserError(f"benchmark prompts: {len(out)} repeat prompts available, {n} asked for")
     return out[:n]
+
+
+def tuning_repeats(n_accept: int, n_race: int, data_dir: str | Path = DEFAULT_DATA,
+                   chars: int = 480) -> tuple[list[str], list[str]]:
+    """Input-repeating requests on the last TUNE_PASSAGES validation documents (bench_prompts leaves them
+    out) in two disjoint halves, acceptance (even places) and race (odd places). Neighbouring documents
+    share a request (REQUESTS in turn by pair), so both halves ask the same tasks in the same order."""
+    texts = _passages(Path(data_dir), 1 << 30, chars)
+    tail = texts[-TUNE_PASSAGES:] if len(texts) > TUNE_PASSAGES else []
+    asks = [REQUESTS[(j // 2) % len(REQUESTS)].format(t) for j, t in enumerate(tail)]
+    accept, race = asks[0::2], asks[1::2]
+    if n_accept > len(accept) or n_race > len(race):
+        raise UserError(f"{Path(data_dir) / WEB_FILE}: {len(texts)} validation documents leave {len(accept)} "
+                        f"acceptance and {len(race)} race input-repeating requests; asked for {n_accept} and {n_race}")
+    return accept[:n_accept], race[:n_race]

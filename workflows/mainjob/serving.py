@@ -85,10 +85,10 @@ class ServingSettings:
     model: str = "smollm2-135m"
     out: str | None = None  # run folder; default runs/<date>-cpu-vllm-<model>
     concurrency: tuple[int, ...] = CONCURRENCY
-    workload: str | None = None  # --workload FILE (profiler/workload.py); None: the held-out questions
+    workload: str | None = None  # --workload FILE (profiler/workload.py); None: the built-in mix (requests())
     methods: tuple[str, ...] = ("ngram", "suffix", "draft_model")
     max_tokens: int = _DEFAULTS.decode_tokens  # per request, acceptance and race
-    race_requests: int = _DEFAULTS.decode_prompts  # requests per level (the held-out race questions' two turns)
+    race_requests: int = _DEFAULTS.decode_prompts  # requests per level (half held-out question turns, half input-repeating)
     accept_requests: int = _DEFAULTS.accept_prompts  # the acceptance half's requests measured
     rounds: int = _DEFAULTS.rounds  # passes over a level's requests per server; the median seconds per token counts
     budget_minutes: float = _DEFAULTS.budget_minutes  # the whole run: contenders it cannot fit are not raced
@@ -183,8 +183,10 @@ def check(s: ServingSettings) -> None:
 
 
 def requests(s: ServingSettings) -> tuple[list, list]:
-    """(acceptance requests, race requests): disjoint halves of the user's workload (even / odd lines),
-    else of the held-out questions (training/splits.py: never trained on, never benchmarked)."""
+    """(acceptance requests, race requests): disjoint halves of the user's workload (even / odd lines), else
+    of the built-in traffic, chats and input-repeating requests as the serving benchmark sends (mixed):
+    the held-out questions (training/splits.py: never trained on, never benchmarked) and requests to
+    rewrite, summarise, correct or list validation documents the benchmark leaves out."""
     from profiler.workload import Request
 
     if s.workload:
@@ -195,16 +197,33 @@ def requests(s: ServingSettings) -> tuple[list, list]:
         if len(race) < 2:
             raise UserError(f"{s.workload}: {len(rows)} requests; the race needs at least 4 (half measure acceptance)")
         return accept[:s.accept_requests], race[:s.race_requests]
-    from training.splits import accept_and_race
+    from training.splits import accept_and_race, tuning_repeats
     from workflows.cli.inputs import DEFAULT_QUESTIONS
 
-    a, r = accept_and_race(DEFAULT_QUESTIONS, s.accept_requests, s.race_requests, turns=2)  # disjoint halves
+    a, r = accept_and_race(DEFAULT_QUESTIONS, 16, 16, turns=2)  # every held-out question, disjoint halves
+    for flag, n in (("--accept-prompts", s.accept_requests), ("--decode-prompts", s.race_requests)):
+        if n - n // 2 > len(a):
+            raise UserError(f"{flag} {n}: the built-in traffic holds {2 * len(a)} requests a half ({len(a)} held-out "
+                            "question turns and as many input-repeating requests); give --workload FILE for more")
+    n_rep_a, n_rep_r = s.accept_requests // 2, s.race_requests // 2
+    rep_a, rep_r = tuning_repeats(n_rep_a, n_rep_r)
 
     def req(p):
         msgs = p.messages() if hasattr(p, "messages") else [{"role": "user", "content": p}]
         return Request(messages=msgs, max_tokens=s.max_tokens)
 
-    return [req(p) for p in spread(a[:s.accept_requests])], [req(p) for p in spread(r[:s.race_requests])]
+    accept = mixed(spread(a)[:s.accept_requests - n_rep_a], rep_a)
+    race = mixed(spread(r)[:s.race_requests - n_rep_r], rep_r)
+    return [req(p) for p in accept], [req(p) for p in race]
+
+
+def mixed(chats: list, repeats: list, block: int = 2) -> list:
+    """Chats and input-repeating requests alternating `block` at a time (a question's two turns stay
+    together), the rest of the longer list after: any prefix a budget cut races holds both kinds."""
+    out = []
+    for i in range(0, max(len(chats), len(repeats)), block):
+        out += chats[i:i + block] + repeats[i:i + block]
+    return out
 
 
 def spread(prompts: list, turns: int = 2) -> list:
