@@ -433,7 +433,7 @@ def assemble(engine, spec: ServingProfileSpec, results: list[WorkerResult], inco
                      "vllm": next((r.vllm for r in results if r.vllm), None)},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {
-            "command": "planner profile " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["profile"] else sys.argv[1:]),
+            "command": "planner " + " ".join(sys.argv[1:]),  # the subcommand that profiled: profile or autotune
             "draft_lengths": sorted(spec.draft_lengths), "batch_sizes": sorted(spec.batch_sizes),
             "time_budget_s": spec.time_budget_s, "warmup_steps": spec.warmup_steps, "repeats": spec.repeats,
             "steps_per_repeat": spec.steps_per_repeat, "seed": spec.seed, "max_model_len": MAX_MODEL_LEN,

@@ -1328,3 +1328,19 @@ def test_the_main_jobs_profile_samples_as_its_requests_do(monkeypatch, tmp_path)
     sv._profile(None, s, [1, 4], tmp_path, 100.0, lambda line: None, True)
     assert (seen[0].temperature, seen[0].top_p, seen[0].top_k, seen[0].plugin) == (0.7, 0.9, 5, True)
     assert seen[0].batch_sizes == (1, 4) and not seen[0].speculative_k0
+
+
+def test_an_interrupt_while_profiling_stops_the_main_job_with_the_steps_measured_kept(monkeypatch, tmp_path):
+    """profile_serving keeps a partial profile on Ctrl-C or SIGTERM and returns (planner profile's contract); the
+    main job went on to accept and race on it, so a stop during its first phase did not stop it."""
+    import profiler.vllm_profile as vp
+
+    cut = {"points": [{"batch_size": 1}], "incomplete": [{"reason": "interrupted"}]}
+    monkeypatch.setattr(vp, "profile_serving", lambda engine, spec, say=None: cut)
+    s = sv.ServingSettings(concurrency=(1, 4))
+    with pytest.raises(KeyboardInterrupt):
+        sv._profile(None, s, [1, 4], tmp_path, 100.0, lambda line: None)
+    assert json.loads((tmp_path / "profile.json").read_text()) == cut
+    whole = {"points": [{"batch_size": 1}], "incomplete": [{"reason": "time budget"}]}
+    monkeypatch.setattr(vp, "profile_serving", lambda engine, spec, say=None: whole)
+    assert sv._profile(None, s, [1, 4], tmp_path, 100.0, lambda line: None) == tmp_path / "profile.json"

@@ -494,7 +494,12 @@ def _profile(engine, s: ServingSettings, levels, out: Path, budget_s: float, say
                               time_budget_s=max(60.0, budget_s), progress=not s.quiet, speculative_k0=False,
                               temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, plugin=plugin)
     profile = profile_serving(engine, spec, say=lambda line: say(f"      {line}"))
-    return atomic_write_json(out / "profile.json", profile)
+    path = atomic_write_json(out / "profile.json", profile)
+    if any(i.get("reason") == "interrupted" for i in profile.get("incomplete", [])):
+        # profile_serving keeps the steps measured before a Ctrl-C or SIGTERM (planner profile's contract) and
+        # returns; the main job must stop there too, not go on to accept and race on a partial profile
+        raise KeyboardInterrupt
+    return path
 
 
 def _models(engine, s: ServingSettings) -> dict[str, str]:
