@@ -1071,9 +1071,9 @@ def test_a_profiled_plain_step_above_plains_served_one_does_not_price_drafts_at_
 
 def test_the_vllm_main_jobs_builtin_traffic_mixes_chats_and_input_repeating_requests_alike_in_both_halves():
     """The default requests are the serving benchmark's two kinds, half each, never its texts: held-out
-    question turns (a question's two together) and requests to rewrite, summarise, correct or list a
-    validation document the benchmark leaves out, alternating two by two, so acceptance and race ask the
-    same tasks, the same categories, and any prefix a budget cut races holds both kinds."""
+    questions' first turns (the benchmark's chats are first turns) and requests to rewrite, summarise, correct
+    or list a validation document the benchmark leaves out, alternating two by two, so acceptance and race ask
+    the same tasks, the same categories, and any prefix a budget cut races holds both kinds."""
     import argparse
 
     from training.splits import REQUESTS, bench_prompts
@@ -1099,18 +1099,19 @@ def test_the_vllm_main_jobs_builtin_traffic_mixes_chats_and_input_repeating_requ
     assert kinds(accept) == kinds(race)  # the same kinds in the same places
     assert kinds(race)[:8] == ["chat", "chat", "task 0", "task 1", "chat", "chat", "task 2", "task 3"]
     chats = [category[r.messages[0]["content"]] for r in race if r.messages[0]["content"] in category]
-    # a question's two turns stay together; the spread puts both kinds of question text first
-    assert chats == ["writing", "writing", "coding", "coding", "roleplay", "roleplay", "extraction", "extraction"]
+    # one question of each category, single turns; the spread puts both kinds of question text first
+    assert chats == ["writing", "coding", "roleplay", "extraction", "reasoning", "stem", "math", "humanities"]
+    assert all(len(r.messages) == 1 for r in accept + race)
     assert sorted(chats) == sorted(category[r.messages[0]["content"]] for r in accept
                                    if r.messages[0]["content"] in category)
     texts = {r.messages[0]["content"] for r in accept} | {r.messages[0]["content"] for r in race}
-    assert len(texts) == 32 - 8  # every request distinct (a follow-up repeats its question's first turn)
+    assert len(texts) == 32  # every request distinct
     benchmark = {p.turns[0] for p in bench_prompts("repeat", 144)}
     assert not texts & benchmark
     assert sv.spread(list(range(6))) == [0, 1, 4, 5, 2, 3] and sv.spread(list(range(8))) == [0, 1, 4, 5, 2, 3, 6, 7]
     assert sv.mixed([1, 2, 3, 4], ["a", "b"]) == [1, 2, "a", "b", 3, 4]
-    with pytest.raises(UserError, match="--accept-prompts 34: the built-in traffic holds 32 requests a half"):
-        sv.requests(sv.ServingSettings(accept_requests=34))
+    with pytest.raises(UserError, match="--accept-prompts 18: the built-in traffic holds 16 requests a half"):
+        sv.requests(sv.ServingSettings(accept_requests=18))
 
 
 # ---------------------------------------------------------------------------------------------- the plugin, resolving

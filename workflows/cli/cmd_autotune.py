@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", default=d.questions, help="MT-bench style questions JSONL (held-out ones are used)")
     p.add_argument("--accept-prompts", type=int, default=None,
                    help=f"held-out prompts to measure acceptance on (default {hf.accept_prompts}; "
-                        f"{vl.accept_prompts} with --engine vllm: half held-out question turns, half input-repeating requests)")
+                        f"{vl.accept_prompts} with --engine vllm: half held-out questions, half input-repeating requests)")
     p.add_argument("--decode-prompts", type=int, default=None,
                    help=f"held-out prompts the plans race on (default {hf.decode_prompts}; {ll.decode_prompts} with --engine "
                         "llama.cpp)")
