@@ -36,9 +36,8 @@ def requests(s) -> tuple[list, list]:  # s: the run's ServingSettings (serving.p
     n_rep_a, n_rep_r = s.accept_requests // 2, s.race_requests // 2
     rep_a, rep_r = tuning_repeats(n_rep_a, n_rep_r)
 
-    def req(p):
-        msgs = p.messages() if hasattr(p, "messages") else [{"role": "user", "content": p}]
-        return Request(messages=msgs, max_tokens=s.max_tokens)
+    def req(text: str):  # single turns: accept_and_race's default and tuning_repeats give text
+        return Request(messages=[{"role": "user", "content": text}], max_tokens=s.max_tokens)
 
     accept = mixed(spread(a, turns=1)[:s.accept_requests - n_rep_a], rep_a)
     race = mixed(spread(r, turns=1)[:s.race_requests - n_rep_r], rep_r)
