@@ -103,6 +103,53 @@ def test_the_switch_and_the_versions():
     assert not gate.tested_version("0.32.1") and not gate.tested_version("0.31.0")
 
 
+def _nucleus():
+    spec = importlib.util.spec_from_file_location("tree_planner_vllm_nucleus", PLUGIN_DIR / "tree_planner_vllm" / "nucleus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _top_p_by_sort(logits, top_p):
+    """The nucleus by its definition, one row at a time: sort descending, keep a token while the tokens before
+    it hold less than p."""
+    import torch
+
+    out = torch.full_like(logits, float("-inf"))
+    for r in range(logits.shape[0]):
+        probs = logits[r].double().softmax(-1)
+        order = probs.argsort(descending=True)
+        above = probs[order].cumsum(0) - probs[order]
+        keep = order[above < float(top_p[r])]
+        out[r, keep] = logits[r, keep]
+    return out
+
+
+def test_the_plugins_top_p_keeps_the_nucleus_a_sort_keeps_and_leaves_wide_ones_to_the_sort():
+    """The CPU patch of the rejection sampler's top-p (patches.py): the tokens it keeps are the nucleus by its
+    definition, on rows from peaked to flat, mixed with rows at top-p 1 (left whole); a row whose nucleus holds
+    more than the largest candidate count is refused (None, the logits untouched) for vLLM's sort to do."""
+    torch = pytest.importorskip("torch")
+    nucleus = _nucleus()
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5000
+    for scale in (8.0, 6.0, 4.0):  # peaked (a handful of tokens) to wide (hundreds: the second candidate count)
+        logits = torch.randn(6, vocab, generator=gen) * scale
+        top_p = torch.tensor([0.9, 0.5, 1.0, 0.99, 0.1, 0.9])
+        want = _top_p_by_sort(logits, top_p)
+        want[2] = logits[2]  # top-p 1: the whole row
+        got = nucleus.top_p_filter(logits.clone(), top_p)
+        assert got is not None and torch.equal(torch.isinf(got), torch.isinf(want)), scale
+        assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(want)])
+        assert (~torch.isinf(got[4])).sum() >= 1  # the likeliest token always stays
+    flat = torch.zeros(2, vocab)  # every token alike: the nucleus at 0.9 is 4,500 tokens
+    assert nucleus.top_p_filter(flat, torch.tensor([0.9, 0.9])) is None and torch.equal(flat, torch.zeros(2, vocab))
+    small = torch.zeros(1, 100)  # a vocabulary the candidates cover: filtered, not refused
+    assert (~torch.isinf(nucleus.top_p_filter(small, torch.tensor([0.555])))).sum() == 56
+    whole = torch.randn(3, vocab, generator=gen)
+    assert nucleus.top_p_filter(whole.clone(), torch.ones(3)).equal(whole)
+
+
 def _config(method="ngram", **over):
     """A stand-in for vLLM's VllmConfig with the fields gate.refusal reads (the real one is read in vLLM below)."""
     spec = SimpleNamespace(method=method, draft_tensor_parallel_size=None, disable_padded_drafter_batch=False,
@@ -209,7 +256,7 @@ def prompts(smollm2) -> dict:
 
 PATCHED = ["EngineCore.post_step", "EngineCore.reset_prefix_cache", "GPUModelRunner.__init__", "GPUModelRunner._prepare_inputs",
            "GPUModelRunner.propose_draft_token_ids", "MedusaProposer.propose", "Scheduler.__init__", "Scheduler.schedule",
-           "SuffixDecodingProposer.propose", "rejection_sampler.expand_batch_to_tokens"]
+           "SuffixDecodingProposer.propose", "rejection_sampler.apply_top_k_top_p", "rejection_sampler.expand_batch_to_tokens"]
 
 
 def test_the_loader_leaves_vllm_untouched_when_off_or_on_an_untested_version(runs):

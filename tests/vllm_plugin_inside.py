@@ -62,7 +62,7 @@ def _targets() -> dict:
              Scheduler: ("__init__", "schedule"),
              EngineCore: ("__init__", "post_step", "step", "reset_prefix_cache"),
              SuffixDecodingProposer: ("propose",), MedusaProposer: ("propose",),
-             rejection_sampler: ("expand_batch_to_tokens",)}  # a module function: the CPU fix
+             rejection_sampler: ("expand_batch_to_tokens", "apply_top_k_top_p")}  # module functions: the CPU fixes
     return {f"{cls.__name__.rsplit('.', 1)[-1]}.{n}": (cls, n, cls.__dict__[n]) for cls, ns in names.items() for n in ns}
 
 

@@ -30,6 +30,11 @@ method unchanged.
   was verified and its rejected positions resampled at a garbage temperature (seen: 5.5e15, -7.8e33, NaN), so
   vLLM's CPU speculative sampling accepted almost nothing and emitted tokens plain never would. Replaced by the
   same expansion in torch, for every engine of the process (a module function has no engine to ask).
+- rejection_sampler.apply_top_k_top_p, on vLLM's CPU backend only: the top-p of a sampled request's drafted
+  positions. vLLM's CPU path sorts the whole vocabulary of every drafted position (5-8 ms a row here), so
+  a sampled verify step cost a plain step plus that per draft; nucleus.top_p_filter keeps the same tokens
+  from a partial selection and leaves a row whose nucleus is too wide (or a top-k) to vLLM's sort. The
+  bonus token and every plain step still sample through vLLM's own Sampler, unchanged.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ import logging
 
 import torch
 
-from tree_planner_vllm import gate
+from tree_planner_vllm import gate, nucleus
 
 logger = logging.getLogger("vllm.tree_planner_vllm")
 MARK = "_tree_planner_patched"
@@ -54,6 +59,7 @@ def install() -> bool:
     if getattr(GPUModelRunner, MARK, False):
         return False
     _fix_cpu_expand()
+    _fast_cpu_top_p()
     _wrap(GPUModelRunner, "__init__", _runner_init)
     _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     _wrap(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
@@ -94,6 +100,27 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
     counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [batch]
     x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
     return x.repeat_interleave(counts, output_size=num_tokens)  # [num_tokens]
+
+
+def _fast_cpu_top_p() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return  # GPUs filter with a kernel of their own
+    original = rejection_sampler.apply_top_k_top_p
+
+    def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        """vLLM's apply_top_k_top_p for the drafted positions [num_tokens, vocab]: top-p alone without a sort
+        where the nucleus fits the candidates (nucleus.py), anything else as vLLM does it."""
+        if k is None and p is not None:
+            filtered = nucleus.top_p_filter(logits, p)
+            if filtered is not None:
+                return filtered
+        return original(logits, k, p)
+
+    apply_top_k_top_p.__wrapped__ = original
+    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p  # apply_sampling_constraints reads the global
 
 
 def decide(vllm_config) -> str | None:
