@@ -902,6 +902,80 @@ def test_race_sizes_cut_the_longest_levels_first_and_alike_for_every_contender()
     assert sr.race_sizes(pass_s, 50.0, 16, levels, 660.0, 2, extra_s=100.0) == {1: 10, 2: 16, 4: 16}
 
 
+def test_levels_only_plains_first_server_races_count_once_in_the_race_sizes():
+    """With the plugin no contender races a level where no plan drafts (its K = 0 is vLLM's plain path) and plain's
+    closing server races only where one did: such a level's pass counts once, not once per race. Two races of
+    50 s fixed: 2 x (50 + 160 + 80) + 40 = 620 s, where counting level 4 twice (660 s) cut one request."""
+    pass_s, levels = {1: 160.0, 2: 80.0, 4: 40.0}, [1, 2, 4]
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 620.0, 2) == {1: 14, 2: 16, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 620.0, 2, once=[4]) == {1: 16, 2: 16, 4: 16}
+    assert sr.race_sizes(pass_s, 50.0, 16, levels, 600.0, 2, once=[4]) == {1: 14, 2: 16, 4: 16}
+    # which level is cut first weighs its requests by the races that run them: 2 x 10 s at 1 before 12.5 s at 2
+    assert sr.race_sizes({1: 160.0, 2: 200.0}, 0.0, 16, [1, 2], 450.0, 2, once=[2]) == {1: 12, 2: 16}
+    assert sr.race_sizes({1: 160.0, 2: 200.0}, 0.0, 16, [1, 2], 450.0, 2) == {1: 12, 2: 8}
+
+
+def test_with_the_plugin_the_race_is_sized_for_the_levels_a_plan_drafts():
+    """Before plain's race the plans priced on the profile alone say where some proposer drafts: with the
+    plugin the other races run only there, so the same time keeps more requests at one request; where no
+    plan drafts anywhere every race may run every level (the planner's fixed length and the stock settings do)."""
+    levels = [1, 4, 16]
+    profiles = _profiles(levels, per_token_s=0.016)
+    low = {"accuracy": [[x] for x in [0.5, 0.3, 0.2, 0.1, 0.05, 0.0, 0.0, 0.0]], "guesser": {"draft_passes": "one"},
+           "vllm": {"server_start_s": 30.0}}
+    s = sv.ServingSettings(concurrency=tuple(levels), methods=("ngram",))
+    drafting = sp.drafting_levels({"ngram": low}, profiles, levels, s)
+    assert 1 in drafting and 16 not in drafting, drafting
+    plain_sizes = sp.race_size_for_budget(profiles, {"ngram": low}, s, levels, 650.0, 16)
+    plugin_sizes = sp.race_size_for_budget(profiles, {"ngram": low}, s, levels, 650.0, 16, plugin=True)
+    assert plain_sizes[1] < plugin_sizes[1] and all(plugin_sizes[lv] >= plain_sizes[lv] for lv in levels)
+    never = {**low, "accuracy": [[0.0]] * 8}
+    assert sp.drafting_levels({"ngram": never}, profiles, levels, s) == set()
+    assert sp.race_size_for_budget(profiles, {"ngram": never}, s, levels, 500.0, 16, plugin=True) == \
+        sp.race_size_for_budget(profiles, {"ngram": never}, s, levels, 500.0, 16)
+
+
+def test_the_race_resolves_the_contenders_that_could_overturn_the_decision_winner_first(monkeypatch):
+    """suffix is ahead at 2 and decides (K = 0 at 1, where it is unresolved at 1.05x); ngram raced 1.12x at 1,
+    unresolved: more passes could make it the better decision there, so it is resolved too; eagle3, slower
+    than what the decision writes at every level, is not. A pass that does not fit both leaves the last out."""
+    from profiler.workload import Request
+
+    gains = {"planned suffix": {1: 1.05, 2: 1.3}, "planned ngram": {1: 1.12, 2: 1.04}, "planned eagle3": {1: 0.99, 2: 1.1}}
+    levels, budget, calls = [1, 2], [50.0], []
+
+    def fake(engine, c, race, lvls=None, into=None):
+        calls.append((c.name, list(lvls or race.levels)))
+        for lv in lvls or race.levels:
+            tps = lv * (gains[c.name][lv] if c.speculative else 1.0)
+            recs = [RequestRecord(i, 0.0, latency_s=(1 + 0.1 * i) * lv / tps, output_tokens=8, token_ids=list(range(8)))
+                    for i in range(8)]
+            race.results.setdefault(c.name, {})[lv] = [{"result": LoadResult(lv, 64 / tps, recs),
+                                                        "counters": SpecDecodeCounters(), "server": 1}]
+        if c.name == sr.CLOSING:  # plain's server closes a resolving pass: it spends the budget
+            budget[0] = 0.0
+        return {"start_s": [], "level_s": {}}
+
+    monkeypatch.setattr(sr, "race_contender", fake)
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 8) for i in range(8)]
+    race = sr.Race(sr.same_requests(reqs, reqs[:1], levels, 1, None, 60.0), levels, lambda line: None)
+    raced = [sr.Contender(n, {"method": n.split()[1], "num_speculative_tokens": 4}, plugin=True) for n in gains]
+    sr.race_all(None, [sr.Contender(sr.PLAIN, None), *raced], race)
+    _, why = sd.decision(raced, race.rows(), levels, plugin=True)
+    assert why["winner"] == "planned suffix" and why["draft_length_by_level"] == {1: 0, 2: 4}
+    todo = sd.to_resolve(raced, why, race.rows(), levels)
+    assert [c.name for c in todo] == ["planned suffix", "planned ngram"]
+    # each pass: plain's server and each candidate's, 10 s to start and 10 s a level: 40 s for suffix alone
+    race.timings[sr.PLAIN] = {"start_s": [10.0], "level_s": {1: [10.0], 2: [10.0]}, "wall_s": 40.0}
+    del calls[:]
+    left = sr.resolve(None, race, todo, lambda: budget[0])
+    assert calls == [("planned suffix", [1]), (sr.CLOSING, [1])], calls
+    assert left == {"planned suffix": [1], "planned ngram": [1, 2]}
+    # no contender decided: every one unresolved above plain somewhere is resolved, none first
+    assert [c.name for c in sd.to_resolve(raced, {"winner": sr.PLAIN}, race.rows(), levels)] == \
+        ["planned suffix", "planned ngram", "planned eagle3"]
+
+
 def test_a_measured_proposer_that_learns_prices_a_server_per_pass_into_the_race_sizes():
     """suffix races on a fresh server per level and round: sized as one server, a 15-minute run took 16.1.
     With suffix measured, the first contender's and the confirmation's further starts (2 x 4 x 40 s at five
@@ -910,8 +984,9 @@ def test_a_measured_proposer_that_learns_prices_a_server_per_pass_into_the_race_
     profiles = _profiles(levels, fixed_s=0.05, per_token_s=0.002)
     s = sv.ServingSettings()
 
-    def rec(method):
-        return {"guesser": {"method": method}, "vllm": {"server_start_s": 40.0}}
+    def rec(method):  # drafts at every level: with the plugin no level is raced by plain's first server alone
+        return {"guesser": {"method": method, "draft_passes": "one"}, "vllm": {"server_start_s": 40.0},
+                "accuracy": [[0.9]] * 8}
 
     lookup = sp.race_size_for_budget(profiles, {"ngram": rec("ngram")}, s, levels, 700.0, 16)
     learner = sp.race_size_for_budget(profiles, {"ngram": rec("ngram"), "suffix": rec("suffix")}, s, levels, 700.0, 16)

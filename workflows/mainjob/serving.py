@@ -47,6 +47,7 @@ from workflows.mainjob.serving_decision import (
     measured_record,
     measured_why,
     raced_as_is,
+    to_resolve,
     unconfirmed,
 )
 from workflows.mainjob.serving_plan import (
@@ -295,10 +296,10 @@ def race(run: ServingRun) -> None:
             run.say("      plain's drift over the race (closing / first server's tokens/s): " + ", ".join(
                 f"{lv}: {d:.2f}" for lv in run.levels if (d := plain_drift(r.results[PLAIN].get(lv) or [])) is not None))
         raced = _raced(run)
-        chosen, why = decision(raced, r.rows(), run.levels, run.plugin)
-        if chosen is not None:  # its open levels race again while the budget keeps the confirmation
-            resolve(run.engine, r, [c for c in raced if c.name == why["winner"]],
-                    lambda: run.left() - r.timings[PLAIN]["wall_s"] - WRITE_S, run.plain_tps)
+        _, why = decision(raced, r.rows(), run.levels, run.plugin)
+        # open levels race again, the winner's first, while the budget keeps the confirmation
+        resolve(run.engine, r, to_resolve(raced, why, r.rows(), run.levels),
+                lambda: run.left() - r.timings[PLAIN]["wall_s"] - WRITE_S, run.plain_tps)
     run.levels_out = r.rows()
     _write_race(run)
 

@@ -28,6 +28,7 @@ from workflows.mainjob.serving_race import (
     geomean,
     k_by_level,
     race_all,
+    unresolved,
 )
 
 
@@ -58,6 +59,28 @@ def decision(contenders: list[Contender], levels_out: list[dict], levels, plugin
     return Contender(c.name, cfg, plugin=on or c.plugin), {
         "winner": c.name, "levels_ahead_of_plain": ahead, "levels_behind_plain": behind,
         "geomean_vs_plain": geo, "draft_length_by_level": per_level, "plugin": on or c.plugin}
+
+
+def to_resolve(raced: list[Contender], why: dict, levels_out: list[dict], levels) -> list[Contender]:
+    """The contenders the race's further passes serve, first to last: the decision's winner (if a contender
+    won), then every other one that could overturn the decision: unresolved at a level where it ran more
+    tokens/s than the decision as written would (the winner's row there; plain's where the winner is switched
+    off or the decision is plain). Passes for the winner alone once left a proposer that raced 1.25x plain at
+    one request (sampled, unresolved on one server each) behind a decision that wrote plain there."""
+    at = {lv["level"]: lv["contenders"] for lv in levels_out}
+    ks = why.get("draft_length_by_level") or {}
+    winner = next((c for c in raced if c.name == why.get("winner")), None)
+
+    def written(lv: int) -> float:
+        row = at.get(lv, {}).get(winner.name) if winner is not None else None
+        return (row.get("vs_plain") or 0.0) if row and ks.get(lv) else 1.0
+
+    def challenges(c: Contender) -> bool:
+        rows = {lv: at.get(lv, {}).get(c.name) for lv in levels}
+        return any(r and unresolved(r) and (r.get("vs_plain") or 0.0) > written(lv) for lv, r in rows.items())
+
+    first = [winner] if winner is not None else []
+    return first + [c for c in raced if c is not winner and c.speculative is not None and challenges(c)]
 
 
 def switched_off(speculative: dict, levels, off) -> tuple[dict, dict[int, int]]:

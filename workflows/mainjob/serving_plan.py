@@ -156,14 +156,14 @@ def worth_racing(p: dict, levels, gain: float = RACE_GAIN) -> tuple[dict, dict, 
 
 def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float, n: int,
                          plugin: bool = False) -> dict[int, int]:
-    """Race requests per level (serving_race.py race_sizes) for four races within left_s: plain's two
-    servers, the first contender's and the confirmation's (the decision as written, which switches
-    speculation off where it lost). Priced before any has run: a served step at SERVED_STEP times the
-    profiled plain step, a server start at the longest acceptance server's wait (the first of them
-    started alone), each level's warm-up wave of WARMUP_TOKENS and its passes of n requests. Where a measured
-    proposer learns from answers (suffix) and the plugin is off, the first contender and the confirmation may be
-    it, each a fresh server per pass: their further starts are priced too (a 15-minute run took 16.1 when they
-    were not). With the plugin they race on one server like the others: its reset makes them forget."""
+    """Race requests per level (serving_race.py race_sizes) for four races within left_s: plain's two servers, the
+    first contender's and the confirmation's (the decision as written, which switches speculation off where it
+    lost); with the plugin the last three only where a plan drafts (drafting_levels). Priced before any has run: a
+    served step at SERVED_STEP times the profiled plain step, a server start at the longest acceptance server's wait
+    (the first of them started alone), each level's warm-up wave of WARMUP_TOKENS and its passes of n requests.
+    Where a measured proposer learns from answers (suffix) and the plugin is off, the first contender and the
+    confirmation may be it, each a fresh server per pass: their further starts are priced too (a 15-minute run took
+    16.1 when they were not). With the plugin they race on one server like the others: its reset makes them forget."""
     from profiler.vllm_profile import START_GUESS_S
 
     step = {lv: float(profiles[lv].latency(1)) * SERVED_STEP for lv in levels}
@@ -173,7 +173,20 @@ def race_size_for_budget(profiles: dict, records: dict, s, levels, left_s: float
     pass_s = {lv: s.rounds * math.ceil(n / lv) * s.max_tokens * step[lv] for lv in levels}
     learner = not plugin and any((r.get("guesser") or {}).get("method") in LEARNS for r in records.values())
     extra = 2 * (len(levels) * s.rounds - 1) * start if learner else 0.0
-    return race_sizes(pass_s, fixed, n, levels, left_s, races=4, extra_s=extra)
+    drafting = drafting_levels(records, profiles, levels, s) if plugin else set(levels)
+    once = [lv for lv in levels if lv not in drafting] if drafting else []
+    return race_sizes(pass_s, fixed, n, levels, left_s, races=4, extra_s=extra, once=once)
+
+
+def drafting_levels(records: dict, profiles: dict, levels, s) -> set[int]:
+    """With the plugin, the levels where some proposer's plan drafts, before plain's race: the other three of
+    race_size_for_budget's races (plain's closing server, the first planned schedule, the confirmation) run
+    only there, since a schedule's K = 0 is vLLM's plain path and is not raced. Priced on the profile alone,
+    which leaves out the seconds a server adds to every step and request (speculation does not shorten them),
+    so it finds a gain at least where the plan on plain's served split will [D: the sampled runs here drafted
+    at 1-2 requests and the greedy ones at 1-8; the budget still checks each contender before it races]."""
+    by_method = plans(records, profiles, levels, s, {}, {}, True, lambda *_: None)
+    return {lv for p in by_method.values() for lv, k in worth_racing(p, levels)[0].items() if k}
 
 
 def jsonable(x):

@@ -108,7 +108,6 @@ class Race:
     timings: dict = field(default_factory=dict)  # name -> {"start_s": [...], "level_s": {level: [...]}, "wall_s"}
     servers: int = 0  # servers started so far: each round records which one ran it
     resolving: dict = field(default_factory=dict)  # name -> levels its extra passes left unresolved
-
     skip_plain_path: bool = False  # the main job: a contender served with the plugin is not raced where its K = 0
     plain_path: dict = field(default_factory=dict)  # name -> levels not raced: its K = 0 there, vLLM's plain path
 
@@ -250,10 +249,10 @@ def close_plain(engine, race: Race, levels=None) -> None:
 
 def resolve(engine, race: Race, candidates: list[Contender], seconds_left: Callable[[], float],
             plain_tps: dict | None = None) -> dict[str, list[int]]:
-    """Further passes while a candidate is neither ahead of nor behind plain at some level (unresolved) and
-    the next pass fits seconds_left(): each candidate's fresh server at its open levels, then plain's at
-    those levels (so every pass has plain on both sides). The rounds join the earlier ones, so each level's
-    interval narrows with every pass. Returns the levels still unresolved per candidate (race.resolving)."""
+    """Further passes while a candidate is unresolved somewhere and the next pass fits seconds_left(): each
+    candidate's fresh server at its open levels, then plain's (plain on both sides of every pass), the last
+    candidates left out of a pass that cannot hold them all; each pass narrows the intervals. Returns the levels
+    still unresolved per candidate (race.resolving)."""
     plain_tps = plain_tps or {}
     while True:
         rows = {lv["level"]: lv["contenders"] for lv in race.rows()}
@@ -263,25 +262,34 @@ def resolve(engine, race: Race, candidates: list[Contender], seconds_left: Calla
         race.resolving = todo
         if not todo or PLAIN not in race.timings:
             return todo
-        open_levels = sorted({lv for lvs in todo.values() for lv in lvs})
-        eta = predicted_seconds(Contender(PLAIN, None), race.timings[PLAIN], open_levels, race.traffic.rounds, plain_tps)
-        eta += sum(predicted_seconds(c, race.timings[PLAIN], todo[c.name], race.traffic.rounds, plain_tps)
-                   for c in candidates if c.name in todo)
-        if eta > seconds_left():
+        now = dict(todo)
+        while len(now) > 1 and _pass_seconds(race, candidates, now, plain_tps) > seconds_left():
+            now.pop(list(now)[-1])
+        if (eta := _pass_seconds(race, candidates, now, plain_tps)) > seconds_left():
             race.say(f"      unresolved (the interval still holds 1): {_levels_said(todo)}; another pass "
                      f"(predicted {eta:.0f} s) does not fit the {max(seconds_left(), 0):.0f} s left")
             return todo
+        open_levels, servers_before = sorted({lv for lvs in now.values() for lv in lvs}), race.servers
         race.say(f"      another pass, plain and the candidate each on a fresh server, at the unresolved levels: "
-                 f"{_levels_said(todo)} (predicted {eta:.0f} s)")
+                 f"{_levels_said(now)} (predicted {eta:.0f} s)")
         for c in candidates:
-            if c.name in todo:
+            if c.name in now:
                 try:
-                    race_contender(engine, c, race, todo[c.name])
+                    race_contender(engine, c, race, now[c.name])
                 except UserError as e:
                     race.failed[c.name] = str(e)
                     race.results.pop(c.name, None)
                     race.say(f"      {c.name}: failed, out of the race ({e})")
         close_plain(engine, race, open_levels)
+        if race.servers == servers_before:  # no server started, so no interval can have narrowed
+            return todo
+
+
+def _pass_seconds(race: Race, candidates: list[Contender], todo: dict[str, list[int]], plain_tps: dict) -> float:
+    """What one resolving pass of the candidates named in `todo` takes: theirs and plain's at their open levels."""
+    plain, rounds, open_levels = race.timings[PLAIN], race.traffic.rounds, sorted({lv for v in todo.values() for lv in v})
+    return sum(predicted_seconds(c, plain, todo[c.name] if c.speculative else open_levels, rounds, plain_tps)
+               for c in [Contender(PLAIN, None), *(c for c in candidates if c.name in todo)])
 
 
 def _levels_said(todo: dict) -> str:
@@ -304,19 +312,19 @@ def unresolved(row: dict) -> bool:
 
 
 def race_sizes(pass_s: dict[int, float], fixed_s: float, n: int, levels, left_s: float,
-               races: int, extra_s: float = 0.0) -> dict[int, int]:
-    """Race requests per level, the same for every contender: n at every level when `races` races (each
-    fixed_s of server start and warm-up waves plus pass_s[level], a pass of n requests) fit in left_s;
-    otherwise the levels where a request takes longest (the lowest: fewest requests at once) are cut first,
-    each to a multiple of its level (and even: a question's two turns stay together) but never below
-    MIN_RACE_REQUESTS or the level itself, until the races fit or nothing more can be cut. Every contender
-    then answers the same first requests, so they still pair up one to one. extra_s: seconds beside the
-    races that no cut shortens (the further server starts of a proposer that learns from answers)."""
+               races: int, extra_s: float = 0.0, once=()) -> dict[int, int]:
+    """Race requests per level, the same for every contender: n at every level when `races` races (each fixed_s
+    of server start and warm-up waves plus pass_s[level], a pass of n requests) fit in left_s; otherwise the
+    levels where the requests take longest over the races are cut first, each to a multiple of its level (and
+    even) but never below MIN_RACE_REQUESTS or the level, until the races fit or nothing more can be cut; every
+    contender answers the same first requests, so they pair up one to one. extra_s: seconds no cut shortens
+    (a learner's further server starts). once: levels only the first race runs (plain's first server where no
+    plan drafts: with the plugin a schedule's K = 0 is not raced)."""
     sizes = {lv: n for lv in levels}
-    per_request = {lv: pass_s[lv] / n for lv in levels}
+    per_request = {lv: pass_s[lv] / n * (1 if lv in once else races) for lv in levels}
 
     def total() -> float:
-        return extra_s + races * (fixed_s + sum(per_request[lv] * sizes[lv] for lv in levels))
+        return extra_s + races * fixed_s + sum(per_request[lv] * sizes[lv] for lv in levels)
 
     for lv in sorted(levels, key=lambda x: -per_request[x]):
         over = total() - left_s
@@ -324,7 +332,7 @@ def race_sizes(pass_s: dict[int, float], fixed_s: float, n: int, levels, left_s:
             break
         step = lv if lv % 2 == 0 else 2 * lv
         floor = min(n, -(-max(MIN_RACE_REQUESTS, lv) // step) * step)
-        fits = sizes[lv] - math.ceil(over / races / per_request[lv]) if per_request[lv] > 0 else sizes[lv]
+        fits = sizes[lv] - math.ceil(over / per_request[lv]) if per_request[lv] > 0 else sizes[lv]
         sizes[lv] = min(sizes[lv], max(floor, fits // step * step))
     return sizes
 
