@@ -770,6 +770,11 @@ def test_the_budget_races_the_planned_schedule_first_and_skips_what_it_cannot_fi
     assert set(summary["budget"]["seconds_by_contender"]) == set(raced)
     report = (tmp_path / "run" / "report.md").read_text()
     assert "- suffix defaults: not raced" in report and "min of a" in report
+    # both raced contenders are ahead of plain at every level (* on each), one wins each level (bold)
+    cells = [c.strip() for line in report.splitlines() if line.startswith(("| planned", "| fixed"))
+             for c in line.split("|")[2:-1] if "x)" in c]  # the tokens/s table's, not the time per token's
+    assert len(cells) == 6 and all(c.endswith("x)*") or c.endswith("x)***") for c in cells), cells
+    assert sum(c.startswith("**") for c in cells) == 3, cells
     assert "Plain's drift over the race (the second server's tokens/s over the first's): 1: 1.00, 4: 1.00, 16: 1.00" \
         in report
     assert (tmp_path / "run" / "chosen.json").is_file()

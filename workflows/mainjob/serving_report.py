@@ -13,7 +13,7 @@ from pathlib import Path
 from planner.errors import UserError
 from planner.jsonio import atomic_write_json
 from planner.serving import MAX_CONCURRENCY, PLUGIN_ENV
-from workflows.mainjob.serving_race import PLAIN, Contender, by_level
+from workflows.mainjob.serving_race import PLAIN, Contender, beats_plain, by_level
 
 
 def prediction_error(contenders: list[Contender], levels_out: list[dict]) -> dict:
@@ -62,7 +62,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
                               for lv, v in by_level(measured)), ""]
     if summary["decision"].get("confirm"):
         lines += [f"Confirmation: {summary['decision']['confirm']}", ""]
-    lines += ["Output tokens/s (x vLLM plain at the same level; * = beat plain beyond the noise, paired per request)", "",
+    lines += ["Output tokens/s (x vLLM plain at the same level; * = ahead of plain beyond the noise, paired per request; "
+              "the level's winner in bold)", "",
               "| contender | " + " | ".join(str(c) for c in levels) + " |", "|---" * (len(levels) + 1) + "|"]
     at_level = {lv["level"]: lv for lv in summary["levels"]}
     for c in contenders:
@@ -75,8 +76,8 @@ def report(summary: dict, contenders: list[Contender]) -> str:
             if row.get("plain_path"):
                 cells.append("plain path")
                 continue
-            star = "*" if at_level[lv]["winner"] == c.name != PLAIN else ""
-            cells.append(f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x){star}")
+            cell = f"{row['output_tokens_per_s']:.1f} ({row['vs_plain']:.2f}x)" + ("*" if beats_plain(row) else "")
+            cells.append(f"**{cell}**" if at_level[lv]["winner"] == c.name != PLAIN else cell)
         lines.append(f"| {c.name} | " + " | ".join(cells) + " |")
     drift = {lv: at_level[lv]["contenders"].get(PLAIN, {}).get("drift") for lv in levels if lv in at_level}
     if any(d is not None for d in drift.values()):
