@@ -244,14 +244,18 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
 def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request], s, seed: int = 0,
                     draft_length: int = DEFAULT_DRAFT_LENGTH, concurrency: int = 4,
                     draft_model: str | Path | dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
-                    say: Callable[[str], None] | None = None, plugin: bool = False) -> dict[str, dict]:
+                    say: Callable[[str], None] | None = None, plugin: bool = False,
+                    drafter_concurrency: int | None = None) -> dict[str, dict]:
     """method -> its acceptance record, one server each, in order; the same (sampled) requests for all.
     `plugin`: the servers run with the project's vLLM plugin, which on vLLM 0.32's CPU build is what makes
-    sampled verification use the requests' temperature and top-p (docs/vllm.md); greedy counts are the same."""
+    sampled verification use the requests' temperature and top-p (docs/vllm.md); greedy counts are the same.
+    `drafter_concurrency`: a drafter model's load (one pass per drafted token, timed for planner/serving.py
+    draft_costs) runs at this concurrency instead, where its passes are priced; the counts do not depend on it."""
     if not requests:
         raise UserError("no requests to measure acceptance on")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 1024:
-        raise UserError(f"--concurrency: expected an integer in 1..1024, got {concurrency!r}")
+    for c in (concurrency, concurrency if drafter_concurrency is None else drafter_concurrency):
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 1024:
+            raise UserError(f"--concurrency: expected an integer in 1..1024, got {c!r}")
     configs = {m: speculative_config(m, draft_length, draft_model) for m in methods}  # all checked first
     reqs = sampled_requests(requests, s, seed)
     out: dict[str, dict] = {}
@@ -263,7 +267,8 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
             # next server starts during this load; a drafter's load is timed (draft_costs), so it runs alone
             if after is not None and DRAFT_PASSES[m] != "depth":
                 ahead = engine.server(speculative_config=configs[after], plugin=plugin)
-            out[m] = measure_method(engine, m, reqs, s, draft_length, concurrency, draft_model, timeout_s, say,
+            c = drafter_concurrency if drafter_concurrency is not None and DRAFT_PASSES[m] == "depth" else concurrency
+            out[m] = measure_method(engine, m, reqs, s, draft_length, c, draft_model, timeout_s, say,
                                     server=server, launch_next=ahead)
             out[m]["vllm"]["plugin"] = plugin
     finally:

@@ -200,6 +200,24 @@ def test_the_command_measures_each_method_in_its_own_server(fake, tmp_path):
                               ("up", "draft_model"), ("load", None), ("stop", "draft_model")]
 
 
+def test_a_drafters_timed_load_runs_at_its_own_concurrency_and_a_bad_one_is_refused(fake):
+    from workflows.cli.engines import open_from_args
+
+    engine = open_from_args(None, None)
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 16, {}) for i in range(3)]
+    va.measure_methods(engine, ["ngram", "draft_model"], reqs, GREEDY, draft_length=4, concurrency=4,
+                       draft_model=fake["draft"], drafter_concurrency=1)
+    # the serving main job prices a draft pass from the drafter's load (draft_costs), at the level it drafts at
+    assert [conc for _, conc in fake["requests"]] == [4, 1]
+    va.measure_methods(engine, ["draft_model"], reqs, GREEDY, draft_length=4, concurrency=2, draft_model=fake["draft"])
+    assert fake["requests"][-1][1] == 2  # without drafter_concurrency every load runs at `concurrency`
+    for bad in (0, 2000, True):
+        with pytest.raises(UserError, match="--concurrency: expected an integer in 1..1024"):
+            va.measure_methods(engine, ["draft_model"], reqs, GREEDY, draft_model=fake["draft"],
+                               drafter_concurrency=bad)
+    assert len(fake["requests"]) == 3  # refused before any server
+
+
 def test_a_failure_stops_the_server_started_ahead(fake, tmp_path):
     fake["level"] = level(record(0, 60, 30), record(1, 3, 3, error="HTTP 400: too long"))
     assert main(["accept", "--engine", "vllm", "--method", "ngram,draft_model", "--draft-model", str(fake["draft"]),

@@ -78,6 +78,11 @@ from workflows.mainjob.serving_traffic import mixed, requests, spread  # noqa: F
 
 _DEFAULTS = engine_kind("vllm").defaults  # planner/engines.py: every engine's defaults in one place
 WRITE_S = 15.0  # decide, write the exports and the report: kept from the budget with the confirmation
+# the acceptance loads: 4 requests at a time, but a drafter model's at 1. Its load is timed to price a draft pass
+# (draft_costs: its step less plain's and the profile's price for scoring the drafts), and at 4 requests with 8
+# drafts that remainder is a few ms of a 170-410 ms step (0-30 ms a pass across runs, EAGLE-3's served step at one
+# request underpriced by 9-15 ms); at 1 it is priced where a drafter drafts, in about the same wall time
+ACCEPT_CONCURRENCY, DRAFTER_ACCEPT_CONCURRENCY = 4, 1
 PHASES = ("profile", "accept", "plan", "race", "confirm", "write")
 
 
@@ -486,8 +491,9 @@ def _acceptance(engine, s: ServingSettings, accept_reqs: list, models: dict[str,
         from profiler.vllm_accept import measure_methods
 
         found = measure_methods(engine, todo, accept_reqs, s.sampling, seed=s.seed, draft_length=max(s.draft_lengths),
-                                concurrency=4, draft_model=models, timeout_s=s.request_timeout_s,
-                                say=lambda line: say(f"      {line}"), plugin=plugin)
+                                concurrency=ACCEPT_CONCURRENCY, draft_model=models, timeout_s=s.request_timeout_s,
+                                say=lambda line: say(f"      {line}"), plugin=plugin,
+                                drafter_concurrency=DRAFTER_ACCEPT_CONCURRENCY)
         for m, rec in found.items():
             atomic_write_json(out / f"accept-{m}.json", rec)
         records.update(found)
