@@ -253,7 +253,8 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
     draft_costs) runs at this concurrency instead, where its passes are priced; the counts do not depend on it."""
     if not requests:
         raise UserError("no requests to measure acceptance on")
-    for c in (concurrency, concurrency if drafter_concurrency is None else drafter_concurrency):
+    drafter_c = concurrency if drafter_concurrency is None else drafter_concurrency
+    for c in (concurrency, drafter_c):
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 1024:
             raise UserError(f"--concurrency: expected an integer in 1..1024, got {c!r}")
     configs = {m: speculative_config(m, draft_length, draft_model) for m in methods}  # all checked first
@@ -267,7 +268,7 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
             # next server starts during this load; a drafter's load is timed (draft_costs), so it runs alone
             if after is not None and DRAFT_PASSES[m] != "depth":
                 ahead = engine.server(speculative_config=configs[after], plugin=plugin)
-            c = drafter_concurrency if drafter_concurrency is not None and DRAFT_PASSES[m] == "depth" else concurrency
+            c = drafter_c if DRAFT_PASSES[m] == "depth" else concurrency
             out[m] = measure_method(engine, m, reqs, s, draft_length, c, draft_model, timeout_s, say,
                                     server=server, launch_next=ahead)
             out[m]["vllm"]["plugin"] = plugin
