@@ -237,10 +237,11 @@ def draft_costs(record: dict, profiles: dict, levels, served: dict | None = None
     served step (LoadResult.step_p50_s) less plain's served step at its concurrency (interpolated between
     the levels) less the profile's price for scoring its k drafts, per pass; so the per-request time plain's
     split already prices is not charged again. Otherwise the load's wall time over its decoding steps less
-    the profile's step at that batch and draft length, per pass."""
+    the profile's step at that batch and draft length, per pass. Both from the record's timed pass alone
+    (`timed_steps`: a sampled record counts further passes, untimed)."""
     v = record.get("vllm") or {}
     c, k = int(v.get("concurrency") or 1), int(v.get("draft_length") or 1)
-    steps, wall = float(v.get("steps") or 0), float(v.get("load_wall_s") or 0)
+    steps, wall = float(v.get("timed_steps") or v.get("steps") or 0), float(v.get("load_wall_s") or 0)
     profile = profiles[min(profiles, key=lambda x: abs(x - c))]
     spec = v.get("step_p50_s")
     if spec and served:

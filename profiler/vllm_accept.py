@@ -59,6 +59,8 @@ MAX_DRAFT_LENGTH = 24  # suffix decoding's default tree depth; longer drafts say
 NGRAM_LOOKUP = (1, 3)  # prompt_lookup_min/max: the n-grams the project's own lookup is measured with
 DRAFT_PASSES = {"ngram": "one", "suffix": "one", "draft_model": "depth", "eagle": "depth", "eagle3": "depth",
                 "medusa": "one"}  # planner.cost.Guessing's draft_passes
+LEARNS = ("suffix",)  # proposers that also draft from earlier requests' answers (suffix's global tree)
+MAX_PASSES = 16  # sampled passes over the requests: past this a longer workload says more than more draws
 REQUEST_TIMEOUT_S = 900.0
 
 
@@ -176,8 +178,11 @@ def chain_rows(accepted_per_position: Sequence[float], steps: float, k: int) -> 
 
 
 def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result: LoadResult, config: dict,
-                      s, model: str, engine: str) -> dict:
-    """The acceptance record (planner/accept.py format) of one method from one level's counters."""
+                      s, model: str, engine: str, timed: tuple[LoadResult, SpecDecodeCounters] | None = None) -> dict:
+    """The acceptance record (planner/accept.py format) of one method from one level's counters (or several
+    passes' under one reading, `result` holding every pass's requests). `timed`: the one pass whose time the
+    record keeps (its load and counters; default the whole `result`): a drafter's pass is priced from its
+    served step (planner/serving.py draft_costs), which later passes at another concurrency would change."""
     steps = decode_steps(result.completed, counters)
     if steps["steps"] <= 0:
         raise UserError(f"--method {method}: no decoding step was measured (every answer ended at its first "
@@ -192,17 +197,23 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
                     "draft_passes": DRAFT_PASSES[method]},
         "sampling": sampling_record(s),
         "vllm": {
-            "speculative_config": config, "draft_length": k, "concurrency": result.concurrency,
+            "speculative_config": config, "draft_length": k,
             "drafts": drafts, "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted_tokens,
             "accepted_per_position": list(counters.accepted_per_position), **steps,
             "draft_rate": drafts / steps["steps"],
             "per_draft": list(counters.acceptance_per_position),
             "mean_acceptance_length": counters.mean_acceptance_length,
             "tokens_per_step": 1 + counters.accepted_tokens / steps["steps"],
-            "requests": len(result.records), "output_tokens": result.output_tokens, "load_wall_s": result.wall_s,
-            "output_tokens_per_s": result.output_tokens_per_s, "step_p50_s": result.step_p50_s,
+            **_timing(*(timed or (result, counters))), "passes": 1, "counted_requests": len(result.records),
         },
     }
+
+
+def _timing(result: LoadResult, counters: SpecDecodeCounters) -> dict:
+    """The timed pass: its concurrency, requests, wall time and served step, and its own decoding steps."""
+    return {"concurrency": result.concurrency, "requests": len(result.records), "output_tokens": result.output_tokens,
+            "load_wall_s": result.wall_s, "output_tokens_per_s": result.output_tokens_per_s,
+            "step_p50_s": result.step_p50_s, "timed_steps": decode_steps(result.completed, counters)["steps"]}
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -210,10 +221,14 @@ def acceptance_record(method: str, k: int, counters: SpecDecodeCounters, result:
 def measure_method(engine, method: str, requests: Sequence[Request], s, draft_length: int = DEFAULT_DRAFT_LENGTH,
                    concurrency: int = 4, draft_model: str | Path | dict | None = None,
                    timeout_s: float = REQUEST_TIMEOUT_S, say: Callable[[str], None] | None = None,
-                   server=None, launch_next=None) -> dict:
+                   server=None, launch_next=None, more: Sequence[Sequence[Request]] = (),
+                   more_concurrency: int | None = None, forget: bool = False) -> dict:
     """One server of `engine` (decoder/engines/vllm/open.py) with `method`; its acceptance record.
     `server`: that server made (or launched) already; `launch_next`: a server launched once this one
-    is up, before its requests (measure_methods; the caller stops it)."""
+    is up, before its requests (measure_methods; the caller stops it). `more`: further passes on the same
+    server (other draws of the requests), counted, not timed, at `more_concurrency` (default `concurrency`),
+    each from an empty prefix cache and, with `forget` (the plugin's reset), without suffix decoding's
+    cached answers of the passes before."""
     say = say or (lambda line: None)
     config = speculative_config(method, draft_length, draft_model)
     t0 = time.perf_counter()
@@ -224,15 +239,24 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
             launch_next.launch()
         before = fetch_spec_decode(server.url)
         say(f"{method}: {len(requests)} requests at concurrency {concurrency}")
-        result = run_load(server.url, server.served_model_name, requests, concurrency, timeout_s)  # Ctrl-C: stops
-        counters = fetch_spec_decode(server.url) - before
-    failed = [r for r in result.records if not r.ok]
-    if failed:
-        raise UserError(f"--method {method}: {len(failed)} of {len(result.records)} requests failed "
-                        f"(request {failed[0].index}: {failed[0].error}); nothing written")
+        timed = run_load(server.url, server.served_model_name, requests, concurrency, timeout_s)  # Ctrl-C: stops
+        timed_counters = fetch_spec_decode(server.url) - before
+        results = [timed]
+        for i, reqs in enumerate(more, 2):
+            _check_failures(method, results[-1])
+            server.reset_prefix_cache(forget_answers=forget)
+            say(f"{method}: pass {i} of {1 + len(more)}, {len(reqs)} requests at concurrency "
+                f"{more_concurrency or concurrency}")
+            results.append(run_load(server.url, server.served_model_name, reqs, more_concurrency or concurrency,
+                                    timeout_s))
+        counters = fetch_spec_decode(server.url) - before if more else timed_counters
+    _check_failures(method, results[-1])
     if not counters.speculating:
         raise UserError(f"--method {method}: vLLM exposes no speculative-decoding counters (it did not speculate)")
-    rec = acceptance_record(method, draft_length, counters, result, config, s, engine.model_name, engine.caps.name)
+    every = LoadResult(timed.concurrency, sum(r.wall_s for r in results), [x for r in results for x in r.records])
+    rec = acceptance_record(method, draft_length, counters, every, config, s, engine.model_name, engine.caps.name,
+                            timed=(timed, timed_counters))
+    rec["vllm"]["passes"] = len(results)
     rec["vllm"]["server_start_s"] = started  # the wait for it: less where it started during another load
     rec["wall_s"] = time.perf_counter() - t0
     v = rec["vllm"]
@@ -241,24 +265,42 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
     return rec
 
 
+def _check_failures(method: str, result: LoadResult) -> None:
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        raise UserError(f"--method {method}: {len(failed)} of {len(result.records)} requests failed "
+                        f"(request {failed[0].index}: {failed[0].error}); nothing written")
+
+
 def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request], s, seed: int = 0,
                     draft_length: int = DEFAULT_DRAFT_LENGTH, concurrency: int = 4,
                     draft_model: str | Path | dict | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
                     say: Callable[[str], None] | None = None, plugin: bool = False,
-                    drafter_concurrency: int | None = None) -> dict[str, dict]:
+                    drafter_concurrency: int | None = None, passes: int = 1) -> dict[str, dict]:
     """method -> its acceptance record, one server each, in order; the same (sampled) requests for all.
     `plugin`: the servers run with the project's vLLM plugin, which on vLLM 0.32's CPU build is what makes
     sampled verification use the requests' temperature and top-p (docs/vllm.md); greedy counts are the same.
     `drafter_concurrency`: a drafter model's load (one pass per drafted token, timed for planner/serving.py
-    draft_costs) runs at this concurrency instead, where its passes are priced; the counts do not depend on it."""
+    draft_costs) runs at this concurrency instead, where its passes are priced; the counts do not depend on it.
+    `passes` (sampled only): the requests are sent that many times, pass p with seeds seed + p n + i, and
+    every pass counts: one draw of 16 answers of 32 tokens measured suffix at 1.30-1.70 tokens a step on this
+    CPU, by seed. Passes after the first run at `concurrency`, untimed; a proposer that learns from answers
+    (suffix) takes them only where a reset makes it forget (the plugin), else one pass."""
     if not requests:
         raise UserError("no requests to measure acceptance on")
     drafter_c = concurrency if drafter_concurrency is None else drafter_concurrency
     for c in (concurrency, drafter_c):
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 1024:
             raise UserError(f"--concurrency: expected an integer in 1..1024, got {c!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or not 1 <= passes <= MAX_PASSES:
+        raise UserError(f"--passes: expected an integer in 1..{MAX_PASSES}, got {passes!r}")
+    if passes > 1 and s.temperature <= 0:
+        raise UserError(f"--passes {passes}: greedy answers repeat, so one pass measures them; more need "
+                        "--temperature above 0")
+    say = say or (lambda line: None)
     configs = {m: speculative_config(m, draft_length, draft_model) for m in methods}  # all checked first
-    reqs = sampled_requests(requests, s, seed)
+    draws = [sampled_requests(requests, s, seed + p * len(requests)) for p in range(passes)]
+    reqs = draws[0]
     out: dict[str, dict] = {}
     ahead = None  # the next method's server, launched while this method's requests run
     try:
@@ -269,8 +311,13 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
             if after is not None and DRAFT_PASSES[m] != "depth":
                 ahead = engine.server(speculative_config=configs[after], plugin=plugin)
             c = drafter_c if DRAFT_PASSES[m] == "depth" else concurrency
+            more = draws[1:] if plugin or m not in LEARNS else []
+            if len(more) < passes - 1:
+                say(f"{m}: one pass, not {passes}: without the plugin a reset leaves its cached answers, which a "
+                    "repeated request would draft from")
             out[m] = measure_method(engine, m, reqs, s, draft_length, c, draft_model, timeout_s, say,
-                                    server=server, launch_next=ahead)
+                                    server=server, launch_next=ahead, more=more, more_concurrency=concurrency,
+                                    forget=plugin and m in LEARNS)
             out[m]["vllm"]["plugin"] = plugin
     finally:
         if ahead is not None:

@@ -1122,6 +1122,9 @@ def test_a_drafters_pass_is_priced_from_its_served_step_beside_plains():
     wall = planning.draft_costs(rec, profiles, levels)  # no plain split: the wall time, which also holds the
     assert wall[1] == pytest.approx((60.0 * 4 / 100 - profiles[2].latency(1 + k)) / k)  # per-request time
     assert wall[1] > got[1]
+    # a sampled record counts more passes than it timed: the wall time is over the timed pass's own steps
+    counted = {"vllm": dict(rec["vllm"], steps=250, timed_steps=100)}
+    assert planning.draft_costs(counted, profiles, levels) == pytest.approx(wall)
     cheap = dict(rec["vllm"], step_p50_s=plain_at_4)  # faster than plain plus scoring: never a negative pass
     assert planning.draft_costs({"vllm": cheap}, profiles, levels, served) == {b: 0.0 for b in levels}
 
@@ -1409,6 +1412,20 @@ def test_the_main_jobs_profile_samples_as_its_requests_do(monkeypatch, tmp_path)
     sv._profile(None, s, [1, 4], tmp_path, 100.0, lambda line: None, True)
     assert (seen[0].temperature, seen[0].top_p, seen[0].top_k, seen[0].plugin) == (0.7, 0.9, 5, True)
     assert seen[0].batch_sizes == (1, 4) and not seen[0].speculative_k0
+
+
+def test_the_main_jobs_sampled_acceptance_counts_two_draws_and_greedy_one(monkeypatch, tmp_path):
+    """One draw of the 16-request half measured suffix at 1.30-1.70 tokens a step by its seeds, and the first seeds'
+    draw, the same in every run, sat under the race's: sampled, the acceptance half is sent twice (other seeds)."""
+    import profiler.vllm_accept as va
+
+    seen = []
+    monkeypatch.setattr(va, "measure_methods", lambda *a, **kw: seen.append(kw) or {})
+    for temperature, passes in ((0.7, sv.SAMPLED_ACCEPT_PASSES), (0.0, 1)):
+        s = sv.ServingSettings(methods=("ngram", "eagle3"), temperature=temperature, top_p=0.9)
+        sv._acceptance(None, s, ["r"], {}, tmp_path, lambda line: None, True)
+        assert (seen[-1]["passes"], seen[-1]["concurrency"], seen[-1]["drafter_concurrency"]) == (
+            passes, sv.ACCEPT_CONCURRENCY, sv.DRAFTER_ACCEPT_CONCURRENCY)
 
 
 def test_an_interrupt_while_profiling_stops_the_main_job_with_the_steps_measured_kept(monkeypatch, tmp_path):

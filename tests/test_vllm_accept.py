@@ -14,6 +14,7 @@ minutes on a 2-core CPU).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -135,6 +136,9 @@ class FakeServer:
     def launch(self):
         self.events.append(("launch", self.method))
 
+    def reset_prefix_cache(self, forget_answers=False):
+        self.events.append(("reset", self.method, forget_answers))
+
     def stop(self):
         self.events.append(("stop", self.method))
 
@@ -216,6 +220,55 @@ def test_a_drafters_timed_load_runs_at_its_own_concurrency_and_a_bad_one_is_refu
             va.measure_methods(engine, ["draft_model"], reqs, GREEDY, draft_model=fake["draft"],
                                drafter_concurrency=bad)
     assert len(fake["requests"]) == 3  # refused before any server
+
+
+def test_sampled_passes_count_every_draw_and_keep_the_first_ones_time(fake, monkeypatch):
+    from workflows.cli.engines import open_from_args
+
+    # cumulative counters: nothing, after the timed pass (the level of BEFORE/AFTER), after both passes
+    pages = itertools.cycle([page(0, 0, 0, [0, 0, 0, 0]), page(40.0, 160.0, 50.0, [30.0, 13.0, 5.0, 2.0]),
+                             page(70.0, 280.0, 80.0, [50.0, 20.0, 8.0, 2.0])])
+    monkeypatch.setattr(va, "fetch_spec_decode", lambda url: spec_decode_counters(next(pages)))
+    engine = open_from_args(None, None)
+    reqs = [Request([{"role": "user", "content": f"q{i}"}], 64, {}) for i in range(2)]
+    sampled = Sampling(0.7, 0, 0.9)
+    out = va.measure_methods(engine, ["ngram", "suffix"], reqs, sampled, seed=3, draft_length=4, concurrency=4,
+                             plugin=True, passes=2)
+    # pass p sends other draws: seeds seed + p n + i, at the acceptance concurrency
+    assert [[r.extras["seed"] for r in sent] for sent, _ in fake["requests"]] == [[3, 4], [5, 6]] * 2
+    # each later pass from an empty prefix cache; suffix also forgets the answers it drafts from
+    assert [e for e in fake["events"] if e[0] == "reset"] == [("reset", "ngram", False), ("reset", "suffix", True)]
+    v = out["suffix"]["vllm"]
+    assert v["passes"] == 2 and v["counted_requests"] == 4 and out["suffix"]["prompts"] == 4
+    # counts: both passes (224 tokens - 4 requests - 80 accepted = 140 steps); time and steps: the first pass's
+    assert (v["steps"], v["accepted_tokens"], v["drafts"]) == (140, 80.0, 70.0)
+    assert v["tokens_per_step"] == pytest.approx(1 + 80 / 140)
+    assert (v["requests"], v["output_tokens"], v["load_wall_s"], v["timed_steps"]) == (2, 112, 10.0, 60)
+    # without the plugin a reset leaves suffix's cached answers: one pass for it, ngram still two
+    fake["requests"].clear()
+    out = va.measure_methods(engine, ["ngram", "suffix"], reqs, sampled, draft_length=4, passes=2)
+    assert [len(sent) for sent, _ in fake["requests"]] == [2, 2, 2]
+    assert out["ngram"]["vllm"]["passes"] == 2 and out["suffix"]["vllm"]["passes"] == 1
+    for bad, match in ((0, "1..16"), (17, "1..16"), (True, "1..16")):
+        with pytest.raises(UserError, match=f"--passes: expected an integer in {match}"):
+            va.measure_methods(engine, ["ngram"], reqs, sampled, passes=bad)
+    with pytest.raises(UserError, match="--passes 2: greedy answers repeat"):
+        va.measure_methods(engine, ["ngram"], reqs, GREEDY, passes=2)
+    assert len(fake["requests"]) == 3  # refused before any server
+
+
+def test_the_command_sends_sampled_passes_and_says_so(fake, monkeypatch, tmp_path, capsys):
+    pages = itertools.cycle([BEFORE, AFTER, page(85.0, 340.0, 107.0, [64.0, 28.0, 11.0, 4.0])])
+    monkeypatch.setattr(va, "fetch_spec_decode", lambda url: spec_decode_counters(next(pages)))
+    out = tmp_path / "acc.json"
+    args = ["accept", "--engine", "vllm", "--method", "ngram", "--num-prompts", "2", "--passes", "2", "--no-progress",
+            "-o", str(out)]
+    assert main(args) == 2 and not out.exists()  # greedy: one pass measures it
+    assert "--passes 2: greedy answers repeat" in capsys.readouterr().err
+    assert main(args + ["--temperature", "0.7"]) == 0
+    assert [[r.extras["seed"] for r in sent] for sent, _ in fake["requests"]] == [[0, 1], [2, 3]]
+    doc = json.loads(out.read_text())
+    assert doc["vllm"]["passes"] == 2 and "(2 passes)" in doc["source"] and doc["prompts"] == 4
 
 
 def test_a_failure_stops_the_server_started_ahead(fake, tmp_path):

@@ -55,6 +55,10 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-depth", type=int, default=None, metavar="K",
                    help="the draft length every method drafts with (suffix: at most K; default 8)")
     g.add_argument("--concurrency", type=int, default=None, metavar="N", help="requests in flight (default 4)")
+    g.add_argument("--passes", type=int, default=None, metavar="N",
+                   help="sampled: send the requests N times, each pass with its own seeds, all counted (default 1; "
+                        "one draw of a few short answers is noisy; suffix forgets the passes before only with the "
+                        "project's vLLM plugin, so without it it runs one)")
     g.add_argument("--workload", default=None, metavar="FILE",
                    help="the user's requests (OpenAI chat-completions JSON lines or ShareGPT; each keeps its own "
                         "max_tokens, sampling set by this command) instead of the held-out acceptance prompts of "
@@ -64,7 +68,7 @@ def add_serving_arguments(p: argparse.ArgumentParser) -> None:
                         "a Hugging Face model folder (default: the draft LM shipped for --model)")
 
 
-SERVING_OPTIONS = ("--method", "--max-depth", "--concurrency", "--workload", "--draft-model")
+SERVING_OPTIONS = ("--method", "--max-depth", "--concurrency", "--passes", "--workload", "--draft-model")
 
 
 def _serving_given(args) -> dict[str, bool]:
@@ -115,10 +119,12 @@ def _served(args, s, spec) -> int:
     plugin = plugin_on(engine, None, lambda line: None)  # where installed: on CPU it makes sampled verification right
     t0 = time.time()
     records = va.measure_methods(engine, methods, requests, s, seed=args.seed, draft_length=k,
-                                 concurrency=concurrency, draft_model=draft, say=say, plugin=plugin)
+                                 concurrency=concurrency, draft_model=draft, say=say, plugin=plugin,
+                                 passes=1 if args.passes is None else args.passes)
     for m, rec in records.items():
         rec["source"] = (f"planner accept --engine {spec.name}: {engine.model_name}, {rec['prompts']} requests from "
-                         f"{where}, vLLM {m} drafting {k} at concurrency {rec['vllm']['concurrency']}, "
+                         f"{where}" + (f" ({rec['vllm']['passes']} passes)" if rec['vllm']['passes'] > 1 else "")
+                         + f", vLLM {m} drafting {k} at concurrency {rec['vllm']['concurrency']}, "
                          f"{describe(record(s))}")
         from_entry({"accuracy": rec["accuracy"]}, label=f"{args.output}:{m}")  # what we write, the planner can read
     doc = records[methods[0]] if len(methods) == 1 else dict(records)

@@ -27,7 +27,8 @@ from planner.serving import (
     schedule_ranges,
     served_level,
 )
-from workflows.mainjob.serving_race import LEARNS, PLAIN, SERVED_STEP, WARMUP_TOKENS, Contender, distinct, race_sizes
+from profiler.vllm_accept import LEARNS
+from workflows.mainjob.serving_race import PLAIN, SERVED_STEP, WARMUP_TOKENS, Contender, distinct, race_sizes
 
 CONCURRENCY = (1, 2, 4, 8, 16)
 RACE_DRAFT_LENGTHS = (0, 2, 4, 8)  # profiled K: the ends and the middle; the planner interpolates between

@@ -38,6 +38,7 @@ import numpy as np
 
 from decoder.serving import ServingEngine
 from planner.errors import UserError
+from profiler.vllm_accept import LEARNS
 from workflows.mainjob.serving_rows import TIE, beats_plain, behind_plain, level_row, plain_path_row  # noqa: F401
 
 PLAIN = "plain"
@@ -48,7 +49,6 @@ SERVER_SPREAD = 0.06  # sd of log tokens/s between two servers of one config at 
 #                       of 0.05 in benchmarks and 0.11 in main jobs (0.036-0.08 per server); 0.06 between
 PRIOR_SERVERS = 3  # the weight of SERVER_SPREAD, in degrees of freedom, against a race's own plain servers
 WARMUP_TOKENS = 8  # a warm-up wave's answers: the level's shapes used once, at a fraction of a pass's time
-LEARNS = ("suffix",)  # vLLM proposers that also draft from earlier requests' answers (suffix's global tree)
 MIN_RACE_REQUESTS = 8  # a cut level keeps this many paired requests at least (5 are the fewest that can decide)
 SUFFIX_CAP = 32  # vLLM's suffix method without num_speculative_tokens: its own default cap
 SERVED_STEP = 1.7  # a served step over the profiled one, to size the race before plain's has run: 1.0-1.9
