@@ -241,16 +241,14 @@ def measure_method(engine, method: str, requests: Sequence[Request], s, draft_le
         say(f"{method}: {len(requests)} requests at concurrency {concurrency}")
         timed = run_load(server.url, server.served_model_name, requests, concurrency, timeout_s)  # Ctrl-C: stops
         timed_counters = fetch_spec_decode(server.url) - before
-        results = [timed]
+        _check_failures(method, timed)
+        results, more_c = [timed], more_concurrency or concurrency
         for i, reqs in enumerate(more, 2):
-            _check_failures(method, results[-1])
             server.reset_prefix_cache(forget_answers=forget)
-            say(f"{method}: pass {i} of {1 + len(more)}, {len(reqs)} requests at concurrency "
-                f"{more_concurrency or concurrency}")
-            results.append(run_load(server.url, server.served_model_name, reqs, more_concurrency or concurrency,
-                                    timeout_s))
+            say(f"{method}: pass {i} of {1 + len(more)}, {len(reqs)} requests at concurrency {more_c}")
+            results.append(run_load(server.url, server.served_model_name, reqs, more_c, timeout_s))
+            _check_failures(method, results[-1])
         counters = fetch_spec_decode(server.url) - before if more else timed_counters
-    _check_failures(method, results[-1])
     if not counters.speculating:
         raise UserError(f"--method {method}: vLLM exposes no speculative-decoding counters (it did not speculate)")
     every = LoadResult(timed.concurrency, sum(r.wall_s for r in results), [x for r in results for x in r.records])
@@ -300,7 +298,6 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
     say = say or (lambda line: None)
     configs = {m: speculative_config(m, draft_length, draft_model) for m in methods}  # all checked first
     draws = [sampled_requests(requests, s, seed + p * len(requests)) for p in range(passes)]
-    reqs = draws[0]
     out: dict[str, dict] = {}
     ahead = None  # the next method's server, launched while this method's requests run
     try:
@@ -315,7 +312,7 @@ def measure_methods(engine, methods: Sequence[str], requests: Sequence[Request],
             if len(more) < passes - 1:
                 say(f"{m}: one pass, not {passes}: without the plugin a reset leaves its cached answers, which a "
                     "repeated request would draft from")
-            out[m] = measure_method(engine, m, reqs, s, draft_length, c, draft_model, timeout_s, say,
+            out[m] = measure_method(engine, m, draws[0], s, draft_length, c, draft_model, timeout_s, say,
                                     server=server, launch_next=ahead, more=more, more_concurrency=concurrency,
                                     forget=plugin and m in LEARNS)
             out[m]["vllm"]["plugin"] = plugin
